@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The project's test command (README; .ci/run calls it): sets up the pinned CPU environment
+# (cached after the first run), applies our series onto the venv's installed vLLM 0.26.0, and runs
+# the test suite. GPU tests are marked `gpu` and skip themselves without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash ci/setup-env.sh
+VENV=${VLLM_EXL3_VENV:-$HOME/.cache/vllm-exl3/venv}
+PY="$VENV/bin/python"
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# Re-apply the current series onto the installed vLLM (reverting an earlier application first),
+# so the tests exercise exactly what the patches and overlay produce.
+"$PY" scripts/vllm-exl3 apply --replace "$site"
+set +e
+"$PY" -m pytest -q -ra tests "$@"
+rc=$?
+set -e
+# pytest's 5 means "no tests collected": that is a failure of this command, not a pass.
+exit $rc
