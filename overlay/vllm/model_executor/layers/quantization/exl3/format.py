@@ -1,0 +1,377 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The EXL3 on-disk format: tensor names, dtypes, shapes, bitrate and codebook detection, and
+safetensors header reading.
+
+An EXL3 checkpoint has no per-tensor version field: a module is EXL3 because `P.trellis` exists,
+its bitrate is the trellis width / 16 and its codebook is the marker tensor present (`P.mcg`,
+`P.mul1`, neither = 3INST). Both JSON files are informational. Everything here validates and fails
+closed with `Exl3FormatError`, naming the tensor and the rule it breaks.
+
+Imports only the standard library and torch, so tools outside vLLM can load it on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Width of every EXL3 Hadamard block; all quantized dims are padded to a multiple of it.
+HADAMARD_SIZE = 128
+# Side of one trellis tile (16x16 weights, one mma.m16n8k16 B fragment pair).
+TILE = 16
+
+
+class Codebook(enum.IntEnum):
+    """Procedural codebooks; the values are the kernel ids."""
+
+    THREE_INST = 0
+    MCG = 1
+    MUL1 = 2
+
+
+# Marker scalars as stored (int32 views of the codebook multipliers 0xCBAC1FED and 0x83DCD12D).
+MCG_MARKER_VALUE = -877912083
+MUL1_MARKER_VALUE = -2082680531
+
+VALID_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
+# Half-integer rates exist only for MUL1 (ExLlamaV3 instantiates no other combination).
+HALF_BITS = (1.5, 2.5, 3.5)
+
+# int16 words per bit of rate in one tile: a tile holds 256 codes, 256*K bits = 16*K words.
+WORDS_PER_BIT = TILE
+
+# Suffixes of the tensors one EXL3 linear may have (exl3-format.md §1.4).
+EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale")
+# Suffixes that exist only on EXL3 modules (a `.bias`/`.scale` can belong to anything).
+EXL3_ONLY_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
+# Optional quantized token embedding container (--embed_bits); a different codec, not supported.
+EMBED_SIGNS_SUFFIX = "signs"
+
+_MARKERS = {"mcg": (Codebook.MCG, MCG_MARKER_VALUE), "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE)}
+
+# safetensors dtype strings -> torch dtypes (the subset a checkpoint of ours can hold).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+BIAS_DTYPES = ("F16", "BF16", "F32")  # ExLlamaV3 casts a non-fp16 bias to fp16 at load
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+# A safetensors header longer than this is corrupt, not large (the format caps it at 100 MB).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class Exl3FormatError(ValueError):
+    """A checkpoint breaks an EXL3 format rule; the message names the tensor and the rule."""
+
+
+def bits_from_trellis_width(width: int, where: str) -> float:
+    """Bitrate K from the trellis' last dim (16*K int16 words per tile)."""
+    bits = width / WORDS_PER_BIT
+    if bits == int(bits):
+        bits = int(bits)
+    if width <= 0 or bits not in VALID_BITS:
+        raise Exl3FormatError(
+            f"{where}: trellis width {width} gives {width}/16 = {width / WORDS_PER_BIT:g} bits per "
+            f"weight; valid rates are {', '.join(str(b) for b in VALID_BITS)} "
+            f"(width 16*K)")
+    return bits
+
+
+@dataclass(frozen=True)
+class Exl3ModuleSpec:
+    """One EXL3 linear as found on disk (shapes only, no data)."""
+
+    prefix: str
+    in_features: int  # k, padded to a multiple of 128
+    out_features: int  # n, padded to a multiple of 128
+    bits: float
+    codebook: Codebook
+    has_bias: bool
+    legacy_signs: bool  # su and/or sv bitfields stand in for suh/svh
+    tensor_names: tuple[str, ...]  # every stored tensor of the module, full names
+
+
+class TensorEntry(NamedTuple):
+    file: str  # shard file name, relative to the checkpoint directory
+    dtype: str  # safetensors dtype string
+    shape: tuple[int, ...]
+    offsets: tuple[int, int] = (0, 0)  # absolute byte range in the file
+
+
+@dataclass
+class Exl3Weights:
+    trellis: torch.Tensor  # int16 [k/16, n/16, 16K]
+    suh: torch.Tensor  # fp16 [k]
+    svh: torch.Tensor  # fp16 [n]
+    bias: torch.Tensor | None  # fp16 [n]
+    codebook: Codebook
+    bits: float
+
+
+def _expect(prefix: str, suffix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]],
+            dtypes: tuple[str, ...], shape: tuple[int, ...]) -> None:
+    got_shape, got_dtype = tensors[suffix]
+    name = f"{prefix}.{suffix}"
+    if got_dtype not in dtypes:
+        raise Exl3FormatError(
+            f"{name}: dtype {got_dtype}, expected {' or '.join(dtypes)} (wrong dtype)")
+    if tuple(got_shape) != shape:
+        raise Exl3FormatError(
+            f"{name}: shape {list(got_shape)}, expected {list(shape)} (wrong shape)")
+
+
+def module_spec(prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> Exl3ModuleSpec:
+    """Validate the tensors of one EXL3 linear. `tensors` maps suffix -> (shape, dtype string)."""
+    for suffix in tensors:
+        if suffix == EMBED_SIGNS_SUFFIX:
+            raise Exl3FormatError(
+                f"{prefix}.{suffix}: quantized token embedding container (trellis + signs, "
+                f"--embed_bits) is not supported (unexpected tensor)")
+        if suffix not in EXL3_SUFFIXES:
+            raise Exl3FormatError(
+                f"{prefix}.{suffix}: unexpected tensor in an EXL3 module (allowed suffixes: "
+                f"{', '.join(EXL3_SUFFIXES)})")
+    if "trellis" not in tensors:
+        raise Exl3FormatError(f"{prefix}.trellis: missing tensor (required for an EXL3 module)")
+    t_shape, t_dtype = tensors["trellis"]
+    t_name = f"{prefix}.trellis"
+    if t_dtype != "I16":
+        raise Exl3FormatError(f"{t_name}: dtype {t_dtype}, expected I16 (wrong dtype)")
+    if len(t_shape) != 3:
+        raise Exl3FormatError(
+            f"{t_name}: shape {list(t_shape)}, expected 3 dims [k/16, n/16, 16*bits] (wrong shape)")
+    k, n = t_shape[0] * TILE, t_shape[1] * TILE
+    if k <= 0 or n <= 0:
+        raise Exl3FormatError(f"{t_name}: shape {list(t_shape)} has an empty dim (wrong shape)")
+    for dim_name, dim in (("in_features k", k), ("out_features n", n)):
+        if dim % HADAMARD_SIZE:
+            raise Exl3FormatError(
+                f"{t_name}: {dim_name} = {dim} is not a multiple of {HADAMARD_SIZE} "
+                f"(dims must be padded to the Hadamard block)")
+    bits = bits_from_trellis_width(t_shape[2], t_name)
+
+    markers = [m for m in _MARKERS if m in tensors]
+    if len(markers) > 1:
+        raise Exl3FormatError(
+            f"{prefix}.mcg / {prefix}.mul1: both codebook markers present (at most one allowed)")
+    codebook = Codebook.THREE_INST
+    for marker in markers:
+        _expect(prefix, marker, tensors, ("I32",), ())
+        codebook = _MARKERS[marker][0]
+    if bits in HALF_BITS and codebook != Codebook.MUL1:
+        raise Exl3FormatError(
+            f"{t_name}: half-integer rate {bits} needs the mul1 codebook, found "
+            f"{codebook.name} (half rates are MUL1 only)")
+
+    legacy = False
+    for side, full, dim in (("input", "suh", k), ("output", "svh", n)):
+        packed = full[:2]
+        if full in tensors:
+            _expect(prefix, full, tensors, ("F16",), (dim,))
+            if packed in tensors:
+                _expect(prefix, packed, tensors, ("I16",), (dim // TILE,))
+                logger.warning("%s.%s is ignored: %s.%s is present and takes precedence",
+                               prefix, packed, prefix, full)
+        elif packed in tensors:
+            _expect(prefix, packed, tensors, ("I16",), (dim // TILE,))
+            legacy = True
+        else:
+            raise Exl3FormatError(
+                f"{prefix}.{full}: missing tensor ({side} scales: {full} or the legacy {packed} "
+                f"bitfield is required)")
+    if "bias" in tensors:
+        _expect(prefix, "bias", tensors, BIAS_DTYPES, (n,))
+    if "scale" in tensors:
+        logger.warning(
+            "%s.scale is present but not applied: ExLlamaV3 1.6.5 ignores legacy scale tensors "
+            "(exl3-format.md, Open points)", prefix)
+    return Exl3ModuleSpec(
+        prefix=prefix,
+        in_features=k,
+        out_features=n,
+        bits=bits,
+        codebook=codebook,
+        has_bias="bias" in tensors,
+        legacy_signs=legacy,
+        tensor_names=tuple(f"{prefix}.{s}" for s in EXL3_SUFFIXES if s in tensors),
+    )
+
+
+def read_safetensors_header(path: str) -> tuple[dict, int]:
+    """The JSON header of one safetensors file and the file offset where its data starts."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise Exl3FormatError(f"{path}: truncated safetensors file (no header length)")
+        (size,) = struct.unpack("<Q", raw)
+        if size > MAX_HEADER_BYTES:
+            raise Exl3FormatError(f"{path}: safetensors header length {size} is implausible")
+        blob = f.read(size)
+    if len(blob) != size:
+        raise Exl3FormatError(f"{path}: truncated safetensors header")
+    try:
+        header = json.loads(blob)
+    except json.JSONDecodeError as e:
+        raise Exl3FormatError(f"{path}: safetensors header is not valid JSON ({e})") from e
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def read_safetensors_index(ckpt_dir: str | os.PathLike) -> dict[str, TensorEntry]:
+    """Every tensor of a checkpoint (single file or sharded with an index), headers only."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    index_path = os.path.join(ckpt_dir, SAFETENSORS_INDEX)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(ckpt_dir, SAFETENSORS_SINGLE)):
+        weight_map = None
+        files = [SAFETENSORS_SINGLE]
+    else:
+        files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".safetensors"))
+        weight_map = None
+        if not files:
+            raise Exl3FormatError(f"{ckpt_dir}: no .safetensors files found")
+    index: dict[str, TensorEntry] = {}
+    for fname in files:
+        path = os.path.join(ckpt_dir, fname)
+        header, base = read_safetensors_header(path)
+        for name, meta in header.items():
+            if name in index:
+                raise Exl3FormatError(
+                    f"{name}: stored in both {index[name].file} and {fname} (duplicate tensor)")
+            if weight_map is not None and weight_map.get(name) != fname:
+                raise Exl3FormatError(
+                    f"{name}: found in {fname} but the index maps it to {weight_map.get(name)}")
+            start, end = meta["data_offsets"]
+            index[name] = TensorEntry(fname, meta["dtype"], tuple(meta["shape"]),
+                                      (base + start, base + end))
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(index))
+        if missing:
+            raise Exl3FormatError(
+                f"{missing[0]}: listed in {SAFETENSORS_INDEX} but in no shard "
+                f"({len(missing)} missing)")
+    return index
+
+
+def split_name(name: str) -> tuple[str, str]:
+    prefix, _, suffix = name.rpartition(".")
+    return prefix, suffix
+
+
+def find_exl3_modules(index: Mapping[str, TensorEntry]) -> dict[str, Exl3ModuleSpec]:
+    """Every EXL3 linear of a checkpoint, keyed by module prefix, validated."""
+    groups: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
+    for name, entry in index.items():
+        prefix, suffix = split_name(name)
+        groups.setdefault(prefix, {})[suffix] = (entry.shape, entry.dtype)
+    specs: dict[str, Exl3ModuleSpec] = {}
+    for prefix in sorted(groups):
+        members = groups[prefix]
+        if "trellis" in members:
+            specs[prefix] = module_spec(prefix, members)
+            continue
+        orphans = sorted(s for s in members if s in EXL3_ONLY_SUFFIXES)
+        if orphans:
+            raise Exl3FormatError(
+                f"{prefix}.trellis: missing tensor ({prefix}.{orphans[0]} is an EXL3 tensor "
+                f"but the module has no trellis)")
+    return specs
+
+
+def read_tensor(ckpt_dir: str | os.PathLike, name: str, entry: TensorEntry,
+                device: str | torch.device = "cpu") -> torch.Tensor:
+    """Read one tensor's bytes from its shard (little-endian, as safetensors stores them)."""
+    dtype = SAFETENSORS_DTYPES.get(entry.dtype)
+    if dtype is None:
+        raise Exl3FormatError(f"{name}: unsupported safetensors dtype {entry.dtype}")
+    start, end = entry.offsets
+    numel = 1
+    for d in entry.shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if end - start != nbytes:
+        raise Exl3FormatError(
+            f"{name}: {end - start} bytes stored for shape {list(entry.shape)} {entry.dtype} "
+            f"(expected {nbytes}; corrupt header)")
+    with open(os.path.join(os.fspath(ckpt_dir), entry.file), "rb") as f:
+        f.seek(start)
+        buf = bytearray(f.read(nbytes))
+    if len(buf) != nbytes:
+        raise Exl3FormatError(f"{name}: truncated data in {entry.file}")
+    if nbytes == 0:
+        t = torch.empty(entry.shape, dtype=dtype)
+    else:
+        t = torch.frombuffer(buf, dtype=dtype).reshape(entry.shape)
+    return t.to(device)
+
+
+def unpack_sign_bits(words: torch.Tensor) -> torch.Tensor:
+    """Legacy sign bitfield: element 16w+b is -1 if bit b of word w is set, else +1 (fp16)."""
+    if words.dtype != torch.int16:
+        raise Exl3FormatError(f"sign bitfield has dtype {words.dtype}, expected int16")
+    bits = torch.arange(TILE, device=words.device, dtype=torch.int32)
+    set_ = (words.to(torch.int32).unsqueeze(-1) >> bits) & 1
+    signs = 1 - 2 * set_
+    return signs.reshape(*words.shape[:-1], words.shape[-1] * TILE).to(torch.float16)
+
+
+def load_module(ckpt_dir: str | os.PathLike, spec: Exl3ModuleSpec,
+                device: str | torch.device = "cpu",
+                index: Mapping[str, TensorEntry] | None = None) -> Exl3Weights:
+    """Load one validated module; checks marker values and expands legacy sign bitfields."""
+    if index is None:
+        index = read_safetensors_index(ckpt_dir)
+
+    def get(suffix: str) -> torch.Tensor | None:
+        name = f"{spec.prefix}.{suffix}"
+        if name not in spec.tensor_names:
+            return None
+        if name not in index:
+            raise Exl3FormatError(f"{name}: missing tensor (in the module spec, not on disk)")
+        return read_tensor(ckpt_dir, name, index[name], device)
+
+    for marker, (_, expected) in _MARKERS.items():
+        value = get(marker)
+        if value is not None and int(value.item()) != expected:
+            raise Exl3FormatError(
+                f"{spec.prefix}.{marker}: marker value {int(value.item())}, expected {expected} "
+                f"(wrong codebook marker value)")
+    suh = get("suh")
+    if suh is None:
+        suh = unpack_sign_bits(get("su"))
+    svh = get("svh")
+    if svh is None:
+        svh = unpack_sign_bits(get("sv"))
+    bias = get("bias")
+    if bias is not None:
+        bias = bias.to(torch.float16)
+    trellis = get("trellis")
+    if trellis is None:
+        raise Exl3FormatError(f"{spec.prefix}.trellis: missing tensor")
+    return Exl3Weights(trellis=trellis, suh=suh, svh=svh, bias=bias, codebook=spec.codebook,
+                       bits=spec.bits)
