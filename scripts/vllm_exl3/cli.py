@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Entry point: one argparse subcommand per module. Modules written by other parts of the project
+(the checkpoint tools) are imported tolerantly, so the tool works while one is missing, and a
+module that cannot be imported here (e.g. it needs torch under the system python) still shows up
+and explains why when called."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+from .errors import ToolError
+
+# Subcommand modules, in --help order.
+SUBCOMMAND_MODULES = (
+    "fetch",
+    "apply",
+    "patches",
+    "build",
+    "bundle",
+    "inspect_ckpt",
+    "dequantize",
+)
+
+
+def _unavailable(name: str, error: BaseException):
+    def run(_args: argparse.Namespace) -> int:
+        raise ToolError(f"subcommand module {name!r} cannot be imported here: {error}")
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-exl3",
+        description="EXL3 for vLLM 0.26.0: fetch the pinned vLLM, apply or revert the patch "
+        "series and overlay, build a wheel, bundle it for an offline host, inspect checkpoints.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMAND_MODULES:
+        qualified = f"{__package__}.{name}"
+        if importlib.util.find_spec(qualified) is None:
+            continue  # not written yet
+        try:
+            module = importlib.import_module(qualified)
+        except ImportError as e:
+            p = sub.add_parser(name.replace("_ckpt", ""), help=f"(unavailable: {e})")
+            p.set_defaults(func=_unavailable(name, e))
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ToolError as e:
+        print(f"vllm-exl3 {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"vllm-exl3 {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,6 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one error type the CLI turns into a message and a non-zero exit (no traceback)."""
+
+
+class ToolError(Exception):
+    """A failure the user can act on; the message says what happened and what to do."""

@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+"""This repository's layout: where the overlay, the CUDA sources and the patch series live, and
+where each lands in a vLLM tree."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Repository `csrc/X` lands at `csrc/libtorch_stable/X` in the vLLM tree, next to the sources of
+# vLLM's stable-ABI extension that the CMake patch adds ours to.
+CSRC_DEST = "csrc/libtorch_stable"
+
+# Never part of what we ship into a tree: interpreter caches and build products.
+_EXCLUDED_DIRS = {"__pycache__", ".pytest_cache"}
+_EXCLUDED_SUFFIXES = (".pyc", ".pyo", ".o", ".so")
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("VLLM_EXL3_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-exl3"
+
+
+def default_venv() -> Path:
+    """The pinned environment made by ci/setup-env.sh (torch headers for compiling kernels)."""
+    env = os.environ.get("VLLM_EXL3_VENV")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-exl3" / "venv"
+
+
+def _files_under(base: Path) -> list[Path]:
+    if not base.is_dir():
+        return []
+    out = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
+        for name in sorted(filenames):
+            if not name.endswith(_EXCLUDED_SUFFIXES):
+                out.append(Path(dirpath) / name)
+    return out
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file we place into a vLLM tree: where it comes from and its path in the tree."""
+
+    source: Path
+    origin: str  # path relative to the series root, for messages and the manifest
+    dest: str  # path relative to the vLLM tree root (posix)
+
+
+@dataclass(frozen=True)
+class Series:
+    """The overlay, the CUDA sources and the ordered patches of one series root."""
+
+    root: Path
+    overlay: tuple[SourceFile, ...]
+    csrc: tuple[SourceFile, ...]
+    patches: tuple[Path, ...]
+
+    @classmethod
+    def load(cls, root: Path = ROOT) -> Series:
+        root = root.resolve()
+        overlay = tuple(
+            SourceFile(p, p.relative_to(root).as_posix(), p.relative_to(root / "overlay").as_posix())
+            for p in _files_under(root / "overlay")
+        )
+        csrc = tuple(
+            SourceFile(
+                p,
+                p.relative_to(root).as_posix(),
+                f"{CSRC_DEST}/{p.relative_to(root / 'csrc').as_posix()}",
+            )
+            for p in _files_under(root / "csrc")
+        )
+        patches = tuple(sorted((root / "patches").glob("*.patch")))
+        return cls(root, overlay, csrc, patches)
+
+    def fingerprint(self, mode: str) -> str:
+        """Identifies exactly what an application in `mode` writes (same value: same result)."""
+        h = hashlib.sha256(mode.encode())
+        for f in (*self.overlay, *self.csrc):
+            h.update(f"\0{f.origin}\0{f.dest}\0".encode())
+            h.update(f.source.read_bytes())
+        for p in self.patches:
+            h.update(f"\0{p.name}\0".encode())
+            h.update(p.read_bytes())
+        return h.hexdigest()
+
+
+def git_label(root: Path = ROOT) -> str | None:
+    """Short commit of this checkout, with `.dirty` when series files differ from it; None
+    outside a git checkout."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=8", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--", "overlay", "csrc", "patches"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{sha}.dirty" if dirty else sha

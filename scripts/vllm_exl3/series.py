@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Planning an application of a series onto a tree, without touching the tree.
+
+The patched files are copied into a scratch directory (outside any git repository) and the patches
+are applied there in order with `git apply`; the overlay and CUDA sources are compared with what
+the tree holds. The result is the exact bytes to write per path plus, for reports, a verdict per
+patch, per file and per hunk. Applying a plan then only writes files, so a series that does not
+apply leaves the tree untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ToolError
+from .patchfile import FileDiff, Patch, parse_patch
+from .repo import Series, SourceFile
+from .tree import Kind, in_scope
+
+# Reads a tree path: (bytes, mode) or None when absent. Lets a plan be made against the tree as
+# it was before an earlier application (pristine copies) without reverting first.
+Reader = Callable[[str], "tuple[bytes, int] | None"]
+
+_NEW_FILE_MODE = 0o644
+
+
+@dataclass
+class HunkVerdict:
+    header: str
+    applies: bool
+
+
+@dataclass
+class FileVerdict:
+    path: str
+    skipped: str | None = None  # why this file's diff is not applied to this kind of tree
+    applies: bool = True
+    missing: bool = False  # the file to patch is not in the tree
+    hunks: list[HunkVerdict] = field(default_factory=list)
+
+
+@dataclass
+class PatchVerdict:
+    name: str
+    subject: str
+    applies: bool
+    already_applied: bool = False
+    files: list[FileVerdict] = field(default_factory=list)
+    git_error: str = ""
+
+
+@dataclass
+class Write:
+    path: str
+    content: bytes | None  # None: delete
+    mode: int
+    origin: str  # overlay/..., csrc/... or the patch name(s)
+
+
+@dataclass
+class Plan:
+    writes: list[Write]
+    identical: list[str]  # overlay/csrc files the tree already holds byte for byte
+    patches: list[PatchVerdict]
+    skipped_sources: list[str]  # overlay/csrc files outside this kind of tree
+    problems: list[str]
+
+
+def reader_for(root: Path) -> Reader:
+    def read(path: str) -> tuple[bytes, int] | None:
+        p = root / path
+        if not p.is_file():
+            return None
+        return p.read_bytes(), p.stat().st_mode & 0o777
+
+    return read
+
+
+def _git(args: list[str], cwd: Path, stdin: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    # Never let git discover a repository above the scratch directory: inside one, `git apply`
+    # silently skips paths outside the current directory.
+    env["GIT_CEILING_DIRECTORIES"] = str(cwd.parent)
+    return subprocess.run(["git", *args], cwd=cwd, input=stdin, env=env,
+                          capture_output=True, text=True)
+
+
+def _applies(scratch: Path, diff: str, reverse: bool = False) -> tuple[bool, str]:
+    args = ["apply", "--check", "--whitespace=nowarn"] + (["--reverse"] if reverse else [])
+    r = _git(args, scratch, diff)
+    return r.returncode == 0, r.stderr.strip()
+
+
+def _judge_file(scratch: Path, fd: FileDiff) -> FileVerdict:
+    """Each hunk checked on its own against the file as the earlier patches left it."""
+    fv = FileVerdict(fd.path)
+    fv.missing = not (scratch / fd.path).exists() and "new file mode" not in fd.header
+    for h in fd.hunks:
+        fv.hunks.append(HunkVerdict(h.header, _applies(scratch, fd.header + h.text)[0]))
+    # A diff without hunks (mode change, binary) is judged whole.
+    fv.applies = all(h.applies for h in fv.hunks) if fd.hunks else _applies(scratch, fd.text)[0]
+    return fv
+
+
+def make_plan(series: Series, kind: Kind, read: Reader, per_hunk: bool = False) -> Plan:
+    """What applying `series` onto the tree behind `read` would write. `per_hunk` judges every hunk
+    even when the whole patch applies (for --check); otherwise only failing patches are broken
+    down."""
+    if shutil.which("git") is None:
+        raise ToolError("git is required (patches are applied with `git apply`); install git")
+    problems: list[str] = []
+    writes: list[Write] = []
+    identical: list[str] = []
+    skipped_sources: list[str] = []
+
+    sources: list[SourceFile] = list(series.overlay) + (list(series.csrc) if kind == "sdist" else [])
+    if kind != "sdist" and series.csrc:
+        skipped_sources.append(f"csrc/ ({len(series.csrc)} files): a wheel tree has no sources")
+    for sf in series.overlay:
+        if not in_scope(kind, sf.dest):
+            skipped_sources.append(f"{sf.origin}: outside the installed vllm/ package")
+    for sf in sources:
+        if not in_scope(kind, sf.dest):
+            continue
+        data = sf.source.read_bytes()
+        mode = _NEW_FILE_MODE | (sf.source.stat().st_mode & 0o111)
+        current = read(sf.dest)
+        if current is None:
+            writes.append(Write(sf.dest, data, mode, sf.origin))
+        elif current[0] == data:
+            identical.append(sf.dest)
+        else:
+            problems.append(
+                f"{sf.dest}: the tree already has this file with different content, not written "
+                f"by vllm-exl3 (would be overwritten by {sf.origin})"
+            )
+    source_dests = {sf.dest for sf in sources}
+
+    patches = [parse_patch(p) for p in series.patches]
+    verdicts: list[PatchVerdict] = []
+    touched: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory(prefix="vllm-exl3-plan-") as tmp:
+        scratch = Path(tmp) / "tree"
+        scratch.mkdir()
+        originals: dict[str, tuple[bytes, int] | None] = {}
+        for patch in patches:
+            for fd in patch.files:
+                if in_scope(kind, fd.path) and fd.path not in originals:
+                    originals[fd.path] = read(fd.path)
+                    if originals[fd.path] is not None:
+                        dst = scratch / fd.path
+                        dst.parent.mkdir(parents=True, exist_ok=True)
+                        dst.write_bytes(originals[fd.path][0])
+                        os.chmod(dst, originals[fd.path][1])
+        for patch in patches:
+            verdicts.append(_apply_one(scratch, patch, kind, per_hunk, touched))
+        for path, origin in touched.items():
+            if path in source_dests:
+                raise ToolError(f"series error: {path} is both a new file and patched ({origin})")
+            before = originals.get(path)
+            after_p = scratch / path
+            after = (after_p.read_bytes(), after_p.stat().st_mode & 0o777) if after_p.exists() else None
+            if after != before:
+                mode = after[1] if after else (before[1] if before else _NEW_FILE_MODE)
+                writes.append(Write(path, after[0] if after else None, mode, ", ".join(origin)))
+
+    for v in verdicts:
+        if v.applies:
+            continue
+        if v.already_applied:
+            problems.append(
+                f"patch {v.name}: already applied to this tree, but not by vllm-exl3 (no "
+                ".vllm-exl3/ record); start from a pristine tree"
+            )
+            continue
+        for fv in v.files:
+            if fv.skipped or fv.applies:
+                continue
+            if fv.missing:
+                problems.append(f"patch {v.name}: {fv.path} is missing from the tree")
+                continue
+            bad = [f"hunk {i} ({h.header})" for i, h in enumerate(fv.hunks, 1) if not h.applies]
+            problems.append(
+                f"patch {v.name}: {fv.path}: "
+                + (", ".join(bad) if bad else "the file diff")
+                + " does not apply (the file was modified locally or is from another version)"
+            )
+        if all(fv.applies or fv.skipped for fv in v.files):
+            problems.append(f"patch {v.name}: does not apply: {v.git_error}")
+    return Plan(writes, identical, verdicts, skipped_sources, problems)
+
+
+def _apply_one(scratch: Path, patch: Patch, kind: Kind, per_hunk: bool,
+               touched: dict[str, list[str]]) -> PatchVerdict:
+    kept = [fd for fd in patch.files if in_scope(kind, fd.path)]
+    verdict = PatchVerdict(patch.name, patch.subject, applies=True)
+    diff = "".join(fd.text for fd in kept)
+    ok, err = _applies(scratch, diff) if kept else (True, "")
+    for fd in patch.files:
+        if not in_scope(kind, fd.path):
+            verdict.files.append(FileVerdict(fd.path, skipped="not part of an installed wheel"))
+        elif per_hunk or not ok:
+            verdict.files.append(_judge_file(scratch, fd))
+    if not ok:
+        verdict.applies = False
+        verdict.git_error = err
+        verdict.already_applied = _applies(scratch, diff, reverse=True)[0]
+    else:
+        if kept:
+            r = _git(["apply", "--whitespace=nowarn"], scratch, diff)
+            if r.returncode != 0:  # --check passed, so this is an environment problem
+                raise ToolError(f"git apply of {patch.name} failed after its check: {r.stderr}")
+        for fd in kept:
+            touched.setdefault(fd.path, []).append(patch.name)
+    return verdict
