@@ -42,7 +42,8 @@ def _print_report(tree: TargetTree, series: Series, plan: Plan) -> None:
             print(f"    {fv.path}: " + ("applies" if fv.applies else
                                         "MISSING" if fv.missing else "FAILS"))
             for i, h in enumerate(fv.hunks, 1):
-                print(f"      hunk {i} {h.header}: {'applies' if h.applies else 'FAILS'}")
+                where = h.header.split(" @@", 1)[0] + " @@"  # drop git's function context
+                print(f"      hunk {i} {where}: {'applies' if h.applies else 'FAILS'}")
 
 
 def _print_writes(plan: Plan) -> None:
