@@ -1,0 +1,287 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`Exl3Config`: what the checkpoint holds, and which method each vLLM layer gets.
+
+An EXL3 module is defined by its tensors (`P.trellis` exists; bitrate = trellis width / 16;
+codebook = the marker present), not by the JSON. config.json's `quantization_config` block makes
+vLLM pick this method (`from_config`); `maybe_update_config` then reads the per-module
+description: the safetensors headers (shapes and dtypes only, no data) and
+quantization_config.json's `tensor_storage`. Where they disagree the tensors win, with a warning;
+modules the JSON does not list (an MTP head) are recovered from the headers.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization.base_config import (QuantizationConfig,
+                                                                 QuantizeMethodBase)
+
+from .env_compat import adopt_deprecated_env_names
+from .format import (EMBED_SIGNS_SUFFIX, EXL3_ONLY_SUFFIXES, Codebook, Exl3FormatError,
+                     Exl3ModuleSpec, module_spec)
+from .layout import Exl3LayoutError
+from .names import ModuleNameResolver, shard_names
+
+logger = init_logger(__name__)
+
+QUANT_CONFIG_FILE = "quantization_config.json"
+# tensor_storage spells dtypes as torch does; module_spec takes safetensors' spelling.
+TORCH_TO_SAFETENSORS_DTYPE = {
+    "torch.int16": "I16",
+    "torch.int32": "I32",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.float32": "F32",
+}
+# Names listed in warnings before "and N more".
+LIST_LIMIT = 5
+
+TensorShapes = dict[str, tuple[tuple[int, ...], str]]  # suffix -> (shape, safetensors dtype)
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:LIST_LIMIT])
+    return shown + (f" and {len(names) - LIST_LIMIT} more" if len(names) > LIST_LIMIT else "")
+
+
+def _group(tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, TensorShapes]:
+    groups: dict[str, TensorShapes] = {}
+    for name, info in tensors.items():
+        prefix, _, suffix = name.rpartition(".")
+        groups.setdefault(prefix, {})[suffix] = info
+    return groups
+
+
+def header_tensors(metadata: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """vLLM's safetensors metadata ({name: {"dtype", "shape", ...}}) as name -> (shape, dtype)."""
+    return {name: (tuple(info["shape"]), info["dtype"]) for name, info in metadata.items()
+            if isinstance(info, Mapping) and "dtype" in info}
+
+
+def storage_tensors(storage: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """quantization_config.json's tensor_storage as name -> (shape, safetensors dtype)."""
+    out = {}
+    for entry in storage.values():
+        for name, info in entry.get("stored_tensors", {}).items():
+            dtype = TORCH_TO_SAFETENSORS_DTYPE.get(info.get("dtype"), info.get("dtype"))
+            out[name] = (tuple(info["shape"]), dtype)
+    return out
+
+
+def storage_claims(storage: Mapping[str, Any]) -> dict[str, tuple[float, Codebook]]:
+    """What tensor_storage says about each EXL3 module: (bits, codebook)."""
+    claims = {}
+    for key, entry in storage.items():
+        if entry.get("quant_format") != "exl3":
+            continue
+        if "mul1_multiplier" in entry:
+            codebook = Codebook.MUL1
+        elif "mcg_multiplier" in entry:
+            codebook = Codebook.MCG
+        else:
+            codebook = Codebook.THREE_INST
+        claims[key] = (entry.get("bits_per_weight"), codebook)
+    return claims
+
+
+def find_modules(tensors: Mapping[str, tuple[tuple[int, ...], str]]
+                 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
+    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module key."""
+    specs: dict[str, Exl3ModuleSpec] = {}
+    unsupported: dict[str, str] = {}
+    for prefix, members in sorted(_group(tensors).items()):
+        if EMBED_SIGNS_SUFFIX in members:
+            unsupported[prefix] = (f"{prefix} is a quantized token embedding (trellis + signs, "
+                                   f"--embed_bits), which is not supported")
+        elif "trellis" in members:
+            specs[prefix] = module_spec(prefix, members)
+        elif orphans := sorted(s for s in members if s in EXL3_ONLY_SUFFIXES):
+            raise Exl3FormatError(f"{prefix}.trellis: missing tensor ({prefix}.{orphans[0]} is "
+                                  f"an EXL3 tensor but the module has no trellis)")
+    return specs, unsupported
+
+
+def describe_checkpoint(headers: Mapping[str, tuple[tuple[int, ...], str]],
+                        storage: Mapping[str, Any] | None,
+                        source: str) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
+    """Reconcile the safetensors headers (authoritative) with tensor_storage."""
+    if not headers:
+        if not storage:
+            raise ValueError(
+                f"EXL3 checkpoint {source}: neither the safetensors headers nor "
+                f"{QUANT_CONFIG_FILE}'s tensor_storage could be read; cannot tell which modules "
+                f"are EXL3")
+        logger.warning("EXL3 checkpoint %s: safetensors headers not readable; describing the "
+                       "modules from %s's tensor_storage", source, QUANT_CONFIG_FILE)
+        return find_modules(storage_tensors(storage))
+    specs, unsupported = find_modules(headers)
+    if storage is None:
+        logger.info("EXL3 checkpoint %s: no %s tensor_storage; %d EXL3 modules found in the "
+                    "safetensors headers", source, QUANT_CONFIG_FILE, len(specs))
+        return specs, unsupported
+    claims = storage_claims(storage)
+    phantom = sorted(k for k in claims if k not in specs)
+    if phantom:
+        logger.warning("EXL3 checkpoint %s: %s lists %s as EXL3 but the safetensors hold no "
+                       "trellis for them; the tensors win (not EXL3)", source,
+                       QUANT_CONFIG_FILE, _listing(phantom))
+    for key in sorted(set(claims) & set(specs)):
+        bits, codebook = claims[key]
+        spec = specs[key]
+        if (bits, codebook) != (spec.bits, spec.codebook):
+            logger.warning("EXL3 %s: %s says %s bits, codebook %s; the tensors say %s bits, "
+                           "codebook %s; using the tensors", key, QUANT_CONFIG_FILE, bits,
+                           codebook.name, spec.bits, spec.codebook.name)
+    recovered = sorted(k for k in specs if k not in claims)
+    if recovered:
+        logger.info("EXL3 checkpoint %s: %d EXL3 modules missing from %s recovered from the "
+                    "safetensors headers: %s", source, len(recovered), QUANT_CONFIG_FILE,
+                    _listing(recovered))
+    return specs, unsupported
+
+
+class Exl3Config(QuantizationConfig):
+    """EXL3 (ExLlamaV3 trellis quantization)."""
+
+    def __init__(self, quant_block: Mapping[str, Any]):
+        super().__init__()
+        adopt_deprecated_env_names()
+        block = dict(quant_block)
+        # Present when the block came from quantization_config.json itself.
+        self.tensor_storage: Mapping[str, Any] | None = block.pop("tensor_storage", None)
+        self.quant_block = block
+        self.modules: dict[str, Exl3ModuleSpec] | None = None
+        self.unsupported: dict[str, str] = {}
+        self.resolver: ModuleNameResolver | None = None
+        self._mapper = None
+
+    def __repr__(self) -> str:
+        described = "undescribed" if self.modules is None else f"{len(self.modules)} modules"
+        return f"Exl3Config({self.quant_block}, {described})"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "exl3"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        # Tensor-core mma.sync m16n8k16 with fp16 operands and cp.async: Ampere.
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Only consulted when config.json has no quantization_config block.
+        return [QUANT_CONFIG_FILE]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Exl3Config":
+        return cls(config)
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None,
+                            revision: str | None = None) -> None:
+        from vllm.transformers_utils.config import get_safetensors_params_metadata
+        from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
+
+        storage = self.tensor_storage
+        if storage is None:
+            kwargs = {} if revision is None else {"revision": revision}
+            document = get_hf_file_to_dict(QUANT_CONFIG_FILE, model_name, **kwargs)
+            storage = document.get("tensor_storage") if document else None
+        headers = header_tensors(get_safetensors_params_metadata(model_name, revision=revision))
+        self.set_checkpoint(*describe_checkpoint(headers, storage, str(model_name)))
+
+    def set_checkpoint(self, modules: dict[str, Exl3ModuleSpec],
+                       unsupported: dict[str, str]) -> None:
+        self.modules = modules
+        self.unsupported = unsupported
+        self.resolver = ModuleNameResolver([*modules, *unsupported])
+        if self._mapper is not None:
+            self.resolver.set_mapper(self._mapper)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        self._mapper = hf_to_vllm_mapper
+        if self.resolver is not None:
+            self.resolver.set_mapper(hf_to_vllm_mapper)
+
+    # ---- per layer -----------------------------------------------------------------------
+
+    def _resolve(self, name: str) -> str | None:
+        assert self.resolver is not None
+        key = self.resolver.resolve(name)
+        if key in self.unsupported:
+            raise NotImplementedError(f"EXL3: {self.unsupported[key]} (layer {name})")
+        return key
+
+    def linear_specs(self, prefix: str, num_shards: int) -> list[Exl3ModuleSpec] | None:
+        """The EXL3 modules of a (fused) linear in shard order, or None if it is not EXL3."""
+        assert self.modules is not None
+        direct = self._resolve(prefix)
+        if direct is not None:
+            if num_shards != 1:
+                raise Exl3LayoutError(
+                    f"EXL3 {prefix}: the checkpoint stores this {num_shards}-shard layer fused "
+                    f"as {direct}; EXL3 stores every projection separately")
+            return [self.modules[direct]]
+        names = shard_names(prefix, self.packed_modules_mapping)
+        if names == [prefix]:
+            return None
+        keys = [self._resolve(name) for name in names]
+        if all(k is None for k in keys):
+            return None
+        if any(k is None for k in keys):
+            found = ", ".join(f"{n} -> {k or 'not EXL3'}" for n, k in zip(names, keys))
+            raise Exl3LayoutError(
+                f"EXL3 {prefix}: fused layer mixes EXL3 and non-EXL3 shards ({found}); set "
+                f"VLLM_EXL3_DEBUG_NAMES=1 to see how names resolve")
+        if len(keys) != num_shards:
+            raise Exl3LayoutError(
+                f"EXL3 {prefix}: {len(keys)} checkpoint modules for {num_shards} output shards")
+        return [self.modules[k] for k in keys]
+
+    def get_quant_method(self, layer: torch.nn.Module,
+                         prefix: str) -> QuantizeMethodBase | None:
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
+                                                                         VocabParallelEmbedding)
+
+        if self.modules is None:
+            raise ValueError(
+                "Exl3Config.get_quant_method called before maybe_update_config described the "
+                "checkpoint's modules")
+        if isinstance(layer, LinearBase):
+            specs = self.linear_specs(prefix, len(layer.output_partition_sizes))
+            if specs is None:
+                return UnquantizedLinearMethod()
+            from .linear import Exl3LinearMethod
+
+            return Exl3LinearMethod(specs)
+        if isinstance(layer, ParallelLMHead):
+            key = self._resolve(prefix)
+            if key is None:
+                return None
+            from .lm_head import Exl3LMHeadMethod
+
+            return Exl3LMHeadMethod(prefix, self.modules[key])
+        if isinstance(layer, VocabParallelEmbedding):
+            self._resolve(prefix)  # raises for a quantized embedding
+            return None
+        if _is_routed_experts(layer):
+            assert self.resolver is not None
+            inside = [k for k in self.resolver.modules_under(prefix) if k in self.modules]
+            if inside:
+                raise NotImplementedError(
+                    f"EXL3 MoE not supported yet: {prefix} has {len(inside)} EXL3 expert "
+                    f"modules ({_listing(inside)})")
+            return None
+        return None
+
+
+def _is_routed_experts(layer: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    return isinstance(layer, RoutedExperts)

@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which implementation runs an EXL3 layer, chosen once per layer after loading.
+
+Following vLLM's kernel-selection pattern (`model_executor/kernels/linear/`): the method
+describes the layer, each kernel says whether it can run it here (`can_implement` -> (ok, why
+not)) and how (`apply`). Candidates are tried in order; `VLLM_EXL3_FORCE_REFERENCE=1` forces the
+reference.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+import vllm.envs as envs
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+from . import ops, reference
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Exl3KernelConfig:
+    prefix: str
+    device: torch.device  # where the loaded weights live
+    act_dtype: torch.dtype
+
+
+class Exl3Kernel(ABC):
+    @classmethod
+    @abstractmethod
+    def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:
+        raise NotImplementedError
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+              bias: torch.Tensor | None, shard_widths: list[int],
+              codebook: int) -> torch.Tensor:
+        """y [m, n] in x.dtype for contiguous x [m, k]; the arguments of `_C::exl3_linear`."""
+        raise NotImplementedError
+
+
+class CudaExl3Kernel(Exl3Kernel):
+    """The fused EXL3 GEMM (`torch.ops._C.exl3_linear`)."""
+
+    # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
+    MIN_CAPABILITY = 80
+    ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+    @classmethod
+    def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:
+        if c.device.type != "cuda":
+            return False, f"weights are on {c.device}, not a CUDA device"
+        capability = current_platform.get_device_capability()
+        if capability is None or capability.to_int() < cls.MIN_CAPABILITY:
+            return False, f"needs compute capability {cls.MIN_CAPABILITY}, have {capability}"
+        if c.act_dtype not in cls.ACT_DTYPES:
+            return False, f"activations are {c.act_dtype}; the kernel takes fp16 or bf16"
+        return ops.load_exl3_ops()
+
+    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook):
+        return ops.exl3_linear(x, trellis, suh, svh, bias, shard_widths, codebook)
+
+
+class ReferenceExl3Kernel(Exl3Kernel):
+    """The plain-PyTorch codec (decodes the trellis on every call): CPU, tests, debugging."""
+
+    @classmethod
+    def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:
+        if c.device.type != "cpu":
+            return False, (f"weights are on {c.device}: the reference would decode a dense "
+                           f"weight on every call (VLLM_EXL3_FORCE_REFERENCE=1 allows it)")
+        return True, None
+
+    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook):
+        y = reference.forward(x, trellis, suh, svh, codebook, shard_widths, bias,
+                              dtype=torch.float32)
+        return y.to(x.dtype)
+
+
+CANDIDATES: tuple[type[Exl3Kernel], ...] = (CudaExl3Kernel, ReferenceExl3Kernel)
+
+
+def choose_exl3_kernel(c: Exl3KernelConfig) -> Exl3Kernel:
+    if envs.VLLM_EXL3_FORCE_REFERENCE:
+        logger.info_once("EXL3: VLLM_EXL3_FORCE_REFERENCE=1, using the reference codec")
+        return ReferenceExl3Kernel()
+    reasons = []
+    for kernel in CANDIDATES:
+        ok, why_not = kernel.can_implement(c)
+        if ok:
+            logger.debug("EXL3 %s: %s", c.prefix, kernel.__name__)
+            return kernel()
+        reasons.append(f"{kernel.__name__}: {why_not}")
+    raise ValueError(f"EXL3 {c.prefix}: no kernel can run this layer: " + "; ".join(reasons))

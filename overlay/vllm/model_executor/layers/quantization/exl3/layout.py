@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where the checkpoint tensors of one EXL3 layer land on this tensor-parallel rank.
+
+A layer is one or more shards (q/k/v, gate/up) of one input. Its parameters hold, per rank:
+
+* `trellis` int16: the shards side by side along n, `[k_alloc/16, n_alloc/16, 16K]` when every
+  shard has the same bitrate and codebook; otherwise a flat int16 buffer holding one such block
+  per *run* (consecutive shards of equal bitrate and codebook), each run one kernel call;
+* `suh` fp16 `[S, k_alloc]`, one row per shard; `svh` fp16 `[n_alloc]`.
+
+Every allocated dim is a multiple of the 128-wide Hadamard block, so a rank never cuts a block:
+a tensor-parallel split of k (row-parallel) or of a shard's n (column-parallel) must fall on a
+multiple of 128. What a rank allocates beyond the checkpoint (vLLM-added head/vocab padding, or the
+tail of a dim vLLM does not round) is zero-filled with `svh = 0` / `suh = 0`, which makes it
+contribute exactly zero whatever the trellis holds there. Violations are errors naming the module,
+the rank and the numbers.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from .format import HADAMARD_SIZE, TILE, WORDS_PER_BIT, Codebook, Exl3FormatError, Exl3ModuleSpec
+
+
+class Exl3LayoutError(Exl3FormatError):
+    """The checkpoint cannot be placed on this rank as vLLM laid the layer out."""
+
+
+class Split(Enum):
+    """Which dim vLLM divides across tensor-parallel ranks."""
+
+    NONE = "replicated"
+    COLUMN = "column-parallel"  # output features (each shard's n)
+    ROW = "row-parallel"  # input features (k)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def trellis_words(bits: float) -> int:
+    """int16 words per 16x16 tile at this bitrate."""
+    return int(WORDS_PER_BIT * bits)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    name: str  # checkpoint module key
+    bits: float
+    codebook: Codebook
+    ckpt_rows: int  # k of the checkpoint tensor (padded to 128)
+    ckpt_cols: int  # n of the checkpoint tensor (padded to 128)
+    src_col: int  # first checkpoint column this rank reads
+    col: int  # first column of this shard in the layer's allocated output
+    alloc: int  # columns allocated for this shard (a multiple of 128)
+    width: int  # columns vLLM receives for this shard
+    real_cols: int  # checkpoint columns that are real outputs; svh is forced to 0 from here on
+
+    @property
+    def copy_cols(self) -> int:
+        """Checkpoint columns that exist inside this rank's allocation; the rest stay zero."""
+        return max(0, min(self.alloc, self.ckpt_cols - self.src_col))
+
+
+@dataclass(frozen=True)
+class KernelRun:
+    """Consecutive shards sharing bitrate and codebook: one kernel call over their columns."""
+
+    first: int  # shard index range [first, stop)
+    stop: int
+    col: int
+    cols: int
+    bits: float
+    codebook: Codebook
+    word_start: int  # the run's block inside the flat trellis storage
+    word_stop: int
+    shard_widths: tuple[int, ...]  # allocated columns per shard (kernel shard_widths)
+
+
+@dataclass(frozen=True)
+class Exl3Layout:
+    prefix: str  # vLLM module name, for messages
+    tp_rank: int
+    k_width: int  # input features vLLM passes in
+    k_alloc: int  # input features allocated (a multiple of 128)
+    src_row: int  # first checkpoint input row this rank reads
+    shards: tuple[ShardLayout, ...]
+    runs: tuple[KernelRun, ...]
+    out_width: int  # output columns returned to vLLM
+    # (column in the allocated output, width, column in the returned output); columns of the
+    # returned output that no piece covers are zero.
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @property
+    def n_alloc(self) -> int:
+        return sum(s.alloc for s in self.shards)
+
+    @property
+    def uniform(self) -> bool:
+        return len(self.runs) <= 1
+
+    @property
+    def trellis_shape(self) -> tuple[int, ...]:
+        if self.uniform:
+            bits = self.shards[0].bits
+            return (self.k_alloc // TILE, self.n_alloc // TILE, trellis_words(bits))
+        return (self.runs[-1].word_stop,)
+
+    @property
+    def identity_output(self) -> bool:
+        """The allocated output is exactly what vLLM receives (no slicing, no zero fill)."""
+        return self.n_alloc == self.out_width and self.pieces == ((0, self.out_width, 0),)
+
+    def copy_rows(self, shard: ShardLayout) -> int:
+        """Checkpoint input rows that exist inside this rank's allocation."""
+        return max(0, min(self.k_alloc, shard.ckpt_rows - self.src_row))
+
+    def run_of(self, shard_index: int) -> KernelRun:
+        for run in self.runs:
+            if run.first <= shard_index < run.stop:
+                return run
+        raise IndexError(shard_index)
+
+
+def _runs(k_alloc: int, shards: Sequence[ShardLayout]) -> tuple[KernelRun, ...]:
+    runs: list[KernelRun] = []
+    first, words = 0, 0
+    for i in range(1, len(shards) + 1):
+        if i < len(shards) and (shards[i].bits, shards[i].codebook) == (
+                shards[first].bits, shards[first].codebook):
+            continue
+        group = shards[first:i]
+        cols = sum(s.alloc for s in group)
+        size = (k_alloc // TILE) * (cols // TILE) * trellis_words(group[0].bits)
+        runs.append(KernelRun(first, i, group[0].col, cols, group[0].bits, group[0].codebook,
+                              words, words + size, tuple(s.alloc for s in group)))
+        first, words = i, words + size
+    return tuple(r for r in runs if r.cols)
+
+
+def _check_fits(prefix: str, what: str, ckpt: int, vllm_total: int, rank: int, name: str) -> None:
+    """The checkpoint's (padded) dim against the layer's: the layer may be wider by whole blocks
+    (vLLM padding) or narrower by less than one block (the format's own padding)."""
+    if round_up(vllm_total, HADAMARD_SIZE) < ckpt:
+        raise Exl3LayoutError(
+            f"EXL3 {prefix} (rank {rank}): checkpoint {name} has {ckpt} {what} but the layer "
+            f"has {vllm_total}; the checkpoint does not belong to this model configuration")
+    if vllm_total > ckpt and (vllm_total - ckpt) % HADAMARD_SIZE:
+        raise Exl3LayoutError(
+            f"EXL3 {prefix} (rank {rank}): the layer pads {name}'s {ckpt} {what} to "
+            f"{vllm_total}; padding must be whole {HADAMARD_SIZE}-wide blocks after the "
+            f"checkpoint's last block (got {vllm_total - ckpt})")
+
+
+def plan_linear(prefix: str, specs: Sequence[Exl3ModuleSpec], *, split: Split, tp_rank: int,
+                tp_size: int, k_width: int, widths: Sequence[int],
+                kv_replicas: Sequence[int] | None = None) -> Exl3Layout:
+    """Layout of a (fused) linear on one rank.
+
+    `k_width`/`widths` are vLLM's per-rank input features and per-shard output features;
+    `kv_replicas[s]` is how many ranks share shard s's slice (QKV's replicated KV heads).
+    """
+    if len(specs) != len(widths):
+        raise Exl3LayoutError(
+            f"EXL3 {prefix}: the layer has {len(widths)} output shards but {len(specs)} "
+            f"checkpoint modules resolved to it ({', '.join(s.prefix for s in specs)})")
+    if split is Split.ROW and len(specs) != 1:
+        raise Exl3LayoutError(f"EXL3 {prefix}: a row-parallel layer must have one shard")
+    replicas = list(kv_replicas) if kv_replicas is not None else [1] * len(specs)
+    k_ckpt = specs[0].in_features
+    for spec in specs[1:]:
+        if spec.in_features != k_ckpt:
+            raise Exl3LayoutError(
+                f"EXL3 {prefix}: fused shards have different input sizes "
+                f"({specs[0].prefix}: k={k_ckpt}, {spec.prefix}: k={spec.in_features})")
+
+    k_split = split is Split.ROW and tp_size > 1
+    if k_split and k_width % HADAMARD_SIZE:
+        raise Exl3LayoutError(
+            f"EXL3 {prefix} (rank {tp_rank} of {tp_size}): row-parallel input slice of "
+            f"{k_width} features is not a multiple of {HADAMARD_SIZE}; EXL3 can split k only on "
+            f"Hadamard-block boundaries ({k_width * tp_size} input features / TP {tp_size})")
+    k_total = k_width * (tp_size if split is Split.ROW else 1)
+    _check_fits(prefix, "input features", k_ckpt, k_total, tp_rank, specs[0].prefix)
+    src_row = tp_rank * k_width if split is Split.ROW else 0
+
+    shards: list[ShardLayout] = []
+    col = 0
+    for s, (spec, width) in enumerate(zip(specs, widths)):
+        n_split = split is Split.COLUMN and tp_size > 1
+        if n_split and width % HADAMARD_SIZE:
+            raise Exl3LayoutError(
+                f"EXL3 {prefix} (rank {tp_rank} of {tp_size}): column-parallel slice of shard "
+                f"{s} ({spec.prefix}) is {width} features, not a multiple of {HADAMARD_SIZE}; "
+                f"EXL3 can split n only on Hadamard-block boundaries")
+        src_ranks = tp_size // replicas[s] if split is Split.COLUMN else 1
+        src_rank = tp_rank // replicas[s] if split is Split.COLUMN else 0
+        _check_fits(prefix, "output features", spec.out_features, width * src_ranks, tp_rank,
+                    spec.prefix)
+        alloc = round_up(width, HADAMARD_SIZE)
+        shards.append(ShardLayout(spec.prefix, spec.bits, spec.codebook, spec.in_features,
+                                  spec.out_features, src_rank * width, col, alloc, width,
+                                  spec.out_features))
+        col += alloc
+
+    k_alloc = round_up(k_width, HADAMARD_SIZE)
+    out_width = sum(widths)
+    pieces, dst = [], 0
+    for sh in shards:
+        pieces.append((sh.col, sh.width, dst))
+        dst += sh.width
+    if all(sh.alloc == sh.width for sh in shards):
+        pieces = [(0, out_width, 0)]
+    return Exl3Layout(prefix, tp_rank, k_width, k_alloc, src_row, tuple(shards),
+                      _runs(k_alloc, shards), out_width, tuple(pieces))
+
+
+def plan_lm_head(prefix: str, spec: Exl3ModuleSpec, *, tp_rank: int, hidden: int,
+                 vocab_start: int, vocab_per_rank: int, org_vocab: int) -> Exl3Layout:
+    """Layout of a vocab-parallel lm_head on one rank.
+
+    The vocab is the trellis' n. vLLM gives each rank `vocab_per_rank` columns starting at
+    `vocab_start` (padded to 64, so generally not 128-aligned); the rank keeps the 128-aligned
+    superset of checkpoint blocks covering its range and returns exactly its range. Columns at or
+    past `org_vocab` come out exactly zero.
+    """
+    if round_up(org_vocab, HADAMARD_SIZE) != spec.out_features:
+        raise Exl3LayoutError(
+            f"EXL3 {prefix} (rank {tp_rank}): checkpoint {spec.prefix} has "
+            f"{spec.out_features} vocab columns, expected the model's vocab {org_vocab} padded "
+            f"to {round_up(org_vocab, HADAMARD_SIZE)}")
+    _check_fits(prefix, "input features", spec.in_features, hidden, tp_rank, spec.prefix)
+    first = vocab_start // HADAMARD_SIZE * HADAMARD_SIZE
+    last = min(round_up(vocab_start + vocab_per_rank, HADAMARD_SIZE), spec.out_features)
+    alloc = max(0, last - first)
+    shard = ShardLayout(spec.prefix, spec.bits, spec.codebook, spec.in_features,
+                        spec.out_features, first, 0, alloc, vocab_per_rank, org_vocab)
+    offset = vocab_start - first
+    valid = max(0, min(vocab_per_rank, alloc - offset))
+    pieces = ((offset, valid, 0),) if valid else ()
+    k_alloc = round_up(hidden, HADAMARD_SIZE)
+    return Exl3Layout(prefix, tp_rank, hidden, k_alloc, 0, (shard,), _runs(k_alloc, [shard]),
+                      vocab_per_rank, pieces)

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`Exl3LinearMethod`: EXL3 for vLLM's Replicated, Column, MergedColumn, QKV and Row linears.
+
+The path of one forward: `apply` -> `run_layout` (pad x to the allocated k, one kernel call per
+run of equal-bitrate shards, then cut the allocated columns down to what vLLM expects) ->
+`Exl3Kernel.apply` (the CUDA op, or the reference codec on CPU).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase,
+                                               LinearMethodBase, QKVParallelLinear,
+                                               ReplicatedLinear, RowParallelLinear,
+                                               register_weight_loader_v2_supported_method)
+
+from .format import TILE, Exl3ModuleSpec
+from .kernels import Exl3Kernel, Exl3KernelConfig, choose_exl3_kernel
+from .layout import Exl3Layout, Exl3LayoutError, Split, plan_linear, trellis_words
+from .weights import Exl3LayerWeights, direct_weight_loader
+
+logger = init_logger(__name__)
+
+
+def linear_split(layer: LinearBase) -> Split:
+    if isinstance(layer, RowParallelLinear):
+        return Split.ROW
+    if isinstance(layer, ColumnParallelLinear):
+        return Split.COLUMN
+    if isinstance(layer, ReplicatedLinear):
+        return Split.NONE
+    raise Exl3LayoutError(f"EXL3 {layer.prefix}: unsupported linear class "
+                          f"{type(layer).__name__}")
+
+
+def run_layout(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module, x: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ W (+ bias) for the layer's shards on this rank, in x.dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if layout.k_alloc != layout.k_width:
+        x2 = F.pad(x2, (0, layout.k_alloc - layout.k_width))
+    x2 = x2.contiguous()
+    fuse_bias = bias is not None and len(layout.runs) == 1 and layout.identity_output
+    storage = layer.trellis.view(-1)
+    ys = []
+    for run in layout.runs:
+        trellis = storage[run.word_start:run.word_stop].view(
+            layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits))
+        ys.append(kernel.apply(x2, trellis, layer.suh[run.first:run.stop],
+                               layer.svh[run.col:run.col + run.cols],
+                               bias if fuse_bias else None, list(run.shard_widths),
+                               int(run.codebook)))
+    if not ys:
+        y = x2.new_zeros((x2.shape[0], 0))
+    else:
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+    if not layout.identity_output:
+        out = y.new_zeros((y.shape[0], layout.out_width))
+        for src, width, dst in layout.pieces:
+            out[:, dst:dst + width] = y[:, src:src + width]
+        y = out
+    if bias is not None and not fuse_bias:
+        y = y + bias
+    return y.reshape(*lead, layout.out_width)
+
+
+@register_weight_loader_v2_supported_method
+class Exl3LinearMethod(LinearMethodBase):
+    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order."""
+
+    def __init__(self, specs: list[Exl3ModuleSpec]):
+        self.specs = specs
+        self.layout: Exl3Layout
+        self.weights: Exl3LayerWeights
+        self.kernel: Exl3Kernel
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+        split = linear_split(layer)
+        for spec in self.specs:
+            if spec.has_bias != bool(layer.has_bias):
+                raise Exl3LayoutError(
+                    f"EXL3 {spec.prefix}: the checkpoint {'has' if spec.has_bias else 'lacks'} "
+                    f"a bias but the model builds {layer.prefix} "
+                    f"{'with' if layer.has_bias else 'without'} one")
+        kv_replicas = None
+        if isinstance(layer, QKVParallelLinear) and len(output_partition_sizes) == 3:
+            r = layer.num_kv_head_replicas
+            kv_replicas = [1, r, r]
+        self.layout = plan_linear(
+            layer.prefix, self.specs, split=split, tp_rank=layer.tp_rank, tp_size=layer.tp_size,
+            k_width=input_size_per_partition, widths=output_partition_sizes,
+            kv_replicas=kv_replicas)
+        # ReplicatedLinear's own loader only copies same-shaped tensors; everything else goes
+        # through the layer's v2 loader, which calls Exl3Parameter.load_*.
+        loader = (direct_weight_loader if split is Split.NONE
+                  else extra_weight_attrs["weight_loader"])
+        self.weights = Exl3LayerWeights(self.layout, self.specs)
+        self.weights.create(layer, loader)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.weights.finish(layer)
+        self.kernel = choose_exl3_kernel(
+            Exl3KernelConfig(self.layout.prefix, layer.trellis.device, layer.params_dtype))
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        return run_layout(self.kernel, self.layout, layer, x, bias)

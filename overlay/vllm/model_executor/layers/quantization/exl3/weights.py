@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The parameters of one EXL3 layer and how checkpoint tensors are loaded into them.
+
+One parameter per checkpoint tensor suffix of the layer's modules, named as on disk, so both of
+vLLM's loader styles (`AutoWeightsLoader` + `WeightsMapper` shard ids, and hand-written
+`stacked_params_mapping` loaders) route `...q_proj.trellis` to `qkv_proj.trellis` with shard "q":
+
+* `trellis`, `suh`, `svh`: the data (see layout.py);
+* `mcg` / `mul1` int32 `[S]`: one codebook-marker slot per shard, value-checked after loading,
+  then dropped;
+* `su` / `sv` (legacy sign bitfields), `scale` (never applied by the format): empty placeholders
+  whose loads are consumed (`su`/`sv` unpacked into `suh`/`svh` rows), then dropped.
+
+`Exl3Parameter` overrides vLLM's four v2 load entry points and places each tensor by the layer's
+`Exl3Layout`, never by vLLM's offset arithmetic (which knows neither the 128-padding nor mixed
+bitrates). After loading, `finish` checks that every tensor the checkpoint has for these modules
+arrived and leaves exactly trellis + suh + svh as plain parameters.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.model_executor.parameter import BasevLLMParameter
+
+from .format import (MCG_MARKER_VALUE, MUL1_MARKER_VALUE, TILE, Codebook, Exl3FormatError,
+                     Exl3ModuleSpec, unpack_sign_bits)
+from .layout import Exl3Layout, Exl3LayoutError, ShardLayout, trellis_words
+
+logger = init_logger(__name__)
+
+DATA_SUFFIXES = ("trellis", "suh", "svh")
+MARKERS = {"mcg": (Codebook.MCG, MCG_MARKER_VALUE), "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE)}
+LEGACY_SIGNS = {"su": "suh", "sv": "svh"}  # packed bitfield -> the fp16 tensor it stands in for
+IGNORED = ("scale",)  # stored by old converters, never applied (exl3-format.md §1.4)
+# The layer's own bias parameter loads `.bias`; it is not an EXL3 parameter.
+LAYER_OWNED = ("bias",)
+QKV_SHARD_IDS = {"q": 0, "k": 1, "v": 2}
+
+
+def shard_index(shard_id: int | str | None) -> int:
+    if shard_id is None:
+        return 0
+    if isinstance(shard_id, str):
+        return QKV_SHARD_IDS[shard_id]
+    if isinstance(shard_id, int):
+        return shard_id
+    raise Exl3LayoutError(
+        f"EXL3: shard id {shard_id!r} covers several shards at once (a fused-on-disk tensor); "
+        f"EXL3 stores every projection separately")
+
+
+class Exl3Parameter(BasevLLMParameter):
+    """A parameter whose loads are placed by the layer's `Exl3LayerWeights`."""
+
+    def __init__(self, data: torch.Tensor, weight_loader: Callable, suffix: str,
+                 owner: "Exl3LayerWeights"):
+        super().__init__(data=data, weight_loader=weight_loader)
+        self.exl3_suffix = suffix
+        self.exl3_owner = owner
+
+    @property
+    def output_dim(self) -> int:
+        # vLLM reads output_dim only to split a fused-on-disk tensor by its own offsets.
+        raise AttributeError(
+            f"EXL3 {self.exl3_owner.layout.prefix}.{self.exl3_suffix}: a fused-on-disk "
+            f"checkpoint tensor (no shard id) cannot be split into EXL3 shards; EXL3 stores "
+            f"every projection separately")
+
+    def load_column_parallel_weight(self, loaded_weight: torch.Tensor) -> None:
+        self.exl3_owner.load(self.exl3_suffix, loaded_weight, 0)
+
+    def load_row_parallel_weight(self, loaded_weight: torch.Tensor) -> None:
+        self.exl3_owner.load(self.exl3_suffix, loaded_weight, 0)
+
+    def load_merged_column_weight(self, loaded_weight: torch.Tensor, **kwargs) -> None:
+        self.exl3_owner.load(self.exl3_suffix, loaded_weight, shard_index(kwargs.get("shard_id")))
+
+    def load_qkv_weight(self, loaded_weight: torch.Tensor, **kwargs) -> None:
+        self.exl3_owner.load(self.exl3_suffix, loaded_weight, shard_index(kwargs.get("shard_id")))
+
+
+def direct_weight_loader(param: Exl3Parameter, loaded_weight: torch.Tensor,
+                         shard_id: int | str | None = None) -> None:
+    """For layers whose own loader knows no v2 parameters (ReplicatedLinear, ParallelLMHead)."""
+    param.exl3_owner.load(param.exl3_suffix, loaded_weight, shard_index(shard_id))
+
+
+def _suffixes(spec: Exl3ModuleSpec) -> set[str]:
+    return {name.rpartition(".")[2] for name in spec.tensor_names}
+
+
+class Exl3LayerWeights:
+    """Creates, loads and finalises the EXL3 parameters of one layer on one rank."""
+
+    def __init__(self, layout: Exl3Layout, specs: list[Exl3ModuleSpec]):
+        self.layout = layout
+        self.expected = [_suffixes(spec) - set(LAYER_OWNED) for spec in specs]
+        self.loaded: set[tuple[str, int]] = set()
+        self._params: dict[str, Exl3Parameter] = {}
+
+    def create(self, layer: torch.nn.Module, weight_loader: Callable) -> None:
+        layout, num_shards = self.layout, len(self.layout.shards)
+        shapes = {
+            "trellis": (layout.trellis_shape, torch.int16),
+            "suh": ((num_shards, layout.k_alloc), torch.float16),
+            "svh": ((layout.n_alloc,), torch.float16),
+        }
+        for marker in MARKERS:
+            if any(marker in e for e in self.expected):
+                shapes[marker] = ((num_shards,), torch.int32)
+        for suffix in (*LEGACY_SIGNS, *IGNORED):
+            if any(suffix in e for e in self.expected):
+                shapes[suffix] = ((0,), torch.int16)
+        unknown = set().union(*self.expected) - set(shapes)
+        if unknown:
+            raise Exl3FormatError(
+                f"EXL3 {layout.prefix}: checkpoint tensors with suffixes {sorted(unknown)} have "
+                f"no place in an EXL3 linear")
+        for suffix, (shape, dtype) in shapes.items():
+            # Zeros, not empty: what the checkpoint does not cover must contribute nothing.
+            param = Exl3Parameter(data=torch.zeros(shape, dtype=dtype),
+                                  weight_loader=weight_loader, suffix=suffix, owner=self)
+            layer.register_parameter(suffix, param)
+            self._params[suffix] = param
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def _fail(self, shard: ShardLayout, suffix: str, rule: str) -> Exl3LayoutError:
+        return Exl3LayoutError(
+            f"EXL3 {shard.name}.{suffix} -> {self.layout.prefix} (rank {self.layout.tp_rank}): "
+            f"{rule}")
+
+    def load(self, suffix: str, loaded: torch.Tensor, index: int) -> None:
+        layout = self.layout
+        if not 0 <= index < len(layout.shards):
+            raise Exl3LayoutError(
+                f"EXL3 {layout.prefix}.{suffix}: shard {index} does not exist "
+                f"(the layer has {len(layout.shards)})")
+        shard = layout.shards[index]
+        if suffix not in self.expected[index]:
+            raise self._fail(shard, suffix, "tensor not listed in the checkpoint's safetensors "
+                             "headers for this module")
+        self.loaded.add((suffix, index))
+        if suffix == "trellis":
+            self._load_trellis(shard, index, loaded)
+        elif suffix in ("suh", "svh"):
+            self._load_scales(shard, index, suffix, loaded)
+        elif suffix in LEGACY_SIGNS:
+            full = LEGACY_SIGNS[suffix]
+            if full in self.expected[index]:
+                logger.debug("%s.%s ignored: %s is present", shard.name, suffix, full)
+                return
+            self._check(shard, suffix, loaded, torch.int16, self._scale_len(shard, full) // TILE)
+            self._load_scales(shard, index, full, unpack_sign_bits(loaded), checked=True)
+        elif suffix in MARKERS:
+            if loaded.numel() != 1 or loaded.dtype != torch.int32:
+                raise self._fail(shard, suffix, f"marker must be one int32, got shape "
+                                 f"{list(loaded.shape)} {loaded.dtype}")
+            self._params[suffix].data[index] = loaded.reshape(())
+        elif suffix in IGNORED:
+            logger.debug("%s.%s consumed and not applied", shard.name, suffix)
+
+    def _check(self, shard: ShardLayout, suffix: str, loaded: torch.Tensor, dtype: torch.dtype,
+               *shape: int) -> None:
+        if loaded.dtype != dtype or tuple(loaded.shape) != shape:
+            raise self._fail(shard, suffix, f"got {list(loaded.shape)} {loaded.dtype}, the "
+                             f"headers describe {list(shape)} {dtype}")
+
+    def _scale_len(self, shard: ShardLayout, full: str) -> int:
+        return shard.ckpt_rows if full == "suh" else shard.ckpt_cols
+
+    def _load_trellis(self, shard: ShardLayout, index: int, loaded: torch.Tensor) -> None:
+        layout = self.layout
+        words = trellis_words(shard.bits)
+        self._check(shard, "trellis", loaded, torch.int16, shard.ckpt_rows // TILE,
+                    shard.ckpt_cols // TILE, words)
+        run = layout.run_of(index)
+        storage = self._params["trellis"].data.view(-1)[run.word_start:run.word_stop]
+        block = storage.view(layout.k_alloc // TILE, run.cols // TILE, words)
+        dst = block.narrow(1, (shard.col - run.col) // TILE, shard.alloc // TILE)
+        rows, cols = layout.copy_rows(shard) // TILE, shard.copy_cols // TILE
+        dst.zero_()
+        if rows and cols:
+            src = loaded.narrow(0, layout.src_row // TILE, rows)
+            dst[:rows, :cols].copy_(src.narrow(1, shard.src_col // TILE, cols))
+
+    def _load_scales(self, shard: ShardLayout, index: int, suffix: str, loaded: torch.Tensor,
+                     checked: bool = False) -> None:
+        layout = self.layout
+        if not checked:
+            self._check(shard, suffix, loaded, torch.float16, self._scale_len(shard, suffix))
+        param = self._params[suffix].data
+        if suffix == "suh":
+            dst = param[index]
+            rows = layout.copy_rows(shard)
+            dst.zero_()
+            if rows:
+                dst[:rows].copy_(loaded.narrow(0, layout.src_row, rows))
+            return
+        dst = param.narrow(0, shard.col, shard.alloc)
+        cols = shard.copy_cols
+        dst.zero_()
+        if cols:
+            dst[:cols].copy_(loaded.narrow(0, shard.src_col, cols))
+        # Columns past the real outputs (lm_head vocab padding) are forced to exactly zero.
+        real = max(0, shard.real_cols - shard.src_col)
+        if real < cols:
+            dst[real:cols].zero_()
+
+    # ---- after loading -------------------------------------------------------------------
+
+    def finish(self, layer: torch.nn.Module) -> None:
+        """Check completeness and markers, then keep exactly trellis + suh + svh."""
+        layout = self.layout
+        if not self.loaded:
+            # Nothing came from a checkpoint: load_format="dummy" (random-weight perf runs).
+            logger.debug("EXL3 %s: no checkpoint tensors loaded (dummy weights)", layout.prefix)
+        else:
+            missing = [f"{shard.name}.{suffix}"
+                       for i, shard in enumerate(layout.shards)
+                       for suffix in sorted(self.expected[i])
+                       if (suffix, i) not in self.loaded]
+            if missing:
+                raise Exl3LayoutError(
+                    f"EXL3 {layout.prefix} (rank {layout.tp_rank}): checkpoint tensors never "
+                    f"loaded: {', '.join(missing)}")
+            for marker, (codebook, value) in MARKERS.items():
+                for i, shard in enumerate(layout.shards):
+                    if marker not in self.expected[i]:
+                        continue
+                    got = int(self._params[marker].data[i])
+                    if got != value or shard.codebook != codebook:
+                        raise Exl3LayoutError(
+                            f"EXL3 {shard.name}.{marker} (rank {layout.tp_rank}): marker value "
+                            f"{got}, expected {value} for the {codebook.name} codebook")
+        for name in list(self._params):
+            if name not in DATA_SUFFIXES:
+                delattr(layer, name)
+        for name in DATA_SUFFIXES:
+            data = self._params[name].data
+            setattr(layer, name, torch.nn.Parameter(data, requires_grad=False))
+        self._params = {}
