@@ -283,23 +283,36 @@ def split_name(name: str) -> tuple[str, str]:
     return prefix, suffix
 
 
-def find_exl3_modules(index: Mapping[str, TensorEntry]) -> dict[str, Exl3ModuleSpec]:
-    """Every EXL3 linear of a checkpoint, keyed by module prefix, validated."""
+def group_tensors(
+        index: Mapping[str, TensorEntry]) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    """Tensors grouped by module prefix: {prefix: {suffix: (shape, dtype)}}, prefixes sorted."""
     groups: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
     for name, entry in index.items():
         prefix, suffix = split_name(name)
         groups.setdefault(prefix, {})[suffix] = (entry.shape, entry.dtype)
+    return {p: groups[p] for p in sorted(groups)}
+
+
+def group_spec(prefix: str,
+               members: Mapping[str, tuple[tuple[int, ...], str]]) -> Exl3ModuleSpec | None:
+    """The spec of one tensor group if it is an EXL3 module, None if it is not one at all."""
+    if "trellis" in members:
+        return module_spec(prefix, members)
+    orphans = sorted(s for s in members if s in EXL3_ONLY_SUFFIXES)
+    if orphans:
+        raise Exl3FormatError(
+            f"{prefix}.trellis: missing tensor ({prefix}.{orphans[0]} is an EXL3 tensor "
+            f"but the module has no trellis)")
+    return None
+
+
+def find_exl3_modules(index: Mapping[str, TensorEntry]) -> dict[str, Exl3ModuleSpec]:
+    """Every EXL3 linear of a checkpoint, keyed by module prefix, validated."""
     specs: dict[str, Exl3ModuleSpec] = {}
-    for prefix in sorted(groups):
-        members = groups[prefix]
-        if "trellis" in members:
-            specs[prefix] = module_spec(prefix, members)
-            continue
-        orphans = sorted(s for s in members if s in EXL3_ONLY_SUFFIXES)
-        if orphans:
-            raise Exl3FormatError(
-                f"{prefix}.trellis: missing tensor ({prefix}.{orphans[0]} is an EXL3 tensor "
-                f"but the module has no trellis)")
+    for prefix, members in group_tensors(index).items():
+        spec = group_spec(prefix, members)
+        if spec is not None:
+            specs[prefix] = spec
     return specs
 
 
@@ -340,6 +353,14 @@ def unpack_sign_bits(words: torch.Tensor) -> torch.Tensor:
     return signs.reshape(*words.shape[:-1], words.shape[-1] * TILE).to(torch.float16)
 
 
+def check_marker(name: str, value: int) -> None:
+    """A codebook marker scalar must hold its codebook's multiplier (as int32)."""
+    expected = _MARKERS[split_name(name)[1]][1]
+    if value != expected:
+        raise Exl3FormatError(
+            f"{name}: marker value {value}, expected {expected} (wrong codebook marker value)")
+
+
 def load_module(ckpt_dir: str | os.PathLike, spec: Exl3ModuleSpec,
                 device: str | torch.device = "cpu",
                 index: Mapping[str, TensorEntry] | None = None) -> Exl3Weights:
@@ -355,12 +376,10 @@ def load_module(ckpt_dir: str | os.PathLike, spec: Exl3ModuleSpec,
             raise Exl3FormatError(f"{name}: missing tensor (in the module spec, not on disk)")
         return read_tensor(ckpt_dir, name, index[name], device)
 
-    for marker, (_, expected) in _MARKERS.items():
+    for marker in _MARKERS:
         value = get(marker)
-        if value is not None and int(value.item()) != expected:
-            raise Exl3FormatError(
-                f"{spec.prefix}.{marker}: marker value {int(value.item())}, expected {expected} "
-                f"(wrong codebook marker value)")
+        if value is not None:
+            check_marker(f"{spec.prefix}.{marker}", int(value.item()))
     suh = get("suh")
     if suh is None:
         suh = unpack_sign_bits(get("su"))
