@@ -1,0 +1,209 @@
+// SPDX-License-Identifier: Apache-2.0
+// The trellis GEMM: y = epilogue(xh @ Ŵ) without ever materialising Ŵ.
+//
+// A block owns BM rows x 128 columns (one Hadamard block, so the output transform stays in the
+// block) x all of k or one k-split. Its 8 warps each own one 16-column trellis tile column and
+// decode every tile of it exactly once, for all BM rows: lane t's 8 positions are its two mma B
+// fragments (§3.2), so a decoded tile feeds 2 * BM/16 mma.m16n8k16 straight from registers.
+// Activations (fp16, already Hadamard-transformed) and trellis words stream through a
+// multi-stage cp.async pipeline in stages of 64 k; A rows are 128 bytes, XOR-swizzled in 16-byte
+// chunks so the ldmatrix phases hit distinct banks.
+#pragma once
+
+#include "exl3_epilogue.cuh"
+#include "exl3_kernels.h"
+#include "exl3_trellis.cuh"
+
+namespace vllm_exl3 {
+
+constexpr int kGemmThreads = 256;
+constexpr int kGemmWarps = kGemmThreads / kWarpSize;  // one per 16-column tile of the block
+constexpr int kBlockN = kHadamard;                    // whole Hadamard block: in-block epilogue
+static_assert(kGemmWarps * kTile == kBlockN, "warps must cover the block's columns");
+// k per pipeline stage: 64 fp16 = one 128-byte A row = 8 16-byte chunks, the swizzle period.
+constexpr int kStageK = 64;
+constexpr int kStageKSteps = kStageK / kTile;
+constexpr int kAChunksPerRow = kStageK * 2 / 16;
+constexpr int kARowBytes = kStageK * 2;
+// Stages in flight: 3 loads ahead of the one being consumed hides HBM latency at small m.
+constexpr int kGemmStages = 4;
+// fp32 staging row stride for the epilogue: +8 floats makes the float2 stores of the mma
+// accumulator layout conflict-free per half-warp, and keeps rows 16-byte aligned for float4 reads.
+constexpr int kCStride = kBlockN + 8;
+
+template <int K2, int MT>
+struct GemmShape {
+  static constexpr int kBM = MT * kTile;
+  static constexpr int kABytes = kBM * kARowBytes;
+  static constexpr int kTBytes = kStageKSteps * kGemmWarps * Rate<K2>::kTileBytes;
+  static constexpr int kPipeBytes = kGemmStages * (kABytes + kTBytes);
+  static constexpr int kStagingBytes = kBM * kCStride * 4;
+  static constexpr int kSmemBytes = kPipeBytes > kStagingBytes ? kPipeBytes : kStagingBytes;
+  // Register cap hint: 128-row blocks hold 64 fp32 accumulators per thread; ask for 2 blocks/SM
+  // there (<= 128 registers), and let the smaller tiers keep more blocks resident.
+  static constexpr int kMinBlocks = MT >= 8 ? 2 : (MT >= 4 ? 3 : 4);
+};
+
+template <int K2, int CB, int MT>
+__global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
+    exl3_gemm_kernel(const GemmParams p) {
+  using R = Rate<K2>;
+  using Shape = GemmShape<K2, MT>;
+  constexpr int BM = Shape::kBM;
+  constexpr int kAChunks = BM * kAChunksPerRow;
+  constexpr int kTChunks = Shape::kTBytes / 16;
+  constexpr int kTRowChunks = kGemmWarps * R::kTileBytes / 16;  // one k16 row of 8 tiles
+  constexpr int kAPerThread = (kAChunks + kGemmThreads - 1) / kGemmThreads;
+  constexpr int kTPerThread = (kTChunks + kGemmThreads - 1) / kGemmThreads;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t s_a = smem_addr(smem);
+  const uint32_t s_t = s_a + kGemmStages * Shape::kABytes;
+  const uint8_t* s_t_ptr = smem + kGemmStages * Shape::kABytes;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int m0 = blockIdx.x * BM;
+  const int n0 = blockIdx.y * kBlockN;
+  const int shard = shard_of_column(p.shards, n0);
+
+  const int chunks = p.k / kStageK;
+  const int c_begin = static_cast<int>(static_cast<int64_t>(blockIdx.z) * chunks / p.splits);
+  const int c_end = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * chunks / p.splits);
+  const int n_chunks = c_end - c_begin;
+
+  // Loader assignment, fixed for the whole k loop; only the chunk offset moves.
+  const __half* xa = static_cast<const __half*>(p.xh) + static_cast<size_t>(shard) * p.m * p.k;
+  const __half* a_src[kAPerThread];
+  uint32_t a_dst[kAPerThread];
+  int a_bytes[kAPerThread];
+#pragma unroll
+  for (int i = 0; i < kAPerThread; ++i) {
+    const int q = tid + i * kGemmThreads;
+    const int row = q / kAChunksPerRow, ch = q % kAChunksPerRow;
+    const bool valid = q < kAChunks && m0 + row < p.m;
+    a_src[i] = xa + (valid ? static_cast<size_t>(m0 + row) * p.k : 0) + ch * 8;
+    a_dst[i] = row * kARowBytes + ((ch ^ (row & 7)) * 16);
+    a_bytes[i] = valid ? 16 : 0;
+  }
+  const uint8_t* trellis = static_cast<const uint8_t*>(p.trellis);
+  const size_t t_row_stride = static_cast<size_t>(p.n / kTile) * R::kTileBytes;  // one k16 row
+  const uint8_t* t_src[kTPerThread];
+#pragma unroll
+  for (int i = 0; i < kTPerThread; ++i) {
+    const int q = tid + i * kGemmThreads;
+    const int kk = q / kTRowChunks, w = q % kTRowChunks;
+    t_src[i] = trellis + kk * t_row_stride + static_cast<size_t>(n0 / kTile) * R::kTileBytes +
+               w * 16;
+  }
+
+  auto load_stage = [&](int chunk, int slot) {
+#pragma unroll
+    for (int i = 0; i < kAPerThread; ++i) {
+      if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks)
+        cp_async16(s_a + slot * Shape::kABytes + a_dst[i], a_src[i] + chunk * kStageK,
+                   a_bytes[i]);
+    }
+    const size_t t_off = static_cast<size_t>(chunk) * kStageKSteps * t_row_stride;
+#pragma unroll
+    for (int i = 0; i < kTPerThread; ++i) {
+      if (kTChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kTChunks)
+        cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i] + t_off,
+                   16);
+    }
+  };
+
+  LaneWindow<K2> lw;
+  lw.init(lane);
+  // ldmatrix.x4 source of this lane for each 16-wide k step: rows lane%16, k chunk 2kk + lane/16.
+  uint32_t a_ld[kStageKSteps];
+#pragma unroll
+  for (int kk = 0; kk < kStageKSteps; ++kk) {
+    const int row = lane & 15, ch = 2 * kk + (lane >> 4);
+    a_ld[kk] = row * kARowBytes + ((ch ^ (row & 7)) * 16);
+  }
+
+  float acc[MT][2][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][h][e] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < kGemmStages - 1; ++s) {
+    if (s < n_chunks) load_stage(c_begin + s, s);
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < n_chunks; ++it) {
+    cp_async_wait<kGemmStages - 2>();
+    __syncthreads();  // stage `it` landed for everyone; slot (it-1) % S is free again
+    {
+      const int next = it + kGemmStages - 1;
+      if (next < n_chunks) load_stage(c_begin + next, next % kGemmStages);
+      cp_async_commit();
+    }
+    const int slot = it % kGemmStages;
+    const uint8_t* tiles = s_t_ptr + slot * Shape::kTBytes;
+    const uint32_t a_stage = s_a + slot * Shape::kABytes;
+#pragma unroll
+    for (int kk = 0; kk < kStageKSteps; ++kk) {
+      uint32_t b[4];
+      decode_fragments<K2, CB>(tiles + (kk * kGemmWarps + warp) * R::kTileBytes, lw, b);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (MT == 1 || m0 + mt * kTile < p.m) {
+          uint32_t a[4];
+          ldmatrix_x4(a, a_stage + a_ld[kk] + mt * kTile * kARowBytes);
+          mma_16816(acc[mt][0], a, b[0], b[1]);
+          mma_16816(acc[mt][1], a, b[2], b[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // pipeline buffers are reused as the fp32 staging block
+
+  // Stage the accumulators as fp32 [BM][128] so a warp can own whole rows of the block.
+  float* s_c = reinterpret_cast<float*>(smem);
+  {
+    const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = warp * kTile + h * 8 + 2 * q;
+        const int row = mt * kTile + g;
+        *reinterpret_cast<float2*>(s_c + row * kCStride + col) =
+            make_float2(acc[mt][h][0], acc[mt][h][1]);
+        *reinterpret_cast<float2*>(s_c + (row + 8) * kCStride + col) =
+            make_float2(acc[mt][h][2], acc[mt][h][3]);
+      }
+  }
+  __syncthreads();
+
+  const int rows = min(BM, p.m - m0);
+  for (int r = warp; r < rows; r += kGemmWarps) {
+    const float4 c4 = *reinterpret_cast<const float4*>(s_c + r * kCStride + 4 * lane);
+    const size_t row_off = static_cast<size_t>(m0 + r) * p.n;
+    if (p.splits > 1) {
+      // One contiguous 512-byte row segment per warp instruction: coalesced reductions.
+      red_add_f32x4(p.ws + row_off + n0 + 4 * lane, c4.x, c4.y, c4.z, c4.w);
+    } else {
+      float v[4] = {c4.x, c4.y, c4.z, c4.w};
+      const __half* svh = static_cast<const __half*>(p.svh);
+      if (p.out_bf16) {
+        using T = __nv_bfloat16;
+        finish_row<T>(v, lane, svh, static_cast<const T*>(p.bias), static_cast<T*>(p.y) + row_off,
+                      n0);
+      } else {
+        using T = __half;
+        finish_row<T>(v, lane, svh, static_cast<const T*>(p.bias), static_cast<T*>(p.y) + row_off,
+                      n0);
+      }
+    }
+  }
+}
+
+}  // namespace vllm_exl3

@@ -1,0 +1,37 @@
+// SPDX-License-Identifier: Apache-2.0
+// 128-point Sylvester Hadamard (H[i][j] = (-1)^popcount(i & j), unnormalised) held by one warp,
+// four fp32 values per lane. H is symmetric, so x @ H = H @ x: one butterfly per index bit.
+#pragma once
+
+#include "exl3_common.cuh"
+
+namespace vllm_exl3 {
+
+// Any assignment of the 7 index bits to (2 slot bits j, 5 lane bits) gives the same transform,
+// because popcount(i & j) does not change when i and j have their bits permuted alike. Callers
+// use e = 4 * lane + j (8-byte vector loads of 4 consecutive values) or e = lane + 32 * j
+// (conflict-free column walks through a padded shared-memory block).
+__device__ __forceinline__ void hadamard128(float (&v)[4], int lane) {
+  // The two slot bits.
+  {
+    const float a0 = v[0] + v[1], a1 = v[0] - v[1];
+    const float a2 = v[2] + v[3], a3 = v[2] - v[3];
+    v[0] = a0 + a2;
+    v[2] = a0 - a2;
+    v[1] = a1 + a3;
+    v[3] = a1 - a3;
+  }
+  // The five lane bits: the partner with the bit clear holds a, the one with it set holds b,
+  // and (a, b) -> (a + b, a - b).
+#pragma unroll
+  for (int m = 1; m < kWarpSize; m <<= 1) {
+    const float sign = (lane & m) ? -1.0f : 1.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float o = __shfl_xor_sync(kFullMask, v[j], m);
+      v[j] = fmaf(sign, v[j], o);
+    }
+  }
+}
+
+}  // namespace vllm_exl3

@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host-side view of the EXL3 kernels: launch parameters and the per-bitrate launcher table.
+// The kernels of one bitrate (all codebooks and BM tiers) live in one translation unit
+// (exl3_rate_k<K2>.cu), so the instantiations compile in parallel.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace vllm_exl3 {
+
+// Every bitrate is identified by K2 = 2 * bits: 2..16 for 1..8 bits, 3/5/7 for 1.5/2.5/3.5.
+constexpr int kMaxK2 = 16;
+// BM tiers of the GEMM: rows per block = 16 * m-tiles. Larger tiers decode each trellis tile
+// once for more rows; smaller ones waste fewer padded rows and give more blocks at small m.
+constexpr int kGemmTiers[] = {1, 2, 4, 8};
+constexpr int kNumGemmTiers = 4;
+constexpr int kMaxShardsHost = 8;
+
+// Column-to-shard table of a fused layer: shard s owns columns [end[s-1], end[s]).
+struct ShardTable {
+  int count;
+  int end[kMaxShardsHost];
+};
+
+// The shard owning column `col` (ends are increasing). Unrolled over the fixed table size so the
+// kernel parameters are never indexed dynamically (which would copy them to local memory).
+__host__ __device__ inline int shard_of_column(const ShardTable& t, int col) {
+  int shard = 0;
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+  for (int s = 0; s + 1 < kMaxShardsHost; ++s)
+    if (s + 1 < t.count && col >= t.end[s]) shard = s + 1;
+  return shard;
+}
+
+struct GemmParams {
+  const void* xh;       // fp16 [S][m][k]: the transformed input of every shard
+  const void* trellis;  // int16 [k/16][n/16][16K]
+  const void* svh;      // fp16 [n]
+  const void* bias;     // [n] in the output dtype, or null
+  void* y;              // [m][n] in the output dtype (written when splits == 1)
+  float* ws;            // fp32 [m][n] split-k accumulator, zero on entry (splits > 1)
+  int m, k, n;
+  int splits;
+  bool out_bf16;
+  ShardTable shards;
+};
+
+struct ReconParams {
+  const void* trellis;  // int16 [k/16][n/16][16K]
+  const void* suh;      // fp16 [S][k] (original-basis reconstruct only)
+  const void* svh;      // fp16 [n]    (original-basis reconstruct only)
+  void* w;              // [k][n]: fp16 Ŵ (rotated) or W in the output dtype (original)
+  int k, n;
+  bool out_bf16;
+  ShardTable shards;
+};
+
+struct RateKernels {
+  // mt = m16 tiles per block (one of kGemmTiers); grid and shared memory are chosen inside.
+  void (*gemm)(int cb, int mt, const GemmParams& p, cudaStream_t stream);
+  // Resident blocks per SM of a GEMM instantiation on the current device (cached).
+  int (*gemm_blocks_per_sm)(int cb, int mt);
+  // Ŵ, fp16, bit-identical to the reference decode.
+  void (*reconstruct_rotated)(int cb, const ReconParams& p, cudaStream_t stream);
+  // W = diag(suh) Ĥ Ŵ Ĥ diag(svh) in the output dtype, for the cuBLAS large-m path.
+  void (*reconstruct_original)(int cb, const ReconParams& p, cudaStream_t stream);
+};
+
+// The launcher table of one bitrate; K2 must be a valid rate (2..16 even, or 3, 5, 7).
+const RateKernels& rate_kernels(int k2);
+
+// Rate-independent kernels (exl3_transforms.cu).
+// xh[s] = fp16(Ĥ(x * suh[s])) per 128-block of k, all shards in one pass over x.
+void launch_input_transform(const void* x, bool x_bf16, const void* suh, void* xh, int m, int k,
+                            int shards, cudaStream_t stream);
+// y = Ĥ(acc) * svh + bias per 128-block of n from an fp32 [m][n] buffer, which is re-zeroed.
+void launch_splitk_finish(float* acc, const void* svh, const void* bias, void* y, bool out_bf16,
+                          int m, int n, cudaStream_t stream);
+// y[r][c] = bias[c]: the C operand of the cuBLAS path (beta = 1 folds the bias in).
+void launch_bias_broadcast(const void* bias, void* y, bool bf16, int m, int n,
+                           cudaStream_t stream);
+// Sleep on the device so the autotuner's timed launches queue up behind it (no launch gaps).
+void launch_device_sleep(int microseconds, cudaStream_t stream);
+
+}  // namespace vllm_exl3

@@ -1,0 +1,274 @@
+// SPDX-License-Identifier: Apache-2.0
+// torch.ops._C.exl3_linear / exl3_reconstruct: input validation, plan execution, registration.
+// Stable ABI only (torch/csrc/stable, torch/headeronly, the AOTI shim for the current stream),
+// so the same file builds into vLLM's _C_stable_libtorch and into the standalone _exl3_C.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "exl3_kernels.h"
+#include "exl3_plan.h"
+#include "exl3_resources.h"
+
+namespace vllm_exl3 {
+
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+constexpr int64_t kHadamardBlock = 128;  // k, n and every shard width come in whole blocks
+constexpr int64_t kTileEdge = 16;
+// Trellis widths (int16 words per tile) that exist: 16 * bits for 1..8 bits, and 24/40/56 for
+// the MUL1 half rates 1.5/2.5/3.5. K2 = width / 8 = 2 * bits.
+constexpr int64_t kWordsPerK2 = 8;
+// cp.async moves 16-byte chunks; 4-element vector loads and stores need 8 bytes.
+constexpr uintptr_t kCpAsyncAlign = 16;
+constexpr uintptr_t kVectorAlign = 8;
+
+std::string shape_str(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+const char* dtype_str(ScalarType t) {
+  switch (t) {
+    case ScalarType::Half: return "float16";
+    case ScalarType::BFloat16: return "bfloat16";
+    case ScalarType::Float: return "float32";
+    case ScalarType::Short: return "int16";
+    case ScalarType::Int: return "int32";
+    default: return "another dtype";
+  }
+}
+
+void check_tensor(const char* op, const char* name, const Tensor& t, int64_t dim,
+                  int32_t device, uintptr_t align) {
+  STD_TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
+  STD_TORCH_CHECK(t.get_device_index() == device, op, ": ", name, " is on cuda:",
+                  t.get_device_index(), " but x is on cuda:", device);
+  STD_TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim, " dimensions, got ",
+                  shape_str(t));
+  STD_TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0, op, ": ", name,
+                  " must be ", align, "-byte aligned (a sliced view with an odd offset?)");
+}
+
+void check_dtype(const char* op, const char* name, const Tensor& t, ScalarType want) {
+  STD_TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ", dtype_str(want),
+                  ", got ", dtype_str(t.scalar_type()));
+}
+
+// Validates the trellis and returns K2 (= 2 * bits).
+int check_trellis(const char* op, const Tensor& trellis, int64_t codebook, int32_t device) {
+  check_tensor(op, "trellis", trellis, 3, device, kCpAsyncAlign);
+  check_dtype(op, "trellis", trellis, ScalarType::Short);
+  const int64_t width = trellis.size(2);
+  const bool whole = width % 16 == 0 && width >= 16 && width <= 128;
+  const bool half = width == 24 || width == 40 || width == 56;
+  STD_TORCH_CHECK(whole || half, op, ": trellis width ", width,
+                  " is not 16 * bits for bits in 1..8 or 1.5/2.5/3.5 (24, 40, 56)");
+  STD_TORCH_CHECK(codebook >= 0 && codebook <= 2, op, ": codebook must be 0 (3INST), 1 (MCG) ",
+                  "or 2 (MUL1), got ", codebook);
+  STD_TORCH_CHECK(!half || codebook == 2, op, ": half-integer bitrates (trellis width ", width,
+                  ") exist only with the MUL1 codebook (2), got codebook ", codebook);
+  const int64_t k = trellis.size(0) * kTileEdge, n = trellis.size(1) * kTileEdge;
+  STD_TORCH_CHECK(k > 0 && n > 0 && k % kHadamardBlock == 0 && n % kHadamardBlock == 0, op,
+                  ": trellis ", shape_str(trellis), " gives k = ", k, ", n = ", n,
+                  "; both must be positive multiples of 128 (EXL3 pads to Hadamard blocks)");
+  return static_cast<int>(width / kWordsPerK2);
+}
+
+cudaStream_t current_stream(int32_t device) {
+  void* s = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &s));
+  return static_cast<cudaStream_t>(s);
+}
+
+void check_launch(const char* op) {
+  const cudaError_t e = cudaGetLastError();
+  STD_TORCH_CHECK(e == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(e));
+}
+
+ShardTable shard_table(const std::vector<int64_t>& widths, int64_t n) {
+  ShardTable t{};
+  t.count = static_cast<int>(widths.size());
+  int64_t end = 0;
+  for (size_t s = 0; s < widths.size(); ++s) {
+    STD_TORCH_CHECK(widths[s] > 0 && widths[s] % kHadamardBlock == 0,
+                    "exl3_linear: shard_widths[", s, "] = ", widths[s],
+                    " must be a positive multiple of 128");
+    end += widths[s];
+    t.end[s] = static_cast<int>(end);
+  }
+  STD_TORCH_CHECK(end == n, "exl3_linear: shard_widths sum to ", end, " but the trellis has n = ",
+                  n, " columns");
+  return t;
+}
+
+}  // namespace
+
+Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::optional<Tensor> bias,
+                   std::vector<int64_t> shard_widths, int64_t codebook) {
+  const char* op = "exl3_linear";
+  STD_TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor");
+  const int32_t dev = x.get_device_index();
+  check_tensor(op, "x", x, 2, dev, kCpAsyncAlign);
+  const ScalarType dtype = x.scalar_type();
+  STD_TORCH_CHECK(dtype == ScalarType::BFloat16 || dtype == ScalarType::Half, op,
+                  ": x must be bfloat16 or float16, got ", dtype_str(dtype));
+  const int k2 = check_trellis(op, trellis, codebook, dev);
+  const int64_t k = trellis.size(0) * kTileEdge, n = trellis.size(1) * kTileEdge;
+  const int64_t m = x.size(0);
+  STD_TORCH_CHECK(x.size(1) == k, op, ": x ", shape_str(x), " has ", x.size(1),
+                  " input features but the trellis ", shape_str(trellis), " has k = ", k);
+
+  STD_TORCH_CHECK(suh.dim() == 1 || suh.dim() == 2, op, ": suh must be [S, k] (or [k]), got ",
+                  shape_str(suh));
+  check_tensor(op, "suh", suh, suh.dim(), dev, kVectorAlign);
+  check_dtype(op, "suh", suh, ScalarType::Half);
+  const int64_t shards = suh.dim() == 2 ? suh.size(0) : 1;
+  STD_TORCH_CHECK(suh.size(suh.dim() - 1) == k, op, ": suh ", shape_str(suh),
+                  " does not match k = ", k);
+  STD_TORCH_CHECK(shards >= 1 && shards <= kMaxShardsHost, op, ": ", shards,
+                  " shards; 1..", kMaxShardsHost, " are supported");
+  STD_TORCH_CHECK(static_cast<int64_t>(shard_widths.size()) == shards, op, ": suh has ", shards,
+                  " rows but shard_widths has ", shard_widths.size(), " entries");
+  const ShardTable table = shard_table(shard_widths, n);
+
+  check_tensor(op, "svh", svh, 1, dev, kVectorAlign);
+  check_dtype(op, "svh", svh, ScalarType::Half);
+  STD_TORCH_CHECK(svh.size(0) == n, op, ": svh ", shape_str(svh), " does not match n = ", n);
+  const void* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    check_tensor(op, "bias", *bias, 1, dev, kVectorAlign);
+    STD_TORCH_CHECK(bias->scalar_type() == dtype, op, ": bias must have x's dtype ",
+                    dtype_str(dtype), ", got ", dtype_str(bias->scalar_type()));
+    STD_TORCH_CHECK(bias->size(0) == n, op, ": bias ", shape_str(*bias),
+                    " does not match n = ", n);
+    bias_ptr = bias->data_ptr();
+  }
+  STD_TORCH_CHECK(m < (int64_t{1} << 31) / kHadamardBlock && k * n < (int64_t{1} << 40), op,
+                  ": problem too large (m = ", m, ", k = ", k, ", n = ", n, ")");
+
+  torch::stable::accelerator::DeviceGuard guard(dev);
+  const cudaStream_t stream = current_stream(dev);
+  Tensor y = torch::stable::new_empty(x, {m, n});
+  if (m == 0) return y;
+
+  const bool bf16 = dtype == ScalarType::BFloat16;
+  const RateKernels& kernels = rate_kernels(k2);
+  std::optional<Tensor> xh, w;
+  float* ws = nullptr;
+
+  GemmParams gp{};
+  gp.trellis = trellis.data_ptr();
+  gp.svh = svh.data_ptr();
+  gp.bias = bias_ptr;
+  gp.y = y.data_ptr();
+  gp.m = static_cast<int>(m);
+  gp.k = static_cast<int>(k);
+  gp.n = static_cast<int>(n);
+  gp.out_bf16 = bf16;
+  gp.shards = table;
+
+  auto run = [&](const Plan& plan) {
+    if (plan.reconstruct) {
+      if (!w) w = torch::stable::new_empty(x, {k, n});
+      ReconParams rp{};
+      rp.trellis = trellis.data_ptr();
+      rp.suh = suh.data_ptr();
+      rp.svh = svh.data_ptr();
+      rp.w = w->data_ptr();
+      rp.k = gp.k;
+      rp.n = gp.n;
+      rp.out_bf16 = bf16;
+      rp.shards = table;
+      kernels.reconstruct_original(static_cast<int>(codebook), rp, stream);
+      check_launch(op);
+      if (bias_ptr) {
+        launch_bias_broadcast(bias_ptr, y.data_ptr(), bf16, gp.m, gp.n, stream);
+        check_launch(op);
+      }
+      // Row-major y[m][n] = x[m][k] @ W[k][n] is column-major y^T = W^T x^T.
+      const float alpha = 1.0f, beta = bias_ptr ? 1.0f : 0.0f;
+      const cudaDataType_t t = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+      const cublasStatus_t st = cublasGemmEx(
+          cublas_handle(dev, stream), CUBLAS_OP_N, CUBLAS_OP_N, gp.n, gp.m, gp.k, &alpha,
+          w->data_ptr(), t, gp.n, x.data_ptr(), t, gp.k, &beta, y.data_ptr(), t, gp.n,
+          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      STD_TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, op, ": cublasGemmEx failed with status ",
+                      static_cast<int>(st));
+      return;
+    }
+    if (!xh) xh = torch::stable::new_empty(x, {shards, m, k}, ScalarType::Half);
+    launch_input_transform(x.data_ptr(), bf16, suh.data_ptr(), xh->data_ptr(), gp.m, gp.k,
+                           static_cast<int>(shards), stream);
+    check_launch(op);
+    gp.xh = xh->data_ptr();
+    gp.splits = plan.splits;
+    gp.ws = plan.splits > 1 ? ws : nullptr;
+    STD_TORCH_CHECK(plan.splits == 1 || ws != nullptr, op, ": split-k without a workspace");
+    kernels.gemm(static_cast<int>(codebook), plan.mt, gp, stream);
+    check_launch(op);
+    if (plan.splits > 1) {
+      launch_splitk_finish(ws, gp.svh, bias_ptr, gp.y, bf16, gp.m, gp.n, stream);
+      check_launch(op);
+    }
+  };
+  auto splitk_ok = [&](bool may_grow) {
+    ws = splitk_workspace(dev, static_cast<size_t>(m) * n, may_grow);
+    return ws != nullptr;
+  };
+
+  const Problem pr{dev, gp.m, gp.k, gp.n, k2, static_cast<int>(codebook),
+                   static_cast<int>(shards), bf16};
+  const Plan plan = choose_plan(pr, stream, run, splitk_ok);
+  run(plan);
+  return y;
+}
+
+Tensor exl3_reconstruct(Tensor trellis, int64_t codebook) {
+  const char* op = "exl3_reconstruct";
+  STD_TORCH_CHECK(trellis.is_cuda(), op, ": trellis must be a CUDA tensor");
+  const int32_t dev = trellis.get_device_index();
+  const int k2 = check_trellis(op, trellis, codebook, dev);
+  const int64_t k = trellis.size(0) * kTileEdge, n = trellis.size(1) * kTileEdge;
+  torch::stable::accelerator::DeviceGuard guard(dev);
+  Tensor w = torch::stable::new_empty(trellis, {k, n}, ScalarType::Half);
+  ReconParams rp{};
+  rp.trellis = trellis.data_ptr();
+  rp.w = w.data_ptr();
+  rp.k = static_cast<int>(k);
+  rp.n = static_cast<int>(n);
+  rate_kernels(k2).reconstruct_rotated(static_cast<int>(codebook), rp, current_stream(dev));
+  check_launch(op);
+  return w;
+}
+
+}  // namespace vllm_exl3
+
+STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
+  m.def(
+      "exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias, "
+      "int[] shard_widths, int codebook) -> Tensor");
+  m.def("exl3_reconstruct(Tensor trellis, int codebook) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(_C, CUDA, m) {
+  m.impl("exl3_linear", TORCH_BOX(&vllm_exl3::exl3_linear));
+  m.impl("exl3_reconstruct", TORCH_BOX(&vllm_exl3::exl3_reconstruct));
+}

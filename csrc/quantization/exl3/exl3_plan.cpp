@@ -1,0 +1,244 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "exl3_plan.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "exl3_kernels.h"
+
+namespace vllm_exl3 {
+
+namespace {
+
+constexpr int kStageK = 64;        // k per GEMM pipeline stage (exl3_gemm.cuh)
+constexpr int kRowsPerTier = 16;   // BM = 16 * mt
+constexpr int kBlockN = 128;       // columns per GEMM block
+// A k-split shorter than this many stages leaves the cp.async pipeline no steady state.
+constexpr int kMinChunksPerSplit = 2;
+// Default cap on split-k accumulator traffic, as a fraction of the weight bytes read.
+constexpr double kDefaultSplitTraffic = 0.25;
+// Accumulators that fit in half the L2 never reach HBM, so their traffic is this much cheaper.
+constexpr double kL2Discount = 4.0;
+// Without a measurement, reconstruct + cuBLAS from this many rows on (tensor-core bound there).
+constexpr int kDefaultReconstructM = 512;
+// Below this many rows the reconstruct path is not even timed (the fused GEMM is decode-bound
+// and reconstruction alone costs more than it).
+constexpr int kMinReconstructTuneM = 64;
+// Autotuner: head start given to the device so the timed launches queue up gap-free, and the
+// number of timed repetitions per candidate.
+constexpr int kTuneSleepUs = 300;
+constexpr int kTuneReps = 5;
+
+const char* env_value(const char* name, const char* legacy) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') v = std::getenv(legacy);
+  return (v != nullptr && *v != '\0') ? v : nullptr;
+}
+
+std::optional<long> env_long(const char* name, const char* legacy) {
+  const char* v = env_value(name, legacy);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v, &end, 10);
+  if (errno != 0 || end == v || *end != '\0')
+    throw std::runtime_error(std::string("exl3: ") + name + "=" + v + " is not an integer");
+  return x;
+}
+
+struct Pins {
+  bool deterministic = false;
+  int mt = 0;      // 0 = free
+  int splits = 0;  // 0 = free
+  std::optional<long> reconstruct_m;
+  double traffic = kDefaultSplitTraffic;
+};
+
+Pins read_pins() {
+  Pins p;
+  if (auto d = env_long("VLLM_EXL3_DETERMINISTIC", "CUDA_EXL3_DETERMINISTIC")) p.deterministic = *d != 0;
+  if (auto bm = env_long("VLLM_EXL3_BM", "CUDA_EXL3_BM")) {
+    if (*bm != 16 && *bm != 32 && *bm != 64 && *bm != 128)
+      throw std::runtime_error("exl3: VLLM_EXL3_BM=" + std::to_string(*bm) +
+                               " must be one of 16, 32, 64, 128");
+    p.mt = static_cast<int>(*bm / kRowsPerTier);
+  }
+  if (auto s = env_long("VLLM_EXL3_SPLIT_K", "CUDA_EXL3_SPLIT_K")) {
+    if (*s < 1) throw std::runtime_error("exl3: VLLM_EXL3_SPLIT_K must be >= 1");
+    p.splits = static_cast<int>(*s);
+  }
+  p.reconstruct_m = env_long("VLLM_EXL3_RECONSTRUCT_M", "CUDA_EXL3_RECONSTRUCT_M");
+  if (const char* t = env_value("VLLM_EXL3_SPLIT_K_TRAFFIC", "CUDA_EXL3_SPLIT_K_TRAFFIC")) {
+    char* end = nullptr;
+    const double x = std::strtod(t, &end);
+    if (end == t || *end != '\0' || !(x > 0.0))
+      throw std::runtime_error(std::string("exl3: VLLM_EXL3_SPLIT_K_TRAFFIC=") + t +
+                               " must be a positive number");
+    p.traffic = x;
+  }
+  if (p.deterministic) p.splits = 1;  // split-k sums in a run-dependent order
+  return p;
+}
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+int pow2_ceil(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+int tier_for_m(int m) { return m <= 16 ? 1 : m <= 32 ? 2 : m <= 64 ? 4 : 8; }
+
+int max_splits(const Problem& pr) { return std::max(1, pr.k / kStageK / kMinChunksPerSplit); }
+
+// Enough k-splits to give every SM its resident blocks, unless the fp32 partial sums would cost
+// more than a fraction of the weight traffic.
+int split_model(const Problem& pr, int mt, const Pins& pins) {
+  const DeviceInfo di = device_info(pr.device);
+  const int64_t tiles = static_cast<int64_t>(ceil_div(pr.m, kRowsPerTier * mt)) * (pr.n / kBlockN);
+  const int64_t slots =
+      static_cast<int64_t>(di.sms) * rate_kernels(pr.k2).gemm_blocks_per_sm(pr.cb, mt);
+  if (tiles >= slots) return 1;
+  int s = ceil_div(slots, tiles);
+  s = std::min(s, max_splits(pr));
+  const double acc_bytes = static_cast<double>(pr.m) * pr.n * sizeof(float);
+  const double weight_bytes = static_cast<double>(pr.k) * pr.n * pr.k2 / 16.0;
+  const double frac = pins.traffic * (acc_bytes <= di.l2_bytes / 2.0 ? kL2Discount : 1.0);
+  // Each split reads and writes its partial sums once (a reduction is a read-modify-write).
+  const int cap = static_cast<int>(frac * weight_bytes / (2.0 * acc_bytes));
+  return std::max(1, std::min(s, cap));
+}
+
+Plan cost_model(const Problem& pr, const Pins& pins) {
+  Plan p;
+  if (!pins.reconstruct_m && pr.m >= kDefaultReconstructM) {
+    p.reconstruct = true;
+    return p;
+  }
+  p.mt = pins.mt ? pins.mt : tier_for_m(pr.m);
+  p.splits = pins.splits ? std::min(pins.splits, max_splits(pr)) : split_model(pr, p.mt, pins);
+  return p;
+}
+
+std::vector<Plan> candidates(const Problem& pr, const Pins& pins) {
+  std::vector<Plan> out;
+  const int bucket = pow2_ceil(std::max(pr.m, kRowsPerTier));
+  for (int mt : kGemmTiers) {
+    if (pins.mt ? mt != pins.mt : kRowsPerTier * mt > bucket) continue;
+    std::vector<int> splits;
+    if (pins.splits) {
+      splits = {std::min(pins.splits, max_splits(pr))};
+    } else {
+      const int s = split_model(pr, mt, pins);
+      splits = {s, std::max(1, s / 2), std::min(max_splits(pr), s * 2)};
+    }
+    std::sort(splits.begin(), splits.end());
+    splits.erase(std::unique(splits.begin(), splits.end()), splits.end());
+    for (int s : splits) out.push_back(Plan{false, mt, s});
+  }
+  if (!pins.reconstruct_m && pr.m >= kMinReconstructTuneM) out.push_back(Plan{true, 1, 1});
+  return out;
+}
+
+using Key = std::tuple<int, int, int, int, int, int, int, bool, int, int, long, double, bool>;
+
+std::mutex g_mutex;
+std::map<Key, Plan> g_cache;
+std::map<int, DeviceInfo> g_devices;
+
+Key make_key(const Problem& pr, const Pins& pins) {
+  return Key{pr.device, pow2_ceil(std::max(pr.m, 1)), pr.k, pr.n, pr.k2, pr.cb, pr.shards,
+             pr.bf16, pins.mt, pins.splits, pins.reconstruct_m.value_or(-1), pins.traffic,
+             pins.deterministic};
+}
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("exl3 autotuner: ") + what + ": " + cudaGetErrorString(e));
+}
+
+float time_plan(const Plan& plan, cudaStream_t stream, const PlanRunner& run) {
+  cudaEvent_t start, stop;
+  cuda_check(cudaEventCreate(&start), "event");
+  cuda_check(cudaEventCreate(&stop), "event");
+  run(plan);  // warm-up: first-launch costs, cuBLAS heuristics
+  launch_device_sleep(kTuneSleepUs, stream);
+  cuda_check(cudaEventRecord(start, stream), "event record");
+  for (int r = 0; r < kTuneReps; ++r) run(plan);
+  cuda_check(cudaEventRecord(stop, stream), "event record");
+  cuda_check(cudaEventSynchronize(stop), "event sync");
+  float ms = 0.f;
+  cuda_check(cudaEventElapsedTime(&ms, start, stop), "event time");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / kTuneReps;
+}
+
+}  // namespace
+
+DeviceInfo device_info(int device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_devices.find(device);
+  if (it != g_devices.end()) return it->second;
+  DeviceInfo di{};
+  int l2 = 0;
+  cuda_check(cudaDeviceGetAttribute(&di.sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+  cuda_check(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device), "L2 size");
+  di.l2_bytes = l2;
+  g_devices[device] = di;
+  return di;
+}
+
+Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
+                 const std::function<bool(bool)>& splitk_ok) {
+  const Pins pins = read_pins();
+  if (pins.reconstruct_m && *pins.reconstruct_m > 0 && pr.m >= *pins.reconstruct_m)
+    return Plan{true, 1, 1};
+
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  cuda_check(cudaStreamIsCapturing(stream, &status), "capture status");
+  const bool capturing = status != cudaStreamCaptureStatusNone;
+  // A split plan needs the workspace; during capture it can only be used if already big enough.
+  auto settle = [&](Plan p) {
+    if (!p.reconstruct && p.splits > 1 && !splitk_ok(!capturing)) p.splits = 1;
+    return p;
+  };
+
+  const std::vector<Plan> cands = candidates(pr, pins);
+  if (cands.size() == 1) return settle(cands[0]);
+
+  const Key key = make_key(pr, pins);
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_cache.find(key);
+    if (it != g_cache.end()) return settle(it->second);
+  }
+  if (capturing) return settle(cost_model(pr, pins));
+
+  Plan best = cost_model(pr, pins);
+  float best_ms = -1.f;
+  for (const Plan& c : cands) {
+    if (!c.reconstruct && c.splits > 1 && !splitk_ok(true)) continue;
+    const float ms = time_plan(c, stream, run);
+    if (best_ms < 0.f || ms < best_ms) {
+      best_ms = ms;
+      best = c;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_cache[key] = best;
+  }
+  return settle(best);
+}
+
+}  // namespace vllm_exl3

@@ -1,0 +1,45 @@
+// SPDX-License-Identifier: Apache-2.0
+// How one exl3_linear call runs: the fused trellis GEMM with a BM tier and a split-k factor, or
+// reconstruct + cuBLAS. Chosen per call inside the op (so a CUDA graph records the branch that
+// fits its own m), by env pins, then the autotuner's cache, then a cost model.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+
+namespace vllm_exl3 {
+
+struct Plan {
+  bool reconstruct = false;  // reconstruct W + cuBLAS instead of the fused GEMM
+  int mt = 1;                // fused: m16 tiles per block (BM = 16 * mt)
+  int splits = 1;            // fused: k-splits (1 = full k, epilogue in the GEMM)
+};
+
+struct Problem {
+  int device;
+  int m, k, n;
+  int k2;     // 2 * bits
+  int cb;     // codebook id
+  int shards;
+  bool bf16;  // activation / output dtype
+};
+
+// Device facts the cost model needs (cached per device).
+struct DeviceInfo {
+  int sms;
+  int64_t l2_bytes;
+};
+DeviceInfo device_info(int device);
+
+// Runs `plan` once on the call's real buffers (enqueue only).
+using PlanRunner = std::function<void(const Plan&)>;
+
+// The plan for this call. May time candidates (eager mode only, never while `stream` is
+// capturing) by calling `run` on `stream`; the caller must run the returned plan afterwards.
+// `splitk_ok(m, n)` tells whether the split-k workspace can hold m x n now (it may grow it).
+Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
+                 const std::function<bool(bool may_grow)>& splitk_ok);
+
+}  // namespace vllm_exl3

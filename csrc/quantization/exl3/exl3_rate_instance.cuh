@@ -1,0 +1,140 @@
+// SPDX-License-Identifier: Apache-2.0
+// Launchers of one bitrate: every codebook x BM tier of the GEMM and both reconstructs.
+// Included once per exl3_rate_k<K2>.cu, which calls EXL3_DEFINE_RATE(K2).
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+
+#include "exl3_gemm.cuh"
+#include "exl3_reconstruct.cuh"
+
+namespace vllm_exl3 {
+
+// Raise a kernel's dynamic shared-memory limit once per device (the attribute is per context).
+template <typename Kernel>
+inline void allow_smem(Kernel kernel, int bytes, unsigned& done_mask) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const unsigned bit = 1u << (dev & 31);
+  if (!(done_mask & bit)) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    done_mask |= bit;
+  }
+}
+
+// Half rates exist only with MUL1 (exl3-format.md §1.5); the host validates before dispatch.
+template <int K2>
+constexpr bool codebook_valid(int cb) {
+  return (K2 & 1) ? cb == kMul1 : (cb >= 0 && cb <= 2);
+}
+
+template <int K2, int CB, int MT>
+void gemm_launch_tier(const GemmParams& p, cudaStream_t stream) {
+  using Shape = GemmShape<K2, MT>;
+  static unsigned done = 0;
+  auto kernel = exl3_gemm_kernel<K2, CB, MT>;
+  allow_smem(kernel, Shape::kSmemBytes, done);
+  const dim3 grid((p.m + Shape::kBM - 1) / Shape::kBM, p.n / kBlockN, p.splits);
+  kernel<<<grid, kGemmThreads, Shape::kSmemBytes, stream>>>(p);
+}
+
+template <int K2, int CB, int MT>
+int gemm_occupancy_tier() {
+  static int cached[32] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  int& c = cached[dev & 31];
+  if (c == 0) {
+    using Shape = GemmShape<K2, MT>;
+    static unsigned done = 0;
+    auto kernel = exl3_gemm_kernel<K2, CB, MT>;
+    allow_smem(kernel, Shape::kSmemBytes, done);
+    int blocks = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemmThreads,
+                                                  Shape::kSmemBytes);
+    c = blocks > 0 ? blocks : 1;
+  }
+  return c;
+}
+
+// mt -> the templated tier; cb -> the templated codebook.
+template <typename F>
+inline auto with_tier(int mt, F&& f) {
+  switch (mt) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+template <int K2, typename F>
+inline auto with_codebook(int cb, F&& f) {
+  if constexpr (K2 & 1) {
+    return f(std::integral_constant<int, kMul1>{});
+  } else {
+    switch (cb) {
+      case kThreeInst: return f(std::integral_constant<int, kThreeInst>{});
+      case kMcg: return f(std::integral_constant<int, kMcg>{});
+      default: return f(std::integral_constant<int, kMul1>{});
+    }
+  }
+}
+
+template <int K2>
+void gemm_launch(int cb, int mt, const GemmParams& p, cudaStream_t stream) {
+  with_codebook<K2>(cb, [&](auto c) {
+    with_tier(mt, [&](auto t) {
+      gemm_launch_tier<K2, decltype(c)::value, decltype(t)::value>(p, stream);
+    });
+  });
+}
+
+template <int K2>
+int gemm_blocks_per_sm(int cb, int mt) {
+  return with_codebook<K2>(cb, [&](auto c) {
+    return with_tier(mt, [&](auto t) {
+      return gemm_occupancy_tier<K2, decltype(c)::value, decltype(t)::value>();
+    });
+  });
+}
+
+template <int K2>
+void reconstruct_rotated_launch(int cb, const ReconParams& p, cudaStream_t stream) {
+  with_codebook<K2>(cb, [&](auto c) {
+    const dim3 grid(p.n / kHadamard, p.k / kTile);
+    exl3_reconstruct_rotated_kernel<K2, decltype(c)::value><<<grid, kReconThreads, 0, stream>>>(p);
+  });
+}
+
+template <int K2>
+void reconstruct_original_launch(int cb, const ReconParams& p, cudaStream_t stream) {
+  with_codebook<K2>(cb, [&](auto c) {
+    const dim3 grid(p.n / kHadamard, p.k / kHadamard);
+    auto go = [&](auto kernel, unsigned& done) {
+      allow_smem(kernel, kReconOriginalSmem, done);
+      kernel<<<grid, kReconThreads, kReconOriginalSmem, stream>>>(p);
+    };
+    static unsigned done_bf16 = 0, done_fp16 = 0;
+    if (p.out_bf16)
+      go(exl3_reconstruct_original_kernel<K2, decltype(c)::value, __nv_bfloat16>, done_bf16);
+    else
+      go(exl3_reconstruct_original_kernel<K2, decltype(c)::value, __half>, done_fp16);
+  });
+}
+
+template <int K2>
+const RateKernels& make_rate_kernels() {
+  static const RateKernels k{&gemm_launch<K2>, &gemm_blocks_per_sm<K2>,
+                             &reconstruct_rotated_launch<K2>, &reconstruct_original_launch<K2>};
+  return k;
+}
+
+}  // namespace vllm_exl3
+
+#define EXL3_DEFINE_RATE(K2)                                  \
+  namespace vllm_exl3 {                                       \
+  const RateKernels& rate_kernels_k##K2() { return make_rate_kernels<K2>(); } \
+  }

@@ -1,0 +1,5 @@
+// SPDX-License-Identifier: Apache-2.0
+// Kernels of the 5-bit rate (K2 = 10): every codebook x BM tier, both reconstructs.
+#include "exl3_rate_instance.cuh"
+
+EXL3_DEFINE_RATE(10)

@@ -1,0 +1,74 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "exl3_resources.h"
+
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace vllm_exl3 {
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+// cuBLAS needs a caller-owned workspace to be capturable; 32 MiB covers its Hopper kernels.
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("exl3: ") + what + ": " + cudaGetErrorString(e));
+}
+
+struct SplitkBuffer {
+  float* ptr = nullptr;
+  size_t floats = 0;
+  std::vector<float*> retired;  // kept alive for graphs captured against them
+};
+
+std::mutex g_mutex;
+SplitkBuffer g_splitk[kMaxDevices];
+cublasHandle_t g_cublas[kMaxDevices] = {};
+void* g_cublas_ws[kMaxDevices] = {};
+
+}  // namespace
+
+float* splitk_workspace(int device, size_t floats, bool may_grow) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  if (floats * sizeof(float) > kSplitkWorkspaceCapBytes) return nullptr;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  SplitkBuffer& b = g_splitk[device];
+  if (b.floats >= floats) return b.ptr;
+  if (!may_grow) return nullptr;
+  // Grow geometrically so a warm-up over increasing sizes allocates O(log) times.
+  size_t want = b.floats ? b.floats * 2 : floats;
+  if (want < floats) want = floats;
+  if (want * sizeof(float) > kSplitkWorkspaceCapBytes) want = floats;
+  float* p = nullptr;
+  cuda_check(cudaMalloc(&p, want * sizeof(float)), "allocating the split-k workspace");
+  // Zeroed once here; afterwards every finish kernel restores the zeros it consumed.
+  cuda_check(cudaMemset(p, 0, want * sizeof(float)), "zeroing the split-k workspace");
+  cuda_check(cudaDeviceSynchronize(), "zeroing the split-k workspace");
+  if (b.ptr) b.retired.push_back(b.ptr);
+  b.ptr = p;
+  b.floats = want;
+  return p;
+}
+
+cublasHandle_t cublas_handle(int device, cudaStream_t stream) {
+  if (device < 0 || device >= kMaxDevices)
+    throw std::runtime_error("exl3: device index out of range for cuBLAS");
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_cublas[device]) {
+    if (cublasCreate(&g_cublas[device]) != CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error("exl3: cublasCreate failed");
+    cuda_check(cudaMalloc(&g_cublas_ws[device], kCublasWorkspaceBytes),
+               "allocating the cuBLAS workspace");
+  }
+  cublasHandle_t h = g_cublas[device];
+  if (cublasSetStream(h, stream) != CUBLAS_STATUS_SUCCESS ||
+      cublasSetWorkspace(h, g_cublas_ws[device], kCublasWorkspaceBytes) != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error("exl3: binding the cuBLAS handle to the stream failed");
+  return h;
+}
+
+}  // namespace vllm_exl3

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Quick build of the EXL3 kernels into the standalone stable-ABI extension `_exl3_C.abi3.so`.
+
+Compiles `csrc/quantization/exl3/*` against the torch headers of the running Python (torch
+2.11, stable ABI only) with the local nvcc, in parallel, one object per translation unit, and
+links them with `standalone_module.cpp` (the Python entry point). Importing the result registers
+`torch.ops._C.exl3_linear` / `exl3_reconstruct`. The full build compiles the same sources into
+vLLM's `_C_stable_libtorch` instead (a CMake source-list patch).
+
+    python -m vllm_exl3.kernels_build --out build/exl3 --arch 9.0 --jobs 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = REPO / "csrc" / "quantization" / "exl3"
+EXTENSION = "_exl3_C.abi3.so"
+# The entry point belongs to the quick build only; the full build uses REGISTER_EXTENSION.
+STANDALONE = "standalone_module.cpp"
+# Oldest torch whose stable ABI we target (vLLM 0.26's CMake uses the same value).
+TORCH_TARGET_VERSION = "0x020B000000000000ULL"
+# No --use_fast_math: the decode must round exactly like the format's fp16 adds and fmas, and
+# the epilogue's fp32 must not flush or approximate.
+NVCC_FLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr"]
+CXX_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall", "-Wno-unknown-pragmas"]
+DEFINES = ["-DUSE_CUDA", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def normalize_arch(arch: str) -> str:
+    """'9.0', '90', 'sm_90', 'compute_90' -> '90'; '12.1' -> '121'."""
+    a = arch.strip().lower().removeprefix("sm_").removeprefix("compute_")
+    if "." in a:
+        major, minor = a.split(".", 1)
+        a = major + minor
+    if not a.isdigit():
+        raise BuildError(f"unrecognised CUDA architecture {arch!r} (use e.g. 9.0, 12.0, sm_121)")
+    return a
+
+
+def gencode_flags(archs: list[str]) -> list[str]:
+    flags = []
+    for a in archs:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    return flags
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    nvcc: str
+    cxx: str
+    cuda_include: list[str]
+    torch_include: Path
+    torch_lib: Path
+    python_include: str
+    cublas_lib: Path
+
+
+def _nvidia_dir(sub: str) -> Path | None:
+    """The pip-installed CUDA 13 tree (nvidia/cu13/<sub>) that torch's wheel depends on."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        d = Path(root) / "cu13" / sub
+        if d.is_dir():
+            return d
+    return None
+
+
+def find_toolchain() -> Toolchain:
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists():
+        raise BuildError("nvcc not found on PATH (CUDA 13 toolkit needed)")
+    # nvcc may be a wrapper script outside the toolkit (/usr/local/bin/nvcc here).
+    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    if not (cuda_home / "include" / "cuda_runtime.h").exists():
+        cuda_home = Path(nvcc).resolve().parent.parent
+    cuda_include = [str(cuda_home / "include")]
+    wheel_include = _nvidia_dir("include")
+    if not (cuda_home / "include" / "cublas_v2.h").exists():
+        if wheel_include is None:
+            raise BuildError("cublas_v2.h found neither in the CUDA toolkit nor in nvidia/cu13")
+        cuda_include.append(str(wheel_include))
+    candidates = [cuda_home / "lib64" / "libcublas.so"]
+    wheel_lib = _nvidia_dir("lib")
+    if wheel_lib:
+        candidates.append(wheel_lib / "libcublas.so.13")
+    cublas = next((c for c in candidates if c.exists()), None)
+    if cublas is None:
+        raise BuildError("libcublas not found (looked in %s)" % ", ".join(map(str, candidates)))
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        raise BuildError("torch is not importable from this Python")
+    torch_dir = Path(spec.origin).parent
+    return Toolchain(nvcc=nvcc, cxx=os.environ.get("CXX", "g++"), cuda_include=cuda_include,
+                     torch_include=torch_dir / "include", torch_lib=torch_dir / "lib",
+                     python_include=sysconfig.get_paths()["include"], cublas_lib=cublas)
+
+
+def _includes(tc: Toolchain) -> list[str]:
+    return ([f"-I{SOURCES}", f"-I{tc.torch_include}", f"-I{tc.python_include}"]
+            + [f"-I{d}" for d in tc.cuda_include])
+
+
+def _stale(obj: Path, src: Path) -> bool:
+    if not obj.exists():
+        return True
+    # Any header of the directory may be included by any source: rebuild when one is newer.
+    newest = max(p.stat().st_mtime for p in SOURCES.iterdir() if p.is_file())
+    return obj.stat().st_mtime < max(newest, src.stat().st_mtime)
+
+
+def _compile_commands(tc: Toolchain, archs: list[str], obj_dir: Path,
+                      with_standalone: bool) -> list[tuple[Path, Path, list[str]]]:
+    jobs = []
+    for src in sorted(SOURCES.iterdir()):
+        if src.suffix not in (".cu", ".cpp") or (src.name == STANDALONE and not with_standalone):
+            continue
+        obj = obj_dir / (src.name + ".o")
+        if src.suffix == ".cu":
+            cmd = [tc.nvcc, *NVCC_FLAGS, *gencode_flags(archs), *DEFINES, *_includes(tc), "-c",
+                   str(src), "-o", str(obj)]
+        else:
+            cmd = [tc.cxx, *CXX_FLAGS, *DEFINES, *_includes(tc), "-c", str(src), "-o", str(obj)]
+        jobs.append((src, obj, cmd))
+    return jobs
+
+
+def _run(cmd: list[str], what: str) -> float:
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BuildError(f"{what} failed:\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    return time.monotonic() - t0
+
+
+def build_extension(out_dir: Path, archs: list[str], jobs: int, compile_only: bool = False,
+                    verbose: bool = False) -> Path:
+    """Build `_exl3_C.abi3.so` into out_dir (returned), or only its objects if compile_only
+    (then the object directory is returned). Unchanged objects are reused."""
+    archs = sorted({normalize_arch(a) for a in archs}, key=int)
+    if not archs:
+        raise BuildError("no CUDA architecture given")
+    tc = find_toolchain()
+    out_dir = Path(out_dir).resolve()
+    obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    work = [(s, o, c) for s, o, c in _compile_commands(tc, archs, obj_dir, not compile_only)
+            if _stale(o, s)]
+    # Largest translation units first, so the long ones don't start last.
+    work.sort(key=lambda w: (w[0].suffix != ".cu", -w[0].stat().st_size))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(_run, cmd, f"compiling {src.name}"): src for src, _, cmd in work}
+        for fut in concurrent.futures.as_completed(futures):
+            seconds = fut.result()
+            if verbose:
+                print(f"  {futures[fut].name}: {seconds:.1f} s", file=sys.stderr)
+    if compile_only:
+        return obj_dir
+    objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, True)]
+    target = out_dir / EXTENSION
+    link = [tc.nvcc, "-shared", "-cudart", "shared", *gencode_flags(archs), "-o", str(target),
+            *map(str, objects), f"-L{tc.torch_lib}", "-ltorch", "-ltorch_cpu", "-ltorch_cuda",
+            "-lc10", f"-L{tc.cublas_lib.parent}", f"-l:{tc.cublas_lib.name}",
+            # Installed as vllm/_exl3_C.abi3.so: torch and the CUDA wheels sit beside vllm/.
+            "-Xlinker", "-rpath=$ORIGIN/../torch/lib:$ORIGIN/../nvidia/cu13/lib"]
+    _run(link, "linking " + EXTENSION)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "build" / "exl3")
+    ap.add_argument("--arch", action="append", default=None,
+                    help="CUDA architecture (repeatable): 9.0, 12.0, 12.1 (default 9.0)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    try:
+        path = build_extension(args.out, args.arch or ["9.0"], args.jobs, args.compile_only,
+                               verbose=True)
+    except BuildError as e:
+        print(f"kernels_build: {e}", file=sys.stderr)
+        return 1
+    print(f"{path} ({time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
