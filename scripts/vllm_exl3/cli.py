@@ -23,6 +23,13 @@ SUBCOMMAND_MODULES = (
     "inspect_ckpt",
     "dequantize",
 )
+# Subcommand -> module, so a command imports only its own module (the checkpoint tools import
+# torch, which would add seconds to every `apply`). --help and unknown names import all.
+_MODULE_OF = {
+    "dev-tree": "patches",
+    "export-patches": "patches",
+    "inspect": "inspect_ckpt",
+}
 
 
 def _unavailable(name: str, error: BaseException):
@@ -32,14 +39,14 @@ def _unavailable(name: str, error: BaseException):
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(modules: tuple[str, ...] = SUBCOMMAND_MODULES) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-exl3",
         description="EXL3 for vLLM 0.26.0: fetch the pinned vLLM, apply or revert the patch "
         "series and overlay, build a wheel, bundle it for an offline host, inspect checkpoints.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
+    for name in modules:
         qualified = f"{__package__}.{name}"
         if importlib.util.find_spec(qualified) is None:
             continue  # not written yet
@@ -54,7 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and not argv[0].startswith("-") else ""
+    if command in _MODULE_OF:
+        modules: tuple[str, ...] = (_MODULE_OF[command],)
+    elif command in SUBCOMMAND_MODULES and command not in _MODULE_OF.values():
+        modules = (command,)
+    else:
+        modules = SUBCOMMAND_MODULES
+    args = build_parser(modules).parse_args(argv)
     try:
         return args.func(args)
     except ToolError as e:
