@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     read = current
     if state is not None:
         changed = state.changed_since()
-        if state.series == fp and not changed and not args.replace:
+        if state.series == fp and not changed:
             print(f"{tree.root}: this series is already applied ({len(state.entries)} files, "
                   f"{state.applied_at}); nothing to do")
             return 0
