@@ -52,6 +52,22 @@ def _print_writes(plan: Plan) -> None:
         print(f"  {verb} {w.path}  <- {w.origin}")
 
 
+def apply_onto(root: Path, series: Series) -> tuple[TargetTree, Plan]:
+    """Apply onto a tree that holds no earlier application (used by `build` on a freshly
+    unpacked wheel); raises listing every reason when the series does not apply."""
+    tree = identify(root)
+    if State.load(tree.root) is not None:
+        raise ToolError(f"{tree.root} already holds a vllm-exl3 application")
+    current = reader_for(tree.root)
+    plan = make_plan(series, tree.kind, current)
+    reasons = tree.problems + plan.problems
+    if reasons:
+        raise _refuse(tree, reasons)
+    record_and_write(tree.root, plan, series.fingerprint(tree.kind), tree.kind, tree.version,
+                     f"{series.root} @ {git_label(series.root) or 'no git'}", current)
+    return tree, plan
+
+
 def run(args: argparse.Namespace) -> int:
     series = Series.load(args.series)
     tree = identify(args.tree)

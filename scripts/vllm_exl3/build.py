@@ -1,0 +1,257 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`build`: an installable wheel of the patched vLLM 0.26.0 in dist/.
+
+Quick path (default): the official release wheel, unpacked, the series applied in wheel-tree
+mode, our kernels compiled into `vllm/_exl3_C.abi3.so` (a separate small stable-ABI extension:
+the release's `_C_stable_libtorch` stays as shipped), RECORD regenerated, version
+`0.26.0+exl3.<commit>`. `--from-source`: vLLM's own full build of the patched sdist, with our
+kernels compiled into `_C_stable_libtorch` (the release path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import pins
+from .apply import apply_onto
+from .errors import ToolError
+from .fetch import copy_sdist_tree, ensure_pinned, ensure_sdist_tree, wheels_dir
+from .repo import ROOT, Series, default_cache_dir, default_venv, git_label
+from .state import STATE_DIR
+from .tree import BUILD_LABEL_PREFIX
+from .wheelfile import WheelName, set_version, unpack, write
+
+DEFAULT_ARCHS = "9.0;12.0;12.1"
+KERNEL_MODULE = "vllm/_exl3_C.abi3.so"
+# Seconds between "still compiling" lines while a long subprocess runs.
+_HEARTBEAT_S = 30
+
+# The compile step runs in the pinned venv (it needs torch 2.11's headers); the tool itself may
+# run under any Python 3.11+. build_extension(out_dir, archs, jobs) -> Path is the kernel
+# build's interface.
+_KERNEL_SNIPPET = """
+import inspect, json, sys
+from pathlib import Path
+sys.path.insert(0, {scripts!r})
+from vllm_exl3.kernels_build import build_extension
+kw = {{"verbose": True}} if "verbose" in inspect.signature(build_extension).parameters else {{}}
+try:
+    path = build_extension(Path({out!r}), {archs!r}, {jobs!r}, **kw)
+except Exception as e:
+    print(f"kernel build failed: {{e}}", file=sys.stderr)
+    sys.exit(1)
+print(json.dumps(str(path)))
+"""
+
+
+def _machine() -> str:
+    m = platform.machine()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m.lower(), m)
+
+
+def _archs(spec: str) -> list[str]:
+    archs = [a.strip() for a in spec.replace(",", ";").split(";") if a.strip()]
+    if not archs:
+        raise ToolError("--archs is empty")
+    return archs
+
+
+def _run_with_heartbeat(cmd: list[str], what: str, env: dict[str, str] | None = None,
+                        capture: bool = False) -> subprocess.CompletedProcess:
+    """Run a long step, printing elapsed time every _HEARTBEAT_S so a log shows it is alive."""
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(_HEARTBEAT_S):
+            print(f"  {what}: {time.monotonic() - t0:.0f}s ...", file=sys.stderr, flush=True)
+
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        return subprocess.run(cmd, env=env, text=True,
+                              stdout=subprocess.PIPE if capture else None)
+    finally:
+        done.set()
+        print(f"  {what}: finished in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+
+
+def _venv_python(args: argparse.Namespace) -> Path:
+    if args.python:
+        return args.python
+    py = default_venv() / "bin" / "python"
+    if not py.exists():
+        print(f"build: no pinned environment at {py.parent.parent}; creating it (ci/setup-env.sh)")
+        subprocess.run(["bash", str(ROOT / "ci" / "setup-env.sh")], check=True)
+    return py
+
+
+def build_kernels(python: Path, work: Path, archs: list[str], jobs: int) -> Path:
+    if importlib.util.find_spec(f"{__package__}.kernels_build") is None:
+        raise ToolError(
+            "the kernel build (scripts/vllm_exl3/kernels_build.py) is missing from this "
+            "checkout; use --no-kernels for a Python-only wheel"
+        )
+    print(f"build: compiling the EXL3 kernels for {';'.join(archs)} with {jobs} job(s) "
+          f"({python})")
+    snippet = _KERNEL_SNIPPET.format(scripts=str(Path(__file__).resolve().parents[1]),
+                                     out=str(work / "kernels"), archs=archs, jobs=jobs)
+    r = _run_with_heartbeat([str(python), "-c", snippet], "compiling kernels", capture=True)
+    if r.returncode != 0:
+        raise ToolError("the kernel build failed (see the compiler output above)")
+    return Path(json.loads(r.stdout.strip().splitlines()[-1]))
+
+
+def quick_build(wheel: Path, series: Series, dist: Path, work: Path, kernels: Path | None,
+                label: str) -> Path:
+    """The official wheel + series (wheel-tree mode) + optional kernel module -> dist/."""
+    name = WheelName.parse(wheel.name)
+    if name.version != pins.VLLM_VERSION:
+        raise ToolError(f"{wheel.name} is vLLM {name.version}; the series is for "
+                        f"{pins.VLLM_VERSION}")
+    tree = work / "wheel-tree"
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    unpack(wheel, tree)
+    _, plan = apply_onto(tree, series)
+    shutil.rmtree(tree / STATE_DIR)  # the record describes this staging tree, not an install
+    print(f"build: applied the series ({len(plan.writes)} files)")
+    if kernels is not None:
+        shutil.copyfile(kernels, tree / KERNEL_MODULE)
+        os.chmod(tree / KERNEL_MODULE, 0o755)
+    new = set_version(tree, name, f"{pins.VLLM_VERSION}+{BUILD_LABEL_PREFIX}.{label}")
+    out = dist / new.filename
+    write(tree, new, out)
+    shutil.rmtree(tree)
+    return out
+
+
+def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
+    """vLLM's own setup.py build of the patched sdist (CMake + nvcc of everything)."""
+    problems = []
+    nvcc = shutil.which("nvcc") or (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+                                    / "bin" / "nvcc")
+    if not Path(nvcc).exists():
+        problems.append("nvcc (the CUDA 13 toolkit) is not on PATH and CUDA_HOME has none")
+    probe = subprocess.run(
+        [str(python), "-c", "import cmake, ninja, setuptools_scm, setuptools_rust, torch; "
+         "print(cmake.__version__, torch.__version__)"],
+        capture_output=True, text=True,
+    )
+    if probe.returncode != 0:
+        problems.append(
+            f"{python} lacks build requirements (cmake>=3.26.1, ninja, setuptools-scm, "
+            f"setuptools-rust, torch==2.11.0): {probe.stderr.strip().splitlines()[-1:]}"
+        )
+    if problems:
+        raise ToolError("cannot build from source:\n  " + "\n  ".join(problems))
+    src = ensure_sdist_tree(args.cache_dir, offline=args.offline)
+    tree = args.work_dir / f"vllm-{pins.VLLM_VERSION}-src"
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    copy_sdist_tree(src, tree)
+    apply_onto(tree, series)
+    shutil.rmtree(tree / STATE_DIR)
+    env = {**os.environ,
+           "VLLM_TARGET_DEVICE": "cuda",
+           "TORCH_CUDA_ARCH_LIST": " ".join(_archs(args.archs)),
+           "MAX_JOBS": str(args.jobs)}
+    # Precompiled mode would replace _C_stable_libtorch, and with it our kernels.
+    for var in ("VLLM_USE_PRECOMPILED", "VLLM_PRECOMPILED_WHEEL_LOCATION"):
+        env.pop(var, None)
+    print(f"build: vLLM's full build of {tree} (CMake fetches 8 repositories unless their "
+          "*_SRC_DIR variables point at local copies; hours on a small machine)")
+    args.dist_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [str(python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v",
+           "-w", str(args.dist_dir), str(tree)]
+    r = _run_with_heartbeat(cmd, "vLLM build", env=env)
+    if r.returncode != 0:
+        raise ToolError(f"vLLM's build failed (exit {r.returncode}); tree kept at {tree}")
+    print(f"build: wheel in {args.dist_dir}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    series = Series.load(args.series)
+    if args.from_source:
+        return from_source(args, series, _venv_python(args))
+    t0 = time.monotonic()
+    if args.wheel:
+        wheel = args.wheel
+    else:
+        machine = _machine()
+        if machine not in pins.WHEELS:
+            raise ToolError(f"no pinned vLLM wheel for {machine}; known: {', '.join(pins.WHEELS)}")
+        filename, sha = pins.WHEELS[machine]
+        wheel = ensure_pinned(filename, sha, wheels_dir(args.cache_dir), args.offline)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    if args.kernels_so:
+        kernels = args.kernels_so
+        suffix = ""
+    elif args.no_kernels:
+        kernels = None
+        suffix = ".nokernels"
+    else:
+        kernels = build_kernels(_venv_python(args), args.work_dir, _archs(args.archs), args.jobs)
+        suffix = ""
+    label = (git_label(series.root) or series.fingerprint("wheel")[:8]) + suffix
+    out = quick_build(wheel, series, args.dist_dir, args.work_dir, kernels, label)
+    print(f"{out}")
+    print(f"build: {out.stat().st_size / 1e6:.0f} MB in {time.monotonic() - t0:.0f}s"
+          + ("" if kernels else " (no EXL3 kernels: the overlay falls back to the reference "
+                               "path)"))
+    print(f"install: pip install --no-deps {out}  (into an environment with torch 2.11.0 and "
+          "vLLM's dependencies)")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "build",
+        help="build a wheel of the patched vLLM into dist/ (quick by default)",
+        description=(
+            "Quick (default): take the official vLLM wheel (pinned sha256, cached), apply the "
+            "series in wheel-tree mode, compile our kernels into vllm/_exl3_C.abi3.so with the "
+            "pinned venv's torch (ci/setup-env.sh), and write dist/vllm-0.26.0+exl3.<commit>-"
+            "<tag>.whl. --from-source: apply the series to the pinned sdist and run vLLM's own "
+            "build (pip wheel --no-build-isolation) with our kernels in _C_stable_libtorch; "
+            "needs the CUDA 13 toolkit, cmake>=3.26.1, ninja, setuptools-scm, setuptools-rust "
+            "and torch 2.11.0 in --python's environment, network or the *_SRC_DIR variables "
+            "(VLLM_CUTLASS_SRC_DIR, VLLM_FLASH_ATTN_SRC_DIR, FLASH_MLA_SRC_DIR, DEEPGEMM_SRC_DIR, "
+            "QUTLASS_SRC_DIR, TRITON_KERNELS_SRC_DIR, FMHA_SM100_SRC_DIR, TML_FA4_SRC_DIR) for "
+            "the repositories its CMake fetches, and hours on a small machine."
+        ),
+    )
+    p.add_argument("--archs", default=DEFAULT_ARCHS,
+                   help=f"CUDA architectures, ';'-separated (default {DEFAULT_ARCHS})")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="parallel compile jobs (default: all CPUs)")
+    kernels = p.add_mutually_exclusive_group()
+    kernels.add_argument("--no-kernels", action="store_true",
+                         help="a Python-only wheel (the EXL3 method then runs the reference path)")
+    kernels.add_argument("--kernels-so", type=Path,
+                         help="use this already built _exl3_C.abi3.so instead of compiling")
+    kernels.add_argument("--from-source", action="store_true",
+                         help="vLLM's full build with our kernels in _C_stable_libtorch")
+    p.add_argument("--wheel", type=Path,
+                   help="start from this vLLM 0.26.0 wheel instead of the pinned official one")
+    p.add_argument("--python", type=Path,
+                   help="interpreter with torch 2.11.0 for compiling (default: the pinned venv)")
+    p.add_argument("--dist-dir", type=Path, default=ROOT / "dist", help="output directory")
+    p.add_argument("--work-dir", type=Path, default=ROOT / "build" / "wheel",
+                   help="scratch directory (kernel objects are kept there between builds)")
+    p.add_argument("--series", type=Path, default=ROOT,
+                   help="repository root holding overlay/, csrc/, patches/ (default: this checkout)")
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                   help="cache directory (default: $VLLM_EXL3_CACHE or ~/.cache/vllm-exl3)")
+    p.add_argument("--offline", action="store_true", help="never touch the network")
+    p.set_defaults(func=run)
