@@ -211,14 +211,26 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _had_last(x: torch.Tensor) -> torch.Tensor:
-    """Ĥ applied to each contiguous 128-block of the last dim."""
-    size = x.shape[-1]
+def _check_blocks(size: int) -> None:
     if size % HADAMARD_SIZE:
         raise Exl3FormatError(f"Hadamard: dim {size} is not a multiple of {HADAMARD_SIZE}")
+
+
+def _had_last(x: torch.Tensor) -> torch.Tensor:
+    """Ĥ applied to each contiguous 128-block of the last dim (x · Bd(Ĥ))."""
+    size = x.shape[-1]
+    _check_blocks(size)
     h = hadamard_128(x.dtype, x.device)
     blocks = x.reshape(*x.shape[:-1], size // HADAMARD_SIZE, HADAMARD_SIZE)
     return (blocks @ h).reshape(x.shape)
+
+
+def _had_rows(w: torch.Tensor) -> torch.Tensor:
+    """Ĥ applied to each 128-row block of a [k, n] matrix (Bd(Ĥ) · w), without transposes."""
+    k, n = w.shape
+    _check_blocks(k)
+    h = hadamard_128(w.dtype, w.device)
+    return torch.matmul(h, w.reshape(k // HADAMARD_SIZE, HADAMARD_SIZE, n)).reshape(k, n)
 
 
 def reconstruct(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int,
@@ -232,8 +244,7 @@ def reconstruct(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, cod
             f"trellis' [k={k}, n={n}]")
     cdtype = _compute_dtype(dtype)
     w = w_hat.to(cdtype)
-    # Ĥ is symmetric, so the left transform of row blocks is the right transform of W^T.
-    w = _had_last(w.t()).t() * suh.to(cdtype)[:, None]
+    w = _had_rows(w) * suh.to(cdtype)[:, None]
     w = _had_last(w) * svh.to(cdtype)[None, :]
     return w.to(dtype)
 
