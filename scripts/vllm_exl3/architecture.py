@@ -1,0 +1,275 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which linears and plain tensors a Hugging Face config implies, as ExLlamaV3 1.6.5 stores them.
+
+One plan serves three tools: the synthetic checkpoint writer (what to write), `inspect` (what is
+missing, tensor-parallel roles) and `dequantize` (the real, unpadded dims to trim to). Names follow
+ExLlamaV3's converted checkpoints (exl3-format.md §1.8): one tensor set per projection, per-expert
+names for MoE, routers and kv_b_proj unquantized, an lm_head always present.
+
+Supported: dense decoders (llama/qwen2/qwen3-style q/k/v/o + gate/up/down), qwen2/qwen3 MoE
+(per-expert, optional shared expert), DeepSeek-style MLA + MoE with shared experts and an MTP
+layer (`num_nextn_predict_layers`, the glm4_moe_lite MTP layout). Anything else raises PlanError.
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+# All EXL3 dims are padded to the Hadamard block (kept equal to format.HADAMARD_SIZE; this module
+# must not import torch, so the value is restated).
+PAD = 128
+# ExLlamaV3 splits dense MLPs wider than this into slices (constants.py: MAX_MLP_INTERMEDIATE).
+MAX_MLP_INTERMEDIATE = 55296
+
+# Tensor-parallel roles of a linear in vLLM.
+COLUMN, ROW, REPLICATED, VOCAB = "column", "row", "replicated", "vocab"
+
+
+class PlanError(ValueError):
+    """The config describes an architecture (or a feature of one) the plan does not know."""
+
+
+def round_up(x: int, to: int = PAD) -> int:
+    return -(-x // to) * to
+
+
+@dataclass(frozen=True)
+class LinearSlot:
+    """One linear as vLLM and ExLlamaV3 see it."""
+
+    name: str  # module key, e.g. model.layers.0.self_attn.q_proj
+    in_features: int  # real (unpadded) k
+    out_features: int  # real (unpadded) n
+    tp: str  # COLUMN / ROW / REPLICATED / VOCAB
+    fused: str  # the vLLM module it is loaded into (itself when not fused)
+    quantized: bool = True  # False: stored as fp16 `.weight` (routers, kv_b_proj, ...)
+    bits_key: str = "bits"  # which quantization_config rate applies: bits / head_bits / mtp_bits
+    has_bias: bool = False
+    heads: int | None = None  # head count a column split must divide (attention projections)
+    kv_heads: int | None = None  # for k/v: vLLM replicates kv heads when tp > kv_heads
+
+    @property
+    def padded(self) -> tuple[int, int]:
+        return round_up(self.in_features), round_up(self.out_features)
+
+
+@dataclass(frozen=True)
+class PlainTensor:
+    """A tensor stored as is (embeddings, norms, router biases)."""
+
+    name: str  # full tensor name
+    shape: tuple[int, ...]
+    module: str  # the leaf module key it belongs to (tensor_storage)
+    kind: str  # "embed", "norm", "bias", "router_bias"
+
+
+@dataclass
+class ModelPlan:
+    linears: list[LinearSlot] = field(default_factory=list)
+    plain: list[PlainTensor] = field(default_factory=list)
+    # Leaf module keys in model order (the tensor_storage order of quantization_config.json).
+    modules: list[str] = field(default_factory=list)
+
+    def add_linear(self, slot: LinearSlot) -> None:
+        self.linears.append(slot)
+        self.modules.append(slot.name)
+
+    def add_plain(self, name: str, shape: tuple[int, ...], kind: str,
+                  module: str | None = None) -> None:
+        module = module or name.rpartition(".")[0]
+        self.plain.append(PlainTensor(name, tuple(shape), module, kind))
+        if module not in self.modules:
+            self.modules.append(module)
+
+
+_EXPERT = re.compile(r"^(?P<mlp>.+)\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_FUSED_SIBLINGS = {
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+}
+
+
+def linear_role(name: str, config: dict | None = None) -> tuple[str, str]:
+    """(tensor-parallel role, vLLM fused module) of a linear, from its name alone.
+
+    Used for checkpoints whose architecture the plan does not know; the plan itself assigns the
+    same roles.
+    """
+    m = _EXPERT.match(name)
+    if m:
+        proj = m.group("proj")
+        return (ROW if proj in ("down_proj", "w2") else COLUMN), f"{m.group('mlp')}.experts"
+    parent, _, leaf = name.rpartition(".")
+    if leaf.isdigit() and parent.endswith(".slice"):  # ExLlamaV3 slices of a huge dense MLP
+        parent, _, leaf = parent[: -len(".slice")].rpartition(".")
+    if name == "lm_head" or leaf == "lm_head":
+        return VOCAB, name
+    if leaf in _FUSED_SIBLINGS:
+        return COLUMN, f"{parent}.{_FUSED_SIBLINGS[leaf]}"
+    if leaf in ("o_proj", "down_proj", "dense", "out_proj"):
+        return ROW, name
+    if leaf in ("q_a_proj", "kv_a_proj_with_mqa"):
+        q_lora = (config or {}).get("q_lora_rank")
+        fused = f"{parent}.fused_qkv_a_proj" if q_lora else name
+        return REPLICATED, fused
+    if leaf in ("q_b_proj", "kv_b_proj"):
+        return COLUMN, name
+    return REPLICATED, name
+
+
+def _mlp(plan: ModelPlan, prefix: str, hidden: int, inter: int, bits_key: str) -> None:
+    slices = -(-inter // MAX_MLP_INTERMEDIATE)
+    if slices == 1:
+        widths, names = [inter], [""]
+    else:
+        width = inter // slices // PAD * PAD
+        widths = [width] * (slices - 1) + [inter - width * (slices - 1)]
+        names = [f".slice.{i}" for i in range(slices)]
+    for width, sfx in zip(widths, names):
+        for proj in ("gate_proj", "up_proj"):
+            name = f"{prefix}.{proj}{sfx}"
+            plan.add_linear(LinearSlot(name, hidden, width, COLUMN, linear_role(name)[1],
+                                       bits_key=bits_key))
+    for width, sfx in zip(widths, names):
+        plan.add_linear(LinearSlot(f"{prefix}.down_proj{sfx}", width, hidden, ROW,
+                                   f"{prefix}.down_proj{sfx}", bits_key=bits_key))
+
+
+def _attention(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str) -> None:
+    heads = cfg["num_attention_heads"]
+    model_type = cfg.get("model_type", "")
+    if cfg.get("kv_lora_rank"):
+        nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+        v_dim, kv_rank, q_rank = cfg["v_head_dim"], cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+        qa_fused = f"{prefix}.fused_qkv_a_proj" if q_rank else None
+        if q_rank:
+            plan.add_linear(LinearSlot(f"{prefix}.q_a_proj", hidden, q_rank, REPLICATED,
+                                       qa_fused, bits_key=bits_key))
+            plan.add_plain(f"{prefix}.q_a_layernorm.weight", (q_rank,), "norm")
+            plan.add_linear(LinearSlot(f"{prefix}.q_b_proj", q_rank, heads * (nope + rope), COLUMN,
+                                       f"{prefix}.q_b_proj", bits_key=bits_key, heads=heads))
+        else:
+            plan.add_linear(LinearSlot(f"{prefix}.q_proj", hidden, heads * (nope + rope), COLUMN,
+                                       f"{prefix}.q_proj", bits_key=bits_key, heads=heads))
+        plan.add_linear(LinearSlot(f"{prefix}.kv_a_proj_with_mqa", hidden, kv_rank + rope,
+                                   REPLICATED, qa_fused or f"{prefix}.kv_a_proj_with_mqa",
+                                   bits_key=bits_key))
+        plan.add_plain(f"{prefix}.kv_a_layernorm.weight", (kv_rank,), "norm")
+        # ExLlamaV3 keeps kv_b_proj unquantized (it folds it into the attention), stored fp16.
+        plan.add_linear(LinearSlot(f"{prefix}.kv_b_proj", kv_rank, heads * (nope + v_dim), COLUMN,
+                                   f"{prefix}.kv_b_proj", quantized=False, heads=heads))
+        plan.add_linear(LinearSlot(f"{prefix}.o_proj", heads * v_dim, hidden, ROW,
+                                   f"{prefix}.o_proj", bits_key=bits_key))
+        return
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    qkv_bias = model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias"))
+    o_bias = bool(cfg.get("attention_bias")) and model_type not in ("qwen2", "qwen2_moe")
+    fused = f"{prefix}.qkv_proj"
+    plan.add_linear(LinearSlot(f"{prefix}.q_proj", hidden, heads * head_dim, COLUMN, fused,
+                               bits_key=bits_key, has_bias=qkv_bias, heads=heads))
+    for proj in ("k_proj", "v_proj"):
+        plan.add_linear(LinearSlot(f"{prefix}.{proj}", hidden, kv_heads * head_dim, COLUMN, fused,
+                                   bits_key=bits_key, has_bias=qkv_bias, heads=kv_heads,
+                                   kv_heads=kv_heads))
+    plan.add_linear(LinearSlot(f"{prefix}.o_proj", heads * head_dim, hidden, ROW,
+                               f"{prefix}.o_proj", bits_key=bits_key, has_bias=o_bias))
+    if model_type.startswith("qwen3"):
+        plan.add_plain(f"{prefix}.q_norm.weight", (head_dim,), "norm")
+        plan.add_plain(f"{prefix}.k_norm.weight", (head_dim,), "norm")
+
+
+def _num_experts(cfg: dict) -> int:
+    for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    return 0
+
+
+def _is_moe_layer(cfg: dict, idx: int) -> bool:
+    if not _num_experts(cfg):
+        return False
+    if "first_k_dense_replace" in cfg or "n_routed_experts" in cfg:  # DeepSeek style
+        return idx >= cfg.get("first_k_dense_replace", 0) and idx % cfg.get("moe_layer_freq", 1) == 0
+    if idx in (cfg.get("mlp_only_layers") or []):
+        return False
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    return (idx + 1) % step == 0
+
+
+def _moe(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str) -> None:
+    experts = _num_experts(cfg)
+    inter = cfg["moe_intermediate_size"]
+    plan.add_linear(LinearSlot(f"{prefix}.gate", hidden, experts, REPLICATED, f"{prefix}.gate",
+                               quantized=False))
+    if cfg.get("n_routed_experts") and cfg.get("topk_method", "noaux_tc") == "noaux_tc":
+        plan.add_plain(f"{prefix}.gate.e_score_correction_bias", (experts,), "router_bias",
+                       module=f"{prefix}.gate")
+    for e in range(experts):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"{prefix}.experts.{e}.{proj}"
+            k, n = (inter, hidden) if proj == "down_proj" else (hidden, inter)
+            plan.add_linear(LinearSlot(name, k, n, ROW if proj == "down_proj" else COLUMN,
+                                       f"{prefix}.experts", bits_key=bits_key))
+    if cfg.get("n_shared_experts"):
+        _mlp(plan, f"{prefix}.shared_experts", hidden, inter * cfg["n_shared_experts"], bits_key)
+    if cfg.get("shared_expert_intermediate_size"):
+        _mlp(plan, f"{prefix}.shared_expert", hidden, cfg["shared_expert_intermediate_size"],
+             bits_key)
+        plan.add_linear(LinearSlot(f"{prefix}.shared_expert_gate", hidden, 1, REPLICATED,
+                                   f"{prefix}.shared_expert_gate", quantized=False))
+
+
+def _decoder_layer(plan: ModelPlan, cfg: dict, idx: int, bits_key: str) -> None:
+    hidden = cfg["hidden_size"]
+    prefix = f"model.layers.{idx}"
+    plan.add_plain(f"{prefix}.input_layernorm.weight", (hidden,), "norm")
+    _attention(plan, cfg, f"{prefix}.self_attn", hidden, bits_key)
+    plan.add_plain(f"{prefix}.post_attention_layernorm.weight", (hidden,), "norm")
+    if _is_moe_layer(cfg, idx):
+        _moe(plan, cfg, f"{prefix}.mlp", hidden, bits_key)
+    else:
+        _mlp(plan, f"{prefix}.mlp", hidden, cfg["intermediate_size"], bits_key)
+
+
+_UNSUPPORTED_KEYS = {
+    "layer_types": lambda v: any(t not in ("full_attention", "sliding_attention") for t in v or []),
+    "mtp_num_hidden_layers": bool,
+    "vision_config": bool,
+}
+
+
+def plan_model(cfg: dict) -> ModelPlan:
+    """The plan of a (text-only) decoder config; raises PlanError for what it does not know."""
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        if key not in cfg:
+            raise PlanError(f"config.json: missing {key!r} (not a decoder-only text model?)")
+    for key, bad in _UNSUPPORTED_KEYS.items():
+        if key in cfg and bad(cfg[key]):
+            raise PlanError(f"config.json: {key}={cfg[key]!r} is not supported by the planner")
+    if cfg.get("num_local_experts") and not cfg.get("moe_intermediate_size"):
+        raise PlanError("config.json: Mixtral-style MoE (w1/w2/w3 experts) is not supported")
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    plan = ModelPlan()
+    plan.add_plain("model.embed_tokens.weight", (vocab, hidden), "embed")
+    for idx in range(cfg["num_hidden_layers"]):
+        _decoder_layer(plan, cfg, idx, "bits")
+    plan.add_plain("model.norm.weight", (hidden,), "norm")
+    plan.add_linear(LinearSlot("lm_head", hidden, vocab, VOCAB, "lm_head", bits_key="head_bits"))
+    n_mtp = cfg.get("num_nextn_predict_layers") or 0
+    first = cfg["num_hidden_layers"]
+    if n_mtp:
+        # ExLlamaV3 reads the input projection of the first MTP layer and the shared_head norm
+        # of the last; the MTP layers' own embed_tokens / shared_head.head are not stored.
+        prefix = f"model.layers.{first}"
+        plan.add_plain(f"{prefix}.enorm.weight", (hidden,), "norm")
+        plan.add_plain(f"{prefix}.hnorm.weight", (hidden,), "norm")
+        plan.add_linear(LinearSlot(f"{prefix}.eh_proj", 2 * hidden, hidden, REPLICATED,
+                                   f"{prefix}.eh_proj", bits_key="mtp_bits"))
+        for i in range(n_mtp):
+            _decoder_layer(plan, cfg, first + i, "mtp_bits")
+        plan.add_plain(f"model.layers.{first + n_mtp - 1}.shared_head.norm.weight", (hidden,),
+                       "norm")
+    return plan
