@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
+import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -64,8 +67,6 @@ def module_tensors(ckpt: Path, prefix: str) -> dict[str, torch.Tensor]:
 
 def config_for(ckpt: Path) -> Exl3Config:
     """What vLLM builds: from_config on config.json's block, then maybe_update_config."""
-    import json
-
     block = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     config = Exl3Config.from_config(block)
     config.maybe_update_config(str(ckpt))
@@ -124,3 +125,21 @@ def assert_matches(y: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     scale = expected.abs().max().item()
     err = (y.float() - expected).abs().max().item()
     assert err <= 4 * eps * scale + 1e-6, f"{what}: max |err| {err:.3g} vs scale {scale:.3g}"
+
+
+def checkpoint_copy(src: Path, dst: Path, *, weights: bool = True,
+                    storage: dict | None | bool = True, tokenizer: bool = False) -> Path:
+    """A checkpoint directory assembled from fixture files; `storage` replaces
+    quantization_config.json (False: no such file)."""
+    dst.mkdir(parents=True)
+    shutil.copy(src / "config.json", dst / "config.json")
+    if weights:
+        os.symlink(src / "model.safetensors", dst / "model.safetensors")
+    if storage is True:
+        shutil.copy(src / "quantization_config.json", dst / "quantization_config.json")
+    elif storage:
+        (dst / "quantization_config.json").write_text(json.dumps(storage))
+    if tokenizer:
+        for f in (FIXTURES / "tokenizer").iterdir():
+            os.symlink(f, dst / f.name)
+    return dst

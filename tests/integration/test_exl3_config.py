@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from exl3_harness import (CKPT_3INST, CKPT_MCG, FIXTURES, config_for, config_from_tensors,
-                          tensors)
+from exl3_harness import (CKPT_3INST, CKPT_MCG, checkpoint_copy, config_for,
+                          config_from_tensors, tensors)
 from vllm.model_executor.layers.quantization.exl3.config import Exl3Config
 from vllm.model_executor.layers.quantization.exl3.format import Codebook
 
@@ -38,24 +35,6 @@ def config_log():
     logger.addHandler(handler)
     yield handler.messages
     logger.removeHandler(handler)
-
-
-def checkpoint_copy(src: Path, dst: Path, *, weights: bool = True,
-                    storage: dict | None | bool = True, tokenizer: bool = False) -> Path:
-    """A checkpoint directory assembled from fixture files; `storage` replaces
-    quantization_config.json (False: no such file)."""
-    dst.mkdir(parents=True)
-    shutil.copy(src / "config.json", dst / "config.json")
-    if weights:
-        os.symlink(src / "model.safetensors", dst / "model.safetensors")
-    if storage is True:
-        shutil.copy(src / "quantization_config.json", dst / "quantization_config.json")
-    elif storage:
-        (dst / "quantization_config.json").write_text(json.dumps(storage))
-    if tokenizer:
-        for f in (FIXTURES / "tokenizer").iterdir():
-            os.symlink(f, dst / f.name)
-    return dst
 
 
 @pytest.mark.parametrize("ckpt,bits,codebook", [(CKPT_3INST, 4, Codebook.THREE_INST),

@@ -9,7 +9,6 @@ run of equal-bitrate shards, then cut the allocated columns down to what vLLM ex
 import torch
 import torch.nn.functional as F
 
-from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase,
                                                LinearMethodBase, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear,
@@ -19,8 +18,6 @@ from .format import TILE, Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, choose_exl3_kernel
 from .layout import Exl3Layout, Exl3LayoutError, Split, plan_linear, trellis_words
 from .weights import Exl3LayerWeights, direct_weight_loader
-
-logger = init_logger(__name__)
 
 
 def linear_split(layer: LinearBase) -> Split:
