@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 
 import pytest
 import torch
@@ -50,6 +51,8 @@ def test_fixture_is_described_from_its_tensors(ckpt, bits, codebook, config_log)
     head = config.modules["lm_head"]
     assert (head.in_features, head.out_features) == (256, 4096)
     assert not any("recovered" in m or "tensors win" in m for m in config_log)
+    # VllmConfig (and so the quant config) is pickled to the worker processes.
+    assert pickle.loads(pickle.dumps(config)).modules == config.modules
 
 
 def test_tensors_win_over_tensor_storage(tmp_path, config_log):
