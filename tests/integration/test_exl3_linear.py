@@ -406,3 +406,23 @@ def test_dummy_load_needs_no_checkpoint():
     assert set(dict(layer.named_parameters())) == {"trellis", "suh", "svh"}
     y, _ = layer(x_for(HIDDEN, torch.float32))
     assert y.shape == (7, 512) and torch.all(y == 0)  # zero-initialised svh
+
+
+def test_marker_of_the_wrong_dtype_is_an_error():
+    layer = qkv_layer(config_for(CKPT_MCG))
+    with pytest.raises(Exl3LayoutError, match=r"k_proj\.mcg.*marker must be one int32"):
+        layer.mcg.weight_loader(layer.mcg, torch.tensor([1.0, 2.0]), "k")
+
+
+def test_unsupported_linear_class_is_an_error():
+    from vllm.model_executor.layers.linear import LinearBase
+
+    class OddLinear(LinearBase):
+        def __init__(self, config):
+            self.output_partition_sizes = [256]
+            super().__init__(HIDDEN, 256, quant_config=config, prefix=f"{ATTN}.q_proj")
+            self.quant_method.create_weights(self, HIDDEN, [256], HIDDEN, 256, torch.float32,
+                                             weight_loader=None)
+
+    with pytest.raises(Exl3LayoutError, match="unsupported linear class OddLinear"):
+        OddLinear(config_for(CKPT_MCG))
