@@ -1,0 +1,251 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cold benchmark of exl3_linear against ExLlamaV3 1.6.5's LinearEXL3 and bf16 torch.matmul.
+
+Method (design.md "Measuring", anchors-h200.md):
+  * cold: each variant rotates through enough weight copies that one pass reads >= POOL_BYTES
+    (several times the 60 MB L2), so every weight comes from HBM;
+  * every call of a pass is captured in one CUDA graph (launch gaps as in vLLM's graphs); the
+    time is the median over graph replays divided by the calls per pass (CUDA events);
+  * the ceilings (copy bandwidth, cuBLAS bf16, mma.sync, integer issue) are measured in the
+    same run (device_ceilings.py);
+  * speed of light = max(bytes / copy bandwidth,
+                         k*n * instructions-per-weight / integer issue rate,
+                         2*m*k*n / best matrix rate)
+    where bytes = trellis (k*n*bits/8) + x + y, instructions-per-weight is the SASS count of
+    the GEMM's k loop (sass_loop.py), and the best matrix rate is max(mma.sync, cuBLAS bf16).
+    %SOL = 100 * SOL / ours.
+ExLlamaV3 runs on the same tensors (fp16 activations, its own dispatch); which of its paths ran
+is read from the profiler's kernel names once per (codebook, m).
+
+    python scripts/bench/bench_linear.py --out scripts/bench/results [--no-exl3] [--bits 4 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import device_ceilings  # noqa: E402
+from verify_kernels import REPO, load_extension, random_layer  # noqa: E402
+
+SHAPES = ((5120, 12288), (5120, 17408), (17408, 5120), (4096, 4096), (4096, 11008))
+M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# One pass reads at least this many weight bytes: > 4x the H200's 60 MB L2.
+POOL_BYTES = 256 << 20
+MIN_COPIES = 2
+REPLAYS = 15
+CB_NAMES = {0: "3inst", 1: "mcg", 2: "mul1"}
+MCG_MARKER = -877912083
+MUL1_MARKER = -2082680531
+
+
+def copies_for(bytes_per_copy: int) -> int:
+    return max(MIN_COPIES, math.ceil(POOL_BYTES / bytes_per_copy))
+
+
+def graph_time_us(calls: list, use_graph: bool = True) -> tuple[float, str]:
+    """Median microseconds per call of a pass over `calls` (closures), and how it was timed."""
+    for c in calls[:2]:
+        c()  # eager warm-up: autotuners run here, never during capture
+    torch.cuda.synchronize()
+    mode = "graph"
+    if use_graph:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for c in calls:
+                    c()
+            run = graph.replay
+        except Exception as e:  # noqa: BLE001 - report and fall back to eager passes
+            mode = f"eager ({type(e).__name__})"
+            torch.cuda.synchronize()
+            run = lambda: [c() for c in calls]  # noqa: E731
+    else:
+        mode = "eager"
+        run = lambda: [c() for c in calls]  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return statistics.median(times), mode
+
+
+def exl3_module():
+    """ExLlamaV3's LinearEXL3 (JIT-builds its extension on first import), or None."""
+    try:
+        from exllamav3.modules.quant.exl3 import LinearEXL3
+        return LinearEXL3
+    except Exception as e:  # noqa: BLE001
+        print(f"ExLlamaV3 unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def exl3_linears(cls, layers: list, k: int, n: int, cb: int) -> list:
+    out = []
+    for lay in layers:
+        marker = {1: ("mcg", MCG_MARKER), 2: ("mul1", MUL1_MARKER)}.get(cb)
+        kw = {}
+        if marker:
+            kw[marker[0]] = torch.tensor(marker[1], dtype=torch.int32, device="cuda")
+        out.append(cls(None, k, n, suh=lay.suh[0], svh=lay.svh, trellis=lay.trellis,
+                       out_dtype=torch.half, **kw))
+    return out
+
+
+def exl3_kernels(lin, x) -> str:
+    """Names of the CUDA kernels one ExLlamaV3 forward launched (which path ran)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lin.forward(x, {})
+        torch.cuda.synchronize()
+    names = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            short = e.name.split("(")[0].split("<")[0].replace("void ", "")[:40]
+            if short not in names:
+                names.append(short)
+    return "+".join(names)
+
+
+def sol_us(k: int, n: int, m: int, bits: float, ceil: dict, ipw: float | None) -> float:
+    bytes_ = k * n * bits / 8 + 2 * m * k + 2 * m * n
+    terms = [bytes_ / ceil["copy_bytes_per_s"]]
+    if ipw and ceil.get("int_instr_per_s"):
+        terms.append(k * n * ipw / ceil["int_instr_per_s"])
+    rate = max(r for r in (ceil.get("mma_flops"), ceil["bf16_flops"]) if r)
+    terms.append(2 * m * k * n / rate)
+    return max(terms) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ext", default=None)
+    ap.add_argument("--out", type=Path, default=REPO / "scripts" / "bench" / "results")
+    ap.add_argument("--tag", default="bench_linear")
+    ap.add_argument("--bits", type=float, nargs="+", default=[4, 6, 2, 3, 5])
+    ap.add_argument("--codebooks", type=int, nargs="+", default=[1, 0, 2])
+    ap.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
+    ap.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES])
+    ap.add_argument("--no-exl3", action="store_true")
+    ap.add_argument("--sass-json", type=Path, default=None,
+                    help="instructions per weight from sass_loop.py")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting configs after this")
+    args = ap.parse_args(argv)
+    t_start = time.monotonic()
+    ext = load_extension(args.ext)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(int(time.time_ns() % (1 << 31)))
+    ceil = device_ceilings.measure()
+    ipw = {}
+    if args.sass_json and args.sass_json.is_file():
+        ipw = {key: v.get("per_weight") for key, v in json.loads(args.sass_json.read_text()).items()}
+    exl3_cls = None if args.no_exl3 else exl3_module()
+    try:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "commit": commit, "command": " ".join(["bench_linear.py", *(argv or sys.argv[1:])]),
+            "extension": ext, "ceilings": ceil, "pool_bytes": POOL_BYTES, "replays": REPLAYS,
+            "exllamav3": "1.6.5" if exl3_cls else "unavailable"}
+    print(json.dumps(meta, default=str), flush=True)
+    rows, paths = [], {}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    for shape in args.shapes:
+        k, n = (int(v) for v in shape.split("x"))
+        bf16_us = {}
+        w_copies = [torch.randn(k, n, generator=gen, device="cuda").bfloat16()
+                    for _ in range(copies_for(2 * k * n))]
+        for m in args.m:
+            x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+            bf16_us[m], _ = graph_time_us([lambda w=w: torch.matmul(x, w) for w in w_copies])
+        del w_copies
+        torch.cuda.empty_cache()
+        for bits in args.bits:
+            for cb in args.codebooks:
+                if bits % 1 and cb != 2:
+                    continue
+                if time.monotonic() - t_start > args.budget_s:
+                    print("time budget reached, stopping", flush=True)
+                    break
+                n_copies = copies_for(int(k * n * bits / 8))
+                layers = [random_layer(gen, k, [n], bits, cb) for _ in range(n_copies)]
+                exl3_lins = exl3_linears(exl3_cls, layers, k, n, cb) if exl3_cls else None
+                for m in args.m:
+                    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+                    ours, mode = graph_time_us([
+                        lambda L=L: torch.ops._C.exl3_linear(x, L.trellis, L.suh, L.svh, None,
+                                                             L.widths, L.codebook)
+                        for L in layers])
+                    ex_us, ex_mode = None, None
+                    if exl3_lins:
+                        xh = x.half()
+                        try:
+                            ex_us, ex_mode = graph_time_us(
+                                [lambda lin=lin: lin.forward(xh, {}) for lin in exl3_lins])
+                            key = (cb, bits, m)
+                            if shape == args.shapes[0] and key not in paths:
+                                paths[key] = exl3_kernels(exl3_lins[0], xh)
+                        except Exception as e:  # noqa: BLE001
+                            ex_mode = f"failed: {type(e).__name__}: {str(e)[:100]}"
+                    sol = sol_us(k, n, m, bits, ceil, ipw.get(f"{bits:g}:{cb}"))
+                    row = {"k": k, "n": n, "bits": bits, "codebook": CB_NAMES[cb], "m": m,
+                           "ours_us": round(ours, 2),
+                           "exllamav3_us": round(ex_us, 2) if ex_us else None,
+                           "bf16_us": round(bf16_us[m], 2),
+                           "ratio_bf16": round(ours / bf16_us[m], 3),
+                           "ratio_exl3": round(ours / ex_us, 3) if ex_us else None,
+                           "pct_sol": round(100 * sol / ours, 1), "sol_us": round(sol, 2),
+                           "copies": n_copies, "timing": mode, "exl3_timing": ex_mode}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del layers, exl3_lins
+                torch.cuda.empty_cache()
+
+    stamp = f"{args.tag}_{meta['date']}"
+    (args.out / f"{stamp}.json").write_text(json.dumps(
+        {"meta": meta, "exl3_paths": {f"{CB_NAMES[c]} {b:g}b m={m}": p
+                                      for (c, b, m), p in paths.items()},
+         "rows": rows}, indent=1, default=str))
+    fields = ["k", "n", "bits", "codebook", "m", "ours_us", "exllamav3_us", "bf16_us",
+              "pct_sol"]
+    with open(args.out / f"{stamp}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print(f"\nwrote {args.out}/{stamp}.json/.csv ({time.monotonic() - t_start:.0f} s)")
+    print(f"{'shape':>12} {'b':>3} {'cb':>5} {'m':>5} {'ours':>8} {'exl3':>8} {'bf16':>8} "
+          f"{'/bf16':>6} {'/exl3':>6} {'%SOL':>5}")
+    for r in rows:
+        if r["m"] in (1, 16, 64, 256, 1024, 4096):
+            print(f"{r['k']}x{r['n']:>6} {r['bits']:>3g} {r['codebook']:>5} {r['m']:>5} "
+                  f"{r['ours_us']:8.1f} {r['exllamav3_us'] or float('nan'):8.1f} "
+                  f"{r['bf16_us']:8.1f} {r['ratio_bf16']:6.2f} "
+                  f"{r['ratio_exl3'] or float('nan'):6.2f} {r['pct_sol']:5.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    sys.exit(main())

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU tests of the EXL3 kernels: the checks of scripts/bench/verify_kernels.py as pytest cases.
+
+Needs a CUDA GPU and the extension: $VLLM_EXL3_EXT, build/exl3/_exl3_C.abi3.so (quick build:
+`python -m vllm_exl3.kernels_build` from scripts/), or an installed vllm._exl3_C. The oracle is
+the overlay's reference codec in float64; the error bounds and their derivation are in the
+verify script's docstring.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import verify_kernels as vk  # noqa: E402
+
+try:
+    vk.load_extension()
+except (ImportError, OSError, RuntimeError) as e:  # pragma: no cover - depends on the host
+    pytest.skip(f"EXL3 extension not available: {e}", allow_module_level=True)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    g = torch.Generator(device="cuda")
+    g.seed()  # fresh random inputs every run
+    return g
+
+
+def assert_clean(rep: vk.Report) -> None:
+    assert rep.rows, "no cases ran"
+    assert not rep.failures, rep.failures[:5]
+
+
+def test_nan_never_passes() -> None:
+    rep = vk.Report()
+    vk.check_nan_guard(rep)
+    assert_clean(rep)
+
+
+def test_reconstruct_bit_identical(gen: torch.Generator) -> None:
+    rep = vk.Report()
+    vk.check_reconstruct(rep, gen)
+    assert_clean(rep)
+
+
+@pytest.mark.parametrize("bits,codebook", vk.combos())
+def test_every_rate_tier_split_shard_dtype(gen: torch.Generator, bits: float,
+                                           codebook: int) -> None:
+    rep = vk.Report()
+    vk.check_matrix(rep, gen, vk.M_VALUES, [(bits, codebook)],
+                    ([256], [128, 128], [128, 128, 128]))
+    assert_clean(rep)
+
+
+def test_split_k_every_tier(gen: torch.Generator) -> None:
+    rep = vk.Report()
+    vk.check_splits(rep, gen)
+    assert_clean(rep)
+
+
+def test_deterministic_mode_bit_exact(gen: torch.Generator) -> None:
+    rep = vk.Report()
+    vk.check_determinism(rep, gen)
+    assert_clean(rep)
+
+
+def test_cuda_graph_replay_equals_eager(gen: torch.Generator) -> None:
+    rep = vk.Report()
+    vk.check_graphs(rep, gen)
+    assert_clean(rep)
+
+
+def test_real_shapes_autotuned(gen: torch.Generator) -> None:
+    rep = vk.Report()
+    vk.check_real(rep, gen, vk.M_VALUES)
+    assert_clean(rep)
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    rep = vk.Report()
+    vk.check_errors(rep)
+    assert_clean(rep)
