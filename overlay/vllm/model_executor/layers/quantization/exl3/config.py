@@ -19,8 +19,7 @@ from vllm.model_executor.layers.quantization.base_config import (QuantizationCon
                                                                  QuantizeMethodBase)
 
 from .env_compat import adopt_deprecated_env_names
-from .format import (EMBED_SIGNS_SUFFIX, EXL3_ONLY_SUFFIXES, Codebook, Exl3FormatError,
-                     Exl3ModuleSpec, module_spec)
+from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
 from .names import ModuleNameResolver, shard_names
 
@@ -95,11 +94,8 @@ def find_modules(tensors: Mapping[str, tuple[tuple[int, ...], str]]
         if EMBED_SIGNS_SUFFIX in members:
             unsupported[prefix] = (f"{prefix} is a quantized token embedding (trellis + signs, "
                                    f"--embed_bits), which is not supported")
-        elif "trellis" in members:
-            specs[prefix] = module_spec(prefix, members)
-        elif orphans := sorted(s for s in members if s in EXL3_ONLY_SUFFIXES):
-            raise Exl3FormatError(f"{prefix}.trellis: missing tensor ({prefix}.{orphans[0]} is "
-                                  f"an EXL3 tensor but the module has no trellis)")
+        elif (spec := group_spec(prefix, members)) is not None:
+            specs[prefix] = spec
     return specs, unsupported
 
 
