@@ -48,10 +48,10 @@ class WheelName:
         return f"{self.name}-{self.version}.dist-info"
 
 
-def unpack(wheel: Path, dest: Path) -> None:
-    """Extract every member, keeping the executable bits recorded in the archive."""
+def unpack(wheel: Path, dest: Path, keep: Callable[[str], bool] = lambda _p: True) -> None:
+    """Extract the members `keep` accepts, keeping the executable bits recorded in the archive."""
     with zipfile.ZipFile(wheel) as zf:
-        infos = zf.infolist()
+        infos = [i for i in zf.infolist() if keep(i.filename)]
         prog = Progress(f"unpacking {wheel.name}", sum(i.file_size for i in infos))
         for info in infos:
             if info.filename.startswith("/") or ".." in Path(info.filename).parts:

@@ -103,3 +103,54 @@ def make_series(base: Path, dest: Path, variant: str = "a") -> MadeSeries:
     patched = {rel: (work / rel).read_bytes()
                for rel in ("vllm/envs.py", "CMakeLists.txt", "vllm/tail.txt")}
     return MadeSeries(dest, patched)
+
+
+def make_wheel(dest_dir: Path, files: dict[str, bytes | str], version: str = "0.26.0",
+               name: str = "vllm", tag: str = "cp38-abi3-manylinux_2_28_x86_64") -> Path:
+    """A wheel archive holding `files` plus minimal dist-info (METADATA, WHEEL, RECORD)."""
+    import base64
+    import zipfile
+
+    dist_info = f"{name}-{version}.dist-info"
+    members = {k: v.encode() if isinstance(v, str) else v for k, v in files.items()}
+    members[f"{dist_info}/METADATA"] = (
+        f"Metadata-Version: 2.4\nName: {name}\nVersion: {version}\n".encode())
+    members[f"{dist_info}/WHEEL"] = (
+        f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {tag}\n".encode())
+    record = []
+    for path, data in members.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{dist_info}/RECORD,,")
+    members[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    out = dest_dir / f"{name}-{version}-{tag}.whl"
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zf:
+        for path, data in members.items():
+            info = zipfile.ZipInfo(path)
+            info.external_attr = (0o755 if path.endswith(".so") else 0o644) << 16
+            zf.writestr(info, data)
+    return out
+
+
+def check_record(wheel: Path) -> dict[str, bytes]:
+    """Asserts the wheel's RECORD lists every member with its true hash and size; returns the
+    members' contents."""
+    import base64
+    import csv
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        contents = {n: zf.read(n) for n in zf.namelist()}
+    (record_name,) = [n for n in contents if n.endswith(".dist-info/RECORD")]
+    rows = list(csv.reader(io.StringIO(contents[record_name].decode())))
+    assert sorted(r[0] for r in rows) == sorted(contents), "RECORD does not list every member"
+    for path, h, size in rows:
+        if path == record_name:
+            assert h == "" and size == ""
+            continue
+        data = contents[path]
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        assert h == f"sha256={digest}" and int(size) == len(data), path
+    return contents
