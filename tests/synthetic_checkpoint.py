@@ -99,7 +99,7 @@ _QWEN3_MOE_TINY = {
     "mlp_only_layers": [], "output_router_logits": False, "router_aux_loss_coef": 0.01,
 }
 # DeepSeek-V3-like MLA + MoE + shared expert + one dense layer + MTP, shrunk. Odd sizes on
-# purpose: vocab 4000 (lm_head padded to 4096), q_lora_rank 192 and kv_a output 128+64 = 192
+# purpose: vocab 4000 (lm_head padded to 4096), q_lora_rank 192 and kv_a output 128+32 = 160
 # (padded to 256), so padding paths are exercised.
 _DEEPSEEK_V3_TINY = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",

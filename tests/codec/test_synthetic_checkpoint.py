@@ -83,7 +83,7 @@ def test_mla_padding_and_mtp(fmt, ref, tmp_path):
     w = ref.reconstruct(head.trellis, head.suh, head.svh, head.codebook)
     assert w.shape == (256, 4096)
     assert (w[:, 4000:] == 0).all() and (w[:, :4000].abs().sum(0) > 0).all()
-    # MLA: q_a 256->192 (n padded to 256), q_b 192->384 (k padded), kv_a 256->192 (n padded).
+    # MLA: q_a 256->192 (n padded to 256), q_b 192->384 (k padded), kv_a 256->160 (n padded).
     a = "model.layers.0.self_attn"
     assert (specs[f"{a}.q_a_proj"].in_features, specs[f"{a}.q_a_proj"].out_features) == (256, 256)
     assert (specs[f"{a}.q_b_proj"].in_features, specs[f"{a}.q_b_proj"].out_features) == (256, 384)

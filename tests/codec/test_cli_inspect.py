@@ -1,0 +1,175 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`vllm-exl3 inspect`: right bitrates/codebooks for every real fixture, headers only, JSON mode,
+tensor-parallel blockers named, and every disagreement between the JSON files and the tensors
+reported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import synthetic_checkpoint as synth
+from fixture_paths import CLI, EXL3_FIXTURES, FIXTURES
+
+
+@pytest.fixture(scope="module")
+def inspect_mod():
+    from vllm_exl3 import inspect_ckpt
+
+    return inspect_ckpt
+
+
+def _recorded_storage(ckpt: str) -> tuple[float, float]:
+    """(decoder, head) bits per weight incl. suh/svh as ExLlamaV3 measured them."""
+    runs = json.loads((FIXTURES / "ppl_exllamav3_dense.json").read_text())
+    (run,) = [r for r in runs if r["label"] == ckpt]
+    layers, head, _ = (float(v) for v in run["storage"].strip("()").split(","))
+    return layers, head
+
+
+@pytest.mark.parametrize("ckpt", sorted(EXL3_FIXTURES))
+def test_fixture_report(inspect_mod, ckpt):
+    decoder_bits, head_bits, codebook = EXL3_FIXTURES[ckpt]
+    report = inspect_mod.inspect_checkpoint(FIXTURES / ckpt)
+    assert report["errors"] == [] and report["disagreements"] == []
+    modules = {m["name"]: m for m in report["modules"]}
+    assert len(modules) == 29
+    for name, m in modules.items():
+        assert m["bits"] == (head_bits if name == "lm_head" else decoder_bits), name
+        assert m["codebook"] == codebook, name
+    q = modules["model.layers.2.self_attn.k_proj"]
+    assert (q["in_features"], q["out_features"], q["trellis_shape"]) == (
+        256, 128, [16, 8, 16 * decoder_bits])
+    assert q["fused_group"] == "model.layers.2.self_attn.qkv_proj"
+    assert modules["model.layers.0.mlp.up_proj"]["fused_group"] == "model.layers.0.mlp.gate_up_proj"
+    assert modules["model.layers.0.mlp.down_proj"]["fused_group"] == "model.layers.0.mlp.down_proj"
+    plain = {u["name"] for u in report["unquantized"]}
+    assert "model.embed_tokens" in plain and "model.layers.3.self_attn.k_norm" in plain
+    # Storage per weight incl. the fp16 scale vectors equals ExLlamaV3's own accounting.
+    layers, head = _recorded_storage(ckpt)
+    groups = report["totals"]["by_group"]
+    assert groups["decoder"]["storage_bits_per_weight"] == pytest.approx(layers, rel=1e-12)
+    assert groups["head"]["storage_bits_per_weight"] == pytest.approx(head, rel=1e-12)
+    assert groups["decoder"]["bits_per_weight"] == decoder_bits
+    size = (FIXTURES / ckpt / "model.safetensors").stat().st_size
+    assert 0 < size - report["totals"]["total_bytes"] < 20_000  # all but the header
+    tp = report["tensor_parallel"]
+    assert tp["1"]["ok"] and not tp["2"]["ok"]
+    # k/v have 2 heads x 64: half of that is not a whole Hadamard block.
+    assert "k_proj" in tp["2"]["blockers"][0]["module"] or "v_proj" in tp["2"]["blockers"][0][
+        "module"]
+    assert "128/2 = 64" in tp["2"]["blockers"][0]["rule"]
+
+
+def test_headers_only(inspect_mod, monkeypatch):
+    read = []
+    original = inspect_mod.fmt.read_tensor
+    monkeypatch.setattr(inspect_mod.fmt, "read_tensor",
+                        lambda d, name, e, device="cpu": read.append(name) or original(d, name, e))
+    inspect_mod.inspect_checkpoint(FIXTURES / "exl3-3.0bpw-mcg")
+    assert len(read) == 29 and all(n.endswith(".mcg") for n in read)
+
+
+def test_json_mode_through_the_tool():
+    proc = subprocess.run([sys.executable, str(CLI), "inspect", "--json",
+                           str(FIXTURES / "exl3-3.0bpw-mcg")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    bits = {m["name"]: (m["bits"], m["codebook"]) for m in report["modules"]}
+    assert bits["lm_head"] == (6, "mcg")
+    assert bits["model.layers.1.mlp.gate_proj"] == (3, "mcg")
+    assert report["tensor_parallel"]["1"] == {"ok": True, "blockers": []}
+
+
+def test_text_mode(capsys):
+    from vllm_exl3.cli import main
+
+    assert main(["inspect", str(FIXTURES / "exl3-4.0bpw")]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj" in out and "qkv_proj" in out
+    assert "3inst" in out and "tp=1: ok" in out and "tp=2: blocked by" in out
+    assert "4.0990 with scales" in out
+    assert "agree with the tensors" in out
+
+
+def test_disagreements_are_reported(inspect_mod, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "exl3-4.0bpw", ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"].update(codebook="mul1", bits=3.0, head_bits=8)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    qjson = json.loads((ckpt / "quantization_config.json").read_text())
+    storage = qjson["tensor_storage"]
+    storage["model.layers.1.mlp.up_proj"]["bits_per_weight"] = 5
+    storage["model.layers.2.self_attn.o_proj"]["mcg_multiplier"] = 3417055213
+    del storage["model.layers.3.mlp.down_proj"]
+    storage["model.layers.0.self_attn.q_proj"]["stored_tensors"][
+        "model.layers.0.self_attn.q_proj.suh"]["shape"] = [512]
+    (ckpt / "quantization_config.json").write_text(json.dumps(qjson))
+
+    found = "\n".join(inspect_mod.inspect_checkpoint(ckpt)["disagreements"])
+    assert "codebook = 'mul1' but 29 modules use another codebook" in found
+    assert "bits = 3.0 but the decoder linears average 4.0000" in found
+    assert "head_bits = 8 but lm_head.trellis holds 6 bits" in found
+    assert "bits_per_weight differs from the trellis: model.layers.1.mlp.up_proj (5 listed, 4" in found
+    assert "codebook differs from the marker tensors: model.layers.2.self_attn.o_proj (mcg listed, 3inst stored)" in found
+    assert "missing from tensor_storage: model.layers.3.mlp.down_proj" in found
+    assert "model.layers.0.self_attn.q_proj.suh (listed torch.float16 [512]" in found
+    assert "quantization_config.json and config.json disagree on ['bits', 'codebook', 'head_bits']" in found
+
+
+def test_missing_modules_and_missing_json(inspect_mod, tmp_path):
+    synth.write_checkpoint("qwen3-tiny", tmp_path, bits=2, layers=2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "quantization_config.json").unlink()
+    found = "\n".join(inspect_mod.inspect_checkpoint(tmp_path)["disagreements"])
+    assert "config.json implies modules missing from the checkpoint: model.layers.2." in found
+    assert "quantization_config.json: missing" in found
+
+
+def test_tensor_parallel_blockers_name_the_module(inspect_mod, tmp_path):
+    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+           "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 16,
+           "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 1,
+           "vocab_size": 1000, "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 256, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    synth.write_checkpoint(cfg, tmp_path, bits=2, codebook="mul1", head_bits=2)
+    report = inspect_mod.inspect_checkpoint(tmp_path)
+    assert report["disagreements"] == [] and report["errors"] == []
+    tp = report["tensor_parallel"]
+    assert tp["1"]["ok"] and tp["2"]["ok"]
+    blockers = tp["4"]["blockers"]
+    assert blockers and all(".mlp.experts." in b["module"] for b in blockers)
+    assert any(b["rule"].startswith("column-parallel n/tp = 256/4 = 64") for b in blockers)
+    assert any(b["rule"].startswith("row-parallel k/tp = 256/4 = 64") for b in blockers)
+    assert tp["8"]["blockers"]
+    # The synthetic checkpoint untied the head like the converter does; vocab 1000 is padded.
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    head = next(m for m in report["modules"] if m["name"] == "lm_head")
+    assert (head["out_features"], head["real_out_features"]) == (1024, 1000)
+
+
+def test_format_errors_are_reported_with_exit_code(inspect_mod, tmp_path, capsys):
+    from vllm_exl3.cli import main
+
+    synth.write_checkpoint("qwen3-tiny", tmp_path, bits=2, codebook="mul1", layers=1)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.mul1"] = torch.tensor(7, dtype=torch.int32)
+    tensors["model.layers.0.self_attn.o_proj.suh"] = torch.ones(256, dtype=torch.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    report = inspect_mod.inspect_checkpoint(tmp_path)
+    assert any(e.startswith("model.layers.0.mlp.up_proj.mul1: marker value 7")
+               for e in report["errors"])
+    assert any(e.startswith("model.layers.0.self_attn.o_proj.suh: dtype F32") and
+               "wrong dtype" in e for e in report["errors"])
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "errors (format rules broken)" in capsys.readouterr().out
