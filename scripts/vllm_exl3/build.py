@@ -32,6 +32,9 @@ from .tree import BUILD_LABEL_PREFIX
 from .wheelfile import WheelName, set_version, unpack, write
 
 DEFAULT_ARCHS = "9.0;12.0;12.1"
+# Same directory as `python -m vllm_exl3.kernels_build`'s default, so objects compiled there
+# during kernel development are reused here (they are kept per architecture set).
+KERNEL_BUILD_DIR = ROOT / "build" / "exl3"
 KERNEL_MODULE = "vllm/_exl3_C.abi3.so"
 # Seconds between "still compiling" lines while a long subprocess runs.
 _HEARTBEAT_S = 30
@@ -95,7 +98,7 @@ def _venv_python(args: argparse.Namespace) -> Path:
     return py
 
 
-def build_kernels(python: Path, work: Path, archs: list[str], jobs: int) -> Path:
+def build_kernels(python: Path, archs: list[str], jobs: int) -> Path:
     if importlib.util.find_spec(f"{__package__}.kernels_build") is None:
         raise ToolError(
             "the kernel build (scripts/vllm_exl3/kernels_build.py) is missing from this "
@@ -104,7 +107,7 @@ def build_kernels(python: Path, work: Path, archs: list[str], jobs: int) -> Path
     print(f"build: compiling the EXL3 kernels for {';'.join(archs)} with {jobs} job(s) "
           f"({python})")
     snippet = _KERNEL_SNIPPET.format(scripts=str(Path(__file__).resolve().parents[1]),
-                                     out=str(work / "kernels"), archs=archs, jobs=jobs)
+                                     out=str(KERNEL_BUILD_DIR), archs=archs, jobs=jobs)
     r = _run_with_heartbeat([str(python), "-c", snippet], "compiling kernels", capture=True)
     if r.returncode != 0:
         raise ToolError("the kernel build failed (see the compiler output above)")
@@ -201,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
         kernels = None
         suffix = ".nokernels"
     else:
-        kernels = build_kernels(_venv_python(args), args.work_dir, _archs(args.archs), args.jobs)
+        kernels = build_kernels(_venv_python(args), _archs(args.archs), args.jobs)
         suffix = ""
     label = (git_label(series.root) or series.fingerprint("wheel")[:8]) + suffix
     out = quick_build(wheel, series, args.dist_dir, args.work_dir, kernels, label)
@@ -248,7 +251,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="interpreter with torch 2.11.0 for compiling (default: the pinned venv)")
     p.add_argument("--dist-dir", type=Path, default=ROOT / "dist", help="output directory")
     p.add_argument("--work-dir", type=Path, default=ROOT / "build" / "wheel",
-                   help="scratch directory (kernel objects are kept there between builds)")
+                   help="scratch directory for the wheel (kernel objects go to build/exl3/)")
     p.add_argument("--series", type=Path, default=ROOT,
                    help="repository root holding overlay/, csrc/, patches/ (default: this checkout)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
