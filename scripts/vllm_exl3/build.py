@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 from . import pins
@@ -138,26 +139,58 @@ def quick_build(wheel: Path, series: Series, dist: Path, work: Path, kernels: Pa
     return out
 
 
+_REQUIREMENTS_PROBE = """
+import json, sys
+from importlib.metadata import PackageNotFoundError, version
+from packaging.requirements import Requirement
+problems = []
+for text in json.loads(sys.argv[1]):
+    req = Requirement(text)
+    try:
+        have = version(req.name)
+    except PackageNotFoundError:
+        problems.append(f"{text}: not installed")
+        continue
+    if not req.specifier.contains(have, prereleases=True):
+        problems.append(f"{text}: {have} installed")
+print(json.dumps(problems))
+"""
+
+
+def _cuda_toolkit() -> Path | None:
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(Path(os.environ["CUDA_HOME"]))
+    if nvcc := shutil.which("nvcc"):
+        candidates.append(Path(nvcc).resolve().parent.parent)
+    candidates.append(Path("/usr/local/cuda"))
+    for root in candidates:
+        if (root / "bin" / "nvcc").is_file() and (root / "include" / "cuda_runtime.h").is_file():
+            return root
+    return None
+
+
 def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
     """vLLM's own setup.py build of the patched sdist (CMake + nvcc of everything)."""
-    problems = []
-    nvcc = shutil.which("nvcc") or (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-                                    / "bin" / "nvcc")
-    if not Path(nvcc).exists():
-        problems.append("nvcc (the CUDA 13 toolkit) is not on PATH and CUDA_HOME has none")
-    probe = subprocess.run(
-        [str(python), "-c", "import cmake, ninja, setuptools_scm, setuptools_rust, torch; "
-         "print(cmake.__version__, torch.__version__)"],
-        capture_output=True, text=True,
-    )
-    if probe.returncode != 0:
-        problems.append(
-            f"{python} lacks build requirements (cmake>=3.26.1, ninja, setuptools-scm, "
-            f"setuptools-rust, torch==2.11.0): {probe.stderr.strip().splitlines()[-1:]}"
-        )
-    if problems:
-        raise ToolError("cannot build from source:\n  " + "\n  ".join(problems))
     src = ensure_sdist_tree(args.cache_dir, offline=args.offline)
+    problems = []
+    cuda_home = _cuda_toolkit()
+    if cuda_home is None:
+        problems.append("no CUDA 13 toolkit (bin/nvcc and include/cuda_runtime.h) at $CUDA_HOME, "
+                        "next to the nvcc on PATH, or at /usr/local/cuda; set CUDA_HOME")
+    # --no-build-isolation builds with what --python has: check it against the sdist's own
+    # [build-system] requirements.
+    with open(src / "pyproject.toml", "rb") as f:
+        requires = tomllib.load(f)["build-system"]["requires"]
+    probe = subprocess.run([str(python), "-c", _REQUIREMENTS_PROBE, json.dumps(requires)],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        problems.append(f"{python} cannot check build requirements: {probe.stderr.strip()}")
+    else:
+        problems += [f"{python}: {p}" for p in json.loads(probe.stdout)]
+    if problems:
+        raise ToolError("cannot build from source (vLLM's build requirements):\n  "
+                        + "\n  ".join(problems))
     tree = args.work_dir / f"vllm-{pins.VLLM_VERSION}-src"
     shutil.rmtree(tree, ignore_errors=True)
     tree.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +198,10 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
     apply_onto(tree, series)
     shutil.rmtree(tree / STATE_DIR)
     env = {**os.environ,
+           # CMake's CUDA detection starts from the nvcc it finds; a wrapper script on PATH
+           # (e.g. /usr/local/bin/nvcc) hides the toolkit's include/ and lib64/.
+           "CUDA_HOME": str(cuda_home),
+           "PATH": f"{cuda_home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
            "VLLM_TARGET_DEVICE": "cuda",
            "TORCH_CUDA_ARCH_LIST": " ".join(_archs(args.archs)),
            "MAX_JOBS": str(args.jobs)}
@@ -178,7 +215,11 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
            "-w", str(args.dist_dir), str(tree)]
     r = _run_with_heartbeat(cmd, "vLLM build", env=env)
     if r.returncode != 0:
-        raise ToolError(f"vLLM's build failed (exit {r.returncode}); tree kept at {tree}")
+        raise ToolError(
+            f"vLLM's build failed (exit {r.returncode}); tree kept at {tree}. If CMake could not "
+            "fetch a repository (no network), point the *_SRC_DIR variables (see --help) at "
+            "local checkouts of the pinned commits."
+        )
     print(f"build: wheel in {args.dist_dir}")
     return 0
 
