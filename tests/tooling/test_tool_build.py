@@ -4,16 +4,19 @@ kernel module added, the version labelled, RECORD regenerated; and its refusals.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 from minitree import ROOT, check_record, make_wheel, run_tool
+from vllm_exl3.build import _REQUIREMENTS_PROBE
 
 MINI_WHEEL_FILES = {
     "vllm/__init__.py": "__version__ = '0.26.0'\n",
@@ -89,3 +92,17 @@ def test_build_without_the_kernel_build_module(tmp_path, mini_wheel, series):
     assert "kernels_build.py) is missing" in r.stderr and "--no-kernels" in r.stderr
     r = subprocess.run(cmd + ["--no-kernels"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_from_source_requirement_check():
+    """--from-source checks the interpreter against vLLM's [build-system] requirements before
+    starting an hours-long build; the check names each unmet requirement."""
+    have = version("pytest")  # any installed distribution will do
+    reqs = ["definitely-not-installed-exl3", f"pytest<{have}", f"pytest=={have}"]
+    r = subprocess.run([sys.executable, "-c", _REQUIREMENTS_PROBE, json.dumps(reqs)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [
+        "definitely-not-installed-exl3: not installed",
+        f"pytest<{have}: {have} installed",
+    ]
