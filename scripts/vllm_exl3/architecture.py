@@ -192,7 +192,8 @@ def _is_moe_layer(cfg: dict, idx: int) -> bool:
     if not _num_experts(cfg):
         return False
     if "first_k_dense_replace" in cfg or "n_routed_experts" in cfg:  # DeepSeek style
-        return idx >= cfg.get("first_k_dense_replace", 0) and idx % cfg.get("moe_layer_freq", 1) == 0
+        first_moe = cfg.get("first_k_dense_replace", 0)
+        return idx >= first_moe and idx % cfg.get("moe_layer_freq", 1) == 0
     if idx in (cfg.get("mlp_only_layers") or []):
         return False
     step = cfg.get("decoder_sparse_step", 1) or 1

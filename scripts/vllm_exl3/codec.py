@@ -49,7 +49,8 @@ def _submodule(name: str) -> ModuleType:
     try:
         return importlib.import_module(f"{PRIVATE_PACKAGE}.{name}")
     except ImportError as e:
-        raise ImportError(f"cannot import the EXL3 codec ({name}.py): {e} (is torch installed?)") from e
+        raise ImportError(
+            f"cannot import the EXL3 codec ({name}.py): {e} (is torch installed?)") from e
 
 
 exl3_format = _submodule("format")

@@ -269,7 +269,8 @@ def _compare_config(cfg: dict, have_config: bool, modules: list[dict], by_group:
             out.append(f"config.json: codebook = {codebook!r} but {len(other)} modules use "
                        f"another codebook: {_named(other)}")
     decoder = by_group.get("decoder")
-    if "bits" in q and decoder and abs(float(q["bits"]) - decoder["bits_per_weight"]) > BITS_TOLERANCE:
+    if decoder and "bits" in q and abs(
+            float(q["bits"]) - decoder["bits_per_weight"]) > BITS_TOLERANCE:
         out.append(f"config.json: bits = {q['bits']} but the decoder linears average "
                    f"{decoder['bits_per_weight']:.4f} bits per weight")
     head = next((m for m in modules if m["name"] == "lm_head"), None)

@@ -118,11 +118,14 @@ def test_disagreements_are_reported(inspect_mod, tmp_path):
     assert "codebook = 'mul1' but 29 modules use another codebook" in found
     assert "bits = 3.0 but the decoder linears average 4.0000" in found
     assert "head_bits = 8 but lm_head.trellis holds 6 bits" in found
-    assert "bits_per_weight differs from the trellis: model.layers.1.mlp.up_proj (5 listed, 4" in found
-    assert "codebook differs from the marker tensors: model.layers.2.self_attn.o_proj (mcg listed, 3inst stored)" in found
+    assert ("bits_per_weight differs from the trellis: "
+            "model.layers.1.mlp.up_proj (5 listed, 4") in found
+    assert ("codebook differs from the marker tensors: "
+            "model.layers.2.self_attn.o_proj (mcg listed, 3inst stored)") in found
     assert "missing from tensor_storage: model.layers.3.mlp.down_proj" in found
     assert "model.layers.0.self_attn.q_proj.suh (listed torch.float16 [512]" in found
-    assert "quantization_config.json and config.json disagree on ['bits', 'codebook', 'head_bits']" in found
+    assert ("quantization_config.json and config.json disagree on "
+            "['bits', 'codebook', 'head_bits']") in found
 
 
 def test_missing_modules_and_missing_json(inspect_mod, tmp_path):

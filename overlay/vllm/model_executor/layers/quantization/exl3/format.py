@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+# vLLM's init_logger is logging.getLogger under the vllm namespace; this module must not import
+# vLLM (the tools load it standalone), and under vLLM __name__ already sits in that namespace.
 logger = logging.getLogger(__name__)
 
 # Width of every EXL3 Hadamard block; all quantized dims are padded to a multiple of it.

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .format import (HADAMARD_SIZE, HALF_BITS, TILE, WORDS_PER_BIT, Codebook, Exl3FormatError,
+from .format import (HADAMARD_SIZE, HALF_BITS, TILE, Codebook, Exl3FormatError,
                      bits_from_trellis_width)
 
 # Trellis window L: every weight is decoded from the 16 stream bits ending at its code.
