@@ -165,3 +165,20 @@ def test_cuda_matches_cpu(ref, bits, codebook):
     assert torch.equal(gpu.cpu(), cpu)
     w = ref.reconstruct(trellis.cuda(), suh.cuda(), svh.cuda(), codebook)
     assert torch.allclose(w.cpu(), ref.reconstruct(trellis, suh, svh, codebook), atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_decodes_a_full_size_layer(ref):
+    # A 5120 x 17408 layer (Qwen3-32B-like MLP) at 4 bits decodes on the GPU in one call, and
+    # its first tile rows equal the CPU decode of the same slice.
+    gen = torch.Generator().manual_seed(0)
+    trellis = torch.randint(-(1 << 15), 1 << 15, (320, 1088, 64), generator=gen,
+                            dtype=torch.int32).to(torch.int16)
+    suh = torch.ones(5120, dtype=torch.float16, device="cuda")
+    svh = torch.ones(17408, dtype=torch.float16, device="cuda")
+    w_hat = ref.decode_rotated(trellis.cuda(), 2)
+    assert w_hat.shape == (5120, 17408)
+    assert torch.equal(w_hat[:32].cpu(), ref.decode_rotated(trellis[:2], 2))
+    w = ref.reconstruct(trellis.cuda(), suh, svh, 2)
+    assert torch.isfinite(w).all()
