@@ -6,6 +6,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
+import hashlib
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import pins
@@ -68,11 +74,30 @@ def apply_onto(root: Path, series: Series) -> tuple[TargetTree, Plan]:
     return tree, plan
 
 
+@contextlib.contextmanager
+def _tree_lock(root: Path) -> Iterator[None]:
+    """One apply/revert per tree at a time (several test runs may share one venv). The lock file
+    lives outside the tree so the tree itself stays byte-identical."""
+    key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"vllm-exl3-{key}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another vllm-exl3 apply on {root} ...", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def run(args: argparse.Namespace) -> int:
+    if not args.tree.is_dir():
+        raise ToolError(f"{args.tree} is not a directory")
+    with _tree_lock(args.tree.resolve()):
+        return _run_locked(args)
+
+
+def _run_locked(args: argparse.Namespace) -> int:
     series = Series.load(args.series)
     tree = identify(args.tree)
-    if not tree.root.is_dir():
-        raise ToolError(f"{args.tree} is not a directory")
     state = State.load(tree.root)
     fp = series.fingerprint(tree.kind)
 

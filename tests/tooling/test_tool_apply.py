@@ -38,6 +38,10 @@ def test_apply_reapply_check_revert(mini_sdist, series):
     assert again.returncode == 0 and "nothing to do" in again.stdout
     assert tree_hash(mini_sdist) == applied
 
+    same = run_tool("apply", "--replace", mini_sdist, "--series", series.root)
+    assert same.returncode == 0 and "nothing to do" in same.stdout
+    assert tree_hash(mini_sdist) == applied
+
     check_applied = run_tool("apply", "--check", mini_sdist, "--series", series.root)
     assert check_applied.returncode == 0 and "already applied" in check_applied.stdout
 
