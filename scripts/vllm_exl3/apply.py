@@ -198,5 +198,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true",
                    help="with --revert/--replace: restore even files changed since we wrote them")
     p.add_argument("--series", type=Path, default=ROOT,
-                   help="repository root holding overlay/, csrc/, patches/ (default: this checkout)")
+                   help="repository root holding overlay/, csrc/, patches/ "
+                   "(default: this checkout)")
     p.set_defaults(func=run)

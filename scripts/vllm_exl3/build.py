@@ -294,7 +294,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--work-dir", type=Path, default=ROOT / "build" / "wheel",
                    help="scratch directory for the wheel (kernel objects go to build/exl3/)")
     p.add_argument("--series", type=Path, default=ROOT,
-                   help="repository root holding overlay/, csrc/, patches/ (default: this checkout)")
+                   help="repository root holding overlay/, csrc/, patches/ "
+                   "(default: this checkout)")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
                    help="cache directory (default: $VLLM_EXL3_CACHE or ~/.cache/vllm-exl3)")
     p.add_argument("--offline", action="store_true", help="never touch the network")

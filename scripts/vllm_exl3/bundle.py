@@ -253,7 +253,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "`pip install --no-index --no-deps --target DIR`, then prints the environment to set."
         ),
     )
-    p.add_argument("--wheel", type=Path, help="the wheel to bundle (default: newest build in dist/)")
+    p.add_argument("--wheel", type=Path,
+                   help="the wheel to bundle (default: the newest build in dist/)")
     p.add_argument("--part-size", type=parse_size, default=parse_size(DEFAULT_PART_SIZE),
                    help=f"largest part, e.g. 60MB, 64MiB (default {DEFAULT_PART_SIZE})")
     p.add_argument("--python-version", default=DEFAULT_PYTHON,

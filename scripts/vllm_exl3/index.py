@@ -147,7 +147,8 @@ def find_file(project: str, filename: str) -> FileLink:
             errors.append(f"{index}: HTTP {e.code} {e.reason}")
             continue
         except (urllib.error.URLError, OSError, ValueError) as e:
-            if isinstance(e, urllib.error.URLError) and urllib.parse.urlparse(index).scheme == "file":
+            local = urllib.parse.urlparse(index).scheme == "file"
+            if isinstance(e, urllib.error.URLError) and local:
                 reached.append(index)  # a local mirror without this project
                 continue
             errors.append(f"{index}: {getattr(e, 'reason', e)}")
@@ -183,7 +184,8 @@ def download(link: FileLink, dest: Path, sha256: str) -> None:
     h = hashlib.sha256()
     try:
         with _open(link.url) as resp, open(part, "wb") as out:
-            prog = Progress(f"downloading {dest.name}", int(resp.headers.get("Content-Length") or 0))
+            size = int(resp.headers.get("Content-Length") or 0)
+            prog = Progress(f"downloading {dest.name}", size)
             while chunk := resp.read(_CHUNK):
                 out.write(chunk)
                 h.update(chunk)

@@ -66,7 +66,8 @@ class Series:
     def load(cls, root: Path = ROOT) -> Series:
         root = root.resolve()
         overlay = tuple(
-            SourceFile(p, p.relative_to(root).as_posix(), p.relative_to(root / "overlay").as_posix())
+            SourceFile(p, p.relative_to(root).as_posix(),
+                       p.relative_to(root / "overlay").as_posix())
             for p in _files_under(root / "overlay")
         )
         csrc = tuple(

@@ -114,86 +114,94 @@ def make_plan(series: Series, kind: Kind, read: Reader, per_hunk: bool = False) 
     down."""
     if shutil.which("git") is None:
         raise ToolError("git is required (patches are applied with `git apply`); install git")
-    problems: list[str] = []
-    writes: list[Write] = []
-    identical: list[str] = []
-    skipped_sources: list[str] = []
+    plan = Plan([], [], [], [], [])
+    sources = _plan_sources(series, kind, read, plan)
+    _plan_patches(series, kind, read, per_hunk, {sf.dest for sf in sources}, plan)
+    for v in plan.patches:
+        plan.problems += _patch_problems(v)
+    return plan
 
-    sources: list[SourceFile] = list(series.overlay) + (list(series.csrc) if kind == "sdist" else [])
+
+def _plan_sources(series: Series, kind: Kind, read: Reader, plan: Plan) -> list[SourceFile]:
+    """Overlay and csrc files: new ones to write, identical ones to leave, conflicts."""
     if kind != "sdist" and series.csrc:
-        skipped_sources.append(f"csrc/ ({len(series.csrc)} files): a wheel tree has no sources")
-    for sf in series.overlay:
+        plan.skipped_sources.append(
+            f"csrc/ ({len(series.csrc)} files): a wheel tree has no sources")
+    candidates = list(series.overlay) + (list(series.csrc) if kind == "sdist" else [])
+    sources = []
+    for sf in candidates:
         if not in_scope(kind, sf.dest):
-            skipped_sources.append(f"{sf.origin}: outside the installed vllm/ package")
-    for sf in sources:
-        if not in_scope(kind, sf.dest):
+            plan.skipped_sources.append(f"{sf.origin}: outside the installed vllm/ package")
             continue
+        sources.append(sf)
         data = sf.source.read_bytes()
-        mode = _NEW_FILE_MODE | (sf.source.stat().st_mode & 0o111)
         current = read(sf.dest)
         if current is None:
-            writes.append(Write(sf.dest, data, mode, sf.origin))
+            mode = _NEW_FILE_MODE | (sf.source.stat().st_mode & 0o111)
+            plan.writes.append(Write(sf.dest, data, mode, sf.origin))
         elif current[0] == data:
-            identical.append(sf.dest)
+            plan.identical.append(sf.dest)
         else:
-            problems.append(
+            plan.problems.append(
                 f"{sf.dest}: the tree already has this file with different content, not written "
                 f"by vllm-exl3 (would be overwritten by {sf.origin})"
             )
-    source_dests = {sf.dest for sf in sources}
+    return sources
 
+
+def _plan_patches(series: Series, kind: Kind, read: Reader, per_hunk: bool,
+                  source_dests: set[str], plan: Plan) -> None:
+    """The patches applied in order to scratch copies of the files they touch."""
     patches = [parse_patch(p) for p in series.patches]
-    verdicts: list[PatchVerdict] = []
     touched: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="vllm-exl3-plan-") as tmp:
         scratch = Path(tmp) / "tree"
         scratch.mkdir()
         originals: dict[str, tuple[bytes, int] | None] = {}
+        for fd in (fd for patch in patches for fd in patch.files):
+            if not in_scope(kind, fd.path) or fd.path in originals:
+                continue
+            originals[fd.path] = read(fd.path)
+            if originals[fd.path] is not None:
+                dst = scratch / fd.path
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(originals[fd.path][0])
+                os.chmod(dst, originals[fd.path][1])
         for patch in patches:
-            for fd in patch.files:
-                if in_scope(kind, fd.path) and fd.path not in originals:
-                    originals[fd.path] = read(fd.path)
-                    if originals[fd.path] is not None:
-                        dst = scratch / fd.path
-                        dst.parent.mkdir(parents=True, exist_ok=True)
-                        dst.write_bytes(originals[fd.path][0])
-                        os.chmod(dst, originals[fd.path][1])
-        for patch in patches:
-            verdicts.append(_apply_one(scratch, patch, kind, per_hunk, touched))
+            plan.patches.append(_apply_one(scratch, patch, kind, per_hunk, touched))
         for path, origin in touched.items():
             if path in source_dests:
                 raise ToolError(f"series error: {path} is both a new file and patched ({origin})")
             before = originals.get(path)
-            after_p = scratch / path
-            after = (after_p.read_bytes(), after_p.stat().st_mode & 0o777) if after_p.exists() else None
+            p = scratch / path
+            after = (p.read_bytes(), p.stat().st_mode & 0o777) if p.exists() else None
             if after != before:
                 mode = after[1] if after else (before[1] if before else _NEW_FILE_MODE)
-                writes.append(Write(path, after[0] if after else None, mode, ", ".join(origin)))
+                plan.writes.append(
+                    Write(path, after[0] if after else None, mode, ", ".join(origin)))
 
-    for v in verdicts:
-        if v.applies:
+
+def _patch_problems(v: PatchVerdict) -> list[str]:
+    if v.applies:
+        return []
+    if v.already_applied:
+        return [f"patch {v.name}: already applied to this tree, but not by vllm-exl3 (no "
+                ".vllm-exl3/ record); start from a pristine tree"]
+    problems = []
+    for fv in v.files:
+        if fv.skipped or fv.applies:
             continue
-        if v.already_applied:
-            problems.append(
-                f"patch {v.name}: already applied to this tree, but not by vllm-exl3 (no "
-                ".vllm-exl3/ record); start from a pristine tree"
-            )
+        if fv.missing:
+            problems.append(f"patch {v.name}: {fv.path} is missing from the tree")
             continue
-        for fv in v.files:
-            if fv.skipped or fv.applies:
-                continue
-            if fv.missing:
-                problems.append(f"patch {v.name}: {fv.path} is missing from the tree")
-                continue
-            bad = [f"hunk {i} ({h.header})" for i, h in enumerate(fv.hunks, 1) if not h.applies]
-            problems.append(
-                f"patch {v.name}: {fv.path}: "
-                + (", ".join(bad) if bad else "the file diff")
-                + " does not apply (the file was modified locally or is from another version)"
-            )
-        if all(fv.applies or fv.skipped for fv in v.files):
-            problems.append(f"patch {v.name}: does not apply: {v.git_error}")
-    return Plan(writes, identical, verdicts, skipped_sources, problems)
+        bad = [f"hunk {i} ({h.header})" for i, h in enumerate(fv.hunks, 1) if not h.applies]
+        problems.append(
+            f"patch {v.name}: {fv.path}: " + (", ".join(bad) if bad else "the file diff")
+            + " does not apply (the file was modified locally or is from another version)"
+        )
+    if not problems:  # each file applies alone, the combination does not
+        problems.append(f"patch {v.name}: does not apply: {v.git_error}")
+    return problems
 
 
 def _apply_one(scratch: Path, patch: Patch, kind: Kind, per_hunk: bool,

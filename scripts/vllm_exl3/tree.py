@@ -75,7 +75,8 @@ def identify(root: Path) -> TargetTree:
         public, _, local = version.partition("+")
         if public != pins.VLLM_VERSION:
             problems.append(
-                f"the tree is vLLM {version} ({source}); this series is for vLLM {pins.VLLM_VERSION}"
+                f"the tree is vLLM {version} ({source}); this series is for vLLM "
+                f"{pins.VLLM_VERSION}"
             )
         elif local.startswith(BUILD_LABEL_PREFIX):
             problems.append(

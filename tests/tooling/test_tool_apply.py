@@ -200,7 +200,8 @@ def _pristine_copy(tmp_path: Path) -> Path:
 
 def _mini_wheel_tree(root: Path, version: str = "0.26.0") -> Path:
     files = {k: v for k, v in MINI_SDIST.items() if k.startswith("vllm/")}
-    files["vllm-0.26.0.dist-info/METADATA"] = f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n"
+    files["vllm-0.26.0.dist-info/METADATA"] = (
+        f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n")
     files["other_package/__init__.py"] = ""
     return write_tree(root, files)
 
@@ -215,7 +216,8 @@ def test_wheel_tree_mode(tmp_path, series):
     assert r.returncode == 0, r.stderr
     assert "skipped csrc/ (1 files)" in r.stdout
     assert "skipped 0002-cmake-and-a-file-without-final-newline.patch: CMakeLists.txt" in r.stdout
-    assert "overlay/tests/quantization/test_exl3_harness.py: outside the installed vllm/" in r.stdout
+    harness = "overlay/tests/quantization/test_exl3_harness.py"
+    assert f"{harness}: outside the installed vllm/" in r.stdout
     assert not (site / "CMakeLists.txt").exists() and not (site / "csrc").exists()
     assert not (site / "tests").exists()
     assert (site / "vllm/envs.py").read_bytes() == series.patched["vllm/envs.py"]

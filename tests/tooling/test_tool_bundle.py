@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from minitree import check_record, make_wheel, run_tool
+from minitree import make_wheel, run_tool
 from vllm_exl3 import pins
 from vllm_exl3.bundle import parse_size
 
@@ -85,7 +85,8 @@ def test_bundle_install_import(tmp_path, local_dependency):
     sizes = [p.stat().st_size for p in parts]
     assert len(parts) >= 3 and max(sizes) <= PART
     assert len(parts) == math.ceil(sum(sizes) / PART)  # every part but the last is full
-    assert sorted(p.name for p in bundle.iterdir()) == sorted(["install.sh", *(p.name for p in parts)])
+    assert sorted(p.name for p in bundle.iterdir()) == sorted(
+        ["install.sh", *(p.name for p in parts)])
 
     target = tmp_path / "site"
     inst = _install(bundle, target)
