@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""The device-call sequence that stages the offline bundle on the GPU host and runs the e2e
+scripts, sized to the run tool's per-call limit (scripts/e2e/README.md).
+
+Every call sends the working tree (tracked and untracked-not-ignored files) plus the paths it
+carries, 64 MiB at most in all; the host keeps /tmp while the machine stays warm (~30 s between
+calls). So each call carries one bundle part into /tmp/vx/bundle, the last one installs it and
+runs the fixture e2e, and later calls run the rest.
+
+    device_calls.py budget [--margin-mib M]        part size in bytes for `vllm-exl3 bundle`
+    device_calls.py layout --bundle DIR            link parts into .e2e/xfer/cN, write the plan
+    device_calls.py check                          re-measure the tree + each call's carry
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+E2E = REPO / ".e2e"
+XFER = E2E / "xfer"
+PLAN_JSON = E2E / "calls.json"
+PLAN_MD = E2E / "calls.md"
+# The run tool's limit on what one call sends (working tree + carried paths).
+CALL_LIMIT = 64 * 2**20
+# Room for the tree to grow (other commits) between preparing and running the calls.
+DEFAULT_MARGIN_MIB = 2
+# Room for install.sh, which travels with the first part.
+INSTALLER_ALLOWANCE = 64 * 2**10
+PART_STEM = "vllm-exl3-bundle.part"
+HOST_DIR = "/tmp/vx"
+COMMAND_LIMIT = 2000  # characters, the run tool's limit
+# Per-call wall-clock limits (the run tool allows 600 s): the e2e scripts get budgets that leave
+# room for the install before them and for engine shutdown after their last stage.
+INSTALL_AND_FIXTURE_BUDGET_S = 420
+TP2_BUDGET_S = 520
+THROUGHPUT_BUDGET_S = 520
+
+
+def tree_bytes(root: Path = REPO) -> int:
+    """Bytes the run tool sends besides carried paths: tracked + untracked-not-ignored files."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+                          "--exclude-standard"], capture_output=True, check=True).stdout
+    total = 0
+    for name in {n for n in out.decode().split("\0") if n}:
+        p = root / name
+        if p.is_symlink() or p.is_file():
+            total += p.lstat().st_size
+    return total
+
+
+def path_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def part_budget(tree: int, margin: int) -> int:
+    budget = CALL_LIMIT - tree - margin - INSTALLER_ALLOWANCE
+    if budget < 1 << 20:
+        raise SystemExit(f"the working tree ({tree / 2**20:.1f} MiB) leaves no room for bundle "
+                         f"parts under the {CALL_LIMIT / 2**20:.0f} MiB per-call limit")
+    return budget
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _link(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def stage_command(call: int, parts: list[tuple[str, str]], first: bool) -> str:
+    """Copy call `call`'s carried parts into the host's bundle directory and check them."""
+    rel = f".e2e/xfer/c{call}"
+    checks = " && ".join(f"echo '{sha}  {name}' | sha256sum -c -" for name, sha in parts)
+    cmd = ""
+    if first:
+        # The synthetic 8B checkpoint needs only torch: write it in the background (its own
+        # session survives the call) while the parts travel.
+        cmd += (f"mkdir -p {HOST_DIR} && (setsid nohup python3 scripts/e2e/throughput.py "
+                f"--write-only > {HOST_DIR}/synth.log 2>&1 < /dev/null &); ")
+    return cmd + (f"mkdir -p {HOST_DIR}/bundle && cp {rel}/* {HOST_DIR}/bundle/ && "
+                  f"(cd {HOST_DIR}/bundle && {checks}) && df -h /tmp | tail -1")
+
+
+def env_command() -> str:
+    """The environment install.sh wrote (PYTHONPATH, PATH, VLLM_USE_FLASHINFER_SAMPLER=0)."""
+    return f". {HOST_DIR}/site/vllm-exl3-env.sh && export PYTHONUNBUFFERED=1"
+
+
+def install_command() -> str:
+    return (f"{{ bash {HOST_DIR}/bundle/install.sh {HOST_DIR}/site > $OUT/install.log 2>&1 "
+            f"|| {{ tail -40 $OUT/install.log; false; }}; }} && {env_command()}")
+
+
+def run_commands() -> dict[str, str]:
+    env = env_command()
+    return {
+        "fixture": (f"python3 scripts/e2e/run_fixture_e2e.py --budget-s "
+                    f"{INSTALL_AND_FIXTURE_BUDGET_S} 2>&1 | tee $OUT/fixture_e2e.log"),
+        "throughput": (f"set -o pipefail; {env} && python3 scripts/e2e/throughput.py "
+                       f"--budget-s {THROUGHPUT_BUDGET_S} 2>&1 | tee $OUT/throughput.log"),
+        "tp2": (f"set -o pipefail; {env} && python3 scripts/e2e/run_fixture_e2e.py --tp 2 "
+                f"--baseline {HOST_DIR}/e2e/fixture_e2e.json --budget-s {TP2_BUDGET_S} 2>&1 "
+                "| tee $OUT/fixture_e2e_tp2.log"),
+    }
+
+
+def layout(bundle: Path, margin: int) -> dict:
+    parts = sorted(bundle.glob(PART_STEM + "*"))
+    installer = bundle / "install.sh"
+    if not parts or not installer.is_file():
+        raise SystemExit(f"{bundle}: no bundle (install.sh + {PART_STEM}NN) here")
+    listed = re.findall(rf"'({re.escape(PART_STEM)}\d+) ([0-9a-f]{{64}}) (\d+)'",
+                        installer.read_text())
+    if [n for n, _, _ in listed] != [p.name for p in parts]:
+        raise SystemExit(f"{bundle}: the parts present differ from those install.sh lists")
+    shas = {n: s for n, s, _ in listed}
+    for p in parts:
+        if _sha256(p) != shas[p.name]:
+            raise SystemExit(f"{p}: sha256 differs from install.sh's; rebuild the bundle")
+    tree = tree_bytes()
+    shutil.rmtree(XFER, ignore_errors=True)
+    calls = []
+    for i, part in enumerate(parts, 1):
+        d = XFER / f"c{i}"
+        d.mkdir(parents=True)
+        _link(part, d / part.name)
+        if i == 1:
+            _link(installer, d / installer.name)
+        first, last = i == 1, i == len(parts)
+        command = stage_command(i, [(part.name, shas[part.name])], first)
+        if last:
+            command = ("set -o pipefail; " + command + " && " + install_command() + " && "
+                       + run_commands()["fixture"])
+        calls.append({"call": i, "carry": [f".e2e/xfer/c{i}"], "command": command,
+                      "bytes": tree + path_bytes(d), "timeout_s": 600 if last else 120,
+                      "does": ("stage " + part.name + (" + install.sh" if first else "")
+                               + (" + synthetic 8B writer (background)" if first else "")
+                               + ("; install; fixture e2e (TP=1)" if last else ""))})
+    n = len(calls)
+    cmds = run_commands()
+    calls.append({"call": n + 1, "carry": [], "command": cmds["throughput"],
+                  "bytes": tree, "timeout_s": 600, "does": "throughput (exl3 vs bf16)"})
+    plan = {"tree_bytes": tree, "limit_bytes": CALL_LIMIT, "margin_bytes": margin,
+            "calls": calls,
+            "tp2_on_x2": {"carry": [], "command": cmds["tp2"], "timeout_s": 600,
+                          "does": "TP=2 vs TP=1 (needs the x2 machine, staged by calls "
+                                  f"1..{n} with kind nvidia-h200-x2)"}}
+    for c in [*calls, plan["tp2_on_x2"]]:
+        if len(c["command"]) > COMMAND_LIMIT:
+            raise SystemExit(f"call {c.get('call', 'tp2')}: command is {len(c['command'])} "
+                             f"characters, over the run tool's {COMMAND_LIMIT}")
+    for c in calls:
+        if c["bytes"] + margin > CALL_LIMIT:
+            raise SystemExit(f"call {c['call']}: {c['bytes'] / 2**20:.2f} MiB + margin exceeds "
+                             f"{CALL_LIMIT / 2**20:.0f} MiB")
+    return plan
+
+
+def render(plan: dict) -> str:
+    n_stage = sum(1 for c in plan["calls"] if c["carry"])
+    lines = [
+        "# Device calls for the issue-4 GPU record (generated by scripts/e2e/device_calls.py)",
+        "",
+        f"Working tree: {plan['tree_bytes'] / 2**20:.2f} MiB per call (limit "
+        f"{plan['limit_bytes'] / 2**20:.0f} MiB incl. carried paths). Make the calls back to "
+        "back: the machine goes back ~30 s after a call, and /tmp/vx with it.",
+        f"Single H200 (`nvidia-h200`): calls 1..{len(plan['calls'])}. On `nvidia-h200-x2` "
+        f"(if lent): calls 1..{n_stage} with kind nvidia-h200-x2, then the TP=2 call, then the "
+        "throughput call - one staging serves all three records.",
+        "Before the calls, `python3 scripts/e2e/device_calls.py check` re-measures the sizes.",
+        "",
+    ]
+    for c in plan["calls"]:
+        lines += [f"## call {c['call']}: {c['does']}",
+                  f"- carry: {json.dumps(c['carry'])}",
+                  f"- timeout_s: {c['timeout_s']}",
+                  f"- sends: {c['bytes'] / 2**20:.2f} MiB",
+                  "- command:", "", "```", c["command"], "```", ""]
+    t = plan["tp2_on_x2"]
+    lines += [f"## TP=2 call (x2 machine, after the fixture call): {t['does']}",
+              f"- carry: {json.dumps(t['carry'])}", f"- timeout_s: {t['timeout_s']}",
+              "- command:", "", "```", t["command"], "```", ""]
+    return "\n".join(lines)
+
+
+def check() -> int:
+    if not PLAN_JSON.is_file():
+        raise SystemExit(f"no plan at {PLAN_JSON}; run scripts/e2e/prepare.sh")
+    plan = json.loads(PLAN_JSON.read_text())
+    tree = tree_bytes()
+    ok = True
+    print(f"working tree now {tree / 2**20:.2f} MiB (was {plan['tree_bytes'] / 2**20:.2f})")
+    for c in plan["calls"]:
+        carried = 0
+        for p in c["carry"]:
+            if not (REPO / p).exists():
+                print(f"call {c['call']}: {p} is missing")
+                ok = False
+                continue
+            carried += path_bytes(REPO / p)
+        total = tree + carried
+        fits = total <= CALL_LIMIT
+        ok &= fits
+        print(f"call {c['call']}: {total / 2**20:6.2f} MiB {'ok' if fits else 'OVER THE LIMIT'}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("budget", help="print the bundle part size (bytes) that fits one call")
+    b.add_argument("--margin-mib", type=float, default=DEFAULT_MARGIN_MIB)
+    lay = sub.add_parser("layout", help="link the parts into .e2e/xfer/cN and write the plan")
+    lay.add_argument("--bundle", type=Path, required=True)
+    lay.add_argument("--margin-mib", type=float, default=DEFAULT_MARGIN_MIB)
+    sub.add_parser("check", help="re-measure the tree and every call's carry")
+    args = ap.parse_args(argv)
+    if args.cmd == "budget":
+        print(part_budget(tree_bytes(), int(args.margin_mib * 2**20)))
+        return 0
+    if args.cmd == "check":
+        return check()
+    plan = layout(args.bundle, int(args.margin_mib * 2**20))
+    E2E.mkdir(exist_ok=True)
+    PLAN_JSON.write_text(json.dumps(plan, indent=1))
+    PLAN_MD.write_text(render(plan))
+    print(render(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

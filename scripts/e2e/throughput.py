@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Throughput record of issue 4 (run ON the GPU host, after the offline bundle is installed):
+a synthetic EXL3 checkpoint at real dense dims (tests/synthetic_checkpoint.py, preset qwen3-8b,
+4 bpw, written here on the host) next to the same dims in bf16 (load_format="dummy"), vLLM
+offline generation with fixed input/output lengths (ignore_eos) at several concurrencies, both in
+one session: output tok/s and TPOT. vLLM's defaults (torch.compile + CUDA graphs).
+
+`--write-only` writes the synthetic checkpoint and exits (needs torch, not vLLM): start it in the
+background during the bundle transfers so the measuring call finds it ready.
+
+Prints a table; writes throughput.json to --out (default $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+PRESET = "qwen3-8b"
+CONCURRENCY = (1, 4, 16, 64)
+INPUT_LEN = 512
+OUTPUT_LEN = 256
+# An 8B model at bf16 is 16 GB; half the H200 leaves ample KV cache for 64 x 768 tokens.
+GPU_MEMORY_UTILIZATION = 0.5
+WARMUP_TOKENS = 8  # one short request per engine first: lazy initialisation stays out of timings
+# Seconds assumed for one engine (start-up with compile + graph capture of an 8B model, plus the
+# passes) when deciding whether the next one still fits the budget.
+ENGINE_COST_S = 180
+WRITER_POLL_S = 2
+HOST_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # flashinfer is not on the host
+
+
+def log(msg: str) -> None:
+    print(f"[throughput {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def checkpoint_dir(work: Path, layers: int | None, bits: float, codebook: str) -> Path:
+    return work / f"exl3-{PRESET}-L{layers or 'all'}-{bits:g}bpw-{codebook}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def ensure_checkpoint(target: Path, layers: int | None, bits: float, codebook: str) -> Path:
+    """The synthetic checkpoint at `target`: reuse it, wait for a writer already at work on it
+    (a background --write-only), or write it (into target.partial, renamed when complete)."""
+    partial = target.with_name(target.name + ".partial")
+    pidfile = partial / "writer.pid"
+    while not target.exists() and pidfile.exists():
+        pid = int(pidfile.read_text() or 0)
+        if not _pid_alive(pid):
+            log(f"stale partial checkpoint (writer {pid} gone): rewriting")
+            break
+        log(f"waiting for writer {pid} of {target}")
+        time.sleep(WRITER_POLL_S)
+    if target.exists():
+        return target
+    sys.path.insert(0, str(REPO / "tests"))
+    from synthetic_checkpoint import write_checkpoint
+
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    pidfile.write_text(str(os.getpid()))
+    t0 = time.monotonic()
+    write_checkpoint(PRESET, partial, bits=bits, codebook=codebook, layers=layers)
+    pidfile.unlink()
+    partial.rename(target)
+    size = sum(f.stat().st_size for f in target.iterdir())
+    log(f"wrote {target} ({size / 1e9:.2f} GB) in {time.monotonic() - t0:.0f} s")
+    return target
+
+
+def bf16_dir(exl3_dir: Path, work: Path) -> Path:
+    """Same config without the quantization block: weights come from load_format='dummy'."""
+    cfg = json.loads((exl3_dir / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    out = work / (exl3_dir.name.replace("exl3-", "bf16-dummy-"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def make_llm(model_dir: Path, *, dummy: bool, max_len: int, max_seqs: int):
+    from vllm import LLM
+
+    return LLM(model=str(model_dir), skip_tokenizer_init=True,
+               load_format="dummy" if dummy else "auto", max_model_len=max_len,
+               max_num_seqs=max_seqs, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+               enable_prefix_caching=False, disable_log_stats=False, seed=0)
+
+
+def free_llm(llm) -> None:
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    del llm
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def prompts(rng: random.Random, count: int, length: int, vocab: int) -> list[dict]:
+    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]}
+            for _ in range(count)]
+
+
+def measure(llm, batch: list[dict], output_len: int) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True,
+                            temperature=0.0, detokenize=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    if tokens != output_len * len(batch):
+        raise RuntimeError(f"generated {tokens} tokens, expected {output_len} x {len(batch)}")
+    tpots, ttfts = [], []
+    for o in outs:
+        m = o.metrics
+        if m is not None and getattr(m, "last_token_ts", 0) and m.num_generation_tokens > 1:
+            tpots.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+            ttfts.append(m.first_token_latency)
+    out = {"concurrency": len(batch), "elapsed_s": elapsed, "output_tokens": tokens,
+           "output_tok_s": tokens / elapsed,
+           # Upper bound of TPOT when vLLM gives no per-request timestamps (includes prefill).
+           "wall_ms_per_step": 1e3 * elapsed / output_len}
+    if tpots:
+        out["tpot_ms"] = 1e3 * sum(tpots) / len(tpots)
+        out["ttft_ms"] = 1e3 * sum(ttfts) / len(ttfts)
+    return out
+
+
+def run_model(label: str, model_dir: Path, *, dummy: bool, args: argparse.Namespace,
+              vocab: int) -> dict:
+    t0 = time.monotonic()
+    llm = make_llm(model_dir, dummy=dummy, max_len=args.input_len + args.output_len + 16,
+                   max_seqs=max(args.concurrency))
+    result: dict = {"start_s": round(time.monotonic() - t0, 1), "runs": []}
+    try:
+        rng = random.Random(0)
+        measure(llm, prompts(rng, 1, args.input_len, vocab), WARMUP_TOKENS)
+        for c in args.concurrency:
+            r = measure(llm, prompts(rng, c, args.input_len, vocab), args.output_len)
+            log(f"{label} c={c}: {r['output_tok_s']:.0f} tok/s, TPOT "
+                f"{r.get('tpot_ms', float('nan')):.2f} ms")
+            result["runs"].append(r)
+    finally:
+        free_llm(llm)
+    result["total_s"] = round(time.monotonic() - t0, 1)
+    return result
+
+
+def print_table(models: dict[str, dict]) -> None:
+    print(f"\n{'model':8s} {'conc':>5s} {'out tok/s':>10s} {'TPOT ms':>8s} {'TTFT ms':>8s}")
+    for label, m in models.items():
+        for r in m.get("runs", []):
+            print(f"{label:8s} {r['concurrency']:5d} {r['output_tok_s']:10.0f} "
+                  f"{r.get('tpot_ms', float('nan')):8.2f} {r.get('ttft_ms', float('nan')):8.1f}")
+    if "exl3" in models and "bf16" in models:
+        for a, b in zip(models["exl3"]["runs"], models["bf16"]["runs"]):
+            ratio = a["output_tok_s"] / b["output_tok_s"]
+            print(f"exl3/bf16 c={a['concurrency']}: output tok/s x{ratio:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / ".e2e" /
+                                                                    "results")))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/vx/throughput"),
+                    help="where the synthetic checkpoint and the bf16 config are written")
+    ap.add_argument("--layers", type=int, default=None,
+                    help=f"decoder layers (default: all of {PRESET}'s 36); fewer to fit a budget")
+    ap.add_argument("--bits", type=float, default=4.0)
+    ap.add_argument("--codebook", default="mul1", choices=("3inst", "mcg", "mul1"),
+                    help="mul1: ExLlamaV3 1.6.5's default")
+    ap.add_argument("--input-len", type=int, default=INPUT_LEN)
+    ap.add_argument("--output-len", type=int, default=OUTPUT_LEN)
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    ap.add_argument("--models", default="exl3,bf16", help="which of exl3,bf16 to run, in order")
+    ap.add_argument("--write-only", action="store_true",
+                    help="write the synthetic checkpoint and exit (no vLLM needed)")
+    ap.add_argument("--budget-s", type=float, default=540,
+                    help="skip an engine that would not finish within this many seconds")
+    args = ap.parse_args(argv)
+    args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
+    models = [m for m in args.models.split(",") if m]
+    if set(models) - {"exl3", "bf16"}:
+        ap.error(f"--models takes exl3 and/or bf16, got {args.models}")
+    end = time.monotonic() + args.budget_s
+    t0 = time.monotonic()
+    args.work.mkdir(parents=True, exist_ok=True)
+    exl3 = ensure_checkpoint(checkpoint_dir(args.work, args.layers, args.bits, args.codebook),
+                             args.layers, args.bits, args.codebook)
+    if args.write_only:
+        return 0
+    for k, v in HOST_ENV.items():
+        os.environ.setdefault(k, v)
+    vocab = json.loads((exl3 / "config.json").read_text())["vocab_size"]
+    dirs = {"exl3": (exl3, False), "bf16": (bf16_dir(exl3, args.work), True)}
+    results: dict[str, dict] = {}
+    skipped = []
+    for label in models:
+        if end - time.monotonic() < ENGINE_COST_S:
+            skipped.append(f"{label} (time budget)")
+            continue
+        path, dummy = dirs[label]
+        results[label] = run_model(label, path, dummy=dummy, args=args, vocab=vocab)
+    import torch
+    import vllm
+
+    record = {"preset": PRESET, "layers": args.layers or "all", "bits": args.bits,
+              "codebook": args.codebook, "input_len": args.input_len,
+              "output_len": args.output_len, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+              "vllm": vllm.__version__, "torch": torch.__version__, "models": results,
+              "skipped": skipped, "seconds": round(time.monotonic() - t0, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "throughput.json").write_text(json.dumps(record, indent=1))
+    print_table(results)
+    for s in skipped:
+        print(f"  SKIPPED {s}")
+    log(f"wrote {args.out / 'throughput.json'} ({record['seconds']} s)")
+    return 0 if not skipped else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
