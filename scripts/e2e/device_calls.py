@@ -41,7 +41,7 @@ HOST_DIR = "/tmp/vx"
 COMMAND_LIMIT = 2000  # characters, the run tool's limit
 # Per-call wall-clock limits (the run tool allows 600 s): the e2e scripts get budgets that leave
 # room for the install before them and for engine shutdown after their last stage.
-INSTALL_AND_FIXTURE_BUDGET_S = 420
+INSTALL_AND_FIXTURE_BUDGET_S = 450
 TP2_BUDGET_S = 520
 THROUGHPUT_BUDGET_S = 520
 

@@ -73,6 +73,8 @@ SERVE_TOKENS = 32
 # (measured for the tiny model on an H200: ~20 s eager, ~50 s compiled start-up, plus passes).
 STAGE_COST_S = {"default": 75, "eager": 35, "serve": 100}
 SERVE_READY_TIMEOUT_S = 240
+# Seconds kept back from the budget when bounding the server's start-up wait (request + stop).
+SERVE_TAIL_S = 30
 SERVE_STOP_TIMEOUT_S = 30
 # Settings the air-gapped host needs (gpu-host-vllm.md): flashinfer is not installed.
 HOST_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
@@ -86,8 +88,11 @@ class Deadline:
     def __init__(self, seconds: float) -> None:
         self.end = time.monotonic() + seconds
 
+    def remaining(self) -> float:
+        return self.end - time.monotonic()
+
     def allows(self, stage: str) -> bool:
-        return self.end - time.monotonic() >= STAGE_COST_S[stage]
+        return self.remaining() >= STAGE_COST_S[stage]
 
 
 def recorded_perplexities() -> dict[str, dict]:
@@ -224,7 +229,8 @@ def _http(url: str, payload: dict | None = None, timeout: float = 10) -> tuple[i
         return e.code, e.read().decode(errors="replace")
 
 
-def serve_once(name: str, model_dir: Path, tp: int, work: Path) -> dict:
+def serve_once(name: str, model_dir: Path, tp: int, work: Path,
+               ready_timeout: float = SERVE_READY_TIMEOUT_S) -> dict:
     """`vllm serve` as a subprocess on 127.0.0.1: wait for /health, one /v1/completions, stop."""
     port = free_port()
     logfile = work / f"serve-{name}.log"
@@ -244,8 +250,8 @@ def serve_once(name: str, model_dir: Path, tp: int, work: Path) -> dict:
                 if proc.poll() is not None:
                     raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was "
                                        f"ready; log tail:\n{_tail(logfile)}")
-                if time.monotonic() - t0 > SERVE_READY_TIMEOUT_S:
-                    raise RuntimeError(f"vllm serve not healthy after {SERVE_READY_TIMEOUT_S} s; "
+                if time.monotonic() - t0 > ready_timeout:
+                    raise RuntimeError(f"vllm serve not healthy after {ready_timeout:.0f} s; "
                                        f"log tail:\n{_tail(logfile)}")
                 try:
                     if _http(base + "/health", timeout=2)[0] == 200:
@@ -282,6 +288,13 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def save_progress(out: Path | None, runs: dict, errors: dict, skipped: list) -> None:
+    """The raw runs so far, so that a call stopped at its time limit still returns them."""
+    if out is not None:
+        (out / "fixture_e2e.progress.json").write_text(
+            json.dumps({"runs": runs, "errors": errors, "skipped": skipped}))
 
 
 def attempt(errors: dict[str, str], stage: str, fn, *args, **kwargs):
@@ -324,12 +337,14 @@ def run_tp1(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
         if default is None:
             continue
         runs[name] = {"default": default}
+        save_progress(getattr(args, "out", None), runs, errors, skipped)
         if name in args.eager_for:
             if deadline.allows("eager"):
                 eager = attempt(errors, f"{name} eager", run_mode, name, model_dir, windows,
                                 eager=True, tp=1, full_ppl=False)
                 if eager is not None:
                     runs[name]["eager"] = eager
+                    save_progress(getattr(args, "out", None), runs, errors, skipped)
             else:
                 skipped.append(f"{name} eager (time budget)")
     serve = None
@@ -338,7 +353,8 @@ def run_tp1(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
             skipped.append(f"serve {args.serve} (its offline run did not happen)")
         elif deadline.allows("serve"):
             serve = attempt(errors, f"serve {args.serve}", serve_once, args.serve,
-                            args.work / "models" / args.serve, 1, args.work)
+                            args.work / "models" / args.serve, 1, args.work,
+                            min(SERVE_READY_TIMEOUT_S, deadline.remaining() - SERVE_TAIL_S))
         else:
             skipped.append(f"serve {args.serve} (time budget)")
 
@@ -404,6 +420,7 @@ def run_tp2(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
                        eager=False, tp=args.tp, full_ppl=True)
         if many is not None:
             runs[name] = {"tp1": baseline[name], f"tp{args.tp}": many}
+            save_progress(getattr(args, "out", None), runs, errors, skipped)
     checks: list[dict] = []
     summary: dict[str, dict] = {}
     for name, modes in runs.items():
@@ -496,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="checkpoint for the `vllm serve` check, or 'none' (TP=1)")
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2))
     ap.add_argument("--baseline", help="TP=1 JSON of an earlier run (with --tp 2)")
-    ap.add_argument("--budget-s", type=float, default=480,
+    ap.add_argument("--budget-s", type=float, default=450,
                     help="skip remaining stages that would not finish within this many seconds")
     args = ap.parse_args(argv)
     args.checkpoints = [c for c in args.checkpoints.split(",") if c]

@@ -60,10 +60,10 @@ def _run_tp1(monkeypatch, tmp_path, ppl: dict[str, float], jitter: dict[str, flo
         return _fake_run(ppl[name], jitter[name] if eager else 0.0, tokens)
 
     monkeypatch.setattr(fx, "run_mode", run_mode)
-    monkeypatch.setattr(fx, "serve_once", lambda name, d, tp, work: {
+    monkeypatch.setattr(fx, "serve_once", lambda name, d, tp, work, ready_timeout: {
         "checkpoint": name, "text": "    return n\n"})
     args = fx.argparse.Namespace(checkpoints=list(fx.CHECKPOINTS), eager_for={"exl3-4.0bpw",
-                                 "bf16"}, serve="exl3-4.0bpw", work=tmp_path)
+                                 "bf16"}, serve="exl3-4.0bpw", work=tmp_path, out=tmp_path)
     return fx.run_tp1(args, windows=[], deadline=fx.Deadline(3600))
 
 
@@ -77,6 +77,8 @@ def test_checks_pass_when_within_limits(monkeypatch, tmp_path):
     assert out["checks"] and all(c["pass"] for c in out["checks"]), out["checks"]
     assert out["serve"]["matches_offline"] is True
     assert not out["errors"] and not out["skipped"]
+    progress = fx.json.loads((tmp_path / "fixture_e2e.progress.json").read_text())
+    assert set(progress["runs"]) == set(fx.CHECKPOINTS)  # saved as the stages went
 
 
 def test_checks_fail_on_perplexity_and_eager_disagreement(monkeypatch, tmp_path):
