@@ -25,8 +25,8 @@ if [ -d .whl ] && [ ! -e /tmp/exl3_build.started ]; then
   log "ExLlamaV3 build started"
 fi
 
-if ! $PY -c "import torch; torch.ops.load_library('$EXT')" 2>"$OUT/load_error.txt"; then
-  log "carried extension does not load here ($(tail -1 "$OUT/load_error.txt")); building"
+if ! $PY -c "import torch; torch.ops.load_library('$EXT')" 2>/tmp/exl3_load_error.txt; then
+  log "carried extension does not load here ($(tail -1 /tmp/exl3_load_error.txt)); building"
   (cd scripts && $PY -m vllm_exl3.kernels_build --out ../build/exl3 --arch 9.0 --jobs 8) || exit 1
 fi
 
@@ -36,10 +36,16 @@ if [ "$phase" = verify ]; then
   timeout 300 $PY scripts/bench/verify_kernels.py --ext $EXT --json "$OUT/verify.json" "$@"
   log "sanitizer + sass + ncu"
   {
-    for tool in memcheck racecheck; do
-      echo "--- compute-sanitizer $tool"
-      timeout 80 compute-sanitizer --tool $tool --kernel-name kns=exl3 --error-exitcode 9 \
-        $PY scripts/bench/verify_kernels.py --ext $EXT --sample 2>&1 | tail -12
+    echo "--- compute-sanitizer memcheck"
+    timeout 80 compute-sanitizer --tool memcheck --kernel-name kns=exl3 --error-exitcode 9 \
+      $PY scripts/bench/verify_kernels.py --ext $EXT --sample 2>&1 | tail -6
+    echo "exit ${PIPESTATUS[0]}"
+    # racecheck one kernel family at a time, so a tool failure is attributed to its kernel.
+    for k in exl3_gemm exl3_input_transform exl3_splitk_finish exl3_reconstruct_rotated \
+             exl3_reconstruct_original; do
+      echo "--- compute-sanitizer racecheck $k"
+      timeout 45 compute-sanitizer --tool racecheck --kernel-name kns=$k --error-exitcode 9 \
+        $PY scripts/bench/verify_kernels.py --ext $EXT --sample 2>&1 | grep -E "=====|ALL PASS|FAILED|Error" | head -8
       echo "exit ${PIPESTATUS[0]}"
     done
     echo "--- sass"

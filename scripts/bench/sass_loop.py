@@ -3,8 +3,9 @@
 
 The k loop of exl3_gemm_kernel<K2, CB, MT> consumes one 64-k stage per iteration: each warp
 decodes 4 trellis tiles = 1024 weights, i.e. 32 weights per thread. The loop body is the
-largest backward branch of the kernel; its instruction count / 32 is the per-thread issue cost
-of one weight (decode + the stage's share of loads, ldmatrix, mma and loop overhead).
+largest backward branch whose body holds the HMMA instructions; its instruction count / 32 is
+the per-thread issue cost of one weight (decode + the stage's share of loads, ldmatrix, mma and
+loop overhead) at BM = 16.
 
     python scripts/bench/sass_loop.py build/exl3/_exl3_C.abi3.so [--json out.json]
 """
@@ -45,6 +46,8 @@ def loop_profile(text: str) -> dict:
             t = re.search(r"0x([0-9a-f]+)", rest)
             if t and int(t.group(1), 16) < addr:
                 body = [o for a, o, _ in instrs if int(t.group(1), 16) <= a <= addr]
+                if not any(o.startswith("HMMA") for o in body):
+                    continue
                 if best is None or len(body) > len(best):
                     best = body
     if not best:

@@ -49,7 +49,10 @@ CODEBOOK_NAMES = {0: "3inst", 1: "mcg", 2: "mul1"}
 M_VALUES = (1, 3, 16, 17, 100, 1000, 4096)
 BM_TIERS = (16, 32, 64, 128)
 KNOBS = ("VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K", "VLLM_EXL3_RECONSTRUCT_M",
-         "VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_SPLIT_K_TRAFFIC")
+         "VLLM_EXL3_RECONSTRUCT_BASIS", "VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_SPLIT_K_TRAFFIC")
+# Both large-m paths: W in the original basis + one GEMM, or Ŵ + transforms around the GEMM.
+RECONSTRUCT_PLANS = (dict(reconstruct_m=1, reconstruct_basis="original"),
+                     dict(reconstruct_m=1, reconstruct_basis="rotated"))
 
 
 def combos() -> list[tuple[float, int]]:
@@ -248,7 +251,7 @@ def check_matrix(rep: Report, gen: torch.Generator, m_values: Sequence[int],
                             if (m + cb) % 2 else None)
                     ref = reference_y(x, layer, bias)
                     plans = [dict(bm=bm, split_k=s, reconstruct_m=0) for bm in BM_TIERS
-                             for s in (1, 3)] + [dict(reconstruct_m=1)]
+                             for s in (1, 3)] + list(RECONSTRUCT_PLANS)
                     for plan in plans:
                         with knobs(**plan):
                             y = run_op(x, layer, bias)
@@ -385,7 +388,7 @@ def sanitizer_sample(rep: Report, gen: torch.Generator) -> None:
                 ref = reference_y(x, layer, bias)
                 for plan in (dict(bm=16, split_k=1, reconstruct_m=0),
                              dict(bm=32, split_k=2, reconstruct_m=0),
-                             dict(bm=128, split_k=1, reconstruct_m=0), dict(reconstruct_m=1)):
+                             dict(bm=128, split_k=1, reconstruct_m=0), *RECONSTRUCT_PLANS):
                     with knobs(**plan):
                         y = run_op(x, layer, bias)
                     ok, rel, mx = within(y, ref)

@@ -71,7 +71,12 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   const int c_end = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * chunks / p.splits);
   const int n_chunks = c_end - c_begin;
 
-  // Loader assignment, fixed for the whole k loop; only the chunk offset moves.
+  // Let the split-k finish kernel (launched with programmatic serialization) get scheduled as
+  // soon as every block of this grid is running; it waits for our completion itself.
+  grid_dependents_launch();
+
+  // Loader assignment, fixed for the whole k loop: running source pointers advance one stage per
+  // issue (stages are issued in order), destinations are offsets inside a stage slot.
   const __half* xa = static_cast<const __half*>(p.xh) + static_cast<size_t>(shard) * p.m * p.k;
   const __half* a_src[kAPerThread];
   uint32_t a_dst[kAPerThread];
@@ -81,45 +86,53 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
     const int q = tid + i * kGemmThreads;
     const int row = q / kAChunksPerRow, ch = q % kAChunksPerRow;
     const bool valid = q < kAChunks && m0 + row < p.m;
-    a_src[i] = xa + (valid ? static_cast<size_t>(m0 + row) * p.k : 0) + ch * 8;
-    a_dst[i] = row * kARowBytes + ((ch ^ (row & 7)) * 16);
+    a_src[i] = xa + (valid ? static_cast<size_t>(m0 + row) * p.k : 0) + ch * 8 +
+               static_cast<size_t>(c_begin) * kStageK;
+    a_dst[i] = s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16);
     a_bytes[i] = valid ? 16 : 0;
   }
   const uint8_t* trellis = static_cast<const uint8_t*>(p.trellis);
   const size_t t_row_stride = static_cast<size_t>(p.n / kTile) * R::kTileBytes;  // one k16 row
+  const size_t t_stage_stride = kStageKSteps * t_row_stride;
   const uint8_t* t_src[kTPerThread];
 #pragma unroll
   for (int i = 0; i < kTPerThread; ++i) {
     const int q = tid + i * kGemmThreads;
     const int kk = q / kTRowChunks, w = q % kTRowChunks;
     t_src[i] = trellis + kk * t_row_stride + static_cast<size_t>(n0 / kTile) * R::kTileBytes +
-               w * 16;
+               w * 16 + c_begin * t_stage_stride;
   }
 
-  auto load_stage = [&](int chunk, int slot) {
-#pragma unroll
-    for (int i = 0; i < kAPerThread; ++i) {
-      if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks)
-        cp_async16(s_a + slot * Shape::kABytes + a_dst[i], a_src[i] + chunk * kStageK,
-                   a_bytes[i]);
-    }
-    const size_t t_off = static_cast<size_t>(chunk) * kStageKSteps * t_row_stride;
+  auto load_t = [&](int slot) {
 #pragma unroll
     for (int i = 0; i < kTPerThread; ++i) {
       if (kTChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kTChunks)
-        cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i] + t_off,
-                   16);
+        cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i], 16);
+      t_src[i] += t_stage_stride;
+    }
+  };
+  auto load_a = [&](int slot) {
+#pragma unroll
+    for (int i = 0; i < kAPerThread; ++i) {
+      if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks)
+        cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+      a_src[i] += kStageK;
     }
   };
 
   LaneWindow<K2> lw;
   lw.init(lane);
+  // Byte offsets (from the trellis stage area) of this lane's words in its warp's k-step-0 tile.
+  uint32_t t_lane[R::kRaw];
+#pragma unroll
+  for (int i = 0; i < R::kRaw; ++i) t_lane[i] = warp * R::kTileBytes + lw.off[i];
+  const uint32_t halves_xor = halves_xor_register();
   // ldmatrix.x4 source of this lane for each 16-wide k step: rows lane%16, k chunk 2kk + lane/16.
   uint32_t a_ld[kStageKSteps];
 #pragma unroll
   for (int kk = 0; kk < kStageKSteps; ++kk) {
     const int row = lane & 15, ch = 2 * kk + (lane >> 4);
-    a_ld[kk] = row * kARowBytes + ((ch ^ (row & 7)) * 16);
+    a_ld[kk] = s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16);
   }
 
   float acc[MT][2][4];
@@ -130,9 +143,15 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][h][e] = 0.0f;
 
+  // Prologue: the trellis does not depend on the input transform, so its first stages are in
+  // flight before waiting for the transform grid (programmatic dependent launch).
+#pragma unroll
+  for (int s = 0; s < kGemmStages - 1; ++s)
+    if (s < n_chunks) load_t(s);
+  grid_dependency_wait();
 #pragma unroll
   for (int s = 0; s < kGemmStages - 1; ++s) {
-    if (s < n_chunks) load_stage(c_begin + s, s);
+    if (s < n_chunks) load_a(s);
     cp_async_commit();
   }
 
@@ -141,24 +160,29 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
     __syncthreads();  // stage `it` landed for everyone; slot (it-1) % S is free again
     {
       const int next = it + kGemmStages - 1;
-      if (next < n_chunks) load_stage(c_begin + next, next % kGemmStages);
+      if (next < n_chunks) {
+        load_t(next % kGemmStages);
+        load_a(next % kGemmStages);
+      }
       cp_async_commit();
     }
     const int slot = it % kGemmStages;
-    const uint8_t* tiles = s_t_ptr + slot * Shape::kTBytes;
-    const uint32_t a_stage = s_a + slot * Shape::kABytes;
+    const uint32_t t_stage = slot * Shape::kTBytes;
+    const uint32_t a_stage = slot * Shape::kABytes;
+    const uint8_t* t_area = s_t_ptr + t_stage;
 #pragma unroll
     for (int kk = 0; kk < kStageKSteps; ++kk) {
+      uint32_t raw[R::kRaw];
+      load_tile_words<K2>(t_area, t_lane, kk * kGemmWarps * R::kTileBytes, raw);
       uint32_t b[4];
-      decode_fragments<K2, CB>(tiles + (kk * kGemmWarps + warp) * R::kTileBytes, lw, b);
+      fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b);
+      // Rows past m are zero-filled in shared memory; computing them costs less than branching.
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        if (MT == 1 || m0 + mt * kTile < p.m) {
-          uint32_t a[4];
-          ldmatrix_x4(a, a_stage + a_ld[kk] + mt * kTile * kARowBytes);
-          mma_16816(acc[mt][0], a, b[0], b[1]);
-          mma_16816(acc[mt][1], a, b[2], b[3]);
-        }
+        uint32_t a[4];
+        ldmatrix_x4(a, a_ld[kk] + a_stage + mt * kTile * kARowBytes);
+        mma_16816(acc[mt][0], a, b[0], b[1]);
+        mma_16816(acc[mt][1], a, b[2], b[3]);
       }
     }
   }

@@ -76,9 +76,25 @@ const RateKernels& rate_kernels(int k2);
 // xh[s] = fp16(Ĥ(x * suh[s])) per 128-block of k, all shards in one pass over x.
 void launch_input_transform(const void* x, bool x_bf16, const void* suh, void* xh, int m, int k,
                             int shards, cudaStream_t stream);
-// y = Ĥ(acc) * svh + bias per 128-block of n from an fp32 [m][n] buffer, which is re-zeroed.
+// y = Ĥ(acc) * svh + bias per 128-block of n from an fp32 [m][n] buffer; `zero` re-zeroes it
+// (the split-k workspace).
 void launch_splitk_finish(float* acc, const void* svh, const void* bias, void* y, bool out_bf16,
-                          int m, int n, cudaStream_t stream);
+                          int m, int n, bool zero, cudaStream_t stream);
+
+// Launch configuration with programmatic stream serialization (programmatic dependent launch):
+// the grid may start before its predecessor in the stream finishes, and synchronises itself
+// with griddepcontrol.wait before touching the predecessor's output.
+inline void programmatic_launch(cudaLaunchConfig_t& cfg, cudaLaunchAttribute (&attr)[1],
+                                dim3 grid, dim3 block, size_t smem, cudaStream_t stream) {
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+}
 // y[r][c] = bias[c]: the C operand of the cuBLAS path (beta = 1 folds the bias in).
 void launch_bias_broadcast(const void* bias, void* y, bool bf16, int m, int n,
                            cudaStream_t stream);

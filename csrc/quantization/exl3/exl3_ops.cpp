@@ -11,6 +11,7 @@
 #include <torch/headeronly/util/Exception.h>
 
 #include <cublas_v2.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -171,7 +172,7 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
 
   const bool bf16 = dtype == ScalarType::BFloat16;
   const RateKernels& kernels = rate_kernels(k2);
-  std::optional<Tensor> xh, w;
+  std::optional<Tensor> xh, w, w_hat, acc;
   float* ws = nullptr;
 
   GemmParams gp{};
@@ -185,48 +186,87 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
   gp.out_bf16 = bf16;
   gp.shards = table;
 
-  auto run = [&](const Plan& plan) {
-    if (plan.reconstruct) {
-      if (!w) w = torch::stable::new_empty(x, {k, n});
-      ReconParams rp{};
-      rp.trellis = trellis.data_ptr();
-      rp.suh = suh.data_ptr();
-      rp.svh = svh.data_ptr();
-      rp.w = w->data_ptr();
-      rp.k = gp.k;
-      rp.n = gp.n;
-      rp.out_bf16 = bf16;
-      rp.shards = table;
-      kernels.reconstruct_original(static_cast<int>(codebook), rp, stream);
-      check_launch(op);
-      if (bias_ptr) {
-        launch_bias_broadcast(bias_ptr, y.data_ptr(), bf16, gp.m, gp.n, stream);
-        check_launch(op);
-      }
-      // Row-major y[m][n] = x[m][k] @ W[k][n] is column-major y^T = W^T x^T.
-      const float alpha = 1.0f, beta = bias_ptr ? 1.0f : 0.0f;
-      const cudaDataType_t t = bf16 ? CUDA_R_16BF : CUDA_R_16F;
-      const cublasStatus_t st = cublasGemmEx(
-          cublas_handle(dev, stream), CUBLAS_OP_N, CUBLAS_OP_N, gp.n, gp.m, gp.k, &alpha,
-          w->data_ptr(), t, gp.n, x.data_ptr(), t, gp.k, &beta, y.data_ptr(), t, gp.n,
-          CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-      STD_TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, op, ": cublasGemmEx failed with status ",
-                      static_cast<int>(st));
-      return;
-    }
+  ReconParams rp{};
+  rp.trellis = trellis.data_ptr();
+  rp.suh = suh.data_ptr();
+  rp.svh = svh.data_ptr();
+  rp.k = gp.k;
+  rp.n = gp.n;
+  rp.out_bf16 = bf16;
+  rp.shards = table;
+  const cudaDataType_t act_type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+
+  auto transform_input = [&]() {
     if (!xh) xh = torch::stable::new_empty(x, {shards, m, k}, ScalarType::Half);
     launch_input_transform(x.data_ptr(), bf16, suh.data_ptr(), xh->data_ptr(), gp.m, gp.k,
                            static_cast<int>(shards), stream);
     check_launch(op);
-    gp.xh = xh->data_ptr();
-    gp.splits = plan.splits;
-    gp.ws = plan.splits > 1 ? ws : nullptr;
-    STD_TORCH_CHECK(plan.splits == 1 || ws != nullptr, op, ": split-k without a workspace");
-    kernels.gemm(static_cast<int>(codebook), plan.mt, gp, stream);
-    check_launch(op);
-    if (plan.splits > 1) {
-      launch_splitk_finish(ws, gp.svh, bias_ptr, gp.y, bf16, gp.m, gp.n, stream);
-      check_launch(op);
+  };
+  auto check_cublas = [&](cublasStatus_t st) {
+    STD_TORCH_CHECK(st == CUBLAS_STATUS_SUCCESS, op, ": cublasGemmEx failed with status ",
+                    static_cast<int>(st));
+  };
+
+  auto run = [&](const Plan& plan) {
+    switch (plan.path) {
+      case Path::kReconOriginal: {
+        if (!w) w = torch::stable::new_empty(x, {k, n});
+        rp.w = w->data_ptr();
+        kernels.reconstruct_original(static_cast<int>(codebook), rp, stream);
+        check_launch(op);
+        if (bias_ptr) {
+          launch_bias_broadcast(bias_ptr, y.data_ptr(), bf16, gp.m, gp.n, stream);
+          check_launch(op);
+        }
+        // Row-major y[m][n] = x[m][k] @ W[k][n] is column-major y^T = W^T x^T; beta = 1 adds
+        // the broadcast bias inside the GEMM's single rounding.
+        const float alpha = 1.0f, beta = bias_ptr ? 1.0f : 0.0f;
+        check_cublas(cublasGemmEx(cublas_handle(dev, stream), CUBLAS_OP_N, CUBLAS_OP_N, gp.n,
+                                  gp.m, gp.k, &alpha, w->data_ptr(), act_type, gp.n,
+                                  x.data_ptr(), act_type, gp.k, &beta, y.data_ptr(), act_type,
+                                  gp.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        return;
+      }
+      case Path::kReconRotated: {
+        transform_input();
+        if (!w_hat) w_hat = torch::stable::new_empty(x, {k, n}, ScalarType::Half);
+        if (!acc) acc = torch::stable::new_empty(x, {m, n}, ScalarType::Float);
+        rp.w = w_hat->data_ptr();
+        kernels.reconstruct_rotated(static_cast<int>(codebook), rp, stream);
+        check_launch(op);
+        // Per shard: acc[:, cols_s] = xh[s] @ Ŵ[:, cols_s] (fp16 operands, fp32 out, ld = n).
+        const float alpha = 1.0f, beta = 0.0f;
+        const auto* wh = static_cast<const __half*>(w_hat->data_ptr());
+        const auto* xs = static_cast<const __half*>(xh->data_ptr());
+        float* out = static_cast<float*>(acc->data_ptr());
+        int col = 0;
+        for (int s = 0; s < table.count; ++s) {
+          const int width = table.end[s] - col;
+          check_cublas(cublasGemmEx(cublas_handle(dev, stream), CUBLAS_OP_N, CUBLAS_OP_N, width,
+                                    gp.m, gp.k, &alpha, wh + col, CUDA_R_16F, gp.n,
+                                    xs + static_cast<size_t>(s) * m * k, CUDA_R_16F, gp.k, &beta,
+                                    out + col, CUDA_R_32F, gp.n, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+          col = table.end[s];
+        }
+        launch_splitk_finish(out, gp.svh, bias_ptr, gp.y, bf16, gp.m, gp.n, false, stream);
+        check_launch(op);
+        return;
+      }
+      case Path::kFused: {
+        transform_input();
+        gp.xh = xh->data_ptr();
+        gp.splits = plan.splits;
+        gp.ws = plan.splits > 1 ? ws : nullptr;
+        STD_TORCH_CHECK(plan.splits == 1 || ws != nullptr, op, ": split-k without a workspace");
+        kernels.gemm(static_cast<int>(codebook), plan.mt, gp, stream);
+        check_launch(op);
+        if (plan.splits > 1) {
+          launch_splitk_finish(ws, gp.svh, bias_ptr, gp.y, bf16, gp.m, gp.n, true, stream);
+          check_launch(op);
+        }
+        return;
+      }
     }
   };
   auto splitk_ok = [&](bool may_grow) {

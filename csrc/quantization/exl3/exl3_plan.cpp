@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -29,6 +30,9 @@ constexpr double kDefaultSplitTraffic = 0.25;
 constexpr double kL2Discount = 4.0;
 // Without a measurement, reconstruct + cuBLAS from this many rows on (tensor-core bound there).
 constexpr int kDefaultReconstructM = 512;
+// Without a measurement, the original-basis reconstruct from this many rows on: its two-sided
+// Hadamard costs a fixed k*n pass, the rotated path's transforms grow with m*(k+n).
+constexpr int kDefaultOriginalBasisM = 2048;
 // Below this many rows the reconstruct path is not even timed (the fused GEMM is decode-bound
 // and reconstruction alone costs more than it).
 constexpr int kMinReconstructTuneM = 64;
@@ -59,6 +63,7 @@ struct Pins {
   int mt = 0;      // 0 = free
   int splits = 0;  // 0 = free
   std::optional<long> reconstruct_m;
+  std::optional<Path> basis;  // pinned reconstruct flavour
   double traffic = kDefaultSplitTraffic;
 };
 
@@ -76,6 +81,13 @@ Pins read_pins() {
     p.splits = static_cast<int>(*s);
   }
   p.reconstruct_m = env_long("VLLM_EXL3_RECONSTRUCT_M", "CUDA_EXL3_RECONSTRUCT_M");
+  if (const char* b = env_value("VLLM_EXL3_RECONSTRUCT_BASIS", "CUDA_EXL3_RECONSTRUCT_BASIS")) {
+    const std::string v(b);
+    if (v == "original") p.basis = Path::kReconOriginal;
+    else if (v == "rotated") p.basis = Path::kReconRotated;
+    else throw std::runtime_error("exl3: VLLM_EXL3_RECONSTRUCT_BASIS=" + v +
+                                  " must be 'original' or 'rotated'");
+  }
   if (const char* t = env_value("VLLM_EXL3_SPLIT_K_TRAFFIC", "CUDA_EXL3_SPLIT_K_TRAFFIC")) {
     char* end = nullptr;
     const double x = std::strtod(t, &end);
@@ -118,10 +130,20 @@ int split_model(const Problem& pr, int mt, const Pins& pins) {
   return std::max(1, std::min(s, cap));
 }
 
+Path default_basis(const Problem& pr, const Pins& pins) {
+  if (pins.basis) return *pins.basis;
+  return pr.m >= kDefaultOriginalBasisM ? Path::kReconOriginal : Path::kReconRotated;
+}
+
+std::vector<Plan> reconstruct_candidates(const Pins& pins) {
+  if (pins.basis) return {Plan{*pins.basis, 1, 1}};
+  return {Plan{Path::kReconRotated, 1, 1}, Plan{Path::kReconOriginal, 1, 1}};
+}
+
 Plan cost_model(const Problem& pr, const Pins& pins) {
   Plan p;
   if (!pins.reconstruct_m && pr.m >= kDefaultReconstructM) {
-    p.reconstruct = true;
+    p.path = default_basis(pr, pins);
     return p;
   }
   p.mt = pins.mt ? pins.mt : tier_for_m(pr.m);
@@ -143,13 +165,14 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins) {
     }
     std::sort(splits.begin(), splits.end());
     splits.erase(std::unique(splits.begin(), splits.end()), splits.end());
-    for (int s : splits) out.push_back(Plan{false, mt, s});
+    for (int s : splits) out.push_back(Plan{Path::kFused, mt, s});
   }
-  if (!pins.reconstruct_m && pr.m >= kMinReconstructTuneM) out.push_back(Plan{true, 1, 1});
+  if (!pins.reconstruct_m && pr.m >= kMinReconstructTuneM)
+    for (const Plan& r : reconstruct_candidates(pins)) out.push_back(r);
   return out;
 }
 
-using Key = std::tuple<int, int, int, int, int, int, int, bool, int, int, long, double, bool>;
+using Key = std::tuple<int, int, int, int, int, int, int, bool, int, int, long, double, bool, int>;
 
 std::mutex g_mutex;
 std::map<Key, Plan> g_cache;
@@ -158,7 +181,7 @@ std::map<int, DeviceInfo> g_devices;
 Key make_key(const Problem& pr, const Pins& pins) {
   return Key{pr.device, pow2_ceil(std::max(pr.m, 1)), pr.k, pr.n, pr.k2, pr.cb, pr.shards,
              pr.bf16, pins.mt, pins.splits, pins.reconstruct_m.value_or(-1), pins.traffic,
-             pins.deterministic};
+             pins.deterministic, pins.basis ? static_cast<int>(*pins.basis) : -1};
 }
 
 void cuda_check(cudaError_t e, const char* what) {
@@ -201,20 +224,22 @@ DeviceInfo device_info(int device) {
 Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
                  const std::function<bool(bool)>& splitk_ok) {
   const Pins pins = read_pins();
-  if (pins.reconstruct_m && *pins.reconstruct_m > 0 && pr.m >= *pins.reconstruct_m)
-    return Plan{true, 1, 1};
-
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   cuda_check(cudaStreamIsCapturing(stream, &status), "capture status");
   const bool capturing = status != cudaStreamCaptureStatusNone;
   // A split plan needs the workspace; during capture it can only be used if already big enough.
   auto settle = [&](Plan p) {
-    if (!p.reconstruct && p.splits > 1 && !splitk_ok(!capturing)) p.splits = 1;
+    if (p.path == Path::kFused && p.splits > 1 && !splitk_ok(!capturing)) p.splits = 1;
     return p;
   };
 
-  const std::vector<Plan> cands = candidates(pr, pins);
+  const bool forced_reconstruct =
+      pins.reconstruct_m && *pins.reconstruct_m > 0 && pr.m >= *pins.reconstruct_m;
+  const std::vector<Plan> cands =
+      forced_reconstruct ? reconstruct_candidates(pins) : candidates(pr, pins);
   if (cands.size() == 1) return settle(cands[0]);
+  const Plan fallback =
+      forced_reconstruct ? Plan{default_basis(pr, pins), 1, 1} : cost_model(pr, pins);
 
   const Key key = make_key(pr, pins);
   {
@@ -222,13 +247,19 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
     auto it = g_cache.find(key);
     if (it != g_cache.end()) return settle(it->second);
   }
-  if (capturing) return settle(cost_model(pr, pins));
+  if (capturing) return settle(fallback);
 
-  Plan best = cost_model(pr, pins);
+  Plan best = fallback;
   float best_ms = -1.f;
+  // VLLM_EXL3_LOG_PLANS=1 prints every timed candidate (bisecting and benchmark reports).
+  const bool log = env_long("VLLM_EXL3_LOG_PLANS", "CUDA_EXL3_LOG_PLANS").value_or(0) != 0;
   for (const Plan& c : cands) {
-    if (!c.reconstruct && c.splits > 1 && !splitk_ok(true)) continue;
+    if (c.path == Path::kFused && c.splits > 1 && !splitk_ok(true)) continue;
     const float ms = time_plan(c, stream, run);
+    if (log)
+      std::fprintf(stderr, "exl3 plan m=%d k=%d n=%d bits2=%d cb=%d: path=%d bm=%d split=%d %.1f us\n",
+                   pr.m, pr.k, pr.n, pr.k2, pr.cb, static_cast<int>(c.path),
+                   c.mt * kRowsPerTier, c.splits, ms * 1e3f);
     if (best_ms < 0.f || ms < best_ms) {
       best_ms = ms;
       best = c;

@@ -11,10 +11,16 @@
 
 namespace vllm_exl3 {
 
+enum class Path {
+  kFused,           // input transform + trellis GEMM with fused epilogue (+ split-k finish)
+  kReconOriginal,   // W = diag(suh) Ĥ Ŵ Ĥ diag(svh) in x's dtype, one cuBLAS GEMM on raw x
+  kReconRotated,    // input transform, Ŵ (fp16), cuBLAS into fp32, output-side finish kernel
+};
+
 struct Plan {
-  bool reconstruct = false;  // reconstruct W + cuBLAS instead of the fused GEMM
-  int mt = 1;                // fused: m16 tiles per block (BM = 16 * mt)
-  int splits = 1;            // fused: k-splits (1 = full k, epilogue in the GEMM)
+  Path path = Path::kFused;
+  int mt = 1;      // fused: m16 tiles per block (BM = 16 * mt)
+  int splits = 1;  // fused: k-splits (1 = full k, epilogue in the GEMM)
 };
 
 struct Problem {

@@ -37,7 +37,10 @@ void gemm_launch_tier(const GemmParams& p, cudaStream_t stream) {
   auto kernel = exl3_gemm_kernel<K2, CB, MT>;
   allow_smem(kernel, Shape::kSmemBytes, done);
   const dim3 grid((p.m + Shape::kBM - 1) / Shape::kBM, p.n / kBlockN, p.splits);
-  kernel<<<grid, kGemmThreads, Shape::kSmemBytes, stream>>>(p);
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  programmatic_launch(cfg, attr, grid, dim3(kGemmThreads), Shape::kSmemBytes, stream);
+  cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
 template <int K2, int CB, int MT>

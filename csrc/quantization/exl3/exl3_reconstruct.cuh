@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kReconThreads) exl3_reconstruct_rotated_kernel
   const uint8_t* tile = static_cast<const uint8_t*>(p.trellis) +
                         (static_cast<size_t>(kb) * (p.n / kTile) + nb) * R::kTileBytes;
   uint32_t b[4];
-  decode_fragments<K2, CB>(tile, lw, b);
+  decode_fragments<K2, CB>(tile, lw, halves_xor_register(), b);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const __half2 h = *reinterpret_cast<const __half2*>(&b[q]);
@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(kReconThreads) exl3_reconstruct_original_kerne
   LaneWindow<K2> lw;
   lw.init(lane);
   const uint8_t* trellis = static_cast<const uint8_t*>(p.trellis);
+  const uint32_t halves_xor = halves_xor_register();
   constexpr int kTilesPerBlock = kHadamard / kTile;
 #pragma unroll 2
   for (int kt = 0; kt < kTilesPerBlock; ++kt) {
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kReconThreads) exl3_reconstruct_original_kerne
         trellis + (static_cast<size_t>(k0 / kTile + kt) * (p.n / kTile) + n0 / kTile + warp) *
                       R::kTileBytes;
     uint32_t b[4];
-    decode_fragments<K2, CB>(tile, lw, b);
+    decode_fragments<K2, CB>(tile, lw, halves_xor, b);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const __half2 h = *reinterpret_cast<const __half2*>(&b[q]);

@@ -14,6 +14,7 @@ template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     exl3_input_transform_kernel(const T* __restrict__ x, const __half* __restrict__ suh,
                                 __half* __restrict__ xh, int m, int k, int shards) {
+  grid_dependents_launch();  // the GEMM may get scheduled and prefetch its trellis meanwhile
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   const int blocks_per_row = k / kHadamard;
@@ -35,12 +36,16 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// One warp per (row, 128-block of n): finish the split-k sum and leave the workspace zeroed, so
-// the next call needs no memset.
+// One warp per (row, 128-block of n): finish an fp32 [m][n] sum (split-k partials, or the
+// cuBLAS product of the rotated reconstruct path). The split-k workspace is left zeroed, so the
+// next call needs no memset. Launched with programmatic serialization: it may be scheduled
+// while its producer runs, and waits for it before reading.
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     exl3_splitk_finish_kernel(float* __restrict__ acc, const __half* __restrict__ svh,
-                              const T* __restrict__ bias, T* __restrict__ y, int m, int n) {
+                              const T* __restrict__ bias, T* __restrict__ y, int m, int n,
+                              bool zero) {
+  grid_dependency_wait();
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   const int blocks_per_row = n / kHadamard;
@@ -49,7 +54,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const int col0 = static_cast<int>(item % blocks_per_row) * kHadamard;
   float4* src = reinterpret_cast<float4*>(acc + static_cast<size_t>(row) * n + col0) + lane;
   const float4 c4 = *src;
-  *src = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (zero) *src = make_float4(0.f, 0.f, 0.f, 0.f);
   float v[4] = {c4.x, c4.y, c4.z, c4.w};
   finish_row<T>(v, lane, svh, bias, y + static_cast<size_t>(row) * n, col0);
 }
@@ -88,16 +93,19 @@ void launch_input_transform(const void* x, bool x_bf16, const void* suh, void* x
 }
 
 void launch_splitk_finish(float* acc, const void* svh, const void* bias, void* y, bool out_bf16,
-                          int m, int n, cudaStream_t stream) {
+                          int m, int n, bool zero, cudaStream_t stream) {
   const unsigned grid = grid_for_warps(static_cast<int64_t>(m) * (n / kHadamard));
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  programmatic_launch(cfg, attr, dim3(grid), dim3(kRowThreads), 0, stream);
   if (out_bf16)
-    exl3_splitk_finish_kernel<__nv_bfloat16><<<grid, kRowThreads, 0, stream>>>(
-        acc, static_cast<const __half*>(svh), static_cast<const __nv_bfloat16*>(bias),
-        static_cast<__nv_bfloat16*>(y), m, n);
+    cudaLaunchKernelEx(&cfg, exl3_splitk_finish_kernel<__nv_bfloat16>, acc,
+                       static_cast<const __half*>(svh), static_cast<const __nv_bfloat16*>(bias),
+                       static_cast<__nv_bfloat16*>(y), m, n, zero);
   else
-    exl3_splitk_finish_kernel<__half><<<grid, kRowThreads, 0, stream>>>(
-        acc, static_cast<const __half*>(svh), static_cast<const __half*>(bias),
-        static_cast<__half*>(y), m, n);
+    cudaLaunchKernelEx(&cfg, exl3_splitk_finish_kernel<__half>, acc,
+                       static_cast<const __half*>(svh), static_cast<const __half*>(bias),
+                       static_cast<__half*>(y), m, n, zero);
 }
 
 void launch_bias_broadcast(const void* bias, void* y, bool bf16, int m, int n,

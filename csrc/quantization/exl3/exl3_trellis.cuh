@@ -121,8 +121,17 @@ __host__ __device__ __forceinline__ void load_raw(const uint8_t* tile, const Lan
 #ifdef __CUDACC__
 // Codebook decode of two states into one half2 register (low half = the even position, which
 // is the lower k row of the B fragment pair, §3.2). Exactly one fp16 rounding, as the format says.
+// (x & mask) ^ c in one LOP3 (LUT 0xF0 & 0xCC ^ 0xAA = 0x6A). A SASS LOP3 encodes one immediate,
+// so c must come in a register (loaded once per kernel); written as C the compiler emits two.
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(r) : "r"(x), "n"(kMask), "r"(c));
+  return r;
+}
+
 template <int CB>
-__device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb) {
+__device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb, uint32_t halves_xor) {
   if constexpr (CB == kMul1) {
     const uint32_t xa = sa * kMul1Mult;
     const uint32_t xb = sb * kMul1Mult;
@@ -143,8 +152,8 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb) {
       xa = sa * kMcgMult;
       xb = sb * kMcgMult;
     }
-    xa = (xa & kHalvesAnd) ^ kHalvesXor;
-    xb = (xb & kHalvesAnd) ^ kHalvesXor;
+    xa = and_xor<kHalvesAnd>(xa, halves_xor);
+    xb = and_xor<kHalvesAnd>(xb, halves_xor);
     // value = fp16(lo) + fp16(hi): gather the low halves and the high halves, one HADD2.
     const uint32_t lo = __byte_perm(xa, xb, 0x5410);
     const uint32_t hi = __byte_perm(xa, xb, 0x7632);
@@ -156,17 +165,42 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb) {
 
 // A lane's two B fragments for the tile at `tile` (shared or global memory):
 // b[0], b[1] = n-columns 0..7, b[2], b[3] = n-columns 8..15.
+// `halves_xor` is kHalvesXor held in a register (see and_xor); MUL1 ignores it.
 template <int K2, int CB>
-__device__ __forceinline__ void decode_fragments(const uint8_t* tile, const LaneWindow<K2>& lw,
-                                                 uint32_t (&b)[4]) {
-  uint32_t raw[Rate<K2>::kRaw];
-  load_raw<K2>(tile, lw, raw);
+__device__ __forceinline__ void fragments_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw], int shift,
+                                                   uint32_t halves_xor, uint32_t (&b)[4]) {
   uint32_t st[8];
-  states_from_raw<K2>(raw, lw.shift, st);
+  states_from_raw<K2>(raw, shift, st);
 #pragma unroll
-  for (int q = 0; q < 4; ++q) b[q] = decode_pair<CB>(st[2 * q], st[2 * q + 1]);
+  for (int q = 0; q < 4; ++q) b[q] = decode_pair<CB>(st[2 * q], st[2 * q + 1], halves_xor);
 }
 
+template <int K2, int CB>
+__device__ __forceinline__ void decode_fragments(const uint8_t* tile, const LaneWindow<K2>& lw,
+                                                 uint32_t halves_xor, uint32_t (&b)[4]) {
+  uint32_t raw[Rate<K2>::kRaw];
+  load_raw<K2>(tile, lw, raw);
+  fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b);
+}
+
+// kHalvesXor in a register the compiler cannot fold back into an immediate.
+__device__ __forceinline__ uint32_t halves_xor_register() {
+  uint32_t r;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "n"(kHalvesXor));
+  return r;
+}
+
+// A lane's raw words of one tile in shared memory: per-word byte offsets from `base` (ring wrap
+// already applied) plus the tile's offset, a compile-time constant inside an unrolled stage.
+template <int K2>
+__device__ __forceinline__ void load_tile_words(const uint8_t* base,
+                                                const uint32_t (&off)[Rate<K2>::kRaw],
+                                                uint32_t tile_offset,
+                                                uint32_t (&raw)[Rate<K2>::kRaw]) {
+#pragma unroll
+  for (int i = 0; i < Rate<K2>::kRaw; ++i)
+    raw[i] = *reinterpret_cast<const uint32_t*>(base + off[i] + tile_offset);
+}
 // Tile coordinates of lane position j (0..7): row (k) and column (n) inside the 16x16 tile.
 __device__ __forceinline__ int position_row(int lane, int j) {
   return 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
