@@ -49,14 +49,19 @@ def token_ids() -> torch.Tensor:
     return torch.tensor(tok.encode(text).ids[:TOKENS])
 
 
-def vllm_logits(ckpt_dir, ids: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, nn.Module]:
+def vllm_logits(ckpt_dir, ids: torch.Tensor, monkeypatch,
+                dtype: str = "bfloat16") -> tuple[torch.Tensor, nn.Module]:
+    """Logits of vLLM's model for one sequence, at the TP size of the current vLLM world."""
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(current_platform, "get_attn_backend_cls",
                         lambda *args, **kwargs: CPU_ATTENTION_BACKEND)
-    model_config = ModelConfig(model=str(ckpt_dir), dtype="bfloat16")
+    # On CPU vLLM compiles the native SiluAndMul with inductor (~10 s per process); eager runs
+    # the same math.
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
     assert model_config.quantization == "exl3"
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
     model = get_model_loader(vllm_config.load_config).load_model(

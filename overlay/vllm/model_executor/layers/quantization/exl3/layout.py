@@ -8,12 +8,14 @@ A layer is one or more shards (q/k/v, gate/up) of one input. Its parameters hold
   per *run* (consecutive shards of equal bitrate and codebook), each run one kernel call;
 * `suh` fp16 `[S, k_alloc]`, one row per shard; `svh` fp16 `[n_alloc]`.
 
-Every allocated dim is a multiple of the 128-wide Hadamard block, so a rank never cuts a block:
-a tensor-parallel split of k (row-parallel) or of a shard's n (column-parallel) must fall on a
-multiple of 128. What a rank allocates beyond the checkpoint (vLLM-added head/vocab padding, or the
-tail of a dim vLLM does not round) is zero-filled with `svh = 0` / `suh = 0`, which makes it
-contribute exactly zero whatever the trellis holds there. Violations are errors naming the module,
-the rank and the numbers.
+Every allocated dim is a multiple of the 128-wide Hadamard block, so the kernel never cuts a
+block. A column-parallel rank allocates, per shard, the 128-aligned window of checkpoint blocks
+covering its columns (tp_rules.py) and keeps its own `[keep, keep + width)` of it; when some shard
+keeps less than it computes, one precomputed column index gathers what vLLM receives. A row
+split of k must fall on a multiple of 128 (x is split there; no window can help). What a rank
+allocates beyond the checkpoint (vLLM-added head/vocab padding, or the tail of a dim vLLM does not
+round) is zero-filled with `svh = 0` / `suh = 0`, which makes it contribute exactly zero whatever
+the trellis holds there. Violations are errors naming the module, the rank and the numbers.
 """
 
 from collections.abc import Sequence
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .format import HADAMARD_SIZE, TILE, WORDS_PER_BIT, Codebook, Exl3FormatError, Exl3ModuleSpec
+from .tp_rules import ColumnWindow, column_window, rank_column_window, round_up, row_split_error
 
 
 class Exl3LayoutError(Exl3FormatError):
@@ -35,10 +38,6 @@ class Split(Enum):
     ROW = "row-parallel"  # input features (k)
 
 
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def trellis_words(bits: float) -> int:
     """int16 words per 16x16 tile at this bitrate."""
     return int(WORDS_PER_BIT * bits)
@@ -51,10 +50,11 @@ class ShardLayout:
     codebook: Codebook
     ckpt_rows: int  # k of the checkpoint tensor (padded to 128)
     ckpt_cols: int  # n of the checkpoint tensor (padded to 128)
-    src_col: int  # first checkpoint column this rank reads
+    src_col: int  # first checkpoint column this rank computes (a multiple of 128)
     col: int  # first column of this shard in the layer's allocated output
-    alloc: int  # columns allocated for this shard (a multiple of 128)
-    width: int  # columns vLLM receives for this shard
+    alloc: int  # columns computed for this shard (a multiple of 128)
+    keep: int  # offset of the columns vLLM receives inside the shard's allocation
+    width: int  # columns vLLM receives for this shard: [keep, keep + width)
     real_cols: int  # checkpoint columns that are real outputs; svh is forced to 0 from here on
 
     @property
@@ -87,14 +87,15 @@ class Exl3Layout:
     src_row: int  # first checkpoint input row this rank reads
     shards: tuple[ShardLayout, ...]
     runs: tuple[KernelRun, ...]
-    out_width: int  # output columns returned to vLLM
-    # (column in the allocated output, width, column in the returned output); columns of the
-    # returned output that no piece covers are zero.
-    pieces: tuple[tuple[int, int, int], ...]
 
     @property
     def n_alloc(self) -> int:
         return sum(s.alloc for s in self.shards)
+
+    @property
+    def out_width(self) -> int:
+        """Output columns returned to vLLM."""
+        return sum(s.width for s in self.shards)
 
     @property
     def uniform(self) -> bool:
@@ -109,8 +110,15 @@ class Exl3Layout:
 
     @property
     def identity_output(self) -> bool:
-        """The allocated output is exactly what vLLM receives (no slicing, no zero fill)."""
-        return self.n_alloc == self.out_width and self.pieces == ((0, self.out_width, 0),)
+        """Every shard keeps all it computes: the allocated output is what vLLM receives."""
+        return all(s.keep == 0 and s.width == s.alloc for s in self.shards)
+
+    def kept_columns(self) -> list[int] | None:
+        """For each returned column, its column in the allocated output (the kept window of every
+        shard, in shard order); None when the output is returned as computed."""
+        if self.identity_output:
+            return None
+        return [c for s in self.shards for c in range(s.col + s.keep, s.col + s.keep + s.width)]
 
     def copy_rows(self, shard: ShardLayout) -> int:
         """Checkpoint input rows that exist inside this rank's allocation."""
@@ -137,6 +145,11 @@ def _runs(k_alloc: int, shards: Sequence[ShardLayout]) -> tuple[KernelRun, ...]:
                               words, words + size, tuple(s.alloc for s in group)))
         first, words = i, words + size
     return tuple(r for r in runs if r.cols)
+
+
+def _shard(spec: Exl3ModuleSpec, window: ColumnWindow, col: int, real_cols: int) -> ShardLayout:
+    return ShardLayout(spec.prefix, spec.bits, spec.codebook, spec.in_features, spec.out_features,
+                       window.first, col, window.alloc, window.keep, window.width, real_cols)
 
 
 def _check_fits(prefix: str, what: str, ckpt: int, vllm_total: int, rank: int, name: str) -> None:
@@ -175,12 +188,10 @@ def plan_linear(prefix: str, specs: Sequence[Exl3ModuleSpec], *, split: Split, t
                 f"EXL3 {prefix}: fused shards have different input sizes "
                 f"({specs[0].prefix}: k={k_ckpt}, {spec.prefix}: k={spec.in_features})")
 
-    k_split = split is Split.ROW and tp_size > 1
-    if k_split and k_width % HADAMARD_SIZE:
-        raise Exl3LayoutError(
-            f"EXL3 {prefix} (rank {tp_rank} of {tp_size}): row-parallel input slice of "
-            f"{k_width} features is not a multiple of {HADAMARD_SIZE}; EXL3 can split k only on "
-            f"Hadamard-block boundaries ({k_width * tp_size} input features / TP {tp_size})")
+    if split is Split.ROW:
+        why = row_split_error(k_width, tp_size)
+        if why:
+            raise Exl3LayoutError(f"EXL3 {prefix} (rank {tp_rank} of {tp_size}): {why}")
     k_total = k_width * (tp_size if split is Split.ROW else 1)
     _check_fits(prefix, "input features", k_ckpt, k_total, tp_rank, specs[0].prefix)
     src_row = tp_rank * k_width if split is Split.ROW else 0
@@ -188,32 +199,19 @@ def plan_linear(prefix: str, specs: Sequence[Exl3ModuleSpec], *, split: Split, t
     shards: list[ShardLayout] = []
     col = 0
     for s, (spec, width) in enumerate(zip(specs, widths)):
-        n_split = split is Split.COLUMN and tp_size > 1
-        if n_split and width % HADAMARD_SIZE:
-            raise Exl3LayoutError(
-                f"EXL3 {prefix} (rank {tp_rank} of {tp_size}): column-parallel slice of shard "
-                f"{s} ({spec.prefix}) is {width} features, not a multiple of {HADAMARD_SIZE}; "
-                f"EXL3 can split n only on Hadamard-block boundaries")
-        src_ranks = tp_size // replicas[s] if split is Split.COLUMN else 1
-        src_rank = tp_rank // replicas[s] if split is Split.COLUMN else 0
-        _check_fits(prefix, "output features", spec.out_features, width * src_ranks, tp_rank,
+        if split is Split.COLUMN:
+            window = rank_column_window(width, tp_rank, replicas[s])
+            slices = tp_size // replicas[s]
+        else:
+            window, slices = column_window(0, width), 1
+        _check_fits(prefix, "output features", spec.out_features, width * slices, tp_rank,
                     spec.prefix)
-        alloc = round_up(width, HADAMARD_SIZE)
-        shards.append(ShardLayout(spec.prefix, spec.bits, spec.codebook, spec.in_features,
-                                  spec.out_features, src_rank * width, col, alloc, width,
-                                  spec.out_features))
-        col += alloc
+        shards.append(_shard(spec, window, col, spec.out_features))
+        col += window.alloc
 
     k_alloc = round_up(k_width, HADAMARD_SIZE)
-    out_width = sum(widths)
-    pieces, dst = [], 0
-    for sh in shards:
-        pieces.append((sh.col, sh.width, dst))
-        dst += sh.width
-    if all(sh.alloc == sh.width for sh in shards):
-        pieces = [(0, out_width, 0)]
     return Exl3Layout(prefix, tp_rank, k_width, k_alloc, src_row, tuple(shards),
-                      _runs(k_alloc, shards), out_width, tuple(pieces))
+                      _runs(k_alloc, shards))
 
 
 def plan_lm_head(prefix: str, spec: Exl3ModuleSpec, *, tp_rank: int, hidden: int,
@@ -221,9 +219,9 @@ def plan_lm_head(prefix: str, spec: Exl3ModuleSpec, *, tp_rank: int, hidden: int
     """Layout of a vocab-parallel lm_head on one rank.
 
     The vocab is the trellis' n. vLLM gives each rank `vocab_per_rank` columns starting at
-    `vocab_start` (padded to 64, so generally not 128-aligned); the rank keeps the 128-aligned
-    superset of checkpoint blocks covering its range and returns exactly its range. Columns at or
-    past `org_vocab` come out exactly zero.
+    `vocab_start` (padded to 64, so generally not 128-aligned); the rank computes the window of
+    checkpoint blocks covering its range and returns exactly its range (the column-parallel rule
+    of tp_rules.py). Columns at or past `org_vocab` come out exactly zero.
     """
     if round_up(org_vocab, HADAMARD_SIZE) != spec.out_features:
         raise Exl3LayoutError(
@@ -231,14 +229,6 @@ def plan_lm_head(prefix: str, spec: Exl3ModuleSpec, *, tp_rank: int, hidden: int
             f"{spec.out_features} vocab columns, expected the model's vocab {org_vocab} padded "
             f"to {round_up(org_vocab, HADAMARD_SIZE)}")
     _check_fits(prefix, "input features", spec.in_features, hidden, tp_rank, spec.prefix)
-    first = vocab_start // HADAMARD_SIZE * HADAMARD_SIZE
-    last = min(round_up(vocab_start + vocab_per_rank, HADAMARD_SIZE), spec.out_features)
-    alloc = max(0, last - first)
-    shard = ShardLayout(spec.prefix, spec.bits, spec.codebook, spec.in_features,
-                        spec.out_features, first, 0, alloc, vocab_per_rank, org_vocab)
-    offset = vocab_start - first
-    valid = max(0, min(vocab_per_rank, alloc - offset))
-    pieces = ((offset, valid, 0),) if valid else ()
+    shard = _shard(spec, column_window(vocab_start, vocab_per_rank), 0, org_vocab)
     k_alloc = round_up(hidden, HADAMARD_SIZE)
-    return Exl3Layout(prefix, tp_rank, hidden, k_alloc, 0, (shard,), _runs(k_alloc, [shard]),
-                      vocab_per_rank, pieces)
+    return Exl3Layout(prefix, tp_rank, hidden, k_alloc, 0, (shard,), _runs(k_alloc, [shard]))

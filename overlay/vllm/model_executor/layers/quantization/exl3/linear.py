@@ -2,8 +2,9 @@
 """`Exl3LinearMethod`: EXL3 for vLLM's Replicated, Column, MergedColumn, QKV and Row linears.
 
 The path of one forward: `apply` -> `run_layout` (pad x to the allocated k, one kernel call per
-run of equal-bitrate shards, then cut the allocated columns down to what vLLM expects) ->
-`Exl3Kernel.apply` (the CUDA op, or the reference codec on CPU).
+run of equal-bitrate shards over the shards' 128-aligned windows, then, only if some shard keeps
+part of its window, one gather of the kept columns) -> `Exl3Kernel.apply` (the CUDA op, or the
+reference codec on CPU).
 """
 
 import torch
@@ -17,7 +18,7 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase,
 from .format import TILE, Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, choose_exl3_kernel
 from .layout import Exl3Layout, Exl3LayoutError, Split, plan_linear, trellis_words
-from .weights import Exl3LayerWeights, direct_weight_loader
+from .weights import OUT_INDEX, Exl3LayerWeights, direct_weight_loader
 
 
 def linear_split(layer: LinearBase) -> Split:
@@ -54,10 +55,9 @@ def run_layout(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module, x
     else:
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     if not layout.identity_output:
-        out = y.new_zeros((y.shape[0], layout.out_width))
-        for src, width, dst in layout.pieces:
-            out[:, dst:dst + width] = y[:, src:src + width]
-        y = out
+        # One gather of m x out_width elements, a copy of the output: small next to the GEMM
+        # that produced it, and a single shape-static op for torch.compile and CUDA graphs.
+        y = y.index_select(1, getattr(layer, OUT_INDEX))
     if bias is not None and not fuse_bias:
         y = y + bias
     return y.reshape(*lead, layout.out_width)

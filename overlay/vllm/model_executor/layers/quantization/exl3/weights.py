@@ -6,6 +6,8 @@ vLLM's loader styles (`AutoWeightsLoader` + `WeightsMapper` shard ids, and hand-
 `stacked_params_mapping` loaders) route `...q_proj.trellis` to `qkv_proj.trellis` with shard "q":
 
 * `trellis`, `suh`, `svh`: the data (see layout.py);
+* `out_index` int64 (a non-persistent buffer, only when some shard keeps part of what it
+  computes): for each column vLLM receives, its column in the computed output;
 * `mcg` / `mul1` int32 `[S]`: one codebook-marker slot per shard, value-checked after loading,
   then dropped;
 * `su` / `sv` (legacy sign bitfields), `scale` (never applied by the format): empty placeholders
@@ -31,6 +33,7 @@ from .layout import Exl3Layout, Exl3LayoutError, ShardLayout, trellis_words
 logger = init_logger(__name__)
 
 DATA_SUFFIXES = ("trellis", "suh", "svh")
+OUT_INDEX = "out_index"  # layer buffer: returned column -> computed column (Exl3Layout)
 MARKERS = {"mcg": (Codebook.MCG, MCG_MARKER_VALUE), "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE)}
 LEGACY_SIGNS = {"su": "suh", "sv": "svh"}  # packed bitfield -> the fp16 tensor it stands in for
 IGNORED = ("scale",)  # stored by old converters, never applied (exl3-format.md §1.4)
@@ -124,6 +127,11 @@ class Exl3LayerWeights:
                                   weight_loader=weight_loader, suffix=suffix, owner=self)
             layer.register_parameter(suffix, param)
             self._params[suffix] = param
+        kept = layout.kept_columns()
+        if kept is not None:
+            # Created here, like the parameters, on the device the layer is built on.
+            layer.register_buffer(OUT_INDEX, torch.tensor(kept, dtype=torch.int64),
+                                  persistent=False)
 
     # ---- loading -------------------------------------------------------------------------
 
