@@ -12,12 +12,17 @@ relative RMS error of about 0.21 * 2^-(p-1) (uniform error over an ulp, averaged
 xh = Ĥ(x * suh) to fp16; the trellis weights are exact fp16; products are exact and sums are
 fp32 (k <= 17408 terms: ~sqrt(k) * 2^-24, below 1e-5); the Hadamards are orthonormal, so
 relative errors pass through unchanged; the output is rounded once to its dtype. Expected
-relative Frobenius error: fused 3e-4 (fp16 out) / 1.7e-3 (bf16 out). The reconstruct + cuBLAS
-path rounds W to the activation dtype instead of xh: 3e-4 (fp16) / 2.3e-3 (bf16). Bounds:
+relative Frobenius error: fused 3e-4 (fp16 out) / 1.7e-3 (bf16 out). The original-basis
+reconstruct + cuBLAS path rounds W to the activation dtype instead of xh: 3e-4 (fp16) / 2.3e-3
+(bf16). Bounds:
   rel_fro = ||y - ref|| / ||ref||       <= 2e-3 (fp16), 5e-3 (bf16)
-  max_rel = max |y - ref| / rms(ref)    <= 1e-2 (fp16), 4e-2 (bf16)
-(the max term allows ~5.5-sigma elements of a ~1e7-element output at the coarsest ulp). A wrong
-tile, sign or column gives O(1) errors; a single wrong element of magnitude ~rms fails max_rel.
+  max_rel = max |y - ref| / rms(ref)    <= 1e-2 (fp16), 6e-2 (bf16)
+The max term: the largest of ~1e6-1e7 outputs is ~5.5 rms; its output rounding alone can reach
+2^-8 of it (bf16, bottom of a binade) = 0.021 rms, plus ~5.5 sigma of the W (or xh) rounding
+error (0.01-0.02 rms for bf16), so bf16 maxima reach ~0.04; measured worst 0.041 (original-basis
+path, bf16, m = 4096, with bias; 2 of 11340 matrix cases exceeded an earlier 4e-2 bound with
+rel_fro 2.9e-3). A wrong tile, sign or column gives O(1) errors; a single wrong element of
+magnitude ~rms fails max_rel.
 
     python scripts/bench/verify_kernels.py [--ext path/_exl3_C.abi3.so] [--quick|--sample]
 """
@@ -41,7 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 from vllm_exl3.codec import reference  # noqa: E402
 
-TOLERANCE = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (5e-3, 4e-2)}
+TOLERANCE = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (5e-3, 6e-2)}
 RATES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 HALF_RATES = (1.5, 2.5, 3.5)
 CODEBOOKS = (0, 1, 2)  # 3INST, MCG, MUL1
