@@ -55,3 +55,4 @@ def _submodule(name: str) -> ModuleType:
 
 exl3_format = _submodule("format")
 reference = _submodule("reference")
+tp_rules = _submodule("tp_rules")

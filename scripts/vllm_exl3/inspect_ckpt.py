@@ -5,7 +5,9 @@ Reads the safetensors headers, config.json and quantization_config.json; the onl
 read are the 4-byte codebook marker scalars (their values are checked). Per module: bitrate and
 codebook (from the module's own trellis width and marker, exl3-format.md §1.5), shapes, the vLLM
 module it loads into, EXL3 or unquantized; totals; the tensor-parallel degrees the 128-wide
-Hadamard blocks allow; and every place where the JSON files disagree with the tensors.
+Hadamard blocks allow (the loader's own rules, tp_rules.py), which modules then run with
+partial-block ownership and the redundant work that costs; and every place where the JSON files
+disagree with the tensors.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from pathlib import Path
 from .architecture import (COLUMN, PAD, ROW, VOCAB, LinearSlot, PlanError, linear_role,
                            plan_model)
 from .codec import exl3_format as fmt
+from .codec import tp_rules
 from .errors import ToolError
 
 TP_DEGREES = (1, 2, 4, 8)
+# vLLM pads the vocab to a multiple of this before splitting it (DEFAULT_VOCAB_PADDING_SIZE).
+VOCAB_PADDING = 64
 # config.json's `bits` is written with 2 decimals; a larger gap than the rounding is a mismatch.
 BITS_TOLERANCE = 0.0051
 # Text mode names at most this many modules per disagreement/blocker before summarising.
@@ -68,30 +73,83 @@ def _named(names: list[str]) -> str:
     return shown + (f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else "")
 
 
-def _tp_rule(slot_role: str, name: str, k: int, n: int, tp: int, cfg: dict,
-             slot: LinearSlot | None) -> str | None:
-    """Why `tp` cannot split this linear, or None."""
-    if slot_role == COLUMN:
-        heads = slot.heads if slot is not None else None
-        kv = slot.kv_heads if slot is not None else None
-        if kv is not None and tp > kv:
-            if tp % kv:
-                return f"{kv} kv heads cannot be replicated evenly over tp={tp}"
-            width = n // kv
-        else:
-            if heads is not None and heads % tp:
-                return f"{heads} heads not divisible by tp={tp}"
-            if n % tp:
-                return f"column-parallel n = {n} not divisible by tp={tp}"
-            width = n // tp
-        if width % PAD:
-            return (f"column-parallel n/tp = {n}/{tp} = {width} is not a multiple of {PAD} "
-                    f"(Hadamard block)")
-    elif slot_role == ROW:
-        if k % tp or (k // tp) % PAD:
-            return (f"row-parallel k/tp = {k}/{tp} = {k / tp:g} is not a multiple of {PAD} "
-                    f"(Hadamard block)")
-    return None
+# One rank's share of a linear: (input features, columns it returns, columns it computes).
+RankShare = tuple[int, int, int]
+
+
+def _tp_split(role: str, fused: str, k: int, n: int, tp: int,
+              slot: LinearSlot | None) -> tuple[str | None, list[RankShare]]:
+    """(why `tp` cannot split this linear or None, each rank's share) as vLLM and the EXL3 loader
+    divide it (tp_rules.py): column-parallel ranks compute the 128-aligned window covering their
+    columns, row-parallel ranks need whole 128-blocks of k."""
+    if role == ROW:
+        if k % tp:
+            return f"row-parallel k = {k} not divisible by tp={tp}", []
+        return tp_rules.row_split_error(k // tp, tp), [(k // tp, n, n)] * tp
+    if role == VOCAB:
+        padded = tp_rules.round_up(n, VOCAB_PADDING)
+        if padded % tp:
+            return f"vocab {n} padded to {padded} not divisible by tp={tp}", []
+        per = padded // tp
+        windows = [tp_rules.column_window(r * per, per) for r in range(tp)]
+        return None, [(k, w.width, w.alloc) for w in windows]
+    if role != COLUMN:
+        return None, [(k, n, n)] * tp
+    heads = slot.heads if slot is not None else None
+    kv = slot.kv_heads if slot is not None else None
+    replicas = 1
+    if kv is not None and tp > kv:
+        if tp % kv:
+            return f"{kv} kv heads cannot be replicated evenly over tp={tp}", []
+        replicas = tp // kv
+    elif heads is not None and heads % tp:
+        return f"{heads} heads not divisible by tp={tp}", []
+    if n % (tp // replicas):
+        return f"column-parallel n = {n} not divisible by tp={tp}", []
+    width = n // (tp // replicas)
+    if fused.endswith(".experts") and width % PAD:
+        # Routed experts go through vLLM's fused MoE, which has no EXL3 method with windows.
+        return (f"column-parallel n/tp = {n}/{tp} = {width} is not a multiple of {PAD} "
+                f"(Hadamard block); partial-block ownership is implemented for dense linears, "
+                f"not fused-MoE experts"), []
+    windows = [tp_rules.rank_column_window(width, r, replicas) for r in range(tp)]
+    return None, [(k, w.width, w.alloc) for w in windows]
+
+
+def _tensor_parallel(tp: int, modules: list[dict], plan_slots: dict[str, LinearSlot],
+                     cfg: dict) -> dict:
+    """Blockers of one TP degree, the modules with partial-block ownership, and the extra weights
+    the busiest rank decodes for columns it drops (relative to the columns it returns)."""
+    blockers: list[dict] = []
+    partial: list[dict] = []
+    heads = cfg.get("num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if tp > 1 and heads and heads % tp:
+        blockers.append({"module": "config.json",
+                         "rule": f"num_attention_heads = {heads} not divisible by tp={tp}"})
+    if tp > 1 and kv_heads and not cfg.get("kv_lora_rank") and kv_heads % tp and tp % kv_heads:
+        blockers.append({"module": "config.json",
+                         "rule": f"num_key_value_heads = {kv_heads} and tp={tp}: neither "
+                                 f"divides the other"})
+    computed, returned = [0] * tp, [0] * tp
+    for m in modules:
+        slot = plan_slots.get(m["name"])
+        k = slot.in_features if slot else m["in_features"]
+        n = slot.out_features if slot else m["out_features"]
+        rule, shares = _tp_split(m["tp_role"], m["fused_group"], k, n, tp, slot)
+        if rule:
+            blockers.append({"module": m["name"], "rule": rule})
+            continue
+        for r, (k_r, kept, cols) in enumerate(shares):
+            computed[r] += k_r * cols
+            returned[r] += k_r * kept
+        if any(kept != cols for _, kept, cols in shares):
+            partial.append({"module": m["name"],
+                            "returned_columns": max(kept for _, kept, _ in shares),
+                            "computed_columns": max(cols for _, _, cols in shares)})
+    overhead = max((c / r - 1 for c, r in zip(computed, returned) if r), default=0.0)
+    return {"ok": not blockers, "blockers": blockers, "partial_blocks": partial,
+            "redundant_compute": overhead}
 
 
 def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
@@ -198,31 +256,8 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
               "bits_per_weight": t_all, "storage_bits_per_weight": s_all, "by_group": by_group}
 
     # Tensor parallelism under the 128-column Hadamard rules.
-    tensor_parallel = {}
-    heads = cfg.get("num_attention_heads")
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    for tp in TP_DEGREES:
-        blockers: list[dict] = []
-        if tp > 1:
-            if heads and heads % tp:
-                blockers.append({"module": "config.json",
-                                 "rule": f"num_attention_heads = {heads} not divisible by tp={tp}"})
-            if kv_heads and not cfg.get("kv_lora_rank") and kv_heads % tp and tp % kv_heads:
-                blockers.append({"module": "config.json",
-                                 "rule": f"num_key_value_heads = {kv_heads} and tp={tp}: neither "
-                                         f"divides the other"})
-            for m in modules:
-                slot = plan_slots.get(m["name"])
-                k = slot.in_features if slot else m["in_features"]
-                n = slot.out_features if slot else m["out_features"]
-                rule = _tp_rule(m["tp_role"], m["name"], k, n, tp, cfg, slot)
-                if rule:
-                    blockers.append({"module": m["name"], "rule": rule})
-        tensor_parallel[str(tp)] = {"ok": not blockers, "blockers": blockers}
-    if any(m["tp_role"] == VOCAB for m in modules):
-        notes.append("lm_head: vocab-parallel in vLLM; per-rank vocab ranges need not be "
-                     "128-aligned (the EXL3 head replicates or decodes a 128-aligned superset), "
-                     "so it does not limit tensor parallelism")
+    tensor_parallel = {str(tp): _tensor_parallel(tp, modules, plan_slots, cfg)
+                       for tp in TP_DEGREES}
 
     _compare_config(cfg, config is not None, modules, by_group, index, disagreements)
     _compare_storage(qjson, cfg, modules, unquantized, index, disagreements)
@@ -390,7 +425,13 @@ def format_text(report: dict) -> str:
     lines += ["", "tensor parallel (128-column Hadamard rules):"]
     for tp, v in report["tensor_parallel"].items():
         if v["ok"]:
-            lines.append(f"  tp={tp}: ok")
+            line = f"  tp={tp}: ok"
+            partial = [p["module"] for p in v["partial_blocks"]]
+            if partial:
+                line += (f"; partial 128-blocks in {len(partial)} modules ({_named(partial)}): "
+                         f"+{100 * v['redundant_compute']:.1f}% weights decoded on the busiest "
+                         f"rank")
+            lines.append(line)
         else:
             b = v["blockers"]
             more = f" (and {len(b) - 1} more)" if len(b) > 1 else ""

@@ -60,11 +60,23 @@ def test_fixture_report(inspect_mod, ckpt):
     size = (FIXTURES / ckpt / "model.safetensors").stat().st_size
     assert 0 < size - report["totals"]["total_bytes"] < 20_000  # all but the header
     tp = report["tensor_parallel"]
-    assert tp["1"]["ok"] and not tp["2"]["ok"]
-    # k/v have 2 heads x 64: half of that is not a whole Hadamard block.
-    assert "k_proj" in tp["2"]["blockers"][0]["module"] or "v_proj" in tp["2"]["blockers"][0][
-        "module"]
-    assert "128/2 = 64" in tp["2"]["blockers"][0]["rule"]
+    assert tp["1"] == {"ok": True, "blockers": [], "partial_blocks": [],
+                       "redundant_compute": 0.0}
+    # k/v have 2 heads x 64: each rank owns half a Hadamard block and computes all of it.
+    assert tp["2"]["ok"] and tp["2"]["blockers"] == []
+    assert tp["2"]["partial_blocks"] == [
+        {"module": f"model.layers.{i}.self_attn.{p}", "returned_columns": 64,
+         "computed_columns": 128} for i in range(4) for p in ("k_proj", "v_proj")]
+    # Per layer and rank: q 256x128, k/v 256x64 (computed 256x128), o 128x256, gate/up
+    # 256x384, down 384x256; lm_head 256x2048: 4 * 2 * 256*64 extra over 2097152 returned.
+    assert tp["2"]["redundant_compute"] == 4 * 2 * 256 * 64 / 2097152
+    # o_proj and down_proj: k/4 = 64 and 192 rows per rank cut Hadamard blocks of x.
+    assert not tp["4"]["ok"]
+    rules = {b["module"]: b["rule"] for b in tp["4"]["blockers"]}
+    assert rules["model.layers.0.self_attn.o_proj"].startswith(
+        "row-parallel input slice of 64 features is not a multiple of 128")
+    assert rules["model.layers.0.mlp.down_proj"].startswith(
+        "row-parallel input slice of 192 features")
 
 
 def test_headers_only(inspect_mod, monkeypatch):
@@ -85,7 +97,7 @@ def test_json_mode_through_the_tool():
     bits = {m["name"]: (m["bits"], m["codebook"]) for m in report["modules"]}
     assert bits["lm_head"] == (6, "mcg")
     assert bits["model.layers.1.mlp.gate_proj"] == (3, "mcg")
-    assert report["tensor_parallel"]["1"] == {"ok": True, "blockers": []}
+    assert report["tensor_parallel"]["2"]["ok"]
 
 
 def test_text_mode(capsys):
@@ -94,7 +106,11 @@ def test_text_mode(capsys):
     assert main(["inspect", str(FIXTURES / "exl3-4.0bpw")]) == 0
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn.q_proj" in out and "qkv_proj" in out
-    assert "3inst" in out and "tp=1: ok" in out and "tp=2: blocked by" in out
+    assert "3inst" in out and "tp=1: ok\n" in out
+    assert ("tp=2: ok; partial 128-blocks in 8 modules (model.layers.0.self_attn.k_proj, "
+            "model.layers.0.self_attn.v_proj, model.layers.1.self_attn.k_proj and 5 more): "
+            "+6.2% weights decoded on the busiest rank") in out
+    assert "tp=4: blocked by" in out
     assert "4.0990 with scales" in out
     assert "agree with the tensors" in out
 
@@ -153,12 +169,31 @@ def test_tensor_parallel_blockers_name_the_module(inspect_mod, tmp_path):
     blockers = tp["4"]["blockers"]
     assert blockers and all(".mlp.experts." in b["module"] for b in blockers)
     assert any(b["rule"].startswith("column-parallel n/tp = 256/4 = 64") for b in blockers)
-    assert any(b["rule"].startswith("row-parallel k/tp = 256/4 = 64") for b in blockers)
+    assert any(b["rule"].startswith("row-parallel input slice of 64 features") for b in blockers)
     assert tp["8"]["blockers"]
     # The synthetic checkpoint untied the head like the converter does; vocab 1000 is padded.
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
     head = next(m for m in report["modules"] if m["name"] == "lm_head")
     assert (head["out_features"], head["real_out_features"]) == (1024, 1000)
+
+
+def test_replicated_kv_heads_run_with_partial_blocks(inspect_mod, tmp_path):
+    """8 heads, 2 KV heads x 64: at tp=4 each KV head is replicated on two ranks, each rank
+    computes the head's whole block; at tp=8 o_proj's k/8 = 64 rows cut a block of x."""
+    cfg = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 512,
+           "intermediate_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "head_dim": 64, "num_hidden_layers": 1, "vocab_size": 1000,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    synth.write_checkpoint(cfg, tmp_path, bits=2, codebook="mul1", head_bits=2)
+    tp = inspect_mod.inspect_checkpoint(tmp_path)["tensor_parallel"]
+    assert tp["4"]["ok"]
+    partial = {p["module"]: (p["returned_columns"], p["computed_columns"])
+               for p in tp["4"]["partial_blocks"]}
+    # lm_head: vocab 1000 padded to 1024 by vLLM, 256 per rank, whole blocks.
+    assert partial == {"model.layers.0.self_attn.k_proj": (64, 128),
+                       "model.layers.0.self_attn.v_proj": (64, 128)}
+    assert tp["8"]["blockers"][0]["module"] == "model.layers.0.self_attn.o_proj"
+    assert tp["8"]["blockers"][0]["rule"].startswith("row-parallel input slice of 64 features")
 
 
 def test_format_errors_are_reported_with_exit_code(inspect_mod, tmp_path, capsys):

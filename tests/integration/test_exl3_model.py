@@ -58,15 +58,15 @@ def vllm_logits(ckpt_dir, ids: torch.Tensor, monkeypatch,
 
     monkeypatch.setattr(current_platform, "get_attn_backend_cls",
                         lambda *args, **kwargs: CPU_ATTENTION_BACKEND)
-    # On CPU vLLM compiles the native SiluAndMul with inductor (~10 s per process); eager runs
-    # the same math.
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
     model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
     assert model_config.quantization == "exl3"
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
     model = get_model_loader(vllm_config.load_config).load_model(
         vllm_config=vllm_config, model_config=model_config)
-    with set_current_vllm_config(vllm_config), torch.no_grad():
+    # On CPU vLLM compiles the native SiluAndMul with inductor (~10 s per process); eager runs
+    # the same math.
+    with (set_current_vllm_config(vllm_config), torch.no_grad(),
+          torch.compiler.set_stance("force_eager")):
         for layer in model.model.layers:
             attn = layer.self_attn
             attn.attn = CausalSdpa(attn.num_heads, attn.num_kv_heads, attn.head_dim,
