@@ -55,6 +55,20 @@ def _main(_: int, init_file: str) -> None:
         w = torch.cat([dense(named, f"{mlp}.gate_proj"), dense(named, f"{mlp}.up_proj")], 1)
         assert_matches(y, x.float() @ w, "compiled gate_up through _C::exl3_linear")
 
+        # Shards keeping part of their last block: the kept columns are gathered in the graph.
+        cut = MergedColumnParallelLinear(256, [700, 700], bias=False,
+                                         quant_config=config_for(CKPT_MCG),
+                                         prefix=f"{mlp}.gate_up_proj",
+                                         params_dtype=torch.bfloat16)
+        load_module(cut, named, f"{mlp}.gate_proj", 0)
+        load_module(cut, named, f"{mlp}.up_proj", 1)
+        cut.quant_method.process_weights_after_loading(cut)
+        cut.quant_method.kernel = CudaExl3Kernel()
+        y = torch.compile(lambda t: cut(t)[0], backend="aot_eager", fullgraph=True,
+                          dynamic=True)(x)
+        assert_matches(y, x.float() @ torch.cat([w[:, :700], w[:, 768:1468]], 1),
+                       "compiled gate_up keeping 700 of 768 columns per shard")
+
 
 def test_ops_fakes_and_compiled_apply(tmp_path):
     mp.spawn(_main, args=(str(tmp_path / "init"),), nprocs=1, join=True)
