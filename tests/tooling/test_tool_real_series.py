@@ -43,7 +43,7 @@ def test_series_on_real_sdist(tmp_path, pristine_sdist):
     registry = (tree / "vllm/model_executor/layers/quantization/__init__.py").read_text()
     assert '"exl3",' in registry and '"exl3": Exl3Config' in registry
     assert "from .exl3 import Exl3Config" in registry
-    assert '"VLLM_EXL3_TUNING_FILE":' in (tree / "vllm/envs.py").read_text()
+    assert '"VLLM_EXL3_LOG_PLANS":' in (tree / "vllm/envs.py").read_text()
     assert "EXL3_ARCHS" in (tree / "CMakeLists.txt").read_text()
     for f in (ROOT / "csrc").rglob("*"):
         if f.is_file() and "__pycache__" not in f.parts:
