@@ -16,7 +16,6 @@ runs the fixture e2e, and later calls run the rest.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -26,6 +25,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+from vllm_exl3.index import sha256_file  # noqa: E402
 E2E = REPO / ".e2e"
 XFER = E2E / "xfer"
 PLAN_JSON = E2E / "calls.json"
@@ -70,14 +71,6 @@ def part_budget(tree: int, margin: int) -> int:
         raise SystemExit(f"the working tree ({tree / 2**20:.1f} MiB) leaves no room for bundle "
                          f"parts under the {CALL_LIMIT / 2**20:.0f} MiB per-call limit")
     return budget
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -135,7 +128,7 @@ def layout(bundle: Path, margin: int) -> dict:
         raise SystemExit(f"{bundle}: the parts present differ from those install.sh lists")
     shas = {n: s for n, s, _ in listed}
     for p in parts:
-        if _sha256(p) != shas[p.name]:
+        if sha256_file(p) != shas[p.name]:
             raise SystemExit(f"{p}: sha256 differs from install.sh's; rebuild the bundle")
     tree = tree_bytes()
     shutil.rmtree(XFER, ignore_errors=True)

@@ -19,7 +19,6 @@ Prints a compact table; writes fixture_e2e[_tp2].json to --out (default $OUT).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -32,6 +31,8 @@ import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from llm_teardown import free_llm
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -132,17 +133,6 @@ def make_llm(model_dir: Path, *, eager: bool, tp: int):
     return LLM(model=str(model_dir), tensor_parallel_size=tp, enforce_eager=eager,
                gpu_memory_utilization=GPU_MEMORY_UTILIZATION, max_model_len=MAX_MODEL_LEN,
                seed=0)
-
-
-def free_llm(llm) -> None:
-    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if engine_core is not None and hasattr(engine_core, "shutdown"):
-        engine_core.shutdown()
-    del llm
-    gc.collect()
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
 
 
 def score_windows(llm, windows: list[list[int]]) -> list[list[float]]:

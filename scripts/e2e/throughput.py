@@ -15,7 +15,6 @@ Prints a table; writes throughput.json to --out (default $OUT).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -23,6 +22,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+from llm_teardown import free_llm
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -105,17 +106,6 @@ def make_llm(model_dir: Path, *, dummy: bool, max_len: int, max_seqs: int):
                load_format="dummy" if dummy else "auto", max_model_len=max_len,
                max_num_seqs=max_seqs, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
                enable_prefix_caching=False, disable_log_stats=False, seed=0)
-
-
-def free_llm(llm) -> None:
-    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if engine_core is not None and hasattr(engine_core, "shutdown"):
-        engine_core.shutdown()
-    del llm
-    gc.collect()
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
 
 
 def prompts(rng: random.Random, count: int, length: int, vocab: int) -> list[dict]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import pins
 from .errors import ToolError
+from .index import sha256_file
 from .repo import ROOT, default_cache_dir
 from .tree import BUILD_LABEL_PREFIX
 from .wheelfile import WheelName, unpack, write
@@ -147,14 +148,6 @@ def download_deps(requirements: Path, dest: Path, pyver: str, machine: str) -> l
     return sorted(found.values())
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def split(payload: Path, out_dir: Path, part_size: int) -> list[tuple[str, str, int]]:
     """Cut `payload` into PART_STEM01, 02, ... of at most part_size bytes: (name, sha256, size)."""
     parts = []
@@ -203,7 +196,7 @@ def make_bundle(wheel: Path, out_dir: Path, part_size: int, pyver: str, with_moe
                 with open(w, "rb") as f:
                     tar.addfile(info, f)
         parts = split(payload, out_dir, part_size)
-        payload_sha = _sha256(payload)
+        payload_sha = sha256_file(payload)
     script = out_dir / "install.sh"
     script.write_text(installer(WheelName.parse(wheel.name).version, pyver, payload_sha, parts))
     script.chmod(0o755)
