@@ -14,6 +14,9 @@
 #include "exl3_kernels.h"
 #include "exl3_trellis.cuh"
 
+#include <type_traits>
+#include <utility>
+
 namespace vllm_exl3 {
 
 constexpr int kGemmThreads = 256;
@@ -27,9 +30,25 @@ constexpr int kAChunksPerRow = kStageK * 2 / 16;
 constexpr int kARowBytes = kStageK * 2;
 // Stages in flight: 3 loads ahead of the one being consumed hides HBM latency at small m.
 constexpr int kGemmStages = 4;
+// Stages per k-loop iteration (sass_loop.py reads this name): one per slot, unrolled.
+constexpr int kLoopStages = kGemmStages;
 // fp32 staging row stride for the epilogue: +8 floats makes the float2 stores of the mma
 // accumulator layout conflict-free per half-warp, and keeps rows 16-byte aligned for float4 reads.
 constexpr int kCStride = kBlockN + 8;
+
+// Runs stage(it + s, s) for s = 0, 1, ... while it + s < n (a compile-time slot per call).
+template <typename Stage, int... S>
+__device__ __forceinline__ void stage_sequence(int it, int n, Stage& stage,
+                                               std::integer_sequence<int, S...>) {
+  (void)((it + S < n && (stage(it + S, std::integral_constant<int, S>{}), true)) && ...);
+}
+
+// An opaque copy: the compiler keeps the value in a register instead of recomputing it from
+// the lane index inside the k loop (it otherwise sinks per-lane address math into the loop).
+__device__ __forceinline__ uint32_t keep_in_register(uint32_t v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
 
 template <int K2, int MT>
 struct GemmShape {
@@ -125,14 +144,14 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   // Byte offsets (from the trellis stage area) of this lane's words in its warp's k-step-0 tile.
   uint32_t t_lane[R::kRaw];
 #pragma unroll
-  for (int i = 0; i < R::kRaw; ++i) t_lane[i] = warp * R::kTileBytes + lw.off[i];
+  for (int i = 0; i < R::kRaw; ++i) t_lane[i] = keep_in_register(warp * R::kTileBytes + lw.off[i]);
   const uint32_t halves_xor = halves_xor_register();
   // ldmatrix.x4 source of this lane for each 16-wide k step: rows lane%16, k chunk 2kk + lane/16.
   uint32_t a_ld[kStageKSteps];
 #pragma unroll
   for (int kk = 0; kk < kStageKSteps; ++kk) {
     const int row = lane & 15, ch = 2 * kk + (lane >> 4);
-    a_ld[kk] = s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16);
+    a_ld[kk] = keep_in_register(s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16));
   }
 
   float acc[MT][2][4];
@@ -155,21 +174,18 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
     cp_async_commit();
   }
 
-  for (int it = 0; it < n_chunks; ++it) {
+  // One pipeline stage: wait for stage `it` (in slot SLOT), refill the slot freed last stage,
+  // consume. SLOT is a compile-time constant, so the slot offsets fold into the load addresses.
+  auto stage = [&](int it, auto slot_constant) {
+    constexpr int slot = decltype(slot_constant)::value;
     cp_async_wait<kGemmStages - 2>();
-    __syncthreads();  // stage `it` landed for everyone; slot (it-1) % S is free again
-    {
-      const int next = it + kGemmStages - 1;
-      if (next < n_chunks) {
-        load_t(next % kGemmStages);
-        load_a(next % kGemmStages);
-      }
-      cp_async_commit();
+    __syncthreads();  // stage `it` landed for everyone; the previous slot is free again
+    if (it + kGemmStages - 1 < n_chunks) {
+      load_t((slot + kGemmStages - 1) % kGemmStages);
+      load_a((slot + kGemmStages - 1) % kGemmStages);
     }
-    const int slot = it % kGemmStages;
-    const uint32_t t_stage = slot * Shape::kTBytes;
-    const uint32_t a_stage = slot * Shape::kABytes;
-    const uint8_t* t_area = s_t_ptr + t_stage;
+    cp_async_commit();
+    const uint8_t* t_area = s_t_ptr + slot * Shape::kTBytes;
 #pragma unroll
     for (int kk = 0; kk < kStageKSteps; ++kk) {
       uint32_t raw[R::kRaw];
@@ -180,11 +196,17 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         uint32_t a[4];
-        ldmatrix_x4(a, a_ld[kk] + a_stage + mt * kTile * kARowBytes);
+        ldmatrix_x4(a, a_ld[kk] + slot * Shape::kABytes + mt * kTile * kARowBytes);
         mma_16816(acc[mt][0], a, b[0], b[1]);
         mma_16816(acc[mt][1], a, b[2], b[3]);
       }
     }
+  };
+  // The k loop visits the slots in order, kLoopStages stages per iteration (stage it uses slot
+  // it % kGemmStages), stopping after stage n_chunks - 1.
+  static_assert(kLoopStages == kGemmStages, "one loop iteration cycles through every slot once");
+  for (int it = 0; it < n_chunks; it += kLoopStages) {
+    stage_sequence(it, n_chunks, stage, std::make_integer_sequence<int, kLoopStages>{});
   }
   cp_async_wait<0>();
   __syncthreads();  // pipeline buffers are reused as the fp32 staging block

@@ -5,8 +5,8 @@
 // (read little-endian, bit 31 of word u is stream bit 32u). The state of position i is the 16
 // stream bits ending at S_i. Lane t owns positions 8t..8t+7 (§3.2), whose window ends lie at
 // 4*t*K2 + E_j with compile-time E_j (K2 = twice the bitrate; for half rates odd positions carry
-// one extra bit). So a lane aligns its window once per tile (one funnel shift per word) and then
-// cuts every state at a compile-time bit offset.
+// one extra bit). So every state sits at a compile-time offset from the lane's window start; a
+// per-rate plan (CutPlan) cuts the 8 states with one instruction each plus a few funnel shifts.
 //
 // The state extraction is __host__ __device__ so a CPU test can check it against the reference.
 #pragma once
@@ -24,13 +24,20 @@ __host__ __device__ __forceinline__ uint32_t funnel_l(uint32_t lo, uint32_t hi, 
   return static_cast<uint32_t>(((static_cast<uint64_t>(hi) << 32 | lo) << (s & 31)) >> 32);
 #endif
 }
-__host__ __device__ __forceinline__ uint32_t funnel_r(uint32_t lo, uint32_t hi, int s) {
+// Byte permute (PRMT): output byte i = byte (sel >> 4i) & 7 of the 8-byte value b:a (default mode).
+__host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
 #ifdef __CUDA_ARCH__
-  return __funnelshift_r(lo, hi, s);
+  return __byte_perm(a, b, sel);
 #else
-  return static_cast<uint32_t>((static_cast<uint64_t>(hi) << 32 | lo) >> (s & 31));
+  const uint64_t v = static_cast<uint64_t>(b) << 32 | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF)
+                                   << (8 * i);
+  return r;
 #endif
 }
+
+constexpr int gcd_int(int a, int b) { return b == 0 ? a : gcd_int(b, a % b); }
 
 // Bit geometry of one rate. K2 = 2 * bits: 2..16 even for integer rates, 3/5/7 for 1.5/2.5/3.5.
 template <int K2>
@@ -48,10 +55,82 @@ struct Rate {
   // A lane needs the bits from the first state's start to the last state's end.
   static constexpr int kWindowBits = end(7) - end(0) + 16;
   static constexpr int kAligned = (kWindowBits + 31) / 32;
-  // One more raw word than aligned words: the alignment shift pulls bits from the next word.
-  static constexpr int kRaw = kAligned + 1;
+  // Lane t's window starts at stream bit t * kLaneBits + end(0) - 16 (mod the ring, a multiple
+  // of 32), so its bit offset inside its first word takes the values kShiftBase mod kShiftStep,
+  // stepping by kShiftStep. With 4 or 8 bits (kLaneBits a multiple of 32) it is the same for
+  // every lane: a compile-time constant.
+  static constexpr int kShiftStep = gcd_int(kLaneBits, 32);
+  static constexpr int kShiftBase = ((end(0) - 16) % 32 + 32) % 32;
+  static constexpr bool kFixedShift = kShiftStep == 32;
+  static constexpr int kMaxShift = 32 - kShiftStep + kShiftBase % kShiftStep;
+  // Words a lane loads: enough for the window at the largest offset any lane has.
+  static constexpr int kRaw = (kMaxShift + kWindowBits + 31) / 32;
   static_assert(K2 >= 2 && K2 <= 16, "bitrate out of range");
-  static_assert(kAligned <= 3, "window must fit three words");
+  static_assert(kAligned <= 3 && kRaw <= 4, "window must fit three words");
+};
+
+// How a lane cuts its 8 states out of its words, fixed per rate at compile time.
+// A view is 32 consecutive stream bits (one funnel shift, or free where it starts on a word).
+// A state starting at bit 0, 8 or 16 of a view costs one instruction (shift, byte permute, mask),
+// so the plan covers the 8 states with few views: states 16 bits apart share one view, and so do
+// states 8 bits apart. The source words are the raw words themselves when the lane offset is a
+// compile-time constant (4 and 8 bits), else the words aligned once to the window's first bit.
+// At most one view per state plus the free word views considered while planning.
+constexpr int kMaxViews = kPositionsPerLane + 4;
+struct CutPlan {
+  int views;
+  int view_bit[kMaxViews];   // first bit of each view, counted from bit 31 of source word 0
+  int state_view[8];
+  int state_rel[8];  // 0, 8 or 16: where the state starts inside its view
+};
+
+template <int K2>
+constexpr CutPlan make_cut_plan() {
+  using R = Rate<K2>;
+  // Offset of the window inside the source words, and the words available.
+  constexpr int base = R::kFixedShift ? R::kShiftBase : 0;
+  constexpr int words = R::kFixedShift ? R::kRaw : R::kAligned;
+  CutPlan p{};
+  // Views that start on a word boundary are free: the word itself. Register them first.
+  bool free_view[kMaxViews] = {};
+  for (int i = 0; i < words; ++i) {
+    if (32 * i < base) continue;
+    free_view[p.views] = true;
+    p.view_bit[p.views++] = 32 * i;
+  }
+  bool used[kMaxViews] = {};
+  for (int j = 0; j < 8; ++j) {
+    const int bit = base + R::end(j) - R::end(0);
+    int v = -1;
+    for (int c = 0; c < p.views && v < 0; ++c) {
+      const int rel = bit - p.view_bit[c];
+      if (rel == 0 || rel == 8 || rel == 16) v = c;
+    }
+    if (v < 0) {
+      v = p.views;
+      p.view_bit[p.views++] = bit;
+    }
+    used[v] = true;
+    p.state_view[j] = v;
+    p.state_rel[j] = bit - p.view_bit[v];
+  }
+  // Drop free views no state uses (they would cost nothing, but keep the plan minimal to read).
+  int remap[kMaxViews] = {};
+  int n = 0;
+  for (int c = 0; c < p.views; ++c) {
+    if (!used[c] && free_view[c]) continue;
+    remap[c] = n;
+    p.view_bit[n++] = p.view_bit[c];
+  }
+  p.views = n;
+  for (int j = 0; j < 8; ++j) p.state_view[j] = remap[p.state_view[j]];
+  return p;
+}
+
+template <int K2>
+struct Cuts {
+  static constexpr CutPlan kPlan = make_cut_plan<K2>();
+  static constexpr int kWords = Rate<K2>::kFixedShift ? Rate<K2>::kRaw : Rate<K2>::kAligned;
 };
 
 // Per-lane constants: byte offsets of the raw words inside a tile (ring wrap already applied)
@@ -75,39 +154,65 @@ struct LaneWindow {
   }
 };
 
-// State j of a lane from its aligned window words w (window bit 0 = bit 31 of w[0]). The bit
-// offset is a compile-time constant, so each state is one shift (+ mask) or one funnel shift.
-template <int K2, int J>
-__host__ __device__ __forceinline__ uint32_t state_at(const uint32_t (&w)[Rate<K2>::kAligned]) {
-  using R = Rate<K2>;
-  constexpr int o = R::end(J) - R::end(0);  // window bit where state J starts
-  constexpr int i = o >> 5, r = o & 31;
+// View V of the plan from the source words x. Bits of a view past the last source word are never
+// read by its states (the plan keeps every state inside the window), so the last word stands in.
+template <int K2, int V, int N>
+__host__ __device__ __forceinline__ uint32_t view_at(const uint32_t (&x)[N]) {
+  constexpr int bit = Cuts<K2>::kPlan.view_bit[V];
+  constexpr int i = bit >> 5, r = bit & 31;
+  static_assert(i < N, "view starts past the source words");
   if constexpr (r == 0) {
-    return w[i] >> 16;  // already 16 bits wide
-  } else if constexpr (r <= 16) {
-    return (w[i] >> (16 - r)) & 0xFFFFu;
+    return x[i];
   } else {
-    static_assert(i + 1 < R::kAligned, "state straddles past the window");
-    return funnel_r(w[i + 1], w[i], 48 - r) & 0xFFFFu;
+    return funnel_l(x[i + 1 < N ? i + 1 : i], x[i], r);
   }
 }
 
-template <int K2, int... J>
-__host__ __device__ __forceinline__ void states_at(const uint32_t (&w)[Rate<K2>::kAligned],
-                                                   uint32_t (&st)[8],
-                                                   std::integer_sequence<int, J...>) {
-  ((st[J] = state_at<K2, J>(w)), ...);
+template <int K2, int J>
+__host__ __device__ __forceinline__ uint32_t state_at(const uint32_t (&v)[kMaxViews]) {
+  constexpr int rel = Cuts<K2>::kPlan.state_rel[J];
+  const uint32_t x = v[Cuts<K2>::kPlan.state_view[J]];
+  if constexpr (rel == 0) {
+    return x >> 16;
+  } else if constexpr (rel == 8) {
+    return byte_perm(x, 0u, 0x4421);  // bytes 1, 2 of x, zero above
+  } else {
+    static_assert(rel == 16, "a state starts at bit 0, 8 or 16 of its view");
+    return x & 0xFFFFu;
+  }
 }
 
-// The 8 states of a lane, given the tile's raw words (already loaded, see load_raw).
+template <int K2, int N, int... V>
+__host__ __device__ __forceinline__ void views_at(const uint32_t (&x)[N], uint32_t (&v)[kMaxViews],
+                                                  std::integer_sequence<int, V...>) {
+  ((v[V] = view_at<K2, V>(x)), ...);
+}
+
+template <int K2, int... J>
+__host__ __device__ __forceinline__ void states_at(const uint32_t (&v)[kMaxViews], uint32_t (&st)[8],
+                                                   std::integer_sequence<int, J...>) {
+  ((st[J] = state_at<K2, J>(v)), ...);
+}
+
+// The 8 states of a lane, given the tile's raw words (already loaded, see load_raw). `shift` is
+// LaneWindow::shift; rates whose shift is a compile-time constant ignore it.
 template <int K2>
 __host__ __device__ __forceinline__ void states_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw],
                                                          int shift, uint32_t (&st)[8]) {
   using R = Rate<K2>;
-  uint32_t w[R::kAligned];
+  using C = Cuts<K2>;
+  uint32_t v[kMaxViews];
+  if constexpr (R::kFixedShift) {
+    (void)shift;
+    views_at<K2>(raw, v, std::make_integer_sequence<int, C::kPlan.views>{});
+  } else {
+    uint32_t w[R::kAligned];
 #pragma unroll
-  for (int i = 0; i < R::kAligned; ++i) w[i] = funnel_l(raw[i + 1], raw[i], shift);
-  states_at<K2>(w, st, std::make_integer_sequence<int, kPositionsPerLane>{});
+    for (int i = 0; i < R::kAligned; ++i)
+      w[i] = funnel_l(raw[i + 1 < R::kRaw ? i + 1 : i], raw[i], shift);
+    views_at<K2>(w, v, std::make_integer_sequence<int, C::kPlan.views>{});
+  }
+  states_at<K2>(v, st, std::make_integer_sequence<int, kPositionsPerLane>{});
 }
 
 template <int K2>
