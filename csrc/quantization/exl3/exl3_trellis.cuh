@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "exl3_common.cuh"
+#include "exl3_fp16_emulation.h"
 
 namespace vllm_exl3 {
 
@@ -223,31 +224,65 @@ __host__ __device__ __forceinline__ void load_raw(const uint8_t* tile, const Lan
     raw[i] = *reinterpret_cast<const uint32_t*>(tile + lw.off[i]);
 }
 
-#ifdef __CUDACC__
-// Codebook decode of two states into one half2 register (low half = the even position, which
-// is the lower k row of the B fragment pair, §3.2). Exactly one fp16 rounding, as the format says.
+// The codebook arithmetic's instructions, each with an exact host fallback (selected only by
+// __CUDA_ARCH__) so the same decode source is checked on the CPU for every state.
 // (x & mask) ^ c in one LOP3 (LUT 0xF0 & 0xCC ^ 0xAA = 0x6A). A SASS LOP3 encodes one immediate,
 // so c must come in a register (loaded once per kernel); written as C the compiler emits two.
 template <uint32_t kMask>
-__device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
+__host__ __device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
+#ifdef __CUDA_ARCH__
   uint32_t r;
   asm("lop3.b32 %0, %1, %2, %3, 0x6A;\n" : "=r"(r) : "r"(x), "n"(kMask), "r"(c));
   return r;
+#else
+  return (x & kMask) ^ c;
+#endif
 }
 
+// Unsigned 4-byte dot product plus c (dp4a.u32.u32).
+__host__ __device__ __forceinline__ uint32_t dot4_u8(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef __CUDA_ARCH__
+  return __dp4a(a, b, c);
+#else
+  for (int i = 0; i < 4; ++i) c += ((a >> (8 * i)) & 0xFF) * ((b >> (8 * i)) & 0xFF);
+  return c;
+#endif
+}
+
+// fp16x2 add and fma on bit patterns, one round-to-nearest-even per lane.
+__host__ __device__ __forceinline__ uint32_t add_f16x2(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+  __half2 v = __hadd2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&v);
+#else
+  return fp16_emulation::add2(a, b);
+#endif
+}
+__host__ __device__ __forceinline__ uint32_t fma_f16x2(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef __CUDA_ARCH__
+  __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
+                      *reinterpret_cast<const __half2*>(&c));
+  return *reinterpret_cast<uint32_t*>(&v);
+#else
+  return fp16_emulation::fma2(a, b, c);
+#endif
+}
+
+// Codebook decode of two states into one half2 register (low half = the even position, which
+// is the lower k row of the B fragment pair, §3.2). Exactly one fp16 rounding, as the format says.
 template <int CB>
-__device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb, uint32_t halves_xor) {
+__host__ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb,
+                                                         uint32_t halves_xor) {
   if constexpr (CB == kMul1) {
     const uint32_t xa = sa * kMul1Mult;
     const uint32_t xb = sb * kMul1Mult;
-    // Low half: 0x6400 + byte sum of xa; high half: 0x6400 + byte sum of xb (sums <= 1020).
-    const uint32_t ta = __dp4a(xa, kMul1ByteOnes, kMul1Base2);
-    const uint32_t tb = __dp4a(xb, kMul1ByteOnes, 0u);
+    // Low half: 0x6400 + byte sum of xa; high half: 0x6400 + byte sum of xb (sums <= 1020, so
+    // the low half never carries into the high one).
+    const uint32_t ta = dot4_u8(xa, kMul1ByteOnes, kMul1Base2);
+    const uint32_t tb = dot4_u8(xb, kMul1ByteOnes, 0u);
     const uint32_t packed = ta + (tb << 16);
-    const __half2 scale = __half2(__ushort_as_half(kMul1ScaleBits), __ushort_as_half(kMul1ScaleBits));
-    const __half2 bias = __half2(__ushort_as_half(kMul1BiasBits), __ushort_as_half(kMul1BiasBits));
-    __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&packed), scale, bias);
-    return *reinterpret_cast<uint32_t*>(&v);
+    constexpr uint32_t kScale2 = kMul1ScaleBits * 0x10001u, kBias2 = kMul1BiasBits * 0x10001u;
+    return fma_f16x2(packed, kScale2, kBias2);
   } else {
     uint32_t xa, xb;
     if constexpr (CB == kThreeInst) {
@@ -260,11 +295,7 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb, uint32
     xa = and_xor<kHalvesAnd>(xa, halves_xor);
     xb = and_xor<kHalvesAnd>(xb, halves_xor);
     // value = fp16(lo) + fp16(hi): gather the low halves and the high halves, one HADD2.
-    const uint32_t lo = __byte_perm(xa, xb, 0x5410);
-    const uint32_t hi = __byte_perm(xa, xb, 0x7632);
-    __half2 v = __hadd2(*reinterpret_cast<const __half2*>(&lo),
-                        *reinterpret_cast<const __half2*>(&hi));
-    return *reinterpret_cast<uint32_t*>(&v);
+    return add_f16x2(byte_perm(xa, xb, 0x5410), byte_perm(xa, xb, 0x7632));
   }
 }
 
@@ -272,7 +303,7 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb, uint32
 // b[0], b[1] = n-columns 0..7, b[2], b[3] = n-columns 8..15.
 // `halves_xor` is kHalvesXor held in a register (see and_xor); MUL1 ignores it.
 template <int K2, int CB>
-__device__ __forceinline__ void fragments_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw], int shift,
+__host__ __device__ __forceinline__ void fragments_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw], int shift,
                                                    uint32_t halves_xor, uint32_t (&b)[4]) {
   uint32_t st[8];
   states_from_raw<K2>(raw, shift, st);
@@ -281,7 +312,7 @@ __device__ __forceinline__ void fragments_from_raw(const uint32_t (&raw)[Rate<K2
 }
 
 template <int K2, int CB>
-__device__ __forceinline__ void decode_fragments(const uint8_t* tile, const LaneWindow<K2>& lw,
+__host__ __device__ __forceinline__ void decode_fragments(const uint8_t* tile, const LaneWindow<K2>& lw,
                                                  uint32_t halves_xor, uint32_t (&b)[4]) {
   uint32_t raw[Rate<K2>::kRaw];
   load_raw<K2>(tile, lw, raw);
@@ -289,12 +320,17 @@ __device__ __forceinline__ void decode_fragments(const uint8_t* tile, const Lane
 }
 
 // kHalvesXor in a register the compiler cannot fold back into an immediate.
-__device__ __forceinline__ uint32_t halves_xor_register() {
+__host__ __device__ __forceinline__ uint32_t halves_xor_register() {
+#ifdef __CUDA_ARCH__
   uint32_t r;
   asm volatile("mov.b32 %0, %1;\n" : "=r"(r) : "n"(kHalvesXor));
   return r;
+#else
+  return kHalvesXor;
+#endif
 }
 
+#ifdef __CUDACC__
 // A lane's raw words of one tile in shared memory: per-word byte offsets from `base` (ring wrap
 // already applied) plus the tile's offset, a compile-time constant inside an unrolled stage.
 template <int K2>
