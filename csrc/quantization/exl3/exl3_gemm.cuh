@@ -2,9 +2,10 @@
 // The trellis GEMM: y = epilogue(xh @ Ŵ) without ever materialising Ŵ.
 //
 // A block owns BM rows x 128 columns (one Hadamard block, so the output transform stays in the
-// block) x all of k or one k-split. Its 8 warps each own one 16-column trellis tile column and
-// decode every tile of it exactly once, for all BM rows: lane t's 8 positions are its two mma B
-// fragments (§3.2), so a decoded tile feeds 2 * BM/16 mma.m16n8k16 straight from registers.
+// block) x all of k or one k-split. Up to BM = 64 its 8 warps each own one 16-column trellis tile
+// column and decode every tile of it exactly once, for all BM rows: lane t's 8 positions are its
+// two mma B fragments (§3.2), so a decoded tile feeds 2 * BM/16 mma.m16n8k16 straight from
+// registers. At BM = 128 the warps form a 2 x 4 grid (64 rows x 32 columns each; GemmShape).
 // Activations (fp16, already Hadamard-transformed) and trellis words stream through a
 // multi-stage cp.async pipeline in stages of 64 k; A rows are 128 bytes, XOR-swizzled in 16-byte
 // chunks so the ldmatrix phases hit distinct banks.
@@ -20,9 +21,9 @@
 namespace vllm_exl3 {
 
 constexpr int kGemmThreads = 256;
-constexpr int kGemmWarps = kGemmThreads / kWarpSize;  // one per 16-column tile of the block
-constexpr int kBlockN = kHadamard;                    // whole Hadamard block: in-block epilogue
-static_assert(kGemmWarps * kTile == kBlockN, "warps must cover the block's columns");
+constexpr int kGemmWarps = kGemmThreads / kWarpSize;
+constexpr int kBlockN = kHadamard;  // whole Hadamard block: in-block epilogue
+constexpr int kBlockTiles = kBlockN / kTile;  // 16-column trellis tiles across a block
 // k per pipeline stage: 64 fp16 = one 128-byte A row = 8 16-byte chunks, the swizzle period.
 constexpr int kStageK = 64;
 constexpr int kStageKSteps = kStageK / kTile;
@@ -35,6 +36,13 @@ constexpr int kLoopStages = kGemmStages;
 // fp32 staging row stride for the epilogue: +8 floats makes the float2 stores of the mma
 // accumulator layout conflict-free per half-warp, and keeps rows 16-byte aligned for float4 reads.
 constexpr int kCStride = kBlockN + 8;
+
+// Warp rows of the BM = 128 tier (GemmShape::kWarpsM). A build flag only so that the GPU session
+// can time both layouts against each other (scripts/bench/NEXT_SESSION.md): 2 = 2 x 4 warp grid,
+// 1 = the 1 x 8 layout of the first kernels. Whichever loses is to be removed with the flag.
+#ifndef EXL3_BM128_WARP_ROWS
+#define EXL3_BM128_WARP_ROWS 2
+#endif
 
 // Runs stage(it + s, s) for s = 0, 1, ... while it + s < n (a compile-time slot per call).
 template <typename Stage, int... S>
@@ -53,8 +61,21 @@ __device__ __forceinline__ uint32_t keep_in_register(uint32_t v) {
 template <int K2, int MT>
 struct GemmShape {
   static constexpr int kBM = MT * kTile;
+  // Warp layout: kWarpsM x kWarpsN warps over the block's rows x columns. With one warp row,
+  // each warp decodes its own 16-column tile exactly once for all BM rows, but reads the whole
+  // A tile through ldmatrix: 8 warps x BM x 64 k x 2 bytes of shared-memory reads per stage,
+  // which at BM = 128 (128 KB per stage) takes longer than the stage's mma work. Two warp rows
+  // halve that traffic and feed every A fragment into twice as many mma, at the price of each
+  // tile being decoded by both warp rows (BM = 128 only, where decode is amortised over 64 rows).
+  static constexpr int kWarpsM = MT >= 8 ? EXL3_BM128_WARP_ROWS : 1;
+  static constexpr int kWarpsN = kGemmWarps / kWarpsM;
+  static constexpr int kWarpMT = MT / kWarpsM;              // m-tiles of one warp
+  static constexpr int kWarpTiles = kBlockTiles / kWarpsN;  // trellis tiles of one warp
+  static_assert(kWarpsM * kWarpsN == kGemmWarps && kWarpMT * kWarpsM == MT &&
+                    kWarpTiles * kWarpsN == kBlockTiles,
+                "the warp grid must tile the block");
   static constexpr int kABytes = kBM * kARowBytes;
-  static constexpr int kTBytes = kStageKSteps * kGemmWarps * Rate<K2>::kTileBytes;
+  static constexpr int kTBytes = kStageKSteps * kBlockTiles * Rate<K2>::kTileBytes;
   static constexpr int kPipeBytes = kGemmStages * (kABytes + kTBytes);
   static constexpr int kStagingBytes = kBM * kCStride * 4;
   static constexpr int kSmemBytes = kPipeBytes > kStagingBytes ? kPipeBytes : kStagingBytes;
@@ -71,7 +92,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   constexpr int BM = Shape::kBM;
   constexpr int kAChunks = BM * kAChunksPerRow;
   constexpr int kTChunks = Shape::kTBytes / 16;
-  constexpr int kTRowChunks = kGemmWarps * R::kTileBytes / 16;  // one k16 row of 8 tiles
+  constexpr int kTRowChunks = kBlockTiles * R::kTileBytes / 16;  // one k16 row of 8 tiles
   constexpr int kAPerThread = (kAChunks + kGemmThreads - 1) / kGemmThreads;
   constexpr int kTPerThread = (kTChunks + kGemmThreads - 1) / kGemmThreads;
 
@@ -81,6 +102,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   const uint8_t* s_t_ptr = smem + kGemmStages * Shape::kABytes;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int warp_m = warp / Shape::kWarpsN, warp_n = warp % Shape::kWarpsN;
   const int m0 = blockIdx.x * BM;
   const int n0 = blockIdx.y * kBlockN;
   const int shard = shard_of_column(p.shards, n0);
@@ -141,24 +163,28 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
 
   LaneWindow<K2> lw;
   lw.init(lane);
-  // Byte offsets (from the trellis stage area) of this lane's words in its warp's k-step-0 tile.
+  // Byte offsets (from the trellis stage area) of this lane's words in its warp's first tile of
+  // k step 0; its other tiles and k steps are compile-time offsets from there.
   uint32_t t_lane[R::kRaw];
 #pragma unroll
-  for (int i = 0; i < R::kRaw; ++i) t_lane[i] = keep_in_register(warp * R::kTileBytes + lw.off[i]);
+  for (int i = 0; i < R::kRaw; ++i)
+    t_lane[i] = keep_in_register(warp_n * Shape::kWarpTiles * R::kTileBytes + lw.off[i]);
   const uint32_t halves_xor = halves_xor_register();
   // ldmatrix.x4 source of this lane for each 16-wide k step: rows lane%16, k chunk 2kk + lane/16.
   uint32_t a_ld[kStageKSteps];
 #pragma unroll
   for (int kk = 0; kk < kStageKSteps; ++kk) {
-    const int row = lane & 15, ch = 2 * kk + (lane >> 4);
+    const int row = warp_m * Shape::kWarpMT * kTile + (lane & 15), ch = 2 * kk + (lane >> 4);
     a_ld[kk] = keep_in_register(s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16));
   }
 
-  float acc[MT][2][4];
+  // acc[m-tile][8-column half of the warp's tiles][mma accumulator]
+  constexpr int kHalves = 2 * Shape::kWarpTiles;
+  float acc[Shape::kWarpMT][kHalves][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < Shape::kWarpMT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][h][e] = 0.0f;
 
@@ -188,17 +214,23 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
     const uint8_t* t_area = s_t_ptr + slot * Shape::kTBytes;
 #pragma unroll
     for (int kk = 0; kk < kStageKSteps; ++kk) {
-      uint32_t raw[R::kRaw];
-      load_tile_words<K2>(t_area, t_lane, kk * kGemmWarps * R::kTileBytes, raw);
-      uint32_t b[4];
-      fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b);
+      uint32_t b[Shape::kWarpTiles][4];
+#pragma unroll
+      for (int t = 0; t < Shape::kWarpTiles; ++t) {
+        uint32_t raw[R::kRaw];
+        load_tile_words<K2>(t_area, t_lane, (kk * kBlockTiles + t) * R::kTileBytes, raw);
+        fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b[t]);
+      }
       // Rows past m are zero-filled in shared memory; computing them costs less than branching.
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < Shape::kWarpMT; ++mt) {
         uint32_t a[4];
         ldmatrix_x4(a, a_ld[kk] + slot * Shape::kABytes + mt * kTile * kARowBytes);
-        mma_16816(acc[mt][0], a, b[0], b[1]);
-        mma_16816(acc[mt][1], a, b[2], b[3]);
+#pragma unroll
+        for (int t = 0; t < Shape::kWarpTiles; ++t) {
+          mma_16816(acc[mt][2 * t], a, b[t][0], b[t][1]);
+          mma_16816(acc[mt][2 * t + 1], a, b[t][2], b[t][3]);
+        }
       }
     }
   };
@@ -216,11 +248,11 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   {
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < Shape::kWarpMT; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int col = warp * kTile + h * 8 + 2 * q;
-        const int row = mt * kTile + g;
+      for (int h = 0; h < kHalves; ++h) {
+        const int col = warp_n * Shape::kWarpTiles * kTile + h * 8 + 2 * q;
+        const int row = (warp_m * Shape::kWarpMT + mt) * kTile + g;
         *reinterpret_cast<float2*>(s_c + row * kCStride + col) =
             make_float2(acc[mt][h][0], acc[mt][h][1]);
         *reinterpret_cast<float2*>(s_c + (row + 8) * kCStride + col) =
