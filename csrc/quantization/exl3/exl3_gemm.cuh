@@ -90,7 +90,11 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   using R = Rate<K2>;
   using Shape = GemmShape<K2, MT>;
   constexpr int BM = Shape::kBM;
-  constexpr int kAChunks = BM * kAChunksPerRow;
+  // A copy unit: 16-byte chunks, or 8-byte halves when a stage's A tile is too small to give
+  // every thread a whole chunk (BM = 16), so that no thread needs a predicate to skip its copy.
+  constexpr int kACopyBytes = BM * kARowBytes >= kGemmThreads * 16 ? 16 : 8;
+  constexpr int kACopiesPerRow = kARowBytes / kACopyBytes;
+  constexpr int kAChunks = BM * kACopiesPerRow;
   constexpr int kTChunks = Shape::kTBytes / 16;
   constexpr int kTRowChunks = kBlockTiles * R::kTileBytes / 16;  // one k16 row of 8 tiles
   constexpr int kAPerThread = (kAChunks + kGemmThreads - 1) / kGemmThreads;
@@ -117,7 +121,9 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   grid_dependents_launch();
 
   // Loader assignment, fixed for the whole k loop: running source pointers advance one stage per
-  // issue (stages are issued in order), destinations are offsets inside a stage slot.
+  // issue (stages are issued in order), destinations are offsets inside a stage slot. The trellis
+  // pointers advance before their copy (by a runtime stride: advancing after made the compiler
+  // copy the pointer every stage), A's after (its constant stride folds into immediate offsets).
   const __half* xa = static_cast<const __half*>(p.xh) + static_cast<size_t>(shard) * p.m * p.k;
   const __half* a_src[kAPerThread];
   uint32_t a_dst[kAPerThread];
@@ -125,12 +131,13 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
 #pragma unroll
   for (int i = 0; i < kAPerThread; ++i) {
     const int q = tid + i * kGemmThreads;
-    const int row = q / kAChunksPerRow, ch = q % kAChunksPerRow;
+    const int row = q / kACopiesPerRow, part = q % kACopiesPerRow;
+    const int byte = part * kACopyBytes, ch = byte / 16;  // ch: the 16-byte chunk of the row
     const bool valid = q < kAChunks && m0 + row < p.m;
-    a_src[i] = xa + (valid ? static_cast<size_t>(m0 + row) * p.k : 0) + ch * 8 +
+    a_src[i] = xa + (valid ? static_cast<size_t>(m0 + row) * p.k : 0) + byte / 2 +
                static_cast<size_t>(c_begin) * kStageK;
-    a_dst[i] = s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16);
-    a_bytes[i] = valid ? 16 : 0;
+    a_dst[i] = s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16) + byte % 16;
+    a_bytes[i] = valid ? kACopyBytes : 0;
   }
   const uint8_t* trellis = static_cast<const uint8_t*>(p.trellis);
   const size_t t_row_stride = static_cast<size_t>(p.n / kTile) * R::kTileBytes;  // one k16 row
@@ -141,22 +148,26 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
     const int q = tid + i * kGemmThreads;
     const int kk = q / kTRowChunks, w = q % kTRowChunks;
     t_src[i] = trellis + kk * t_row_stride + static_cast<size_t>(n0 / kTile) * R::kTileBytes +
-               w * 16 + c_begin * t_stage_stride;
+               w * 16 + (static_cast<ptrdiff_t>(c_begin) - 1) * t_stage_stride;
   }
 
   auto load_t = [&](int slot) {
 #pragma unroll
     for (int i = 0; i < kTPerThread; ++i) {
+      t_src[i] += t_stage_stride;
       if (kTChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kTChunks)
         cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i], 16);
-      t_src[i] += t_stage_stride;
     }
   };
   auto load_a = [&](int slot) {
 #pragma unroll
     for (int i = 0; i < kAPerThread; ++i) {
-      if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks)
-        cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+      if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks) {
+        if constexpr (kACopyBytes == 16)
+          cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+        else
+          cp_async8(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+      }
       a_src[i] += kStageK;
     }
   };
