@@ -82,7 +82,8 @@ struct CutPlan {
   int views;
   int view_bit[kMaxViews];   // first bit of each view, counted from bit 31 of source word 0
   int state_view[8];
-  int state_rel[8];  // 0, 8 or 16: where the state starts inside its view
+  int state_rel[8];      // 0, 8 or 16: where the state starts inside its view
+  int state_partner[8];  // for rel 16: the state at rel 0 of the same view, else -1
 };
 
 template <int K2>
@@ -125,6 +126,11 @@ constexpr CutPlan make_cut_plan() {
   }
   p.views = n;
   for (int j = 0; j < 8; ++j) p.state_view[j] = remap[p.state_view[j]];
+  for (int j = 0; j < 8; ++j) {
+    p.state_partner[j] = -1;
+    for (int i = 0; i < j && p.state_rel[j] == 16; ++i)
+      if (p.state_view[i] == p.state_view[j] && p.state_rel[i] == 0) p.state_partner[j] = i;
+  }
   return p;
 }
 
@@ -195,14 +201,13 @@ __host__ __device__ __forceinline__ void states_at(const uint32_t (&v)[kMaxViews
   ((st[J] = state_at<K2, J>(v)), ...);
 }
 
-// The 8 states of a lane, given the tile's raw words (already loaded, see load_raw). `shift` is
+// The plan's views of a lane's window, given the tile's raw words (see load_raw). `shift` is
 // LaneWindow::shift; rates whose shift is a compile-time constant ignore it.
 template <int K2>
-__host__ __device__ __forceinline__ void states_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw],
-                                                         int shift, uint32_t (&st)[8]) {
+__host__ __device__ __forceinline__ void views_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw],
+                                                        int shift, uint32_t (&v)[kMaxViews]) {
   using R = Rate<K2>;
   using C = Cuts<K2>;
-  uint32_t v[kMaxViews];
   if constexpr (R::kFixedShift) {
     (void)shift;
     views_at<K2>(raw, v, std::make_integer_sequence<int, C::kPlan.views>{});
@@ -213,6 +218,15 @@ __host__ __device__ __forceinline__ void states_from_raw(const uint32_t (&raw)[R
       w[i] = funnel_l(raw[i + 1 < R::kRaw ? i + 1 : i], raw[i], shift);
     views_at<K2>(w, v, std::make_integer_sequence<int, C::kPlan.views>{});
   }
+}
+
+// The 8 states of a lane (the extraction test's view of the plan; the kernels go straight from
+// views to products, see fragments_from_raw).
+template <int K2>
+__host__ __device__ __forceinline__ void states_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw],
+                                                         int shift, uint32_t (&st)[8]) {
+  uint32_t v[kMaxViews];
+  views_from_raw<K2>(raw, shift, v);
   states_at<K2>(v, st, std::make_integer_sequence<int, kPositionsPerLane>{});
 }
 
@@ -249,13 +263,15 @@ __host__ __device__ __forceinline__ uint32_t dot4_u8(uint32_t a, uint32_t b, uin
 #endif
 }
 
-// fp16x2 add and fma on bit patterns, one round-to-nearest-even per lane.
-__host__ __device__ __forceinline__ uint32_t add_f16x2(uint32_t a, uint32_t b) {
+// fp16(low half) + fp16(high half) of x, one round-to-nearest-even, in both halves of the
+// result: one HADD2 whose operands are x's two halves broadcast (an operand swizzle, free).
+__host__ __device__ __forceinline__ uint32_t add_halves_f16(uint32_t x) {
 #ifdef __CUDA_ARCH__
-  __half2 v = __hadd2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  const __half2 h = *reinterpret_cast<const __half2*>(&x);
+  __half2 v = __hadd2(__low2half2(h), __high2half2(h));
   return *reinterpret_cast<uint32_t*>(&v);
 #else
-  return fp16_emulation::add2(a, b);
+  return fp16_emulation::add2((x & 0xFFFFu) * 0x10001u, (x >> 16) * 0x10001u);
 #endif
 }
 __host__ __device__ __forceinline__ uint32_t fma_f16x2(uint32_t a, uint32_t b, uint32_t c) {
@@ -268,14 +284,25 @@ __host__ __device__ __forceinline__ uint32_t fma_f16x2(uint32_t a, uint32_t b, u
 #endif
 }
 
-// Codebook decode of two states into one half2 register (low half = the even position, which
-// is the lower k row of the B fragment pair, §3.2). Exactly one fp16 rounding, as the format says.
+// The codebooks (exl3-format.md §4) in two steps: the 32-bit integer product of a state, then
+// the fp16 value of two products packed into one half2 register (low half = the even position,
+// the lower k row of the B fragment pair, §3.2), with exactly one fp16 rounding per value.
 template <int CB>
-__host__ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb,
-                                                         uint32_t halves_xor) {
+struct Codebook {
+  static constexpr uint32_t kMult =
+      CB == kThreeInst ? kThreeInstMult : (CB == kMcg ? kMcgMult : kMul1Mult);
+  static constexpr uint32_t kAdd = CB == kThreeInst ? kThreeInstAdd : 0u;
+};
+
+template <int CB>
+__host__ __device__ __forceinline__ uint32_t product(uint32_t state) {
+  return state * Codebook<CB>::kMult + Codebook<CB>::kAdd;
+}
+
+template <int CB>
+__host__ __device__ __forceinline__ uint32_t values_from_products(uint32_t xa, uint32_t xb,
+                                                                  uint32_t halves_xor) {
   if constexpr (CB == kMul1) {
-    const uint32_t xa = sa * kMul1Mult;
-    const uint32_t xb = sb * kMul1Mult;
     // Low half: 0x6400 + byte sum of xa; high half: 0x6400 + byte sum of xb (sums <= 1020, so
     // the low half never carries into the high one).
     const uint32_t ta = dot4_u8(xa, kMul1ByteOnes, kMul1Base2);
@@ -284,19 +311,44 @@ __host__ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t s
     constexpr uint32_t kScale2 = kMul1ScaleBits * 0x10001u, kBias2 = kMul1BiasBits * 0x10001u;
     return fma_f16x2(packed, kScale2, kBias2);
   } else {
-    uint32_t xa, xb;
-    if constexpr (CB == kThreeInst) {
-      xa = sa * kThreeInstMult + kThreeInstAdd;
-      xb = sb * kThreeInstMult + kThreeInstAdd;
-    } else {
-      xa = sa * kMcgMult;
-      xb = sb * kMcgMult;
-    }
     xa = and_xor<kHalvesAnd>(xa, halves_xor);
     xb = and_xor<kHalvesAnd>(xb, halves_xor);
-    // value = fp16(lo) + fp16(hi): gather the low halves and the high halves, one HADD2.
-    return add_f16x2(byte_perm(xa, xb, 0x5410), byte_perm(xa, xb, 0x7632));
+    // value = fp16(lo) + fp16(hi) per state, then one byte permute packs the pair. (Gathering
+    // both low halves and both high halves first also takes 5 instructions, but 4 of them on the
+    // integer ALU pipe, which the rest of the decode already loads most: see sass_loop.py.)
+    return byte_perm(add_halves_f16(xa), add_halves_f16(xb), 0x5410);
   }
+}
+
+// Two states -> one half2 B-fragment register (the codebook test drives this on the CPU).
+template <int CB>
+__host__ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb,
+                                                         uint32_t halves_xor) {
+  return values_from_products<CB>(product<CB>(sa), product<CB>(sb), halves_xor);
+}
+
+// Product of state J straight from its view. A state at bit 16 of a view whose bit-0 state P
+// is also cut: with v = s_P * 2^16 + s_J, v * mult = s_J * mult + (s_P * mult) * 2^16 (mod 2^32),
+// so s_J's product is v * mult - x_P * 2^16: two IMADs on the FMA pipe instead of a mask on the
+// ALU pipe and one IMAD (MCG only: 3INST's addend costs the compiler an extra instruction there,
+// and MUL1's decode already leans on the FMA-pipe side with dp4a and the fp16 fma).
+template <int K2, int CB, int J>
+__host__ __device__ __forceinline__ uint32_t product_at(const uint32_t (&v)[kMaxViews],
+                                                        const uint32_t (&x)[8]) {
+  constexpr int partner = Cuts<K2>::kPlan.state_partner[J];
+  if constexpr (partner >= 0 && CB == kMcg) {
+    static_assert(Codebook<CB>::kAdd == 0, "the shortcut assumes a pure multiply");
+    return v[Cuts<K2>::kPlan.state_view[J]] * Codebook<CB>::kMult - x[partner] * 0x10000u;
+  } else {
+    return product<CB>(state_at<K2, J>(v));
+  }
+}
+
+template <int K2, int CB, int... J>
+__host__ __device__ __forceinline__ void products_at(const uint32_t (&v)[kMaxViews],
+                                                     uint32_t (&x)[8],
+                                                     std::integer_sequence<int, J...>) {
+  ((x[J] = product_at<K2, CB, J>(v, x)), ...);  // in order: a partner precedes its state
 }
 
 // A lane's two B fragments for the tile at `tile` (shared or global memory):
@@ -305,10 +357,11 @@ __host__ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t s
 template <int K2, int CB>
 __host__ __device__ __forceinline__ void fragments_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw], int shift,
                                                    uint32_t halves_xor, uint32_t (&b)[4]) {
-  uint32_t st[8];
-  states_from_raw<K2>(raw, shift, st);
+  uint32_t v[kMaxViews], x[8];
+  views_from_raw<K2>(raw, shift, v);
+  products_at<K2, CB>(v, x, std::make_integer_sequence<int, kPositionsPerLane>{});
 #pragma unroll
-  for (int q = 0; q < 4; ++q) b[q] = decode_pair<CB>(st[2 * q], st[2 * q + 1], halves_xor);
+  for (int q = 0; q < 4; ++q) b[q] = values_from_products<CB>(x[2 * q], x[2 * q + 1], halves_xor);
 }
 
 template <int K2, int CB>
