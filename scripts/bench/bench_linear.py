@@ -130,6 +130,22 @@ def exl3_kernels(lin, x) -> str:
     return "+".join(names)
 
 
+def write_results(out: Path, tag: str, meta: dict, rows: list[dict], paths: dict) -> str:
+    """The machine-readable results (JSON with metadata and ExLlamaV3 paths, CSV of the rows)."""
+    stamp = f"{tag}_{meta['date']}"
+    (out / f"{stamp}.json").write_text(json.dumps(
+        {"meta": meta, "exl3_paths": {f"{sh} {CB_NAMES[c]} {b:g}b m={m}": p
+                                      for (sh, c, b, m), p in paths.items()},
+         "rows": rows}, indent=1, default=str))
+    fields = ["k", "n", "bits", "codebook", "m", "ours_us", "exllamav3_us", "bf16_us",
+              "pct_sol", "exl3_path"]
+    with open(out / f"{stamp}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return stamp
+
+
 def sol_us(k: int, n: int, m: int, bits: float, ceil: dict, ipw: float | None) -> float:
     bytes_ = k * n * bits / 8 + 2 * m * k + 2 * m * n
     terms = [bytes_ / ceil["copy_bytes_per_s"]]
@@ -172,9 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                                                     args.exl3_import_timeout_s)
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True).stdout.strip() or "unknown"
+                                capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = "unknown"
+        commit = ""
+    # The device machine gets a copy of the tree without .git: the caller passes the commit.
+    commit = commit or os.environ.get("EXL3_COMMIT", "unknown")
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "commit": commit, "command": " ".join(["bench_linear.py", *(argv or sys.argv[1:])]),
             "extension": ext, "ceilings": ceil, "pool_bytes": POOL_BYTES, "replays": REPLAYS,
@@ -235,18 +253,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(row), flush=True)
                 del layers, exl3_lins
                 torch.cuda.empty_cache()
+                # Rewritten after every configuration: a run stopped at its time limit keeps
+                # what it measured.
+                write_results(args.out, args.tag, meta, rows, paths)
 
-    stamp = f"{args.tag}_{meta['date']}"
-    (args.out / f"{stamp}.json").write_text(json.dumps(
-        {"meta": meta, "exl3_paths": {f"{sh} {CB_NAMES[c]} {b:g}b m={m}": p
-                                      for (sh, c, b, m), p in paths.items()},
-         "rows": rows}, indent=1, default=str))
-    fields = ["k", "n", "bits", "codebook", "m", "ours_us", "exllamav3_us", "bf16_us",
-              "pct_sol", "exl3_path"]
-    with open(args.out / f"{stamp}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    stamp = write_results(args.out, args.tag, meta, rows, paths)
     print(f"\nwrote {args.out}/{stamp}.json/.csv ({time.monotonic() - t_start:.0f} s)")
     print(f"{'shape':>12} {'b':>3} {'cb':>5} {'m':>5} {'ours':>8} {'exl3':>8} {'bf16':>8} "
           f"{'/bf16':>6} {'/exl3':>6} {'%SOL':>5}")
