@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Instructions per decoded weight of the trellis GEMM's k loop, from its SASS (cuobjdump).
 
-The k loop of exl3_gemm_kernel<K2, CB, MT> consumes one 64-k stage per iteration: each warp
-decodes 4 trellis tiles = 1024 weights, i.e. 32 weights per thread. The loop body is the
-largest backward branch whose body holds the HMMA instructions; its instruction count / 32 is
-the per-thread issue cost of one weight (decode + the stage's share of loads, ldmatrix, mma and
-loop overhead). A loop unrolled over several stages is divided by its stage count.
+The k loop of exl3_gemm_kernel<K2, CB, MT> consumes 64-k stages: a block's stage holds
+32 trellis tiles (4 k16 rows x 8 tiles) = 8192 weights, 32 per thread of its 256. The loop body
+is the largest backward branch whose body holds the HMMA instructions; its instruction count per
+stage / 32 is the per-thread issue cost of one weight of the matrix (decode + the stage's share
+of loads, ldmatrix, mma and loop overhead; at BM = 128 with a 2 x 4 warp grid each tile is decoded
+twice, which this per-weight figure includes). A loop unrolled over several stages is divided by
+its stage count. Each opcode is also assigned its Hopper execution pipe (by_pipe).
 
 Two sources of SASS:
     python scripts/bench/sass_loop.py build/exl3/_exl3_C.abi3.so [--json out.json]
@@ -33,8 +35,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = REPO / "csrc" / "quantization" / "exl3"
-# Weights a thread decodes per 64-k stage: 4 tiles of 256 per warp / 32 lanes.
-WEIGHTS_PER_THREAD_PER_STAGE = 4 * 256 // 32
+# Weights of the matrix per thread and 64-k stage: 32 tiles of 256 per block / 256 threads.
+WEIGHTS_PER_THREAD_PER_STAGE = 32 * 256 // 256
 RATES = {2: 1, 3: 1.5, 4: 2, 5: 2.5, 6: 3, 7: 3.5, 8: 4, 10: 5, 12: 6, 14: 7, 16: 8}
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 # The kernel marks its k loop's stage count in a named constant (see exl3_gemm.cuh); without the
