@@ -67,7 +67,7 @@ struct Rate {
   // Words a lane loads: enough for the window at the largest offset any lane has.
   static constexpr int kRaw = (kMaxShift + kWindowBits + 31) / 32;
   static_assert(K2 >= 2 && K2 <= 16, "bitrate out of range");
-  static_assert(kAligned <= 3 && kRaw <= 4, "window must fit three words");
+  static_assert(kAligned <= 3 && kRaw <= 4, "window must fit 3 aligned (4 raw) words");
 };
 
 // How a lane cuts its 8 states out of its words, fixed per rate at compile time.
@@ -76,7 +76,7 @@ struct Rate {
 // so the plan covers the 8 states with few views: states 16 bits apart share one view, and so do
 // states 8 bits apart. The source words are the raw words themselves when the lane offset is a
 // compile-time constant (4 and 8 bits), else the words aligned once to the window's first bit.
-// At most one view per state plus the free word views considered while planning.
+// At most one view per state, plus the free word views considered while planning.
 constexpr int kMaxViews = kPositionsPerLane + 4;
 struct CutPlan {
   int views;
@@ -137,7 +137,6 @@ constexpr CutPlan make_cut_plan() {
 template <int K2>
 struct Cuts {
   static constexpr CutPlan kPlan = make_cut_plan<K2>();
-  static constexpr int kWords = Rate<K2>::kFixedShift ? Rate<K2>::kRaw : Rate<K2>::kAligned;
 };
 
 // Per-lane constants: byte offsets of the raw words inside a tile (ring wrap already applied)
@@ -196,7 +195,8 @@ __host__ __device__ __forceinline__ void views_at(const uint32_t (&x)[N], uint32
 }
 
 template <int K2, int... J>
-__host__ __device__ __forceinline__ void states_at(const uint32_t (&v)[kMaxViews], uint32_t (&st)[8],
+__host__ __device__ __forceinline__ void states_at(const uint32_t (&v)[kMaxViews],
+                                                   uint32_t (&st)[8],
                                                    std::integer_sequence<int, J...>) {
   ((st[J] = state_at<K2, J>(v)), ...);
 }
@@ -355,8 +355,9 @@ __host__ __device__ __forceinline__ void products_at(const uint32_t (&v)[kMaxVie
 // b[0], b[1] = n-columns 0..7, b[2], b[3] = n-columns 8..15.
 // `halves_xor` is kHalvesXor held in a register (see and_xor); MUL1 ignores it.
 template <int K2, int CB>
-__host__ __device__ __forceinline__ void fragments_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw], int shift,
-                                                   uint32_t halves_xor, uint32_t (&b)[4]) {
+__host__ __device__ __forceinline__ void fragments_from_raw(const uint32_t (&raw)[Rate<K2>::kRaw],
+                                                            int shift, uint32_t halves_xor,
+                                                            uint32_t (&b)[4]) {
   uint32_t v[kMaxViews], x[8];
   views_from_raw<K2>(raw, shift, v);
   products_at<K2, CB>(v, x, std::make_integer_sequence<int, kPositionsPerLane>{});
@@ -365,8 +366,9 @@ __host__ __device__ __forceinline__ void fragments_from_raw(const uint32_t (&raw
 }
 
 template <int K2, int CB>
-__host__ __device__ __forceinline__ void decode_fragments(const uint8_t* tile, const LaneWindow<K2>& lw,
-                                                 uint32_t halves_xor, uint32_t (&b)[4]) {
+__host__ __device__ __forceinline__ void decode_fragments(const uint8_t* tile,
+                                                          const LaneWindow<K2>& lw,
+                                                          uint32_t halves_xor, uint32_t (&b)[4]) {
   uint32_t raw[Rate<K2>::kRaw];
   load_raw<K2>(tile, lw, raw);
   fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b);
