@@ -70,14 +70,15 @@ def start_build(state: Path, jobs: int) -> bool:
 
 
 def wait_built(state: Path, timeout_s: float) -> int | None:
-    """The builder's exit status once it has finished, or None after timeout_s."""
-    done = paths(state)["done"]
+    """The builder's exit status once it has finished, or None after timeout_s (at once when no
+    build was started)."""
+    p = paths(state)
     t_end = time.monotonic() + timeout_s
-    while not done.exists():
-        if time.monotonic() > t_end:
+    while not p["done"].exists():
+        if not p["started"].exists() or time.monotonic() > t_end:
             return None
         time.sleep(POLL_S)
-    return int(done.read_text().strip() or "1")
+    return int(p["done"].read_text().strip() or "1")
 
 
 def remove_stale_locks(state: Path) -> list[str]:
@@ -143,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         print("ExLlamaV3 build " + ("started" if started else "already started"), flush=True)
         return 0
     rc = wait_built(args.state, args.timeout)
-    log = paths(args.state)["log"]
-    print(f"ExLlamaV3 build: {'still running' if rc is None else f'exit {rc}'}", flush=True)
+    p = paths(args.state)
+    log = p["log"]
+    status = (f"exit {rc}" if rc is not None else
+              "still running" if p["started"].exists() else "never started")
+    print(f"ExLlamaV3 build: {status}", flush=True)
     if log.exists():
         print(log.read_text(errors="replace")[-800:], flush=True)
     return 0 if rc == 0 else 1
