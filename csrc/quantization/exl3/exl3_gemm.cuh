@@ -27,7 +27,6 @@ constexpr int kBlockTiles = kBlockN / kTile;  // 16-column trellis tiles across 
 // k per pipeline stage: 64 fp16 = one 128-byte A row = 8 16-byte chunks, the swizzle period.
 constexpr int kStageK = 64;
 constexpr int kStageKSteps = kStageK / kTile;
-constexpr int kAChunksPerRow = kStageK * 2 / 16;
 constexpr int kARowBytes = kStageK * 2;
 // Stages in flight: 3 loads ahead of the one being consumed hides HBM latency at small m.
 constexpr int kGemmStages = 4;
@@ -148,7 +147,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
     const int q = tid + i * kGemmThreads;
     const int kk = q / kTRowChunks, w = q % kTRowChunks;
     t_src[i] = trellis + kk * t_row_stride + static_cast<size_t>(n0 / kTile) * R::kTileBytes +
-               w * 16 + (static_cast<ptrdiff_t>(c_begin) - 1) * t_stage_stride;
+               w * 16 + static_cast<ptrdiff_t>(t_stage_stride) * (c_begin - 1);
   }
 
   auto load_t = [&](int slot) {
