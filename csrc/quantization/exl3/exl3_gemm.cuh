@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
 #pragma unroll
       for (int t = 0; t < Shape::kWarpTiles; ++t) {
         uint32_t raw[R::kRaw];
-        load_tile_words<K2>(t_area, t_lane, (kk * kBlockTiles + t) * R::kTileBytes, raw);
+        load_words<K2>(t_area, t_lane, (kk * kBlockTiles + t) * R::kTileBytes, raw);
         fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b[t]);
       }
       // Rows past m are zero-filled in shared memory; computing them costs less than branching.

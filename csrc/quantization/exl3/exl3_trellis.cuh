@@ -66,6 +66,23 @@ struct Rate {
   static constexpr int kMaxShift = 32 - kShiftStep + kShiftBase % kShiftStep;
   // Words a lane loads: enough for the window at the largest offset any lane has.
   static constexpr int kRaw = (kMaxShift + kWindowBits + 31) / 32;
+  // First word pair (i, i+1) that is one 8-byte-aligned load for every lane (consecutive, no ring
+  // wrap between them, i even in the tile), or -1. With 8 bits every lane's first word is odd,
+  // so its words 1 and 2 come in one 64-bit load.
+  static constexpr int paired_word() {
+    for (int i = 0; i + 1 < kRaw; ++i) {
+      bool all = true;
+      for (int lane = 0; lane < 32 && all; ++lane) {
+        int start = lane * kLaneBits + end(0) - 16;
+        if (start < 0) start += kRingBits;
+        const int w = ((start >> 5) + i) % kTileWords;  // after the ring wrap, as LaneWindow
+        all = w % 2 == 0 && w + 1 < kTileWords;
+      }
+      if (all) return i;
+    }
+    return -1;
+  }
+  static constexpr int kPairedWord = paired_word();
   static_assert(K2 >= 2 && K2 <= 16, "bitrate out of range");
   static_assert(kAligned <= 3 && kRaw <= 4, "window must fit 3 aligned (4 raw) words");
 };
@@ -230,12 +247,31 @@ __host__ __device__ __forceinline__ void states_from_raw(const uint32_t (&raw)[R
   states_at<K2>(v, st, std::make_integer_sequence<int, kPositionsPerLane>{});
 }
 
+// A lane's raw words of one tile: per-word byte offsets from `base` (ring wrap already applied)
+// plus `extra` (the tile's offset, a compile-time constant inside an unrolled stage). Where every
+// lane's words i, i+1 are one aligned pair (Rate::kPairedWord), they come in one 8-byte load.
+template <int K2>
+__host__ __device__ __forceinline__ void load_words(const uint8_t* base,
+                                                    const uint32_t (&off)[Rate<K2>::kRaw],
+                                                    uint32_t extra,
+                                                    uint32_t (&raw)[Rate<K2>::kRaw]) {
+  constexpr int pair = Rate<K2>::kPairedWord;
+#pragma unroll
+  for (int i = 0; i < Rate<K2>::kRaw; ++i) {
+    if (i == pair) {
+      const uint2 two = *reinterpret_cast<const uint2*>(base + off[i] + extra);
+      raw[i] = two.x;
+      raw[i + 1] = two.y;
+    } else if (pair < 0 || i != pair + 1) {
+      raw[i] = *reinterpret_cast<const uint32_t*>(base + off[i] + extra);
+    }
+  }
+}
+
 template <int K2>
 __host__ __device__ __forceinline__ void load_raw(const uint8_t* tile, const LaneWindow<K2>& lw,
                                                   uint32_t (&raw)[Rate<K2>::kRaw]) {
-#pragma unroll
-  for (int i = 0; i < Rate<K2>::kRaw; ++i)
-    raw[i] = *reinterpret_cast<const uint32_t*>(tile + lw.off[i]);
+  load_words<K2>(tile, lw.off, 0u, raw);
 }
 
 // The codebook arithmetic's instructions, each with an exact host fallback (selected only by
@@ -386,17 +422,6 @@ __host__ __device__ __forceinline__ uint32_t halves_xor_register() {
 }
 
 #ifdef __CUDACC__
-// A lane's raw words of one tile in shared memory: per-word byte offsets from `base` (ring wrap
-// already applied) plus the tile's offset, a compile-time constant inside an unrolled stage.
-template <int K2>
-__device__ __forceinline__ void load_tile_words(const uint8_t* base,
-                                                const uint32_t (&off)[Rate<K2>::kRaw],
-                                                uint32_t tile_offset,
-                                                uint32_t (&raw)[Rate<K2>::kRaw]) {
-#pragma unroll
-  for (int i = 0; i < Rate<K2>::kRaw; ++i)
-    raw[i] = *reinterpret_cast<const uint32_t*>(base + off[i] + tile_offset);
-}
 // Tile coordinates of lane position j (0..7): row (k) and column (n) inside the 16x16 tile.
 __device__ __forceinline__ int position_row(int lane, int j) {
   return 2 * (lane & 3) + (j & 1) + 8 * ((j >> 1) & 1);
