@@ -5,7 +5,7 @@ exl3_trellis.cuh decode_pair turns two states into one fp16x2 B-fragment registe
 multiplies, one LOP3 mask, byte permutes, dp4a and one fp16x2 add or fma. Every instruction has
 an exact host fallback selected only by __CUDA_ARCH__ (fp16 rounding emulated in
 exl3_fp16_emulation.h), so this checks the decode's own source for all 65,536 states x 3
-codebooks, in both halves of the pair, against reference.codebook_decode; only the mapping of
+codebooks, in both halves of the pair, against reference.codebook_table; only the mapping of
 each wrapper to its PTX instruction is left to the GPU verification (exl3_reconstruct bit-exact).
 Needs nvcc (host compile only).
 """
@@ -47,7 +47,7 @@ def tables(tmp_path_factory) -> np.ndarray:
 @pytest.mark.parametrize("codebook", sorted(CODEBOOKS), ids=CODEBOOKS.get)
 @pytest.mark.parametrize("half", (0, 1), ids=("even", "odd"))
 def test_pair_decode_matches_reference(tables: np.ndarray, codebook: int, half: int) -> None:
-    want = reference.codebook_decode(torch.arange(STATES, dtype=torch.int32), codebook)
+    want = reference.codebook_table(codebook, "cpu")  # fp16 [65536], indexed by state
     want_bits = want.view(torch.int16).numpy().view("<u2")
     got = tables[codebook, half]
     bad = np.flatnonzero(got != want_bits)
