@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The CUDA kernels' codebook arithmetic (compiled for the host) against the reference.
 
-exl3_trellis.cuh decode_pair turns two states into one fp16x2 B-fragment register with integer
-multiplies, one LOP3 mask, byte permutes, dp4a and one fp16x2 add or fma. Every instruction has
+exl3_trellis.cuh decode_pair turns two states into one fp16x2 B-fragment register: integer
+multiplies, then for 3INST/MCG one LOP3 mask and one fp16x2 add of the halves per state and a
+byte permute, for MUL1 dp4a byte sums and one fp16x2 fma. Every instruction has
 an exact host fallback selected only by __CUDA_ARCH__ (fp16 rounding emulated in
 exl3_fp16_emulation.h), so this checks the decode's own source for all 65,536 states x 3
 codebooks, in both halves of the pair, against reference.codebook_table; only the mapping of
