@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import device_ceilings  # noqa: E402
+import exllamav3_anchor  # noqa: E402
 from verify_kernels import REPO, load_extension, random_layer  # noqa: E402
 
 SHAPES = ((5120, 12288), (5120, 17408), (17408, 5120), (4096, 4096), (4096, 11008))
@@ -88,13 +89,17 @@ def graph_time_us(calls: list, use_graph: bool = True) -> tuple[float, str]:
     return statistics.median(times), mode
 
 
-def exl3_module():
-    """ExLlamaV3's LinearEXL3 (JIT-builds its extension on first import), or None."""
+def exl3_module(state: Path | None, wait_s: float, import_timeout_s: float):
+    """ExLlamaV3's LinearEXL3, or None (with the reason printed). With `state`, the extension
+    was built in the background by exllamav3_anchor.py and is imported under its guard;
+    without, a plain import (which JIT-builds in this process)."""
     try:
+        if state is not None:
+            return exllamav3_anchor.load_linear_class(state, wait_s, import_timeout_s)
         from exllamav3.modules.quant.exl3 import LinearEXL3
         return LinearEXL3
-    except Exception as e:  # noqa: BLE001
-        print(f"ExLlamaV3 unavailable: {type(e).__name__}: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - the benchmark of our kernels goes on without it
+        print(f"ExLlamaV3 unavailable: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return None
 
 
@@ -125,6 +130,22 @@ def exl3_kernels(lin, x) -> str:
     return "+".join(names)
 
 
+def write_results(out: Path, tag: str, meta: dict, rows: list[dict], paths: dict) -> str:
+    """The machine-readable results (JSON with metadata and ExLlamaV3 paths, CSV of the rows)."""
+    stamp = f"{tag}_{meta['date']}"
+    (out / f"{stamp}.json").write_text(json.dumps(
+        {"meta": meta, "exl3_paths": {f"{sh} {CB_NAMES[c]} {b:g}b m={m}": p
+                                      for (sh, c, b, m), p in paths.items()},
+         "rows": rows}, indent=1, default=str))
+    fields = ["k", "n", "bits", "codebook", "m", "ours_us", "exllamav3_us", "bf16_us",
+              "pct_sol", "exl3_path"]
+    with open(out / f"{stamp}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return stamp
+
+
 def sol_us(k: int, n: int, m: int, bits: float, ceil: dict, ipw: float | None) -> float:
     bytes_ = k * n * bits / 8 + 2 * m * k + 2 * m * n
     terms = [bytes_ / ceil["copy_bytes_per_s"]]
@@ -145,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
     ap.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES])
     ap.add_argument("--no-exl3", action="store_true")
+    ap.add_argument("--exl3-state", type=Path, default=None,
+                    help="folder of exllamav3_anchor.py's background build (site/, torch_ext/)")
+    ap.add_argument("--exl3-wait-s", type=float, default=300,
+                    help="how long to wait for that build to finish")
+    ap.add_argument("--exl3-import-timeout-s", type=float, default=120)
     ap.add_argument("--sass-json", type=Path, default=None,
                     help="instructions per weight from sass_loop.py")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting configs after this")
@@ -158,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     ipw = {}
     if args.sass_json and args.sass_json.is_file():
         ipw = {key: v.get("per_weight") for key, v in json.loads(args.sass_json.read_text()).items()}
-    exl3_cls = None if args.no_exl3 else exl3_module()
+    exl3_cls = None if args.no_exl3 else exl3_module(args.exl3_state, args.exl3_wait_s,
+                                                    args.exl3_import_timeout_s)
     try:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True).stdout.strip() or "unknown"
+                                capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = "unknown"
+        commit = ""
+    # The device machine gets a copy of the tree without .git: the caller passes the commit.
+    commit = commit or os.environ.get("EXL3_COMMIT", "unknown")
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "commit": commit, "command": " ".join(["bench_linear.py", *(argv or sys.argv[1:])]),
             "extension": ext, "ceilings": ceil, "pool_bytes": POOL_BYTES, "replays": REPLAYS,
@@ -204,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                         try:
                             ex_us, ex_mode = graph_time_us(
                                 [lambda lin=lin: lin.forward(xh, {}) for lin in exl3_lins])
-                            key = (cb, bits, m)
-                            if shape == args.shapes[0] and key not in paths:
+                            # Which of its paths ran (kernel names), per shape, cb, bits, m.
+                            key = (shape, cb, bits, m)
+                            if key not in paths:
                                 paths[key] = exl3_kernels(exl3_lins[0], xh)
                         except Exception as e:  # noqa: BLE001
                             ex_mode = f"failed: {type(e).__name__}: {str(e)[:100]}"
@@ -217,23 +247,17 @@ def main(argv: list[str] | None = None) -> int:
                            "ratio_bf16": round(ours / bf16_us[m], 3),
                            "ratio_exl3": round(ours / ex_us, 3) if ex_us else None,
                            "pct_sol": round(100 * sol / ours, 1), "sol_us": round(sol, 2),
-                           "copies": n_copies, "timing": mode, "exl3_timing": ex_mode}
+                           "copies": n_copies, "timing": mode, "exl3_timing": ex_mode,
+                           "exl3_path": paths.get((shape, cb, bits, m)) if ex_us else None}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 del layers, exl3_lins
                 torch.cuda.empty_cache()
+                # Rewritten after every configuration: a run stopped at its time limit keeps
+                # what it measured.
+                write_results(args.out, args.tag, meta, rows, paths)
 
-    stamp = f"{args.tag}_{meta['date']}"
-    (args.out / f"{stamp}.json").write_text(json.dumps(
-        {"meta": meta, "exl3_paths": {f"{CB_NAMES[c]} {b:g}b m={m}": p
-                                      for (c, b, m), p in paths.items()},
-         "rows": rows}, indent=1, default=str))
-    fields = ["k", "n", "bits", "codebook", "m", "ours_us", "exllamav3_us", "bf16_us",
-              "pct_sol"]
-    with open(args.out / f"{stamp}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    stamp = write_results(args.out, args.tag, meta, rows, paths)
     print(f"\nwrote {args.out}/{stamp}.json/.csv ({time.monotonic() - t_start:.0f} s)")
     print(f"{'shape':>12} {'b':>3} {'cb':>5} {'m':>5} {'ours':>8} {'exl3':>8} {'bf16':>8} "
           f"{'/bf16':>6} {'/exl3':>6} {'%SOL':>5}")

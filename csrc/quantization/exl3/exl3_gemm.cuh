@@ -2,9 +2,10 @@
 // The trellis GEMM: y = epilogue(xh @ Ŵ) without ever materialising Ŵ.
 //
 // A block owns BM rows x 128 columns (one Hadamard block, so the output transform stays in the
-// block) x all of k or one k-split. Its 8 warps each own one 16-column trellis tile column and
-// decode every tile of it exactly once, for all BM rows: lane t's 8 positions are its two mma B
-// fragments (§3.2), so a decoded tile feeds 2 * BM/16 mma.m16n8k16 straight from registers.
+// block) x all of k or one k-split. Up to BM = 64 its 8 warps each own one 16-column trellis tile
+// column and decode every tile of it exactly once, for all BM rows: lane t's 8 positions are its
+// two mma B fragments (§3.2), so a decoded tile feeds 2 * BM/16 mma.m16n8k16 straight from
+// registers. At BM = 128 the warps form a 2 x 4 grid (64 rows x 32 columns each; GemmShape).
 // Activations (fp16, already Hadamard-transformed) and trellis words stream through a
 // multi-stage cp.async pipeline in stages of 64 k; A rows are 128 bytes, XOR-swizzled in 16-byte
 // chunks so the ldmatrix phases hit distinct banks.
@@ -14,28 +15,66 @@
 #include "exl3_kernels.h"
 #include "exl3_trellis.cuh"
 
+#include <type_traits>
+#include <utility>
+
 namespace vllm_exl3 {
 
 constexpr int kGemmThreads = 256;
-constexpr int kGemmWarps = kGemmThreads / kWarpSize;  // one per 16-column tile of the block
-constexpr int kBlockN = kHadamard;                    // whole Hadamard block: in-block epilogue
-static_assert(kGemmWarps * kTile == kBlockN, "warps must cover the block's columns");
+constexpr int kGemmWarps = kGemmThreads / kWarpSize;
+constexpr int kBlockN = kHadamard;  // whole Hadamard block: in-block epilogue
+constexpr int kBlockTiles = kBlockN / kTile;  // 16-column trellis tiles across a block
 // k per pipeline stage: 64 fp16 = one 128-byte A row = 8 16-byte chunks, the swizzle period.
 constexpr int kStageK = 64;
 constexpr int kStageKSteps = kStageK / kTile;
-constexpr int kAChunksPerRow = kStageK * 2 / 16;
 constexpr int kARowBytes = kStageK * 2;
 // Stages in flight: 3 loads ahead of the one being consumed hides HBM latency at small m.
 constexpr int kGemmStages = 4;
+// Stages per k-loop iteration (sass_loop.py reads this name): one per slot, unrolled.
+constexpr int kLoopStages = kGemmStages;
 // fp32 staging row stride for the epilogue: +8 floats makes the float2 stores of the mma
 // accumulator layout conflict-free per half-warp, and keeps rows 16-byte aligned for float4 reads.
 constexpr int kCStride = kBlockN + 8;
 
+// Warp rows of the BM = 128 tier (GemmShape::kWarpsM). A build flag only so that the GPU session
+// can time both layouts against each other (scripts/bench/NEXT_SESSION.md): 2 = 2 x 4 warp grid,
+// 1 = the 1 x 8 layout of the first kernels. Whichever loses is to be removed with the flag.
+#ifndef EXL3_BM128_WARP_ROWS
+#define EXL3_BM128_WARP_ROWS 2
+#endif
+
+// Runs stage(it + s, s) for s = 0, 1, ... while it + s < n (a compile-time slot per call).
+template <typename Stage, int... S>
+__device__ __forceinline__ void stage_sequence(int it, int n, Stage& stage,
+                                               std::integer_sequence<int, S...>) {
+  (void)((it + S < n && (stage(it + S, std::integral_constant<int, S>{}), true)) && ...);
+}
+
+// An opaque copy: the compiler keeps the value in a register instead of recomputing it from
+// the lane index inside the k loop (it otherwise sinks per-lane address math into the loop).
+__device__ __forceinline__ uint32_t keep_in_register(uint32_t v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
 template <int K2, int MT>
 struct GemmShape {
   static constexpr int kBM = MT * kTile;
+  // Warp layout: kWarpsM x kWarpsN warps over the block's rows x columns. With one warp row,
+  // each warp decodes its own 16-column tile exactly once for all BM rows, but reads the whole
+  // A tile through ldmatrix: 8 warps x BM x 64 k x 2 bytes of shared-memory reads per stage,
+  // which at BM = 128 (128 KB per stage) takes longer than the stage's mma work. Two warp rows
+  // halve that traffic and feed every A fragment into twice as many mma, at the price of each
+  // tile being decoded by both warp rows (BM = 128 only, where decode is amortised over 64 rows).
+  static constexpr int kWarpsM = MT >= 8 ? EXL3_BM128_WARP_ROWS : 1;
+  static constexpr int kWarpsN = kGemmWarps / kWarpsM;
+  static constexpr int kWarpMT = MT / kWarpsM;              // m-tiles of one warp
+  static constexpr int kWarpTiles = kBlockTiles / kWarpsN;  // trellis tiles of one warp
+  static_assert(kWarpsM * kWarpsN == kGemmWarps && kWarpMT * kWarpsM == MT &&
+                    kWarpTiles * kWarpsN == kBlockTiles,
+                "the warp grid must tile the block");
   static constexpr int kABytes = kBM * kARowBytes;
-  static constexpr int kTBytes = kStageKSteps * kGemmWarps * Rate<K2>::kTileBytes;
+  static constexpr int kTBytes = kStageKSteps * kBlockTiles * Rate<K2>::kTileBytes;
   static constexpr int kPipeBytes = kGemmStages * (kABytes + kTBytes);
   static constexpr int kStagingBytes = kBM * kCStride * 4;
   static constexpr int kSmemBytes = kPipeBytes > kStagingBytes ? kPipeBytes : kStagingBytes;
@@ -50,9 +89,13 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   using R = Rate<K2>;
   using Shape = GemmShape<K2, MT>;
   constexpr int BM = Shape::kBM;
-  constexpr int kAChunks = BM * kAChunksPerRow;
+  // A copy unit: 16-byte chunks, or 8-byte halves when a stage's A tile is too small to give
+  // every thread a whole chunk (BM = 16), so that no thread needs a predicate to skip its copy.
+  constexpr int kACopyBytes = BM * kARowBytes >= kGemmThreads * 16 ? 16 : 8;
+  constexpr int kACopiesPerRow = kARowBytes / kACopyBytes;
+  constexpr int kAChunks = BM * kACopiesPerRow;
   constexpr int kTChunks = Shape::kTBytes / 16;
-  constexpr int kTRowChunks = kGemmWarps * R::kTileBytes / 16;  // one k16 row of 8 tiles
+  constexpr int kTRowChunks = kBlockTiles * R::kTileBytes / 16;  // one k16 row of 8 tiles
   constexpr int kAPerThread = (kAChunks + kGemmThreads - 1) / kGemmThreads;
   constexpr int kTPerThread = (kTChunks + kGemmThreads - 1) / kGemmThreads;
 
@@ -62,6 +105,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   const uint8_t* s_t_ptr = smem + kGemmStages * Shape::kABytes;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int warp_m = warp / Shape::kWarpsN, warp_n = warp % Shape::kWarpsN;
   const int m0 = blockIdx.x * BM;
   const int n0 = blockIdx.y * kBlockN;
   const int shard = shard_of_column(p.shards, n0);
@@ -76,7 +120,9 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   grid_dependents_launch();
 
   // Loader assignment, fixed for the whole k loop: running source pointers advance one stage per
-  // issue (stages are issued in order), destinations are offsets inside a stage slot.
+  // issue (stages are issued in order), destinations are offsets inside a stage slot. The trellis
+  // pointers advance before their copy (by a runtime stride: advancing after made the compiler
+  // copy the pointer every stage), A's after (its constant stride folds into immediate offsets).
   const __half* xa = static_cast<const __half*>(p.xh) + static_cast<size_t>(shard) * p.m * p.k;
   const __half* a_src[kAPerThread];
   uint32_t a_dst[kAPerThread];
@@ -84,12 +130,13 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
 #pragma unroll
   for (int i = 0; i < kAPerThread; ++i) {
     const int q = tid + i * kGemmThreads;
-    const int row = q / kAChunksPerRow, ch = q % kAChunksPerRow;
+    const int row = q / kACopiesPerRow, part = q % kACopiesPerRow;
+    const int byte = part * kACopyBytes, ch = byte / 16;  // ch: the 16-byte chunk of the row
     const bool valid = q < kAChunks && m0 + row < p.m;
-    a_src[i] = xa + (valid ? static_cast<size_t>(m0 + row) * p.k : 0) + ch * 8 +
+    a_src[i] = xa + (valid ? static_cast<size_t>(m0 + row) * p.k : 0) + byte / 2 +
                static_cast<size_t>(c_begin) * kStageK;
-    a_dst[i] = s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16);
-    a_bytes[i] = valid ? 16 : 0;
+    a_dst[i] = s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16) + byte % 16;
+    a_bytes[i] = valid ? kACopyBytes : 0;
   }
   const uint8_t* trellis = static_cast<const uint8_t*>(p.trellis);
   const size_t t_row_stride = static_cast<size_t>(p.n / kTile) * R::kTileBytes;  // one k16 row
@@ -100,46 +147,54 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
     const int q = tid + i * kGemmThreads;
     const int kk = q / kTRowChunks, w = q % kTRowChunks;
     t_src[i] = trellis + kk * t_row_stride + static_cast<size_t>(n0 / kTile) * R::kTileBytes +
-               w * 16 + c_begin * t_stage_stride;
+               w * 16 + static_cast<ptrdiff_t>(t_stage_stride) * (c_begin - 1);
   }
 
   auto load_t = [&](int slot) {
 #pragma unroll
     for (int i = 0; i < kTPerThread; ++i) {
+      t_src[i] += t_stage_stride;
       if (kTChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kTChunks)
         cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i], 16);
-      t_src[i] += t_stage_stride;
     }
   };
   auto load_a = [&](int slot) {
 #pragma unroll
     for (int i = 0; i < kAPerThread; ++i) {
-      if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks)
-        cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+      if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks) {
+        if constexpr (kACopyBytes == 16)
+          cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+        else
+          cp_async8(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+      }
       a_src[i] += kStageK;
     }
   };
 
   LaneWindow<K2> lw;
   lw.init(lane);
-  // Byte offsets (from the trellis stage area) of this lane's words in its warp's k-step-0 tile.
+  // Byte offsets (from the trellis stage area) of this lane's words in its warp's first tile of
+  // k step 0; its other tiles and k steps are compile-time offsets from there.
   uint32_t t_lane[R::kRaw];
 #pragma unroll
-  for (int i = 0; i < R::kRaw; ++i) t_lane[i] = warp * R::kTileBytes + lw.off[i];
+  for (int i = 0; i < R::kRaw; ++i)
+    t_lane[i] = keep_in_register(warp_n * Shape::kWarpTiles * R::kTileBytes + lw.off[i]);
   const uint32_t halves_xor = halves_xor_register();
   // ldmatrix.x4 source of this lane for each 16-wide k step: rows lane%16, k chunk 2kk + lane/16.
   uint32_t a_ld[kStageKSteps];
 #pragma unroll
   for (int kk = 0; kk < kStageKSteps; ++kk) {
-    const int row = lane & 15, ch = 2 * kk + (lane >> 4);
-    a_ld[kk] = s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16);
+    const int row = warp_m * Shape::kWarpMT * kTile + (lane & 15), ch = 2 * kk + (lane >> 4);
+    a_ld[kk] = keep_in_register(s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16));
   }
 
-  float acc[MT][2][4];
+  // acc[m-tile][8-column half of the warp's tiles][mma accumulator]
+  constexpr int kHalves = 2 * Shape::kWarpTiles;
+  float acc[Shape::kWarpMT][kHalves][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < Shape::kWarpMT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][h][e] = 0.0f;
 
@@ -155,36 +210,45 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
     cp_async_commit();
   }
 
-  for (int it = 0; it < n_chunks; ++it) {
+  // One pipeline stage: wait for stage `it` (in slot SLOT), refill the slot freed last stage,
+  // consume. SLOT is a compile-time constant, so the slot offsets fold into the load addresses.
+  auto stage = [&](int it, auto slot_constant) {
+    constexpr int slot = decltype(slot_constant)::value;
     cp_async_wait<kGemmStages - 2>();
-    __syncthreads();  // stage `it` landed for everyone; slot (it-1) % S is free again
-    {
-      const int next = it + kGemmStages - 1;
-      if (next < n_chunks) {
-        load_t(next % kGemmStages);
-        load_a(next % kGemmStages);
-      }
-      cp_async_commit();
+    __syncthreads();  // stage `it` landed for everyone; the previous slot is free again
+    if (it + kGemmStages - 1 < n_chunks) {
+      load_t((slot + kGemmStages - 1) % kGemmStages);
+      load_a((slot + kGemmStages - 1) % kGemmStages);
     }
-    const int slot = it % kGemmStages;
-    const uint32_t t_stage = slot * Shape::kTBytes;
-    const uint32_t a_stage = slot * Shape::kABytes;
-    const uint8_t* t_area = s_t_ptr + t_stage;
+    cp_async_commit();
+    const uint8_t* t_area = s_t_ptr + slot * Shape::kTBytes;
 #pragma unroll
     for (int kk = 0; kk < kStageKSteps; ++kk) {
-      uint32_t raw[R::kRaw];
-      load_tile_words<K2>(t_area, t_lane, kk * kGemmWarps * R::kTileBytes, raw);
-      uint32_t b[4];
-      fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b);
+      uint32_t b[Shape::kWarpTiles][4];
+#pragma unroll
+      for (int t = 0; t < Shape::kWarpTiles; ++t) {
+        uint32_t raw[R::kRaw];
+        load_words<K2>(t_area, t_lane, (kk * kBlockTiles + t) * R::kTileBytes, raw);
+        fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b[t]);
+      }
       // Rows past m are zero-filled in shared memory; computing them costs less than branching.
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < Shape::kWarpMT; ++mt) {
         uint32_t a[4];
-        ldmatrix_x4(a, a_ld[kk] + a_stage + mt * kTile * kARowBytes);
-        mma_16816(acc[mt][0], a, b[0], b[1]);
-        mma_16816(acc[mt][1], a, b[2], b[3]);
+        ldmatrix_x4(a, a_ld[kk] + slot * Shape::kABytes + mt * kTile * kARowBytes);
+#pragma unroll
+        for (int t = 0; t < Shape::kWarpTiles; ++t) {
+          mma_16816(acc[mt][2 * t], a, b[t][0], b[t][1]);
+          mma_16816(acc[mt][2 * t + 1], a, b[t][2], b[t][3]);
+        }
       }
     }
+  };
+  // The k loop visits the slots in order, kLoopStages stages per iteration (stage it uses slot
+  // it % kGemmStages), stopping after stage n_chunks - 1.
+  static_assert(kLoopStages == kGemmStages, "one loop iteration cycles through every slot once");
+  for (int it = 0; it < n_chunks; it += kLoopStages) {
+    stage_sequence(it, n_chunks, stage, std::make_integer_sequence<int, kLoopStages>{});
   }
   cp_async_wait<0>();
   __syncthreads();  // pipeline buffers are reused as the fp32 staging block
@@ -194,11 +258,11 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   {
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int mt = 0; mt < Shape::kWarpMT; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int col = warp * kTile + h * 8 + 2 * q;
-        const int row = mt * kTile + g;
+      for (int h = 0; h < kHalves; ++h) {
+        const int col = warp_n * Shape::kWarpTiles * kTile + h * 8 + 2 * q;
+        const int row = (warp_m * Shape::kWarpMT + mt) * kTile + g;
         *reinterpret_cast<float2*>(s_c + row * kCStride + col) =
             make_float2(acc[mt][h][0], acc[mt][h][1]);
         *reinterpret_cast<float2*>(s_c + (row + 8) * kCStride + col) =

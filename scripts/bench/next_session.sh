@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The kernels' GPU session in two back-to-back device calls (NEXT_SESSION.md has the exact calls).
+# Run from the repository root on the device machine; everything it reports goes to $OUT.
+#   call1 - start ExLlamaV3's JIT build in the background (own process session, private
+#           TORCH_EXTENSIONS_DIR), load the carried _exl3_C (build it only if it does not load),
+#           full verification, compute-sanitizer memcheck sample, SASS loop counts, ncu
+#           instructions per weight, then the cold benchmark of our kernels (no ExLlamaV3)
+#   call2 - the BM = 128 warp-layout A/B (if the 1 x 8 build is carried) while ExLlamaV3 still
+#           builds, then the same-run anchor benchmark (ours, ExLlamaV3 with its path per m, bf16)
+#           on the anchors' shapes
+# Each call stays under the device tool's 10-minute limit: every step has its own timeout and
+# the benchmarks a budget computed from the time left.
+set -u
+phase=${1:?usage: next_session.sh call1|call2}
+OUT=${OUT:-/tmp/exl3_out}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+EXT=build/exl3/_exl3_C.abi3.so
+# Kept between the two calls while the machine stays warm (a fresh machine rebuilds).
+STATE=${EXL3_STATE:-/tmp/exl3_next}
+# The whole call must end inside the device tool's 600 s, with room to copy $OUT back.
+CALL_LIMIT_S=560
+export PYTHONUNBUFFERED=1
+T0=$(date +%s)
+LOG="$OUT/$phase.log"
+exec > >(tee -a "$LOG") 2>&1
+log() { echo "== $(( $(date +%s) - T0 )) s: $*"; }
+left() { echo $(( CALL_LIMIT_S - ($(date +%s) - T0) )); }
+
+start_exllamav3_build() {
+  if [ ! -d .whl ]; then log "no .whl carried: ExLlamaV3 cannot be installed"; return; fi
+  if [ ! -d "$STATE/site/exllamav3" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$STATE/site" .whl/*.whl || { log "ExLlamaV3 wheels did not install"; return; }
+  fi
+  # 12 of the 16 cores: our checks run beside it.
+  $PY scripts/bench/exllamav3_anchor.py build --state "$STATE" --jobs "${EXL3_JOBS:-12}"
+}
+
+load_or_build_ours() {
+  if $PY -c "import torch; torch.ops.load_library('$EXT')" 2>"$OUT/load_error.txt"; then
+    log "carried $EXT loads"
+  else
+    log "carried $EXT does not load ($(tail -1 "$OUT/load_error.txt")); building for sm_90"
+    (cd scripts && timeout 400 $PY -m vllm_exl3.kernels_build --out ../build/exl3 --arch 9.0 \
+      --jobs 8) || { log "build failed"; exit 1; }
+  fi
+  rm -f "$OUT/load_error.txt"
+}
+
+case "$phase" in
+call1)
+  mkdir -p "$STATE"
+  start_exllamav3_build
+  load_or_build_ours
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  git log --oneline -1 2>/dev/null || true
+
+  log "verify (full matrix)"
+  timeout 240 $PY scripts/bench/verify_kernels.py --ext $EXT --json "$OUT/verify.json"
+  echo "verify exit $?"
+
+  log "compute-sanitizer memcheck (sample)"
+  timeout 120 compute-sanitizer --tool memcheck --kernel-name kns=exl3 --error-exitcode 9 \
+    $PY scripts/bench/verify_kernels.py --ext $EXT --sample > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit $? (9 = errors found, 124 = timed out)"; tail -4 "$OUT/memcheck.log"
+
+  log "SASS k-loop instructions per weight (this build)"
+  timeout 60 $PY scripts/bench/sass_loop.py $EXT --mt 1 8 --json "$OUT/sass.json" | \
+    grep -E "bits +(2|4|6) " || true
+  cp "$OUT/sass.json" "$STATE/sass.json" 2>/dev/null  # $OUT is emptied before call2
+
+  log "ncu: executed instructions per weight, 4096x4096 4-bit, BM 16, split 8"
+  for cfg in "4 1 1" "4 2 1" "4 0 16"; do
+    timeout 60 ncu --clock-control none -k regex:exl3_gemm_kernel -c 1 \
+      --metrics smsp__sass_thread_inst_executed.sum,gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active \
+      $PY scripts/bench/ncu_probe.py $cfg --split 8 --ext $EXT 2>&1 | \
+      grep -E "k\*n|inst_executed|duration|issue_active|ERR" | sed "s/^/[$cfg] /"
+  done
+  # Which pipe binds the decode (the ALU/FMA balance of 71d617a rests on the integer ALU and
+  # IMAD pipes each taking a warp instruction per 2 cycles) and why warps stall. Regex metric
+  # names, so a name this ncu lacks drops out instead of failing the run.
+  log "ncu: pipe utilisation and stall reasons, 4-bit MCG m=1 and MUL1 m=1"
+  for cfg in "4 1 1" "4 2 1"; do
+    timeout 60 ncu --clock-control none -k regex:exl3_gemm_kernel -c 1 --metrics \
+      "regex:^sm__(inst_executed_pipe|pipe)_(alu|fma|fmaheavy|fmalite|fp16|shared|tensor|lsu|uniform).*(sum|pct_of_peak_sustained_active)$,regex:^smsp__warp_issue_stalled_.*_per_warp_active.pct$" \
+      $PY scripts/bench/ncu_probe.py $cfg --split 8 --ext $EXT 2>&1 | \
+      grep -E "sm__|smsp__|ERR" | grep -v -E " 0(\.0+)?$" | sed "s/^/[$cfg] /"
+  done
+
+  budget=$(( $(left) - 60 ))
+  log "benchmark of our kernels, budget ${budget} s"
+  if [ "$budget" -gt 60 ]; then
+    timeout $(( budget + 50 )) $PY scripts/bench/bench_linear.py --ext $EXT --no-exl3 \
+      --out "$OUT" --tag bench_ours --sass-json "$OUT/sass.json" --bits 4 6 2 3 5 \
+      --codebooks 1 --budget-s "$budget" | grep -v '^{"k"' || true
+  fi
+  $PY scripts/bench/exllamav3_anchor.py wait --state "$STATE" --timeout 0 | head -2
+  log "call1 done"
+  ;;
+call2)
+  if [ ! -e "$STATE/build.started" ]; then
+    log "fresh machine: ExLlamaV3 build starts now (needs .whl carried; several minutes)"
+    mkdir -p "$STATE"
+    start_exllamav3_build
+    load_or_build_ours
+  fi
+  if [ ! -f "$STATE/sass.json" ]; then
+    timeout 60 $PY scripts/bench/sass_loop.py $EXT --json "$STATE/sass.json" > /dev/null
+  fi
+  # While ExLlamaV3 still compiles: the BM = 128 warp layouts against each other (the 1 x 8
+  # build is carried beside the default 2 x 4 one, see NEXT_SESSION.md), pinned to BM = 128.
+  if [ -f build/exl3_1x8/_exl3_C.abi3.so ]; then
+    for layout in 2x4:build/exl3 1x8:build/exl3_1x8; do
+      log "BM = 128 warp layout ${layout%%:*}"
+      VLLM_EXL3_BM=128 timeout 120 $PY scripts/bench/bench_linear.py \
+        --ext "${layout#*:}/_exl3_C.abi3.so" --no-exl3 --out "$OUT" --tag "bm128_${layout%%:*}" \
+        --shapes 4096x11008 5120x17408 --bits 4 --codebooks 1 --m 128 256 512 | \
+        grep -E "^ *[0-9]+x" || true
+    done
+  fi
+  log "waiting for ExLlamaV3's build"
+  $PY scripts/bench/exllamav3_anchor.py wait --state "$STATE" --timeout $(( $(left) - 240 ))
+  budget=$(( $(left) - 60 ))
+  log "same-run anchor benchmark, budget ${budget} s"
+  timeout $(( budget + 50 )) $PY scripts/bench/bench_linear.py --ext $EXT --out "$OUT" \
+    --tag bench_anchor --exl3-state "$STATE" --exl3-wait-s 30 --exl3-import-timeout-s 90 \
+    --shapes 4096x4096 4096x11008 --bits 4 6 --codebooks 0 1 2 --budget-s "$budget" \
+    --sass-json "$STATE/sass.json" | grep -v '^{"k"' || true
+  log "call2 done"
+  ;;
+*)
+  echo "unknown phase $phase (call1 | call2)"; exit 2 ;;
+esac
