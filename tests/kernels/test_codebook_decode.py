@@ -13,7 +13,6 @@ Needs nvcc (host compile only).
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,20 +25,16 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 from vllm_exl3.codec import reference  # noqa: E402
 
+from host_driver import build_host_driver  # noqa: E402
+
 CODEBOOKS = {0: "3inst", 1: "mcg", 2: "mul1"}
 STATES = 1 << 16
 
 
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory) -> np.ndarray:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not available")
     work = tmp_path_factory.mktemp("codebook")
-    exe = work / "codebook_host"
-    subprocess.run([nvcc, "-std=c++17", "-O1", f"-I{REPO / 'csrc/quantization/exl3'}",
-                    str(Path(__file__).with_name("codebook_host.cu")), "-o", str(exe)],
-                   check=True, capture_output=True)
+    exe = build_host_driver("codebook_host.cu", work)
     out = work / "tables.bin"
     subprocess.run([str(exe), str(out)], check=True, capture_output=True)
     return np.fromfile(out, dtype="<u2").reshape(3, 2, STATES)

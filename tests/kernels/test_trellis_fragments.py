@@ -12,7 +12,6 @@ reference.codebook_decode(reference.unpack_states(...)), bit for bit. Needs nvcc
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 from vllm_exl3.codec import reference  # noqa: E402
 
+from host_driver import build_host_driver  # noqa: E402
+
 RATES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 CODEBOOKS = {0: "3inst", 1: "mcg", 2: "mul1"}
 TILES = 5
@@ -32,14 +33,7 @@ CASES = [(b, cb) for b in RATES for cb in CODEBOOKS if b % 1 == 0 or cb == 2]
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not available")
-    out = tmp_path_factory.mktemp("fragments") / "trellis_fragments_host"
-    subprocess.run([nvcc, "-std=c++17", "-O1", f"-I{REPO / 'csrc/quantization/exl3'}",
-                    str(Path(__file__).with_name("trellis_fragments_host.cu")), "-o", str(out)],
-                   check=True, capture_output=True)
-    return out
+    return build_host_driver("trellis_fragments_host.cu", tmp_path_factory.mktemp("fragments"))
 
 
 @pytest.mark.parametrize("bits,codebook", CASES,

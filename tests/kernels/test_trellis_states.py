@@ -8,7 +8,6 @@ lane 0 and the last lanes), against reference.unpack_states. Needs nvcc (host co
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,20 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 from vllm_exl3.codec import reference  # noqa: E402
 
+from host_driver import build_host_driver  # noqa: E402
+
 RATES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 TILES = 7
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not available")
-    out = tmp_path_factory.mktemp("states") / "trellis_states_host"
-    subprocess.run([nvcc, "-std=c++17", "-O1", f"-I{REPO / 'csrc/quantization/exl3'}",
-                    str(Path(__file__).with_name("trellis_states_host.cu")), "-o", str(out)],
-                   check=True, capture_output=True)
-    return out
+    return build_host_driver("trellis_states_host.cu", tmp_path_factory.mktemp("states"))
 
 
 @pytest.mark.parametrize("bits", RATES)
