@@ -28,7 +28,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -76,17 +75,7 @@ def graph_time_us(calls: list, use_graph: bool = True) -> tuple[float, str]:
     else:
         mode = "eager"
         run = lambda: [c() for c in calls]  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    return statistics.median(times), mode
+    return device_ceilings.median_ms(run, REPLAYS) * 1e3 / len(calls), mode
 
 
 def exl3_module(state: Path | None, wait_s: float, import_timeout_s: float):

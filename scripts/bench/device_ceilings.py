@@ -73,7 +73,8 @@ extern "C" __global__ void mma_rate(float* out, int iters, unsigned seed) {
 """
 
 
-def _median_ms(fn, reps: int = 10) -> float:
+def median_ms(fn, reps: int = 10) -> float:
+    """Median CUDA-event milliseconds of `fn()` over `reps` runs, after one warm-up run."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -90,14 +91,14 @@ def _median_ms(fn, reps: int = 10) -> float:
 def copy_rate() -> float:
     src = torch.randint(0, 255, (COPY_BYTES,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src))
+    ms = median_ms(lambda: dst.copy_(src))
     return 2 * COPY_BYTES / (ms * 1e-3)
 
 
 def bf16_rate() -> float:
     a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.bfloat16)
-    ms = _median_ms(lambda: torch.matmul(a, b))
+    ms = median_ms(lambda: torch.matmul(a, b))
     return 2 * MATMUL_N**3 / (ms * 1e-3)
 
 
