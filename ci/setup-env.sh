@@ -7,7 +7,14 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 VENV=${VLLM_EXL3_VENV:-$HOME/.cache/vllm-exl3/venv}
 WHEELS=${VLLM_EXL3_WHEELS:-$HOME/.cache/vllm-exl3/wheels}
-PY=${VLLM_EXL3_PYTHON:-python3.11}
+# torch 2.11.0 and vLLM 0.26.0 publish wheels for CPython 3.10-3.13; take the first present.
+PY=${VLLM_EXL3_PYTHON:-}
+if [ -z "$PY" ]; then
+  for candidate in python3.11 python3.12 python3.13 python3.10; do
+    if command -v "$candidate" >/dev/null; then PY=$candidate; break; fi
+  done
+fi
+[ -n "$PY" ] || { echo "setup-env: no python3.10-3.13 found (set VLLM_EXL3_PYTHON)" >&2; exit 1; }
 stamp=$(sha256sum "$0" | cut -c1-16)
 if [ -f "$VENV/.exl3-env-$stamp" ]; then
   echo "setup-env: reusing $VENV"; exit 0
