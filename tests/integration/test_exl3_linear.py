@@ -20,6 +20,8 @@ from vllm.model_executor.layers.quantization.exl3.format import (MCG_MARKER_VALU
 from vllm.model_executor.layers.quantization.exl3.kernels import ReferenceExl3Kernel
 from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
 from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
+from vllm.model_executor.layers.quantization.exl3.padding import (
+    Exl3PaddedUnquantizedLinearMethod)
 from vllm.model_executor.models.qwen2 import Qwen2Model
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
@@ -389,7 +391,9 @@ def test_non_exl3_linear_falls_through_unquantized():
     config = config_for(CKPT_MCG)
     layer = ReplicatedLinear(HIDDEN, 8, bias=False, quant_config=config,
                              prefix="model.layers.0.mlp.gate")
-    assert type(layer.quant_method) is UnquantizedLinearMethod
+    # vLLM's unquantized method, with a loader that trims the format's 128-padding.
+    assert type(layer.quant_method) is Exl3PaddedUnquantizedLinearMethod
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
 
 
 def test_unknown_tensor_suffix_fails_at_config_time():

@@ -241,7 +241,7 @@ class Exl3Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module,
                          prefix: str) -> QuantizeMethodBase | None:
-        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
                                                                          VocabParallelEmbedding)
 
@@ -252,7 +252,11 @@ class Exl3Config(QuantizationConfig):
         if isinstance(layer, LinearBase):
             specs = self.linear_specs(prefix, len(layer.output_partition_sizes))
             if specs is None:
-                return UnquantizedLinearMethod()
+                from .padding import Exl3PaddedUnquantizedLinearMethod
+
+                # The format keeps unquantized linears 128-padded too; this is vLLM's
+                # unquantized method with a loader that trims that padding (padding.py).
+                return Exl3PaddedUnquantizedLinearMethod()
             from .linear import Exl3LinearMethod
 
             return Exl3LinearMethod(specs)

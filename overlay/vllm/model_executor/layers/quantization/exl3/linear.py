@@ -18,6 +18,7 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase,
 from .format import TILE, Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, choose_exl3_kernel
 from .layout import Exl3Layout, Exl3LayoutError, Split, plan_linear, trellis_words
+from .padding import unpad_bias_loads
 from .weights import OUT_INDEX, Exl3LayerWeights, direct_weight_loader
 
 
@@ -97,6 +98,8 @@ class Exl3LinearMethod(LinearMethodBase):
                   else extra_weight_attrs["weight_loader"])
         self.weights = Exl3LayerWeights(self.layout, self.specs)
         self.weights.create(layer, loader)
+        # The checkpoint's bias is n_pad long; vLLM's bias loader wants the real n.
+        unpad_bias_loads(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.weights.finish(layer)
