@@ -39,8 +39,8 @@ def _main(_: int, init_file: str) -> None:
     assert w_hat.dtype == torch.float16 and w_hat.shape == (256, 768)
     assert torch.equal(w_hat, reference.decode_rotated(trellis, 1))
 
-    with gloo_world(1, 0, init_file):
-        layer = MergedColumnParallelLinear(256, [768, 768], bias=False,
+    def gate_up(width: int) -> MergedColumnParallelLinear:
+        layer = MergedColumnParallelLinear(256, [width, width], bias=False,
                                            quant_config=config_for(CKPT_MCG),
                                            prefix=f"{mlp}.gate_up_proj",
                                            params_dtype=torch.bfloat16)
@@ -48,6 +48,10 @@ def _main(_: int, init_file: str) -> None:
         load_module(layer, named, f"{mlp}.up_proj", 1)
         layer.quant_method.process_weights_after_loading(layer)
         layer.quant_method.kernel = CudaExl3Kernel()  # the op path, here on CPU tensors
+        return layer
+
+    with gloo_world(1, 0, init_file):
+        layer = gate_up(768)
         x = torch.randn(5, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
         compiled = torch.compile(lambda t: layer(t)[0], backend="aot_eager", fullgraph=True,
                                  dynamic=True)
@@ -56,14 +60,7 @@ def _main(_: int, init_file: str) -> None:
         assert_matches(y, x.float() @ w, "compiled gate_up through _C::exl3_linear")
 
         # Shards keeping part of their last block: the kept columns are gathered in the graph.
-        cut = MergedColumnParallelLinear(256, [700, 700], bias=False,
-                                         quant_config=config_for(CKPT_MCG),
-                                         prefix=f"{mlp}.gate_up_proj",
-                                         params_dtype=torch.bfloat16)
-        load_module(cut, named, f"{mlp}.gate_proj", 0)
-        load_module(cut, named, f"{mlp}.up_proj", 1)
-        cut.quant_method.process_weights_after_loading(cut)
-        cut.quant_method.kernel = CudaExl3Kernel()
+        cut = gate_up(700)
         y = torch.compile(lambda t: cut(t)[0], backend="aot_eager", fullgraph=True,
                           dynamic=True)(x)
         assert_matches(y, x.float() @ torch.cat([w[:, :700], w[:, 768:1468]], 1),
