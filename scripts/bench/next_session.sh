@@ -16,11 +16,13 @@ phase=${1:?usage: next_session.sh call1|call2}
 OUT=${OUT:-/tmp/exl3_out}
 mkdir -p "$OUT"
 PY=${PY:-python3}
-EXT=build/exl3/_exl3_C.abi3.so
+# The kernels under test; scripts/e2e/x2_session.sh points this at the bundle-installed copy.
+EXT=${EXT:-build/exl3/_exl3_C.abi3.so}
 # Kept between the two calls while the machine stays warm (a fresh machine rebuilds).
 STATE=${EXL3_STATE:-/tmp/exl3_next}
-# The whole call must end inside the device tool's 600 s, with room to copy $OUT back.
-CALL_LIMIT_S=560
+# The whole call must end inside the device tool's 600 s, with room to copy $OUT back
+# (less when the caller shares the call with other work).
+CALL_LIMIT_S=${CALL_LIMIT_S:-560}
 export PYTHONUNBUFFERED=1
 T0=$(date +%s)
 LOG="$OUT/$phase.log"
@@ -45,6 +47,7 @@ load_or_build_ours() {
     log "carried $EXT does not load ($(tail -1 "$OUT/load_error.txt")); building for sm_90"
     (cd scripts && timeout 400 $PY -m vllm_exl3.kernels_build --out ../build/exl3 --arch 9.0 \
       --jobs 8) || { log "build failed"; exit 1; }
+    EXT=build/exl3/_exl3_C.abi3.so
   fi
   rm -f "$OUT/load_error.txt"
 }
@@ -112,7 +115,7 @@ call2)
   # While ExLlamaV3 still compiles: the BM = 128 warp layouts against each other (the 1 x 8
   # build is carried beside the default 2 x 4 one, see NEXT_SESSION.md), pinned to BM = 128.
   if [ -f build/exl3_1x8/_exl3_C.abi3.so ]; then
-    for layout in 2x4:build/exl3 1x8:build/exl3_1x8; do
+    for layout in "2x4:$(dirname "$EXT")" 1x8:build/exl3_1x8; do
       log "BM = 128 warp layout ${layout%%:*}"
       VLLM_EXL3_BM=128 timeout 120 $PY scripts/bench/bench_linear.py \
         --ext "${layout#*:}/_exl3_C.abi3.so" --no-exl3 --out "$OUT" --tag "bm128_${layout%%:*}" \

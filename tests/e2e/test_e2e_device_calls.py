@@ -103,7 +103,18 @@ def test_layout_one_part_per_call(staged):
     assert "install.sh" in stage_calls[-1]["command"]
     assert "run_fixture_e2e.py" in stage_calls[-1]["command"]
     assert "throughput.py --budget-s" in plan["calls"][-1]["command"]
-    assert "--tp 2 --baseline" in plan["tp2_on_x2"]["command"]
+    # x2: the same staging, the wheels ride with the last part, then the three session phases.
+    x2 = plan["x2_calls"]
+    assert [c["command"] for c in x2[:len(parts) - 1]] == [
+        c["command"] for c in stage_calls[:-1]]
+    assert x2[len(parts) - 1]["carry"] == [f".e2e/xfer/c{len(parts)}", ".whl"]
+    assert "install.sh" in x2[len(parts) - 1]["command"]
+    assert [c["command"].rsplit(" ", 1)[-1] for c in x2[len(parts) - 1:]] == [
+        "tp1", "tp2", "final"]
+    for c in x2:
+        assert len(c["command"]) <= dc.COMMAND_LIMIT
+        r = subprocess.run(["bash", "-n", "-c", c["command"]], capture_output=True, text=True)
+        assert r.returncode == 0, (c["call"], r.stderr)
 
 
 def test_layout_refuses_a_damaged_part_and_an_oversized_call(tmp_path, monkeypatch):
