@@ -6,9 +6,8 @@
 #           TORCH_EXTENSIONS_DIR), load the carried _exl3_C (build it only if it does not load),
 #           full verification, compute-sanitizer memcheck sample, SASS loop counts, ncu
 #           instructions per weight, then the cold benchmark of our kernels (no ExLlamaV3)
-#   call2 - the BM = 128 warp-layout A/B (if the 1 x 8 build is carried) while ExLlamaV3 still
-#           builds, then the same-run anchor benchmark (ours, ExLlamaV3 with its path per m, bf16)
-#           on the anchors' shapes
+#   call2 - the same-run anchor benchmark (ours, ExLlamaV3 with its path per m, bf16) on the
+#           anchors' shapes, once ExLlamaV3's build is done
 # Each call stays under the device tool's 10-minute limit: every step has its own timeout and
 # the benchmarks a budget computed from the time left.
 set -u
@@ -111,17 +110,6 @@ call2)
   fi
   if [ ! -f "$STATE/sass.json" ]; then
     timeout 60 $PY scripts/bench/sass_loop.py $EXT --json "$STATE/sass.json" > /dev/null
-  fi
-  # While ExLlamaV3 still compiles: the BM = 128 warp layouts against each other (the 1 x 8
-  # build is carried beside the default 2 x 4 one, see NEXT_SESSION.md), pinned to BM = 128.
-  if [ -f build/exl3_1x8/_exl3_C.abi3.so ]; then
-    for layout in "2x4:$(dirname "$EXT")" 1x8:build/exl3_1x8; do
-      log "BM = 128 warp layout ${layout%%:*}"
-      VLLM_EXL3_BM=128 timeout 120 $PY scripts/bench/bench_linear.py \
-        --ext "${layout#*:}/_exl3_C.abi3.so" --no-exl3 --out "$OUT" --tag "bm128_${layout%%:*}" \
-        --shapes 4096x11008 5120x17408 --bits 4 --codebooks 1 --m 128 256 512 | \
-        grep -E "^ *[0-9]+x" || true
-    done
   fi
   log "waiting for ExLlamaV3's build"
   $PY scripts/bench/exllamav3_anchor.py wait --state "$STATE" --timeout $(( $(left) - 240 ))

@@ -123,7 +123,7 @@ def x2_calls(stage_calls: list[dict], tree: int) -> list[dict]:
     """The same staging on nvidia-h200-x2, then scripts/e2e/x2_session.sh's three phases: the
     two GPUs run the e2e record and the kernels' record side by side (issues 3 and 4 in one
     lease). The last staging call also carries ExLlamaV3's wheels (.whl, see
-    scripts/bench/NEXT_SESSION.md), the final one the BM = 128 1 x 8 build for the A/B."""
+    scripts/bench/NEXT_SESSION.md)."""
     calls = [dict(c) for c in stage_calls[:-1]]
     last = stage_calls[-1]
     stage = last["command"].split(" && { bash ")[0].removeprefix("set -o pipefail; ")
@@ -131,7 +131,6 @@ def x2_calls(stage_calls: list[dict], tree: int) -> list[dict]:
     # The deadline is taken when the command starts, so the install's time counts against it.
     deadline = f"export DEADLINE=$(( $(date +%s) + {X2_CALL_S} )); set -o pipefail; "
     wheels = REPO / ".whl"
-    ab_build = "build/exl3_1x8/_exl3_C.abi3.so"
     calls.append({**last, "carry": [*last["carry"], ".whl"],
                   "bytes": last["bytes"] + (path_bytes(wheels) if wheels.exists() else 0),
                   "command": (deadline + stage + " && " + install_command() + " && "
@@ -142,12 +141,10 @@ def x2_calls(stage_calls: list[dict], tree: int) -> list[dict]:
     calls.append({"call": len(calls) + 1, "carry": [], "bytes": tree, "timeout_s": 600,
                   "command": f"{deadline}{env} && {session} tp2",
                   "does": "x2_session tp2 (TP=2 vs TP=1)"})
-    ab = REPO / ab_build
-    calls.append({"call": len(calls) + 1, "carry": [ab_build], "timeout_s": 600,
-                  "bytes": tree + (path_bytes(ab) if ab.exists() else 0),
+    calls.append({"call": len(calls) + 1, "carry": [], "timeout_s": 600, "bytes": tree,
                   "command": f"{deadline}{env} && {session} final",
-                  "does": "x2_session final (throughput on GPU 0, BM 128 A/B + same-run "
-                          "ExLlamaV3 anchor on GPU 1)"})
+                  "does": "x2_session final (throughput on GPU 0, same-run ExLlamaV3 anchor "
+                          "on GPU 1)"})
     for i, c in enumerate(calls, 1):
         c["call"] = i
     return calls

@@ -7,7 +7,7 @@
 #                 benchmark) on the bundle's own _exl3_C; starts ExLlamaV3's build (background)
 #   tp2    GPUs 0+1: run_fixture_e2e.py --tp 2 against the TP=1 JSON of `tp1`
 #   final  GPU 0: throughput.py (synthetic qwen3-8b 4 bpw vs bf16)
-#          GPU 1: next_session.sh call2 (BM = 128 layout A/B, same-run ExLlamaV3 anchor)
+#          GPU 1: next_session.sh call2 (same-run ExLlamaV3 anchor)
 # Run from the repository root after `. /tmp/vx/site/vllm-exl3-env.sh`. DEADLINE (epoch seconds,
 # default now + 540) bounds every job; $OUT is packed into one archive at the end, because the
 # tool returns at most 8 files.

@@ -36,13 +36,6 @@ constexpr int kLoopStages = kGemmStages;
 // accumulator layout conflict-free per half-warp, and keeps rows 16-byte aligned for float4 reads.
 constexpr int kCStride = kBlockN + 8;
 
-// Warp rows of the BM = 128 tier (GemmShape::kWarpsM). A build flag only so that the GPU session
-// can time both layouts against each other (scripts/bench/NEXT_SESSION.md): 2 = 2 x 4 warp grid,
-// 1 = the 1 x 8 layout of the first kernels. Whichever loses is to be removed with the flag.
-#ifndef EXL3_BM128_WARP_ROWS
-#define EXL3_BM128_WARP_ROWS 2
-#endif
-
 // Runs stage(it + s, s) for s = 0, 1, ... while it + s < n (a compile-time slot per call).
 template <typename Stage, int... S>
 __device__ __forceinline__ void stage_sequence(int it, int n, Stage& stage,
@@ -60,13 +53,12 @@ __device__ __forceinline__ uint32_t keep_in_register(uint32_t v) {
 template <int K2, int MT>
 struct GemmShape {
   static constexpr int kBM = MT * kTile;
-  // Warp layout: kWarpsM x kWarpsN warps over the block's rows x columns. With one warp row,
-  // each warp decodes its own 16-column tile exactly once for all BM rows, but reads the whole
-  // A tile through ldmatrix: 8 warps x BM x 64 k x 2 bytes of shared-memory reads per stage,
-  // which at BM = 128 (128 KB per stage) takes longer than the stage's mma work. Two warp rows
-  // halve that traffic and feed every A fragment into twice as many mma, at the price of each
-  // tile being decoded by both warp rows (BM = 128 only, where decode is amortised over 64 rows).
-  static constexpr int kWarpsM = MT >= 8 ? EXL3_BM128_WARP_ROWS : 1;
+  // Warp layout: one warp row, so each warp decodes its own 16-column tile exactly once for all
+  // BM rows. A 2 x 4 grid at BM = 128 (half the ldmatrix traffic, each tile decoded twice) was
+  // measured against it on the H200 (scripts/bench/results, bm128_layout_ab): no faster at
+  // m = 256/512 and 10 % slower at m = 128, so the single row stays; kWarpsM keeps the grid
+  // arithmetic below explicit.
+  static constexpr int kWarpsM = 1;
   static constexpr int kWarpsN = kGemmWarps / kWarpsM;
   static constexpr int kWarpMT = MT / kWarpsM;              // m-tiles of one warp
   static constexpr int kWarpTiles = kBlockTiles / kWarpsN;  // trellis tiles of one warp
