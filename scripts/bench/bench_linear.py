@@ -9,10 +9,13 @@ Method (design.md "Measuring", anchors-h200.md):
   * the ceilings (copy bandwidth, cuBLAS bf16, mma.sync, integer issue) are measured in the
     same run (device_ceilings.py);
   * speed of light = max(bytes / copy bandwidth,
-                         k*n * instructions-per-weight / integer issue rate,
+                         k*n * decode time per weight,
                          2*m*k*n / best matrix rate)
-    where bytes = trellis (k*n*bits/8) + x + y, instructions-per-weight is the SASS count of
-    the GEMM's k loop (sass_loop.py), and the best matrix rate is max(mma.sync, cuBLAS bf16).
+    where bytes = trellis (k*n*bits/8) + x + y; decode time per weight = max(instructions per
+    weight / issue rate, ALU or FMA-pipe instructions per weight / one pipe's rate), from the
+    SASS counts of the GEMM's k loop (sass_loop.py), the issue rate from the SM count and clock,
+    one pipe's rate measured (device_ceilings.int_rate); the best matrix rate is
+    max(mma.sync, cuBLAS bf16).
     %SOL = 100 * SOL / ours.
 ExLlamaV3 runs on the same tensors (fp16 activations, its own dispatch); which of its paths ran
 is read from the profiler's kernel names once per (codebook, m).
@@ -135,11 +138,26 @@ def write_results(out: Path, tag: str, meta: dict, rows: list[dict], paths: dict
     return stamp
 
 
-def sol_us(k: int, n: int, m: int, bits: float, ceil: dict, ipw: float | None) -> float:
+def decode_s_per_weight(loop: dict | None, ceil: dict) -> float | None:
+    """Seconds per decoded weight of the k loop: its instructions against the issue rate, and
+    its ALU and FMA-pipe instructions each against one pipe's rate (the measured integer rate)."""
+    if not loop or not loop.get("per_weight") or not ceil.get("int_instr_per_s"):
+        return None
+    per_weight = loop["per_weight"]
+    weights_per_stage = loop["per_stage"] / per_weight
+    pipes = [loop.get("by_pipe", {}).get(p, 0.0) / weights_per_stage for p in ("alu", "fma")]
+    terms = [max(pipes) / ceil["int_instr_per_s"]]
+    if ceil.get("issue_instr_per_s"):
+        terms.append(per_weight / ceil["issue_instr_per_s"])
+    return max(terms)
+
+
+def sol_us(k: int, n: int, m: int, bits: float, ceil: dict, loop: dict | None) -> float:
     bytes_ = k * n * bits / 8 + 2 * m * k + 2 * m * n
     terms = [bytes_ / ceil["copy_bytes_per_s"]]
-    if ipw and ceil.get("int_instr_per_s"):
-        terms.append(k * n * ipw / ceil["int_instr_per_s"])
+    s_per_weight = decode_s_per_weight(loop, ceil)
+    if s_per_weight:
+        terms.append(k * n * s_per_weight)
     rate = max(r for r in (ceil.get("mma_flops"), ceil["bf16_flops"]) if r)
     terms.append(2 * m * k * n / rate)
     return max(terms) * 1e6
@@ -170,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda")
     gen.manual_seed(int(time.time_ns() % (1 << 31)))
     ceil = device_ceilings.measure()
-    ipw = {}
+    loops = {}
     if args.sass_json and args.sass_json.is_file():
-        ipw = {key: v.get("per_weight") for key, v in json.loads(args.sass_json.read_text()).items()}
+        loops = json.loads(args.sass_json.read_text())
     exl3_cls = None if args.no_exl3 else exl3_module(args.exl3_state, args.exl3_wait_s,
                                                     args.exl3_import_timeout_s)
     try:
@@ -228,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                                 paths[key] = exl3_kernels(exl3_lins[0], xh)
                         except Exception as e:  # noqa: BLE001
                             ex_mode = f"failed: {type(e).__name__}: {str(e)[:100]}"
-                    sol = sol_us(k, n, m, bits, ceil, ipw.get(f"{bits:g}:{cb}"))
+                    sol = sol_us(k, n, m, bits, ceil, loops.get(f"{bits:g}:{cb}"))
                     row = {"k": k, "n": n, "bits": bits, "codebook": CB_NAMES[cb], "m": m,
                            "ours_us": round(ours, 2),
                            "exllamav3_us": round(ex_us, 2) if ex_us else None,

@@ -4,10 +4,13 @@
   copy_bytes_per_s   device-to-device copy of 1 GiB, bytes read + written
   bf16_flops         cuBLAS bf16 8192^3 through torch.matmul, random data
   mma_flops          mma.sync.m16n8k16 fp16 x fp16 -> fp32, all SMs, operands in registers
-  int_instr_per_s    integer IMAD + LOP3 issue (the trellis decode's instruction mix), thread
-                     instructions per second, all SMs
+  int_instr_per_s    dependent IMAD + LOP3 chains (the trellis decode's instruction mix), thread
+                     instructions per second, all SMs: 16 T/s on the H200, one integer pipe's
+                     rate (2026-11-30 runs), half of
+  issue_instr_per_s  what the warp schedulers can issue (SMs x 4 x 32 lanes x SM clock; from the
+                     device properties, not measured)
 
-The last two run tiny CUDA kernels compiled at run time through CuPy (NVRTC); without CuPy they
+mma_flops and int_instr_per_s run tiny CUDA kernels compiled at run time through CuPy (NVRTC); without CuPy they
 are reported as None and the speed-of-light bound uses the terms it has.
 """
 
@@ -27,6 +30,7 @@ INT_CHAINS = 8  # independent IMAD+LOP3 chains per thread (2 instructions each p
 MMA_ITERS = 4096
 MMA_CHAINS = 4  # independent accumulators per warp
 MMA_FLOPS = 2 * 16 * 8 * 16
+SCHEDULERS_PER_SM = 4  # warp schedulers (SM sub-partitions) per SM on sm_90 / sm_120
 
 INT_SRC = r"""
 extern "C" __global__ void int_issue(unsigned* out, int iters, unsigned seed) {
@@ -144,9 +148,25 @@ def mma_rate() -> float | None:
     return warps * MMA_ITERS * MMA_CHAINS * MMA_FLOPS / (ms * 1e-3)
 
 
+def issue_rate() -> float | None:
+    """Thread-instructions per second the schedulers can issue: 4 per SM, one warp instruction
+    per cycle each, at the SM clock the driver reports. Not a measurement: the integer probe
+    above (IMAD + LOP3 chains) runs at half of it on the H200, because each of Hopper's ALU and
+    FMA-heavy pipes accepts a warp instruction only every second cycle, so the decode loop is
+    bounded by max(total / issue_rate, per-pipe count / int_instr_per_s) (bench_linear.sol_us)."""
+    try:
+        import cupy
+        clock_hz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"] * 1e3
+    except (ImportError, KeyError):
+        return None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return sms * SCHEDULERS_PER_SM * 32 * clock_hz
+
+
 def measure() -> dict[str, float | None]:
     return {"copy_bytes_per_s": copy_rate(), "bf16_flops": bf16_rate(),
-            "mma_flops": mma_rate(), "int_instr_per_s": int_rate()}
+            "mma_flops": mma_rate(), "int_instr_per_s": int_rate(),
+            "issue_instr_per_s": issue_rate()}
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ xh = Ĥ(x * suh) to fp16; the trellis weights are exact fp16; products are exact
 fp32 (k <= 17408 terms: ~sqrt(k) * 2^-24, below 1e-5); the Hadamards are orthonormal, so
 relative errors pass through unchanged; the output is rounded once to its dtype. Expected
 relative Frobenius error: fused 3e-4 (fp16 out) / 1.7e-3 (bf16 out). The original-basis
-reconstruct + cuBLAS path rounds W to the activation dtype instead of xh: 3e-4 (fp16) / 2.3e-3
-(bf16). Bounds:
+reconstruct + cuBLAS path rounds W to the activation dtype instead of xh, after rounding Ĥ Ŵ to
+fp16 once between its two tensor-core Hadamard passes: 4e-4 (fp16) / 2.3e-3 (bf16). Bounds:
   rel_fro = ||y - ref|| / ||ref||       <= 2e-3 (fp16), 5e-3 (bf16)
   max_rel = max |y - ref| / rms(ref)    <= 1e-2 (fp16), 6e-2 (bf16)
 The max term: the largest of ~1e6-1e7 outputs is ~5.5 rms; its output rounding alone can reach

@@ -115,6 +115,10 @@ struct Fp16Like<__half> {
     __half2 b = __floats2half2_rn(v[2], v[3]);
     return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
   }
+  __device__ static __forceinline__ uint32_t pack2(float x, float y) {
+    __half2 a = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&a);
+  }
   __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
 };
 template <>
@@ -123,6 +127,10 @@ struct Fp16Like<__nv_bfloat16> {
     __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]);
     __nv_bfloat162 b = __floats2bfloat162_rn(v[2], v[3]);
     return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
+  }
+  __device__ static __forceinline__ uint32_t pack2(float x, float y) {
+    __nv_bfloat162 a = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&a);
   }
   __device__ static __forceinline__ float to_float(__nv_bfloat16 v) {
     return __bfloat162float(v);

@@ -32,7 +32,7 @@ constexpr double kL2Discount = 4.0;
 constexpr int kDefaultReconstructM = 512;
 // Without a measurement, the original-basis reconstruct from this many rows on: its two-sided
 // Hadamard costs a fixed k*n pass, the rotated path's transforms grow with m*(k+n).
-constexpr int kDefaultOriginalBasisM = 2048;
+constexpr int kDefaultOriginalBasisM = 1024;
 // Below this many rows the reconstruct path is not even timed (the fused GEMM is decode-bound
 // and reconstruction alone costs more than it).
 constexpr int kMinReconstructTuneM = 64;

@@ -116,9 +116,10 @@ template <int K2>
 void reconstruct_original_launch(int cb, const ReconParams& p, cudaStream_t stream) {
   with_codebook<K2>(cb, [&](auto c) {
     const dim3 grid(p.n / kHadamard, p.k / kHadamard);
+    constexpr int kSmem = recon_original_smem<K2>();
     auto go = [&](auto kernel, unsigned& done) {
-      allow_smem(kernel, kReconOriginalSmem, done);
-      kernel<<<grid, kReconThreads, kReconOriginalSmem, stream>>>(p);
+      allow_smem(kernel, kSmem, done);
+      kernel<<<grid, kReconThreads, kSmem, stream>>>(p);
     };
     static unsigned done_bf16 = 0, done_fp16 = 0;
     if (p.out_bf16)

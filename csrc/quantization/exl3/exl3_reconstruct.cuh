@@ -5,7 +5,7 @@
 //    single cuBLAS GEMM on the untransformed input with no input or output transform pass.
 #pragma once
 
-#include "exl3_hadamard.cuh"
+#include "exl3_common.cuh"
 #include "exl3_kernels.h"
 #include "exl3_trellis.cuh"
 
@@ -17,10 +17,21 @@ constexpr int kReconWarps = kReconThreads / kWarpSize;
 // so the global stores are whole 16-byte row segments; +8 halves of padding per row keeps rows
 // 16-byte aligned.
 constexpr int kStripStride = kHadamard + 8;
-// Original-basis reconstruct: one 128 x 128 block in fp32; a row stride of 129 floats puts both
-// row walks (e = lane + 32 j along a row) and column walks (down a column) on distinct banks.
-constexpr int kBlockStride = kHadamard + 1;
-constexpr int kReconOriginalSmem = kHadamard * kBlockStride * 4;
+// Original-basis reconstruct: Ĥ Ŵ staged per 128 x 128 block as fp16 in shared memory; +8 halves
+// of row padding keep rows 16-byte aligned for ldmatrix and put the 8 rows of one fragment store
+// (and of one ldmatrix phase) on distinct banks.
+constexpr int kStageStride = kHadamard + 8;
+constexpr int kStageBytes = kHadamard * kStageStride * 2;
+// The block's trellis (8 x 8 tiles) is copied to shared memory behind the staging area in one
+// burst of cp.async, so its global latency is paid once per block instead of once per tile.
+template <int K2>
+constexpr int recon_original_smem() {
+  return kStageBytes + (kHadamard / kTile) * (kHadamard / kTile) * Rate<K2>::kTileBytes;
+}
+// Two resident blocks per SM: 64 fp32 accumulators per thread per pass fit 128 registers.
+constexpr int kReconOriginalMinBlocks = 3;
+// A 128 x 128 block is 8 x 8 tiles of 16 x 16.
+constexpr int kBlockTilesPerSide = kHadamard / kTile;
 
 template <int K2, int CB>
 __global__ void __launch_bounds__(kReconThreads) exl3_reconstruct_rotated_kernel(ReconParams p) {
@@ -48,76 +59,148 @@ __global__ void __launch_bounds__(kReconThreads) exl3_reconstruct_rotated_kernel
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&strip[r][c]);
 }
 
+// Sylvester H16 entries (-1)^popcount(i & j) for (i0, j0) and (i1, j1), packed as an fp16 pair
+// (first in the low half, the order of an mma fragment register).
+__device__ __forceinline__ uint32_t h16_pair(int i0, int j0, int i1, int j1) {
+  constexpr uint32_t kOne = 0x3C00u, kSign = 0x8000u;
+  const uint32_t lo = kOne | ((__popc(i0 & j0) & 1) ? kSign : 0u);
+  const uint32_t hi = kOne | ((__popc(i1 & j1) & 1) ? kSign : 0u);
+  return lo | (hi << 16);
+}
+
+// (x_q) -> H8 (x_q) over the 8 tiles a warp holds: one butterfly per bit of q.
+__device__ __forceinline__ void butterfly8(float (&v)[kBlockTilesPerSide][2][4]) {
+#pragma unroll
+  for (int bit = 1; bit < kBlockTilesPerSide; bit <<= 1)
+#pragma unroll
+    for (int q = 0; q < kBlockTilesPerSide; ++q)
+      if (!(q & bit))
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float a = v[q][h][e], b = v[q | bit][h][e];
+            v[q][h][e] = a + b;
+            v[q | bit][h][e] = a - b;
+          }
+}
+
+// W = diag(suh[s]) Ĥ Ŵ Ĥ diag(svh) for one 128 x 128 block, the Hadamards on tensor cores.
+// Sylvester H128[i][j] = H8[i >> 4][j >> 4] * H16[i & 15][j & 15] (the popcount splits over the
+// index bits), so each side is a 16 x 16 mma product per tile (H16) and a butterfly across the
+// 8 tiles one warp holds in registers (H8).
+//  pass 1, warp w = tile column w: decode the 8 tiles down the column, H16 x tile, butterfly
+//          down the column, stage Ĥ Ŵ as fp16 (a second rounding, 2^-11 relative, below the
+//          output's own) in shared memory;
+//  pass 2, warp w = tile row w: read the row's 8 tiles back as A fragments, tile x H16,
+//          butterfly along the row, scale by suh, svh and both 1/sqrt(128), store.
 template <int K2, int CB, typename T>
-__global__ void __launch_bounds__(kReconThreads) exl3_reconstruct_original_kernel(ReconParams p) {
+__global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
+    exl3_reconstruct_original_kernel(ReconParams p) {
   using R = Rate<K2>;
-  extern __shared__ float blk[];  // [128][kBlockStride]
+  extern __shared__ __align__(16) __half staged[];  // [128][kStageStride]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;  // mma fragment row group and column pair
   const int k0 = blockIdx.y * kHadamard, n0 = blockIdx.x * kHadamard;
   const int shard = shard_of_column(p.shards, n0);
 
-  // Decode the 8 x 8 tiles: warp w owns tile column w.
+  // H16 as an A fragment; H is symmetric, so its registers {0, 2} and {1, 3} are also the B
+  // fragments of H16's column halves 0 and 1.
+  const uint32_t h16[4] = {h16_pair(g, 2 * t, g, 2 * t + 1), h16_pair(g + 8, 2 * t, g + 8, 2 * t + 1),
+                           h16_pair(g, 2 * t + 8, g, 2 * t + 9),
+                           h16_pair(g + 8, 2 * t + 8, g + 8, 2 * t + 9)};
+  float v[kBlockTilesPerSide][2][4];
+
+  // The block's trellis: 8 tile rows of 8 consecutive tiles each, to shared memory.
+  constexpr int kRowBytes = kBlockTilesPerSide * R::kTileBytes;
+  uint8_t* s_trellis = reinterpret_cast<uint8_t*>(staged) + kStageBytes;
+  {
+    const uint8_t* src = static_cast<const uint8_t*>(p.trellis) +
+                         (static_cast<size_t>(k0 / kTile) * (p.n / kTile) + n0 / kTile) *
+                             R::kTileBytes;
+    const size_t src_row_bytes = static_cast<size_t>(p.n / kTile) * R::kTileBytes;
+    constexpr int kChunksPerRow = kRowBytes / 16;
+    for (int c = threadIdx.x; c < kBlockTilesPerSide * kChunksPerRow; c += kReconThreads) {
+      const int row = c / kChunksPerRow, off = (c % kChunksPerRow) * 16;
+      cp_async16(smem_addr(s_trellis + row * kRowBytes + off), src + row * src_row_bytes + off, 16);
+    }
+    cp_async_commit();
+  }
+  // H16 constants and lane state are set up while the copy is in flight.
   LaneWindow<K2> lw;
   lw.init(lane);
-  const uint8_t* trellis = static_cast<const uint8_t*>(p.trellis);
   const uint32_t halves_xor = halves_xor_register();
-  constexpr int kTilesPerBlock = kHadamard / kTile;
-#pragma unroll 2
-  for (int kt = 0; kt < kTilesPerBlock; ++kt) {
-    const uint8_t* tile =
-        trellis + (static_cast<size_t>(k0 / kTile + kt) * (p.n / kTile) + n0 / kTile + warp) *
-                      R::kTileBytes;
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Pass 1.
+#pragma unroll
+  for (int q = 0; q < kBlockTilesPerSide; ++q) {
     uint32_t b[4];
-    decode_fragments<K2, CB>(tile, lw, halves_xor, b);
+    decode_fragments<K2, CB>(s_trellis + q * kRowBytes + warp * R::kTileBytes, lw, halves_xor, b);
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const __half2 h = *reinterpret_cast<const __half2*>(&b[q]);
+    for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = 2 * q + e;
-        blk[(kt * kTile + position_row(lane, j)) * kBlockStride + warp * kTile +
-            position_col(lane, j)] = __half2float(e ? h.y : h.x);
-      }
+      for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
+      mma_16816(v[q][h], h16, b[2 * h], b[2 * h + 1]);
     }
   }
+  butterfly8(v);
+  // Accumulator (q, h, e) sits at row 16 q + g + 8 (e >> 1), column 16 warp + 8 h + 2 t + (e & 1).
+#pragma unroll
+  for (int q = 0; q < kBlockTilesPerSide; ++q)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const __half2 pair = __floats2half2_rn(v[q][h][2 * r] * kHadamardScale,
+                                               v[q][h][2 * r + 1] * kHadamardScale);
+        *reinterpret_cast<__half2*>(&staged[(q * kTile + g + 8 * r) * kStageStride +
+                                            warp * kTile + 8 * h + 2 * t]) = pair;
+      }
   __syncthreads();
-  // Ŵ Ĥ: transform every row (along n).
-  for (int r = warp; r < kHadamard; r += kReconWarps) {
-    float v[4];
+
+  // Pass 2.
+  const uint32_t s_row = smem_addr(staged) +
+                         ((warp * kTile + (lane & 15)) * kStageStride + (lane >> 4) * 8) * 2;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = blk[r * kBlockStride + lane + kWarpSize * j];
-    hadamard128(v, lane);
+  for (int q = 0; q < kBlockTilesPerSide; ++q) {
+    uint32_t a[4];
+    ldmatrix_x4(a, s_row + q * kTile * 2);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) blk[r * kBlockStride + lane + kWarpSize * j] = v[j];
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
+      mma_16816(v[q][h], a, h16[h], h16[h + 2]);
+    }
   }
-  __syncthreads();
-  // Ĥ (Ŵ Ĥ): transform every column (along k).
-  for (int c = warp; c < kHadamard; c += kReconWarps) {
-    float v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = blk[(lane + kWarpSize * j) * kBlockStride + c];
-    hadamard128(v, lane);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) blk[(lane + kWarpSize * j) * kBlockStride + c] = v[j];
-  }
-  __syncthreads();
-  // Scale by suh (rows) and svh (columns) and both 1/sqrt(128), round once, 16-byte stores.
+  butterfly8(v);
+  // Accumulator (q, h, e) sits at row 16 warp + g + 8 (e >> 1), column 16 q + 8 h + 2 t + (e & 1).
   const __half* suh = static_cast<const __half*>(p.suh) + static_cast<size_t>(shard) * p.k + k0;
   const __half* svh = static_cast<const __half*>(p.svh) + n0;
-  constexpr float kBoth = kHadamardScale * kHadamardScale;
-  constexpr int kVec = 8;
-  for (int idx = threadIdx.x; idx < kHadamard * kHadamard / kVec; idx += kReconThreads) {
-    const int r = idx / (kHadamard / kVec), c = (idx % (kHadamard / kVec)) * kVec;
-    const float rs = __half2float(suh[r]) * kBoth;
-    float lo[4], hi[4];
+  float rs[2];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      lo[e] = blk[r * kBlockStride + c + e] * rs * __half2float(svh[c + e]);
-      hi[e] = blk[r * kBlockStride + c + 4 + e] * rs * __half2float(svh[c + 4 + e]);
+  for (int r = 0; r < 2; ++r) rs[r] = __half2float(suh[warp * kTile + g + 8 * r]) * kHadamardScale;
+  // The warp's own 16 rows of the staging area take the result (no other warp reads them after
+  // the ldmatrix above), then the block stores whole 16-byte row segments.
+  __syncwarp();
+#pragma unroll
+  for (int q = 0; q < kBlockTilesPerSide; ++q)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = q * kTile + 8 * h + 2 * t;
+      const float2 cs = __half22float2(*reinterpret_cast<const __half2*>(svh + c));
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<uint32_t*>(&staged[(warp * kTile + g + 8 * r) * kStageStride + c]) =
+            Fp16Like<T>::pack2(v[q][h][2 * r] * rs[r] * cs.x, v[q][h][2 * r + 1] * rs[r] * cs.y);
     }
-    const uint2 a = Fp16Like<T>::pack4(lo), b = Fp16Like<T>::pack4(hi);
-    T* dst = static_cast<T*>(p.w) + static_cast<size_t>(k0 + r) * p.n + n0 + c;
-    *reinterpret_cast<uint4*>(dst) = make_uint4(a.x, a.y, b.x, b.y);
+  __syncthreads();
+  constexpr int kChunksPerRow = kHadamard * 2 / 16;
+  for (int c = threadIdx.x; c < kHadamard * kChunksPerRow; c += kReconThreads) {
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    T* dst = static_cast<T*>(p.w) + static_cast<size_t>(k0 + row) * p.n + n0 + col;
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&staged[row * kStageStride + col]);
   }
 }
 
