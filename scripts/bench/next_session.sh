@@ -68,6 +68,13 @@ call1)
     $PY scripts/bench/verify_kernels.py --ext $EXT --sample > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit $? (9 = errors found, 124 = timed out)"; tail -4 "$OUT/memcheck.log"
 
+  # racecheck is slow (every shared-memory access is tracked): a handful of cases, its own log.
+  log "compute-sanitizer racecheck (sample)"
+  timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --kernel-name kns=exl3 \
+    --error-exitcode 9 $PY scripts/bench/verify_kernels.py --ext $EXT --sample \
+    > "$OUT/racecheck.log" 2>&1
+  echo "racecheck exit $? (9 = hazards found, 124 = timed out)"; tail -4 "$OUT/racecheck.log"
+
   log "SASS k-loop instructions per weight (this build)"
   timeout 60 $PY scripts/bench/sass_loop.py $EXT --mt 1 8 --json "$OUT/sass.json" | \
     grep -E "bits +(2|4|6) " || true
