@@ -193,13 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         loops = json.loads(args.sass_json.read_text())
     exl3_cls = None if args.no_exl3 else exl3_module(args.exl3_state, args.exl3_wait_s,
                                                     args.exl3_import_timeout_s)
-    try:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    # The device machine gets a copy of the tree without .git: the caller passes the commit.
-    commit = commit or os.environ.get("EXL3_COMMIT", "unknown")
+    # The caller's word first: on the device machine the tree's .git can be a stale copy (the
+    # 2026-11-30 runs reported an older commit than the kernels they timed).
+    commit = os.environ.get("EXL3_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
+    commit = commit or "unknown"
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "commit": commit, "command": " ".join(["bench_linear.py", *(argv or sys.argv[1:])]),
             "extension": ext, "ceilings": ceil, "pool_bytes": POOL_BYTES, "replays": REPLAYS,

@@ -27,8 +27,11 @@ left() { echo $(( DEADLINE - PACK_S - $(date +%s) )); }
 kernels() {
   local phase=$1 gpu=$2
   mkdir -p "$OUT/kernels"
+  # The commit the kernels were built from, from the installed wheel's version (0.26.0+exl3.<hash>).
+  local commit
+  commit=$(python3 -c "import importlib.metadata as m; print(m.version('vllm').rpartition('exl3.')[2])" 2>/dev/null)
   timeout "$(left)" env -u PYTHONPATH CUDA_VISIBLE_DEVICES="$gpu" OUT="$OUT/kernels" \
-    EXT="$EXT_INSTALLED" CALL_LIMIT_S="$(left)" EXL3_JOBS="${EXL3_JOBS:-20}" \
+    EXT="$EXT_INSTALLED" CALL_LIMIT_S="$(left)" EXL3_JOBS="${EXL3_JOBS:-20}" EXL3_COMMIT="$commit" \
     bash scripts/bench/next_session.sh "$phase" > /dev/null 2>&1
 }
 
