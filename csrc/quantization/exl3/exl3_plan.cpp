@@ -36,6 +36,12 @@ constexpr int kDefaultOriginalBasisM = 1024;
 // Below this many rows the reconstruct path is not even timed (the fused GEMM is decode-bound
 // and reconstruction alone costs more than it).
 constexpr int kMinReconstructTuneM = 64;
+// Where the reconstruct path is timed, a fused tier is timed only while it decodes the weights
+// at most this many times (one decode per block row of BM rows). Past that, reconstruct +
+// cuBLAS won every shape measured on the H200 (scripts/bench/results, profile_paths and
+// bm128_layout_ab: BM 128 is level with it at m = 512 and behind from 1024), and timing a
+// BM = 16 GEMM at m = 16384 would cost ~0.1 s per run of the tuner.
+constexpr int kMaxTunedRowBlocks = 16;
 // Autotuner: head start given to the device so the timed launches queue up gap-free, and the
 // number of timed repetitions per candidate.
 constexpr int kTuneSleepUs = 300;
@@ -154,8 +160,11 @@ Plan cost_model(const Problem& pr, const Pins& pins) {
 std::vector<Plan> candidates(const Problem& pr, const Pins& pins) {
   std::vector<Plan> out;
   const int bucket = pow2_ceil(std::max(pr.m, kRowsPerTier));
+  const bool tune_reconstruct = !pins.reconstruct_m && pr.m >= kMinReconstructTuneM;
   for (int mt : kGemmTiers) {
     if (pins.mt ? mt != pins.mt : kRowsPerTier * mt > bucket) continue;
+    if (tune_reconstruct && !pins.mt && ceil_div(bucket, kRowsPerTier * mt) > kMaxTunedRowBlocks)
+      continue;
     std::vector<int> splits;
     if (pins.splits) {
       splits = {std::min(pins.splits, max_splits(pr))};
@@ -167,7 +176,7 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins) {
     splits.erase(std::unique(splits.begin(), splits.end()), splits.end());
     for (int s : splits) out.push_back(Plan{Path::kFused, mt, s});
   }
-  if (!pins.reconstruct_m && pr.m >= kMinReconstructTuneM)
+  if (tune_reconstruct)
     for (const Plan& r : reconstruct_candidates(pins)) out.push_back(r);
   return out;
 }

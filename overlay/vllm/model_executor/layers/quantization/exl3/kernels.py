@@ -28,6 +28,9 @@ class Exl3KernelConfig:
 
 
 class Exl3Kernel(ABC):
+    # Whether the kernel picks plans by timing on first use (warmup.py tunes them at load).
+    tunes_plans = False
+
     @classmethod
     @abstractmethod
     def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:
@@ -46,6 +49,7 @@ class CudaExl3Kernel(Exl3Kernel):
 
     # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
     MIN_CAPABILITY = 80
+    tunes_plans = True
     ACT_DTYPES = (torch.float16, torch.bfloat16)
 
     @classmethod

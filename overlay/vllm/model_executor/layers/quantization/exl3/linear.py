@@ -19,6 +19,7 @@ from .format import TILE, Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, choose_exl3_kernel
 from .layout import Exl3Layout, Exl3LayoutError, Split, plan_linear, trellis_words
 from .padding import unpad_bias_loads
+from .warmup import warm_up_layer
 from .weights import OUT_INDEX, Exl3LayerWeights, direct_weight_loader
 
 
@@ -64,6 +65,17 @@ def run_layout(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module, x
     return y.reshape(*lead, layout.out_width)
 
 
+def warm_up(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module) -> None:
+    """Tune the kernel's plans for every token-count bucket now (warmup.py), once per distinct
+    layer configuration."""
+    if not kernel.tunes_plans:
+        return
+    key = (str(layer.trellis.device), layer.params_dtype, layout.k_alloc,
+           tuple((r.bits, int(r.codebook), r.shard_widths) for r in layout.runs))
+    warm_up_layer(key, layout.k_width, layout.out_width, layer.params_dtype,
+                  layer.trellis.device, lambda x: run_layout(kernel, layout, layer, x, None))
+
+
 @register_weight_loader_v2_supported_method
 class Exl3LinearMethod(LinearMethodBase):
     """One EXL3 linear layer; `specs` are its checkpoint modules in shard order."""
@@ -105,6 +117,7 @@ class Exl3LinearMethod(LinearMethodBase):
         self.weights.finish(layer)
         self.kernel = choose_exl3_kernel(
             Exl3KernelConfig(self.layout.prefix, layer.trellis.device, layer.params_dtype))
+        warm_up(self.kernel, self.layout, layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from .format import Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, choose_exl3_kernel
 from .layout import Exl3Layout, Exl3LayoutError, plan_lm_head
-from .linear import run_layout
+from .linear import run_layout, warm_up
 from .weights import Exl3LayerWeights, direct_weight_loader
 
 
@@ -47,6 +47,7 @@ class Exl3LMHeadMethod(QuantizeMethodBase):
         self.weights.finish(layer)
         self.kernel = choose_exl3_kernel(
             Exl3KernelConfig(self.prefix, layer.trellis.device, layer.params_dtype))
+        warm_up(self.kernel, self.layout, layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
