@@ -5,10 +5,11 @@ The op picks its plan (fused GEMM tier x split-k, or reconstruct + cuBLAS) by ti
 candidates the first time it meets a key (device, k, n, bitrate, codebook, shards, dtype and
 m rounded up to a power of two), and never inside CUDA-graph capture. vLLM's own start-up
 reaches only its CUDA-graph sizes and one profiling batch; every prefill size in between was
-tuned on its first request. On the H200 throughput run of 2026-11-30 (qwen3-8b, 4 bpw) that put
-~0.8 s into the first batches' time to first token (970 ms against bf16's 185 ms at concurrency
-16). Here each distinct layer configuration runs once per power of two up to the scheduler's
-token budget, on zeros, right after loading.
+tuned on its first request. The H200 throughput run of 2026-11-30 (qwen3-8b, 4 bpw) measured a
+time to first token of 970 ms against bf16's 185 ms at concurrency 16, far more than the large-m
+path's 1.1-1.5x per linear explains; tuning inside the timed requests fits that (to be confirmed
+on the GPU). Here each distinct layer configuration runs once per power of two up to the
+scheduler's token budget, on zeros, right after loading.
 """
 
 import torch
