@@ -110,11 +110,6 @@ template <typename T>
 struct Fp16Like;
 template <>
 struct Fp16Like<__half> {
-  __device__ static __forceinline__ uint2 pack4(const float (&v)[4]) {
-    __half2 a = __floats2half2_rn(v[0], v[1]);
-    __half2 b = __floats2half2_rn(v[2], v[3]);
-    return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
-  }
   __device__ static __forceinline__ uint32_t pack2(float x, float y) {
     __half2 a = __floats2half2_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&a);
@@ -123,11 +118,6 @@ struct Fp16Like<__half> {
 };
 template <>
 struct Fp16Like<__nv_bfloat16> {
-  __device__ static __forceinline__ uint2 pack4(const float (&v)[4]) {
-    __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]);
-    __nv_bfloat162 b = __floats2bfloat162_rn(v[2], v[3]);
-    return make_uint2(*reinterpret_cast<uint32_t*>(&a), *reinterpret_cast<uint32_t*>(&b));
-  }
   __device__ static __forceinline__ uint32_t pack2(float x, float y) {
     __nv_bfloat162 a = __floats2bfloat162_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&a);
@@ -136,6 +126,12 @@ struct Fp16Like<__nv_bfloat16> {
     return __bfloat162float(v);
   }
 };
+
+// Four fp32 rounded to T, as one 8-byte store's worth.
+template <typename T>
+__device__ __forceinline__ uint2 pack4(const float (&v)[4]) {
+  return make_uint2(Fp16Like<T>::pack2(v[0], v[1]), Fp16Like<T>::pack2(v[2], v[3]));
+}
 
 // Four consecutive 16-bit floats (8 bytes) to fp32.
 template <typename T>

@@ -22,7 +22,7 @@ __device__ __forceinline__ void finish_row(float (&v)[4], int lane, const __half
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] += b[j];
   }
-  *reinterpret_cast<uint2*>(y_row + c) = Fp16Like<T>::pack4(v);
+  *reinterpret_cast<uint2*>(y_row + c) = pack4<T>(v);
 }
 
 }  // namespace vllm_exl3

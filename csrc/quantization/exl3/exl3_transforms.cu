@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
     for (int j = 0; j < 4; ++j) v[j] *= kHadamardScale;
     *reinterpret_cast<uint2*>(xh + (static_cast<size_t>(s) * m + row) * k + col) =
-        Fp16Like<__half>::pack4(v);
+        pack4<__half>(v);
   }
 }
 
