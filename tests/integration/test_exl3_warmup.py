@@ -73,6 +73,14 @@ def test_memory_cap_stops_the_walk(fresh, monkeypatch):
     assert [m for m, _, _ in kernel.calls] == [1, 2, 4, 8]
 
 
+def test_env_turns_it_off(fresh, monkeypatch):
+    monkeypatch.setenv("VLLM_EXL3_WARMUP", "0")
+    layer = loaded_qkv()
+    kernel = RecordingKernel()
+    warm_up(kernel, layer.quant_method.layout, layer)
+    assert kernel.calls == []
+
+
 def test_reference_kernel_is_not_warmed(fresh, monkeypatch):
     layer = loaded_qkv()
     called = []

@@ -9,11 +9,12 @@ tuned on its first request. The H200 throughput run of 2026-11-30 (qwen3-8b, 4 b
 time to first token of 970 ms against bf16's 185 ms at concurrency 16, far more than the large-m
 path's 1.1-1.5x per linear explains; tuning inside the timed requests fits that (to be confirmed
 on the GPU). Here each distinct layer configuration runs once per power of two up to the
-scheduler's token budget, on zeros, right after loading.
+scheduler's token budget, on zeros, right after loading; VLLM_EXL3_WARMUP=0 turns it off.
 """
 
 import torch
 
+import vllm.envs as envs
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 
@@ -50,7 +51,7 @@ def warm_up_layer(key: tuple, k: int, n: int, dtype: torch.dtype, device: torch.
                   forward) -> int:
     """Call forward(x) on zeros [m, k] for every bucket, once per distinct key; returns the
     number of calls made (0 when this configuration was already warmed)."""
-    if key in _warmed:
+    if key in _warmed or not envs.VLLM_EXL3_WARMUP:
         return 0
     _warmed.add(key)
     calls = 0
