@@ -92,3 +92,36 @@ def test_bad_inputs_raise_clear_errors() -> None:
     rep = vk.Report()
     vk.check_errors(rep)
     assert_clean(rep)
+
+
+def _timed_plans(err: str, m: int) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.startswith(f"exl3 plan m={m} ")]
+
+
+def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypatch) -> None:
+    """The autotuner (VLLM_EXL3_LOG_PLANS=1 prints each timed candidate): at m = 4096 only the
+    reconstruct paths are timed (fused tiers would decode the weights > 16 times); at m = 100
+    every tier with <= 16 row blocks is; a second m in an already tuned power-of-two bucket
+    times nothing (what exl3/warmup.py relies on)."""
+    monkeypatch.setenv("VLLM_EXL3_LOG_PLANS", "1")
+    layer = vk.random_layer(gen, 1024, [1280], 4.0, 1)
+
+    def call(m: int) -> None:
+        x = torch.randn(m, 1024, device="cuda", generator=gen).to(torch.bfloat16)
+        y = torch.ops._C.exl3_linear(x, layer.trellis, layer.suh, layer.svh, None,
+                                     layer.widths, layer.codebook)
+        assert bool(torch.isfinite(y).all())
+        torch.cuda.synchronize()
+
+    capfd.readouterr()
+    call(4096)
+    big = _timed_plans(capfd.readouterr().err, 4096)
+    assert big and all(" path=0 " not in ln for ln in big), big
+    call(100)
+    mid = _timed_plans(capfd.readouterr().err, 100)
+    assert {int(ln.split(" bm=")[1].split()[0]) for ln in mid if " path=0 " in ln} == \
+        {16, 32, 64, 128}, mid
+    call(3000)  # bucket 4096, tuned above
+    call(65)  # bucket 128, tuned above
+    err = capfd.readouterr().err
+    assert not _timed_plans(err, 3000) and not _timed_plans(err, 65), err
