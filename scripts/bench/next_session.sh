@@ -7,7 +7,8 @@
 #           full verification, compute-sanitizer memcheck sample, SASS loop counts, ncu
 #           instructions per weight, then the cold benchmark of our kernels (no ExLlamaV3)
 #   call2 - the same-run anchor benchmark (ours, ExLlamaV3 with its path per m, bf16) on the
-#           anchors' shapes, once ExLlamaV3's build is done
+#           issue's five shapes, bits 4 6 2 3 5, all codebooks, once ExLlamaV3's build is done
+#           (results rewritten after every configuration, so a cut run still reports)
 # Each call stays under the device tool's 10-minute limit: every step has its own timeout and
 # the benchmarks a budget computed from the time left.
 set -u
@@ -137,7 +138,7 @@ call2)
   log "same-run anchor benchmark, budget ${budget} s"
   timeout $(( budget + 50 )) $PY scripts/bench/bench_linear.py --ext $EXT --out "$OUT" \
     --tag bench_anchor --exl3-state "$STATE" --exl3-wait-s 30 --exl3-import-timeout-s 90 \
-    --shapes 4096x4096 4096x11008 --bits 4 6 --codebooks 0 1 2 --budget-s "$budget" \
+    --bits 4 6 2 3 5 --codebooks 0 1 2 --budget-s "$budget" \
     --sass-json "$STATE/sass.json" | grep -v '^{"k"' || true
   log "call2 done"
   ;;
