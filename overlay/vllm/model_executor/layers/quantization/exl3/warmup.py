@@ -5,10 +5,11 @@ The op picks its plan (fused GEMM tier x split-k, or reconstruct + cuBLAS) by ti
 candidates the first time it meets a key (device, k, n, bitrate, codebook, shards, dtype and
 m rounded up to a power of two), and never inside CUDA-graph capture. vLLM's own start-up
 reaches only its CUDA-graph sizes and one profiling batch; every prefill size in between was
-tuned on its first request. The H200 throughput run of 2026-11-30 (qwen3-8b, 4 bpw) measured a
-time to first token of 970 ms against bf16's 185 ms at concurrency 16, far more than the large-m
-path's 1.1-1.5x per linear explains; tuning inside the timed requests fits that (to be confirmed
-on the GPU). Here each distinct layer configuration runs once per power of two up to the
+tuned on its first request. The H200 throughput run of 2026-11-30 (qwen3-8b, 4 bpw,
+max_num_batched_tokens 16384) measured times to first token of 5.9x and 5.2x bf16's where the
+prefill was 2048 and 8192 tokens (buckets first met inside the timed requests) but 1.67x where it
+ran in 16384-token chunks (the bucket vLLM's profiling batch had tuned); the large-m path itself
+is 1.1-1.5x per linear. Here each distinct layer configuration runs once per power of two up to the
 scheduler's token budget, on zeros, right after loading; VLLM_EXL3_WARMUP=0 turns it off.
 """
 
