@@ -31,10 +31,13 @@ CALLS = 5
 # Pins per path (read by the op on every call, see exl3_plan.cpp).
 PATHS = {
     "auto": {},
-    "fused_bm16": {"VLLM_EXL3_BM": "16"},
-    "fused_bm32": {"VLLM_EXL3_BM": "32"},
-    "fused_bm64": {"VLLM_EXL3_BM": "64"},
-    "fused_bm128": {"VLLM_EXL3_BM": "128"},
+    # RECONSTRUCT_M = 0 keeps the reconstruct paths out of the tuner's candidates, so these rows
+    # time the fused GEMM itself (the 76c291d profile lacked it: its fused rows above m = 64
+    # fell back to reconstruct).
+    "fused_bm16": {"VLLM_EXL3_BM": "16", "VLLM_EXL3_RECONSTRUCT_M": "0"},
+    "fused_bm32": {"VLLM_EXL3_BM": "32", "VLLM_EXL3_RECONSTRUCT_M": "0"},
+    "fused_bm64": {"VLLM_EXL3_BM": "64", "VLLM_EXL3_RECONSTRUCT_M": "0"},
+    "fused_bm128": {"VLLM_EXL3_BM": "128", "VLLM_EXL3_RECONSTRUCT_M": "0"},
     "recon_original": {"VLLM_EXL3_RECONSTRUCT_M": "1", "VLLM_EXL3_RECONSTRUCT_BASIS": "original"},
     "recon_rotated": {"VLLM_EXL3_RECONSTRUCT_M": "1", "VLLM_EXL3_RECONSTRUCT_BASIS": "rotated"},
 }
