@@ -98,3 +98,40 @@ def test_budget_comes_from_the_scheduler_config(world1):
         assert warmup.max_tokens() == warmup.DEFAULT_MAX_TOKENS
     else:
         assert warmup.max_tokens() == config.scheduler_config.max_num_batched_tokens
+
+
+@pytest.mark.slow
+def test_whole_model_load_warms_each_configuration_once(tmp_path, monkeypatch, world1):
+    """vLLM's real loader on the fixture: with a plan-tuning kernel selected, every distinct
+    linear configuration (qkv, o, gate_up, down, lm_head) is warmed once over the whole bucket
+    walk, not once per decoder layer, and the load completes."""
+    from exl3_harness import checkpoint_copy
+    from test_exl3_model import CPU_ATTENTION_BACKEND
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.platforms import current_platform
+
+    calls: list[tuple[int, int, tuple[int, ...]]] = []
+
+    class Tuning(RecordingKernel):
+        def __init__(self):
+            self.calls = calls
+
+    monkeypatch.setattr(kernels, "CANDIDATES", (Tuning,))
+    monkeypatch.setattr(warmup, "_warmed", set())
+    monkeypatch.setattr(warmup, "max_tokens", lambda: 64)
+    monkeypatch.setattr(current_platform, "get_attn_backend_cls",
+                        lambda *args, **kwargs: CPU_ATTENTION_BACKEND)
+    model_config = ModelConfig(model=str(checkpoint_copy(CKPT_3INST, tmp_path / "ckpt",
+                                                         tokenizer=True)), dtype="bfloat16")
+    vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
+    model = get_model_loader(vllm_config.load_config).load_model(
+        vllm_config=vllm_config, model_config=model_config)
+    assert isinstance(model.lm_head.quant_method.kernel, Tuning)
+    configs = {(k, widths) for _, k, widths in calls}
+    walks = {c: [m for m, k, w in calls if (k, w) == c] for c in configs}
+    assert all(ms == warmup.warmup_m_values(64) for ms in walks.values()), walks
+    # The 4 decoder layers share their four configurations (o, qkv, gate_up, down); the head
+    # (vocab 4096) adds one: 5 walks, not 4 x 4 + 1.
+    assert set(walks) == {(256, (256,)), (256, (256, 128, 128)), (256, (768, 768)),
+                          (768, (256,)), (256, (4096,))}, sorted(walks)
