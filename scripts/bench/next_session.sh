@@ -112,6 +112,14 @@ call1)
       grep -E "sm__|smsp__|ERR" | grep -v -E " 0(\.0+)?$" | sed "s/^/[$cfg] /"
   done
 
+  # The mid-m question of NEXT_SESSION.md: is BM 128 at m = 256 (4096x11008) held back by
+  # wave quantization (SMs with one block vs two) or by something inside a block?
+  log "ncu: BM 128, m = 256, 4096x11008: occupancy, per-SM activity spread, stalls"
+  timeout 90 ncu --clock-control none -k regex:exl3_gemm_kernel -c 1 --metrics \
+    "launch__grid_size,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__cycles_active.min,sm__cycles_active.max,sm__cycles_active.avg,gpu__time_duration.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,regex:^smsp__warp_issue_stalled_.*_per_warp_active.pct$" \
+    $PY scripts/bench/ncu_probe.py 4 1 256 --n 11008 --bm 128 --split 1 --ext $EXT 2>&1 | \
+    grep -E "launch__|sm__|smsp__|l1tex__|gpu__|ERR" | grep -v -E " 0(\.0+)?$" | sed "s/^/[bm128 m256] /"
+
   budget=$(( $(left) - 60 ))
   log "benchmark of our kernels, budget ${budget} s"
   if [ "$budget" -gt 60 ]; then
