@@ -22,6 +22,9 @@ void cuda_check(cudaError_t e, const char* what) {
 struct SplitkBuffer {
   float* ptr = nullptr;
   size_t floats = 0;
+  // Whether a CUDA graph may reference ptr: it was handed out during capture. Only such
+  // buffers are kept alive after growing; the others (load-time warm-up, eager tuning) are freed.
+  bool in_graphs = false;
   std::vector<float*> retired;  // kept alive for graphs captured against them
 };
 
@@ -37,7 +40,11 @@ float* splitk_workspace(int device, size_t floats, bool may_grow) {
   if (floats * sizeof(float) > kSplitkWorkspaceCapBytes) return nullptr;
   std::lock_guard<std::mutex> lock(g_mutex);
   SplitkBuffer& b = g_splitk[device];
-  if (b.floats >= floats) return b.ptr;
+  if (b.floats >= floats) {
+    // may_grow is false exactly while the caller's stream is capturing a CUDA graph.
+    if (!may_grow) b.in_graphs = true;
+    return b.ptr;
+  }
   if (!may_grow) return nullptr;
   // Grow geometrically so a warm-up over increasing sizes allocates O(log) times.
   size_t want = b.floats ? b.floats * 2 : floats;
@@ -48,9 +55,17 @@ float* splitk_workspace(int device, size_t floats, bool may_grow) {
   // Zeroed once here; afterwards every finish kernel restores the zeros it consumed.
   cuda_check(cudaMemset(p, 0, want * sizeof(float)), "zeroing the split-k workspace");
   cuda_check(cudaDeviceSynchronize(), "zeroing the split-k workspace");
-  if (b.ptr) b.retired.push_back(b.ptr);
+  if (b.ptr) {
+    if (b.in_graphs) {
+      b.retired.push_back(b.ptr);
+    } else {
+      // No graph holds it; the device is idle after the synchronize above.
+      cuda_check(cudaFree(b.ptr), "freeing the outgrown split-k workspace");
+    }
+  }
   b.ptr = p;
   b.floats = want;
+  b.in_graphs = false;
   return p;
 }
 

@@ -13,8 +13,9 @@ namespace vllm_exl3 {
 // The split-k accumulator of `device`, all zeros between calls (the finish kernel re-zeroes what
 // it read). Returns a buffer of at least `floats` elements, or nullptr when it would have to grow
 // and `may_grow` is false (during CUDA-graph capture) or the request exceeds the cap: the caller
-// then runs without split-k. Superseded buffers are kept, never freed: a captured graph may
-// still address them.
+// then runs without split-k. A superseded buffer that was handed out during a capture is kept,
+// never freed (a captured graph may still address it); one only ever used eagerly (load-time
+// warm-up, tuning) is freed when outgrown.
 float* splitk_workspace(int device, size_t floats, bool may_grow);
 
 // Largest accumulator the split-k path may ask for (bytes); beyond it split-k is not worth it.
