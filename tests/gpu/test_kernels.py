@@ -125,3 +125,43 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
     call(65)  # bucket 128, tuned above
     err = capfd.readouterr().err
     assert not _timed_plans(err, 3000) and not _timed_plans(err, 65), err
+
+
+WORKSPACE_PROBE = r"""
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import verify_kernels as vk
+vk.load_extension()
+os.environ.update(VLLM_EXL3_BM="16", VLLM_EXL3_SPLIT_K="2", VLLM_EXL3_RECONSTRUCT_M="0")
+gen = torch.Generator(device="cuda").manual_seed(0)
+layer = vk.random_layer(gen, 1024, [16384], 4.0, 1)
+
+def non_torch_bytes():
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+def call(m):
+    x = torch.randn(m, 1024, device="cuda", generator=gen).to(torch.bfloat16)
+    torch.ops._C.exl3_linear(x, layer.trellis, layer.suh, layer.svh, None, layer.widths,
+                             layer.codebook)
+    torch.cuda.synchronize()
+
+call(1)  # cuBLAS handle, context, a first small workspace
+base = non_torch_bytes()
+for m in (2048, 4096, 8192):  # workspace m x 16384 fp32: 128, 256, 512 MiB
+    call(m)
+print("GROWN", non_torch_bytes() - base)
+"""
+
+
+def test_outgrown_workspace_is_freed_when_no_graph_holds_it(tmp_path) -> None:
+    """Eager growth (the load-time warm-up's pattern) keeps only the newest split-k workspace:
+    growing 128 -> 256 -> 512 MiB leaves ~512 MiB in use, not the 896 MiB of all three."""
+    import subprocess
+    script = tmp_path / "probe.py"
+    script.write_text(WORKSPACE_PROBE)
+    r = subprocess.run([sys.executable, str(script), str(REPO / "scripts" / "bench")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    grown = int(r.stdout.split("GROWN")[-1])
+    assert 480 << 20 <= grown <= 600 << 20, f"workspace memory grew by {grown >> 20} MiB"
