@@ -132,7 +132,7 @@ import os, sys, torch
 sys.path.insert(0, sys.argv[1])
 import verify_kernels as vk
 vk.load_extension()
-os.environ.update(VLLM_EXL3_BM="16", VLLM_EXL3_SPLIT_K="2", VLLM_EXL3_RECONSTRUCT_M="0")
+os.environ.update(VLLM_EXL3_BM="128", VLLM_EXL3_SPLIT_K="2", VLLM_EXL3_RECONSTRUCT_M="0")
 gen = torch.Generator(device="cuda").manual_seed(0)
 layer = vk.random_layer(gen, 1024, [16384], 4.0, 1)
 
