@@ -64,6 +64,12 @@ call1)
   timeout 240 $PY scripts/bench/verify_kernels.py --ext $EXT --json "$OUT/verify.json"
   echo "verify exit $?"
 
+  # The GPU tests: verify's checks as pytest cases plus the tuner-candidate and workspace tests.
+  log "pytest tests/gpu"
+  VLLM_EXL3_EXT=$EXT timeout 200 $PY -m pytest -q -x -p no:cacheprovider tests/gpu \
+    > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest tests/gpu exit $?"; tail -3 "$OUT/pytest_gpu.log"
+
   log "compute-sanitizer memcheck (sample)"
   timeout 120 compute-sanitizer --tool memcheck --kernel-name kns=exl3 --error-exitcode 9 \
     $PY scripts/bench/verify_kernels.py --ext $EXT --sample > "$OUT/memcheck.log" 2>&1
