@@ -10,8 +10,9 @@
   issue_instr_per_s  what the warp schedulers can issue (SMs x 4 x 32 lanes x SM clock; from the
                      device properties, not measured)
 
-mma_flops and int_instr_per_s run tiny CUDA kernels compiled at run time through CuPy (NVRTC); without CuPy they
-are reported as None and the speed-of-light bound uses the terms it has.
+mma_flops and int_instr_per_s run tiny CUDA kernels compiled at run time through CuPy (NVRTC);
+without CuPy they (and issue_instr_per_s) are None and the speed-of-light bound uses the terms
+it has.
 """
 
 from __future__ import annotations

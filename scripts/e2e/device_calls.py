@@ -43,7 +43,6 @@ COMMAND_LIMIT = 2000  # characters, the run tool's limit
 # Per-call wall-clock limits (the run tool allows 600 s): the e2e scripts get budgets that leave
 # room for the install before them and for engine shutdown after their last stage.
 INSTALL_AND_FIXTURE_BUDGET_S = 450
-TP2_BUDGET_S = 520
 THROUGHPUT_BUDGET_S = 520
 # x2_session.sh phases: seconds from the command's start to its deadline (the tool allows 600).
 X2_CALL_S = 570
@@ -113,27 +112,23 @@ def run_commands() -> dict[str, str]:
                     f"{INSTALL_AND_FIXTURE_BUDGET_S} 2>&1 | tee $OUT/fixture_e2e.log"),
         "throughput": (f"set -o pipefail; {env} && python3 scripts/e2e/throughput.py "
                        f"--budget-s {THROUGHPUT_BUDGET_S} 2>&1 | tee $OUT/throughput.log"),
-        "tp2": (f"set -o pipefail; {env} && python3 scripts/e2e/run_fixture_e2e.py --tp 2 "
-                f"--baseline {HOST_DIR}/e2e/fixture_e2e.json --budget-s {TP2_BUDGET_S} 2>&1 "
-                "| tee $OUT/fixture_e2e_tp2.log"),
     }
 
 
-def x2_calls(stage_calls: list[dict], tree: int) -> list[dict]:
+def x2_calls(stage_calls: list[dict], last_stage: str, tree: int) -> list[dict]:
     """The same staging on nvidia-h200-x2, then scripts/e2e/x2_session.sh's three phases: the
     two GPUs run the e2e record and the kernels' record side by side (issues 3 and 4 in one
     lease). The last staging call also carries ExLlamaV3's wheels (.whl, see
     scripts/bench/NEXT_SESSION.md)."""
     calls = [dict(c) for c in stage_calls[:-1]]
     last = stage_calls[-1]
-    stage = last["command"].split(" && { bash ")[0].removeprefix("set -o pipefail; ")
     session = "bash scripts/e2e/x2_session.sh"
     # The deadline is taken when the command starts, so the install's time counts against it.
     deadline = f"export DEADLINE=$(( $(date +%s) + {X2_CALL_S} )); set -o pipefail; "
     wheels = REPO / ".whl"
     calls.append({**last, "carry": [*last["carry"], ".whl"],
                   "bytes": last["bytes"] + (path_bytes(wheels) if wheels.exists() else 0),
-                  "command": (deadline + stage + " && " + install_command() + " && "
+                  "command": (deadline + last_stage + " && " + install_command() + " && "
                               + session + " tp1"),
                   "does": last["does"].split(";")[0] + "; install; x2_session tp1 (fixture "
                           "e2e on GPU 0, kernel verification + benchmark on GPU 1)"})
@@ -173,9 +168,9 @@ def layout(bundle: Path, margin: int) -> dict:
         if i == 1:
             _link(installer, d / installer.name)
         first, last = i == 1, i == len(parts)
-        command = stage_command(i, [(part.name, shas[part.name])], first)
+        stage = command = stage_command(i, [(part.name, shas[part.name])], first)
         if last:
-            command = ("set -o pipefail; " + command + " && " + install_command() + " && "
+            command = ("set -o pipefail; " + stage + " && " + install_command() + " && "
                        + run_commands()["fixture"])
         calls.append({"call": i, "carry": [f".e2e/xfer/c{i}"], "command": command,
                       "bytes": tree + path_bytes(d), "timeout_s": 600 if last else 120,
@@ -187,10 +182,10 @@ def layout(bundle: Path, margin: int) -> dict:
     calls.append({"call": n + 1, "carry": [], "command": cmds["throughput"],
                   "bytes": tree, "timeout_s": 600, "does": "throughput (exl3 vs bf16)"})
     plan = {"tree_bytes": tree, "limit_bytes": CALL_LIMIT, "margin_bytes": margin,
-            "calls": calls, "x2_calls": x2_calls(calls[:n], tree)}
+            "calls": calls, "x2_calls": x2_calls(calls[:n], stage, tree)}
     for c in [*calls, *plan["x2_calls"]]:
         if len(c["command"]) > COMMAND_LIMIT:
-            raise SystemExit(f"call {c.get('call', 'tp2')}: command is {len(c['command'])} "
+            raise SystemExit(f"call {c['call']}: command is {len(c['command'])} "
                              f"characters, over the run tool's {COMMAND_LIMIT}")
     for c in [*calls, *plan["x2_calls"]]:
         if c["bytes"] + margin > CALL_LIMIT:

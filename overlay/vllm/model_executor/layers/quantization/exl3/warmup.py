@@ -56,9 +56,8 @@ def warm_up_layer(key: tuple, k: int, n: int, dtype: torch.dtype, device: torch.
         return 0
     _warmed.add(key)
     calls = 0
-    itemsize = torch.empty((), dtype=dtype).element_size()
     for m in warmup_m_values(max_tokens()):
-        if m * (k + n) * itemsize > MAX_WARMUP_BYTES:
+        if m * (k + n) * dtype.itemsize > MAX_WARMUP_BYTES:
             logger.debug("EXL3 warm-up %s: m = %d and up left to first use (memory cap)", key, m)
             break
         forward(torch.zeros(m, k, dtype=dtype, device=device))
