@@ -76,15 +76,15 @@ call1)
   echo "memcheck exit $? (9 = errors found, 124 = timed out)"; tail -4 "$OUT/memcheck.log"
 
   # racecheck is slow (every shared-memory access is tracked): a handful of cases, its own log.
+  # No kernel filter: that is how it ran clean on the H200 in session 3 (results/
+  # ab_session3_h200_2026-11-30); sessions 1-2 ended at the first kernel with the sanitizer's
+  # internal "failed to handle a hardware exception", cause not established. If that returns,
+  # retry without its cp.async tracking.
   log "compute-sanitizer racecheck (sample)"
-  timeout 150 compute-sanitizer --tool racecheck --racecheck-report hazard --kernel-name kns=exl3 \
+  timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard \
     --error-exitcode 9 $PY scripts/bench/verify_kernels.py --ext $EXT --sample \
     > "$OUT/racecheck.log" 2>&1
   echo "racecheck exit $? (9 = hazards found, 124 = timed out)"; tail -4 "$OUT/racecheck.log"
-  # Both earlier H200 runs ended racecheck at the first kernel with the sanitizer's internal
-  # "failed to handle a hardware exception". Try again without its cp.async tracking (the one
-  # instruction family every kernel here but the transforms uses), and run synccheck (barrier
-  # misuse) as the other half of the shared-memory story.
   if grep -q "Internal Sanitizer Error" "$OUT/racecheck.log"; then
     timeout 150 compute-sanitizer --tool racecheck --racecheck-memcpy-async no \
       --racecheck-report hazard --kernel-name kns=exl3 --error-exitcode 9 \
