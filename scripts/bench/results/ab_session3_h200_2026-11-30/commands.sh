@@ -95,3 +95,119 @@ for v in base cold; do
   VLLM_EXL3_LOG_PLANS=1 timeout 200 python3 scripts/bench/bench_linear.py --ext .sk/$v.so --no-exl3 --out $OUT \
      --tag tuner_$v --bits 4 6 --codebooks 1 --budget-s 150 2> $OUT/plans_$v.log | grep -v '^{"k"' | tail -132
 done
+# --- run5.sh
+set -u
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run.log") 2>&1
+for cfg in "6 2" "4 1"; do set -- $cfg
+  timeout 100 python3 scripts/bench/profile_paths.py --ext .sk/base.so --shapes 5120x12288 --m 1 2 16 --bits $1 --codebook $2 --paths auto fused_bm16 --json $OUT/pp_m1_$1_$2.json 2>&1 | grep -v "^exl3 plan"
+done
+for m in 1 16; do
+  timeout 60 ncu --clock-control none -k regex:exl3_ -c 3 --metrics gpu__time_duration.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__sass_thread_inst_executed.sum,sm__cycles_active.avg,sm__cycles_active.max,dram__bytes_read.sum \
+    python3 scripts/bench/ncu_probe.py 6 2 $m --k 5120 --n 12288 --split 6 --ext .sk/base.so 2>&1 | grep -E "exl3_|duration|issue|inst_exec|cycles|dram|ERR" | sed "s/^/[m=$m] /"
+done
+# --- run6.sh
+set -u
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run.log") 2>&1
+run() { echo "== $*"; env "$@" timeout 60 python3 scripts/bench/bench_linear.py --ext .sk/base.so --no-exl3 --out $OUT --tag t --shapes 5120x12288 4096x11008 --bits 6 --codebooks 2 --m 1 2 16 2>/dev/null | grep -E "^ *[0-9]+x" ; }
+run A=auto
+run VLLM_EXL3_BM=16 VLLM_EXL3_SPLIT_K=6 VLLM_EXL3_RECONSTRUCT_M=0
+run VLLM_EXL3_BM=16 VLLM_EXL3_SPLIT_K=1 VLLM_EXL3_RECONSTRUCT_M=0
+run VLLM_EXL3_BM=16 VLLM_EXL3_SPLIT_K=12 VLLM_EXL3_RECONSTRUCT_M=0
+# --- run7.sh
+set -u
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run.log") 2>&1
+echo "== tuner picks in fresh processes (LOG_PLANS), 6-bit MUL1 m=1"
+for i in 1 2 3 4 5 6; do
+  VLLM_EXL3_LOG_PLANS=1 timeout 60 python3 scripts/bench/bench_linear.py --ext .sk/base.so --no-exl3 --out $OUT --tag p$i --shapes 5120x12288 4096x11008 --bits 6 --codebooks 2 --m 1 2>&1 | grep -E "exl3 plan|^ *[0-9]+x" | sed "s/^/[$i] /"
+done
+echo "== pinned split 3, 2"
+for s in 3 2; do
+VLLM_EXL3_BM=16 VLLM_EXL3_SPLIT_K=$s VLLM_EXL3_RECONSTRUCT_M=0 timeout 60 python3 scripts/bench/bench_linear.py --ext .sk/base.so --no-exl3 --out $OUT --tag s$s --shapes 5120x12288 4096x11008 --bits 6 --codebooks 2 --m 1 2>/dev/null | grep -E "^ *[0-9]+x" | sed "s/^/[split $s] /"
+done
+# --- run8.sh
+set -u
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run.log") 2>&1
+for order in "4096 1 2 16" "1 2 16 4096"; do
+  echo "== m order: $order"
+  timeout 90 python3 scripts/bench/bench_linear.py --ext .sk/base.so --no-exl3 --out $OUT --tag o --shapes 5120x12288 --bits 6 4 --codebooks 2 --m $order 2>/dev/null | grep -E "^ *[0-9]+x"
+  nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv,noheader
+done
+# --- run9.sh
+set -u
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run.log") 2>&1
+for v in base rr base rr; do
+  echo "== $v, m order 4096 1 2 16"
+  VLLM_EXL3_LOG_PLANS=1 timeout 90 python3 scripts/bench/bench_linear.py --ext .sk/$v.so --no-exl3 --out $OUT --tag o --shapes 5120x12288 --bits 6 4 --codebooks 2 --m 4096 1 2 16 2> $OUT/plans.log | grep -E "^ *[0-9]+x"
+  grep -E "m=1 " $OUT/plans.log
+done
+rm -f $OUT/o_*
+# --- run10.sh
+set -u
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv,noheader -lms 250 > $OUT/smi.csv 2>&1 &
+SMI=$!
+timeout 120 python3 .sk/state.py .sk/base.so 2>&1 | grep -v Warning | tee $OUT/state.log
+kill $SMI
+awk -F, '{print $2,$3,$4,$5,$6}' $OUT/smi.csv | sort | uniq -c | sort -rn | head -12
+# --- .sk/state.py
+# # Is a small-m call slower after large-m work in the same process, and why (power vs our state)?
+# import os, sys, time
+# sys.path.insert(0, "scripts/bench")
+# import torch
+# import bench_linear as B
+# from verify_kernels import load_extension, random_layer
+# load_extension(sys.argv[1])
+# gen = torch.Generator(device="cuda").manual_seed(0)
+# k, n, bits, cb = 5120, 12288, 6.0, 2
+# layers = [random_layer(gen, k, [n], bits, cb) for _ in range(B.copies_for(int(k * n * bits / 8)))]
+# PIN = dict(VLLM_EXL3_BM="16", VLLM_EXL3_SPLIT_K="14", VLLM_EXL3_RECONSTRUCT_M="0")
+# T0 = time.monotonic()
+# def ours(m):
+#     x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+#     return B.graph_time_us([lambda L=L: torch.ops._C.exl3_linear(x, L.trellis, L.suh, L.svh, None, L.widths, L.codebook) for L in layers])[0]
+# def rec(tag, us):
+#     print(f"{time.monotonic() - T0:7.2f} s  {tag:40s} {us:8.1f} us", flush=True)
+# def pinned(on):
+#     for key, v in PIN.items():
+#         if on: os.environ[key] = v
+#         else: os.environ.pop(key, None)
+# pinned(True)
+# rec("ours m=1 pinned, fresh", ours(1))
+# rec("ours m=1 pinned, again", ours(1))
+# w = torch.randn(k, n, device="cuda").bfloat16(); xb = torch.randn(4096, k, device="cuda").bfloat16()
+# rec("bf16 matmul m=4096 (heavy, not ours)", B.graph_time_us([lambda: torch.matmul(xb, w)] * 20)[0])
+# rec("ours m=1 pinned, after bf16 heavy", ours(1))
+# pinned(False)
+# rec("ours m=4096 (tuned: reconstruct path)", ours(4096))
+# pinned(True)
+# rec("ours m=1 pinned, after ours m=4096", ours(1))
+# time.sleep(3)
+# rec("ours m=1 pinned, after 3 s idle", ours(1))
+# torch.cuda.empty_cache()
+# rec("ours m=1 pinned, after empty_cache", ours(1))
+# --- .sk/settle.py
+# # How long after heavy tensor work does a light call run slow? m=1 (pinned plan) at delays.
+# import os, sys, time
+# sys.path.insert(0, "scripts/bench")
+# import torch
+# import bench_linear as B
+# from verify_kernels import load_extension, random_layer
+# load_extension(sys.argv[1])
+# gen = torch.Generator(device="cuda").manual_seed(0)
+# k, n, bits, cb = 5120, 12288, 6.0, 2
+# layers = [random_layer(gen, k, [n], bits, cb) for _ in range(B.copies_for(int(k * n * bits / 8)))]
+# os.environ.update(VLLM_EXL3_BM="16", VLLM_EXL3_SPLIT_K="14", VLLM_EXL3_RECONSTRUCT_M="0")
+# x = torch.randn(1, k, generator=gen, device="cuda").bfloat16()
+# calls = [lambda L=L: torch.ops._C.exl3_linear(x, L.trellis, L.suh, L.svh, None, L.widths, L.codebook) for L in layers]
+# w = torch.randn(k, n, device="cuda").bfloat16(); xb = torch.randn(4096, k, device="cuda").bfloat16()
+# heavy = [lambda: torch.matmul(xb, w)] * 20
+# print("fresh", round(B.graph_time_us(calls)[0], 1))
+# for delay in (0.0, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0):
+#     B.graph_time_us(heavy)
+#     torch.cuda.synchronize(); time.sleep(delay)
+#     print(f"after heavy + {delay:4.2f} s idle: {B.graph_time_us(calls)[0]:6.1f} us", flush=True)
