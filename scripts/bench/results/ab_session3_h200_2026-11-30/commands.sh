@@ -211,3 +211,18 @@ awk -F, '{print $2,$3,$4,$5,$6}' $OUT/smi.csv | sort | uniq -c | sort -rn | head
 #     B.graph_time_us(heavy)
 #     torch.cuda.synchronize(); time.sleep(delay)
 #     print(f"after heavy + {delay:4.2f} s idle: {B.graph_time_us(calls)[0]:6.1f} us", flush=True)
+# --- run11.sh (branch xchg 67075bd vs the 8796f4f wheel's kernels)
+set -u
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run.log") 2>&1
+echo "== verify xchg (full)"
+timeout 120 python3 scripts/bench/verify_kernels.py --ext .sk/xchg.so --json $OUT/verify_xchg.json 2>&1 | tail -11
+for v in base xchg; do
+  echo "== $v pinned BM 128, 4-bit MCG"
+  VLLM_EXL3_BM=128 VLLM_EXL3_RECONSTRUCT_M=0 timeout 80 python3 scripts/bench/bench_linear.py --ext .sk/$v.so --no-exl3 --out $OUT --tag bm128_$v --bits 4 --codebooks 1 --m 128 256 512 1024 2>/dev/null | grep -E "^ *[0-9]+x"
+done
+for v in base xchg; do
+  echo "== $v tuner, 4-bit MCG"
+  timeout 80 python3 scripts/bench/bench_linear.py --ext .sk/$v.so --no-exl3 --out $OUT --tag auto_$v --bits 4 --codebooks 1 --m 64 128 256 512 2>/dev/null | grep -E "^ *[0-9]+x"
+done
+rm -f $OUT/*.json
