@@ -5,6 +5,8 @@ All plan knobs are pinned (BM, split, no reconstruct) so no autotuning launch is
     ncu --clock-control none -k regex:exl3_gemm_kernel -c 1 \
         --metrics smsp__sass_thread_inst_executed.sum python scripts/bench/ncu_probe.py 4 1 1
 thread instructions / (k*n) = executed instructions per decoded weight (BM = 16, m <= 16).
+`--reconstruct original|rotated` pins the large-m path instead (reconstruct + cuBLAS), e.g. with
+`-k regex:exl3_reconstruct` to profile the reconstruct kernel alone.
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--bm", type=int, default=16)
     ap.add_argument("--split", type=int, default=1)
+    ap.add_argument("--reconstruct", choices=("original", "rotated"), default=None)
     ap.add_argument("--ext", default=None)
     args = ap.parse_args()
     load_extension(args.ext)
-    os.environ.update(VLLM_EXL3_BM=str(args.bm), VLLM_EXL3_SPLIT_K=str(args.split),
-                      VLLM_EXL3_RECONSTRUCT_M="0")
+    if args.reconstruct:
+        os.environ.update(VLLM_EXL3_RECONSTRUCT_M="1", VLLM_EXL3_RECONSTRUCT_BASIS=args.reconstruct)
+    else:
+        os.environ.update(VLLM_EXL3_BM=str(args.bm), VLLM_EXL3_SPLIT_K=str(args.split),
+                          VLLM_EXL3_RECONSTRUCT_M="0")
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     layer = random_layer(gen, args.k, [args.n], args.bits, args.codebook)

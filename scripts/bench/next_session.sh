@@ -126,6 +126,14 @@ call1)
     $PY scripts/bench/ncu_probe.py 4 1 256 --n 11008 --bm 128 --split 1 --ext $EXT 2>&1 | \
     grep -E "launch__|sm__|smsp__|l1tex__|gpu__|ERR" | grep -v -E " 0(\.0+)?$" | sed "s/^/[bm128 m256] /"
 
+  # The large-m lever of NEXT_SESSION.md: the original-basis reconstruct runs at ~55 % of copy
+  # bandwidth and a prefetching rewrite was slower (results/ab_session3 §1); what binds it?
+  log "ncu: original-basis reconstruct, 5120x17408 4-bit MCG"
+  timeout 90 ncu --clock-control none -k regex:exl3_reconstruct_original -c 1 --metrics \
+    "gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum,dram__bytes_write.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,regex:^smsp__warp_issue_stalled_.*_per_warp_active.pct$" \
+    $PY scripts/bench/ncu_probe.py 4 1 1024 --k 5120 --n 17408 --reconstruct original --ext $EXT 2>&1 | \
+    grep -E "sm__|smsp__|l1tex__|gpu__|dram__|ERR" | grep -v -E " 0(\.0+)?$" | sed "s/^/[recon] /"
+
   budget=$(( $(left) - 60 ))
   log "benchmark of our kernels, budget ${budget} s"
   if [ "$budget" -gt 60 ]; then
