@@ -87,7 +87,7 @@ call1)
   echo "racecheck exit $? (9 = hazards found, 124 = timed out)"; tail -4 "$OUT/racecheck.log"
   if grep -q "Internal Sanitizer Error" "$OUT/racecheck.log"; then
     timeout 150 compute-sanitizer --tool racecheck --racecheck-memcpy-async no \
-      --racecheck-report hazard --kernel-name kns=exl3 --error-exitcode 9 \
+      --racecheck-report hazard --error-exitcode 9 \
       $PY scripts/bench/verify_kernels.py --ext $EXT --sample > "$OUT/racecheck_no_async.log" 2>&1
     echo "racecheck (no cp.async tracking) exit $?"; tail -4 "$OUT/racecheck_no_async.log"
   fi
