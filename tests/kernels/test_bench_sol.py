@@ -40,3 +40,12 @@ def test_sol_of_the_small_m_shape_is_the_decode_and_stays_below_the_measured_tim
     assert sol < 24.1
     # Without the loop counts only bytes and matrix work remain.
     assert bench_linear.sol_us(5120, 12288, 1, 4.0, CEIL, None) < sol
+
+
+def test_the_ratio_to_bf16_uses_the_faster_of_the_two_bf16_timings():
+    rows = [{"m": 1, "ours_us": 30.0, "bf16_us": 40.0, "ratio_bf16": 0.75},
+            {"m": 4096, "ours_us": 1100.0, "bf16_us": 950.0, "ratio_bf16": 1.158}]
+    bench_linear.rebase_on_second_bf16(rows, {1: 41.0, 4096: 900.0})
+    assert rows[0]["bf16_us"] == 40.0 and rows[0]["ratio_bf16"] == 0.75
+    assert rows[1]["bf16_us"] == 900.0 and rows[1]["ratio_bf16"] == pytest.approx(1100 / 900, 1e-3)
+    assert (rows[1]["bf16_first_us"], rows[1]["bf16_second_us"]) == (950.0, 900.0)
