@@ -59,41 +59,61 @@ __global__ void __launch_bounds__(kReconThreads) exl3_reconstruct_rotated_kernel
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&strip[r][c]);
 }
 
-// Sylvester H16 entries (-1)^popcount(i & j) for (i0, j0) and (i1, j1), packed as an fp16 pair
-// (first in the low half, the order of an mma fragment register).
-__device__ __forceinline__ uint32_t h16_pair(int i0, int j0, int i1, int j1) {
-  constexpr uint32_t kOne = 0x3C00u, kSign = 0x8000u;
-  const uint32_t lo = kOne | ((__popc(i0 & j0) & 1) ? kSign : 0u);
-  const uint32_t hi = kOne | ((__popc(i1 & j1) & 1) ? kSign : 0u);
+// The 1/sqrt(128) of each normalised Hadamard side, 1/128 in all, rides on the H16 entries as
+// two exact powers of two: +-1/16 in pass 1 (its fp16 staging keeps the values near the
+// decoded ones' range) and +-1/8 in pass 2. Scaling by a power of two never rounds, so this is
+// the unnormalised product's value, and no pass spends a multiply on the scale.
+constexpr uint32_t kH16Pass1 = 0x2C00u;  // fp16 1/16
+constexpr uint32_t kH16Pass2 = 0x3000u;  // fp16 1/8
+static_assert(kHadamard == 128, "1/16 x 1/8 is 1/128 = (1/sqrt(128))^2");
+
+// Sylvester H16 entries (-1)^popcount(i & j) times the fp16 power of two `mag`, for (i0, j0) and
+// (i1, j1), packed as an fp16 pair (first in the low half, the order of an mma fragment).
+__device__ __forceinline__ uint32_t h16_pair(int i0, int j0, int i1, int j1, uint32_t mag) {
+  constexpr uint32_t kSign = 0x8000u;
+  const uint32_t lo = mag | ((__popc(i0 & j0) & 1) ? kSign : 0u);
+  const uint32_t hi = mag | ((__popc(i1 & j1) & 1) ? kSign : 0u);
   return lo | (hi << 16);
 }
 
-// (x_q) -> H8 (x_q) over the 8 tiles a warp holds: one butterfly per bit of q.
-__device__ __forceinline__ void butterfly8(float (&v)[kBlockTilesPerSide][2][4]) {
+// H16 (times mag) as an A fragment; H is symmetric, so its registers {0, 2} and {1, 3} are also
+// the B fragments of H16's column halves 0 and 1.
+__device__ __forceinline__ void h16_fragment(int g, int t, uint32_t mag, uint32_t (&h)[4]) {
+  h[0] = h16_pair(g, 2 * t, g, 2 * t + 1, mag);
+  h[1] = h16_pair(g + 8, 2 * t, g + 8, 2 * t + 1, mag);
+  h[2] = h16_pair(g, 2 * t + 8, g, 2 * t + 9, mag);
+  h[3] = h16_pair(g + 8, 2 * t + 8, g + 8, 2 * t + 9, mag);
+}
+
+// (x_q) -> H8 (x_q) over the 8 tiles' fragments a warp holds, in fp16 pairs before the H16
+// mma (H8 x H16 applied as H16 (H8 x)): one HADD2 per two values per butterfly step instead of
+// one FADD per value after it. Each step rounds to fp16 (2^-11 relative, three steps), below
+// the bf16 output's own rounding and within the fp16 output's verification bound.
+__device__ __forceinline__ void butterfly8_half2(uint32_t (&x)[kBlockTilesPerSide][4]) {
 #pragma unroll
   for (int bit = 1; bit < kBlockTilesPerSide; bit <<= 1)
 #pragma unroll
     for (int q = 0; q < kBlockTilesPerSide; ++q)
       if (!(q & bit))
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float a = v[q][h][e], b = v[q | bit][h][e];
-            v[q][h][e] = a + b;
-            v[q | bit][h][e] = a - b;
-          }
+        for (int e = 0; e < 4; ++e) {
+          const __half2 a = *reinterpret_cast<const __half2*>(&x[q][e]);
+          const __half2 b = *reinterpret_cast<const __half2*>(&x[q | bit][e]);
+          const __half2 s = __hadd2(a, b), d = __hsub2(a, b);
+          x[q][e] = *reinterpret_cast<const uint32_t*>(&s);
+          x[q | bit][e] = *reinterpret_cast<const uint32_t*>(&d);
+        }
 }
 
 // W = diag(suh[s]) Ĥ Ŵ Ĥ diag(svh) for one 128 x 128 block, the Hadamards on tensor cores.
 // Sylvester H128[i][j] = H8[i >> 4][j >> 4] * H16[i & 15][j & 15] (the popcount splits over the
-// index bits), so each side is a 16 x 16 mma product per tile (H16) and a butterfly across the
-// 8 tiles one warp holds in registers (H8).
-//  pass 1, warp w = tile column w: decode the 8 tiles down the column, H16 x tile, butterfly
-//          down the column, stage Ĥ Ŵ as fp16 (a second rounding, 2^-11 relative, below the
+// index bits), so each side is a butterfly across the 8 tiles one warp holds in registers (H8)
+// and a 16 x 16 mma product per tile (H16).
+//  pass 1, warp w = tile column w: decode the 8 tiles down the column, butterfly down the
+//          column, H16 x tile, stage Ĥ Ŵ as fp16 (a further rounding, 2^-11 relative, below the
 //          output's own) in shared memory;
-//  pass 2, warp w = tile row w: read the row's 8 tiles back as A fragments, tile x H16,
-//          butterfly along the row, scale by suh, svh and both 1/sqrt(128), store.
+//  pass 2, warp w = tile row w: read the row's 8 tiles back as A fragments, butterfly along the
+//          row, tile x H16, scale by suh and svh, store.
 template <int K2, int CB, typename T>
 __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
     exl3_reconstruct_original_kernel(ReconParams p) {
@@ -104,11 +124,6 @@ __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
   const int k0 = blockIdx.y * kHadamard, n0 = blockIdx.x * kHadamard;
   const int shard = shard_of_column(p.shards, n0);
 
-  // H16 as an A fragment; H is symmetric, so its registers {0, 2} and {1, 3} are also the B
-  // fragments of H16's column halves 0 and 1.
-  const uint32_t h16[4] = {h16_pair(g, 2 * t, g, 2 * t + 1), h16_pair(g + 8, 2 * t, g + 8, 2 * t + 1),
-                           h16_pair(g, 2 * t + 8, g, 2 * t + 9),
-                           h16_pair(g + 8, 2 * t + 8, g + 8, 2 * t + 9)};
   float v[kBlockTilesPerSide][2][4];
 
   // The block's trellis: 8 tile rows of 8 consecutive tiles each, to shared memory.
@@ -134,18 +149,24 @@ __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
   __syncthreads();
 
   // Pass 1.
+  {
+    uint32_t h16[4];
+    h16_fragment(g, t, kH16Pass1, h16);
+    uint32_t b[kBlockTilesPerSide][4];
 #pragma unroll
-  for (int q = 0; q < kBlockTilesPerSide; ++q) {
-    uint32_t b[4];
-    decode_fragments<K2, CB>(s_trellis + q * kRowBytes + warp * R::kTileBytes, lw, halves_xor, b);
+    for (int q = 0; q < kBlockTilesPerSide; ++q)
+      decode_fragments<K2, CB>(s_trellis + q * kRowBytes + warp * R::kTileBytes, lw, halves_xor,
+                               b[q]);
+    butterfly8_half2(b);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int q = 0; q < kBlockTilesPerSide; ++q)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
-      mma_16816(v[q][h], h16, b[2 * h], b[2 * h + 1]);
-    }
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
+        mma_16816(v[q][h], h16, b[q][2 * h], b[q][2 * h + 1]);
+      }
   }
-  butterfly8(v);
   // Accumulator (q, h, e) sits at row 16 q + g + 8 (e >> 1), column 16 warp + 8 h + 2 t + (e & 1).
 #pragma unroll
   for (int q = 0; q < kBlockTilesPerSide; ++q)
@@ -153,34 +174,37 @@ __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const __half2 pair = __floats2half2_rn(v[q][h][2 * r] * kHadamardScale,
-                                               v[q][h][2 * r + 1] * kHadamardScale);
+        const __half2 pair = __floats2half2_rn(v[q][h][2 * r], v[q][h][2 * r + 1]);
         *reinterpret_cast<__half2*>(&staged[(q * kTile + g + 8 * r) * kStageStride +
                                             warp * kTile + 8 * h + 2 * t]) = pair;
       }
   __syncthreads();
 
   // Pass 2.
-  const uint32_t s_row = smem_addr(staged) +
-                         ((warp * kTile + (lane & 15)) * kStageStride + (lane >> 4) * 8) * 2;
+  {
+    uint32_t h16[4];
+    h16_fragment(g, t, kH16Pass2, h16);
+    const uint32_t s_row = smem_addr(staged) +
+                           ((warp * kTile + (lane & 15)) * kStageStride + (lane >> 4) * 8) * 2;
+    uint32_t a[kBlockTilesPerSide][4];
 #pragma unroll
-  for (int q = 0; q < kBlockTilesPerSide; ++q) {
-    uint32_t a[4];
-    ldmatrix_x4(a, s_row + q * kTile * 2);
+    for (int q = 0; q < kBlockTilesPerSide; ++q) ldmatrix_x4(a[q], s_row + q * kTile * 2);
+    butterfly8_half2(a);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int q = 0; q < kBlockTilesPerSide; ++q)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
-      mma_16816(v[q][h], a, h16[h], h16[h + 2]);
-    }
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
+        mma_16816(v[q][h], a[q], h16[h], h16[h + 2]);
+      }
   }
-  butterfly8(v);
   // Accumulator (q, h, e) sits at row 16 warp + g + 8 (e >> 1), column 16 q + 8 h + 2 t + (e & 1).
   const __half* suh = static_cast<const __half*>(p.suh) + static_cast<size_t>(shard) * p.k + k0;
   const __half* svh = static_cast<const __half*>(p.svh) + n0;
   float rs[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) rs[r] = __half2float(suh[warp * kTile + g + 8 * r]) * kHadamardScale;
+  for (int r = 0; r < 2; ++r) rs[r] = __half2float(suh[warp * kTile + g + 8 * r]);
   // The warp's own 16 rows of the staging area take the result (no other warp reads them after
   // the ldmatrix above), then the block stores whole 16-byte row segments.
   __syncwarp();

@@ -6,9 +6,10 @@
 #   .sk/base.so  = quick build of c18a58e's csrc (sm_90; SASS identical to a build of c18a58e)
 #   .sk/wide.so  = branch `wide` (BM 128 with two trellis tiles per warp)
 #   .sk/fixup.so = branch `splitk-fixup` (split-k finished in-kernel by the tile's last split)
+#   .sk/recon.so = the commit that merged the reconstruct change (calls 8-9)
 # built with: cd scripts && python -m vllm_exl3.kernels_build --out ../build/<v> --arch 9.0
 set -eu
-case "${1:?call 1..7}" in
+case "${1:?call 1..9}" in
 1)  # wide vs base: verify, pinned BM 128 and tuned A/B, ncu at m = 256; starts ExLlamaV3's build
     OUT=$OUT bash scripts/bench/results/ab_session4_h200_2026-11-30/call1_wide_ab.sh ;;
 2)  # the settled same-run anchor, first part (machine still warm from call 1)
@@ -35,4 +36,11 @@ case "${1:?call 1..7}" in
     python3 scripts/bench/interleaved.py --ext .sk/base.so --json $OUT/interleaved_4bit.json
     python3 scripts/bench/interleaved.py --ext .sk/base.so --bits 2 \
       --shapes 5120x17408 17408x5120 --m 4096 --json $OUT/interleaved_2bit.json ;;
+8)  # the reconstruct change (recon.so = this commit's csrc) vs base: verify, error per output
+    # dtype, large-m A/B, memcheck, racecheck, interleaved
+    DEADLINE=180 OUT=$OUT bash scripts/bench/results/ab_session4_h200_2026-11-30/call8_recon_ab.sh ;;
+9)  # same lease: the GPU tests and synccheck on recon.so
+    VLLM_EXL3_EXT=.sk/recon.so python3 -m pytest -q -p no:cacheprovider tests/gpu
+    compute-sanitizer --tool synccheck --kernel-name kns=exl3 --error-exitcode 9 \
+      python3 scripts/bench/verify_kernels.py --ext .sk/recon.so --sample ;;
 esac
