@@ -75,6 +75,16 @@ def copies_for(bytes_per_copy: int) -> int:
     return max(MIN_COPIES, math.ceil(POOL_BYTES / bytes_per_copy))
 
 
+def capture(calls: list) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of `calls` in order (the caller has run them eagerly first: autotuners
+    never run during capture)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return graph
+
+
 def graph_time_us(calls: list, m: int, use_graph: bool = True) -> tuple[float, str]:
     """Median microseconds per call of a pass over `calls` (closures of m rows each), and how it
     was timed."""
@@ -85,11 +95,7 @@ def graph_time_us(calls: list, m: int, use_graph: bool = True) -> tuple[float, s
     mode = "graph"
     if use_graph:
         try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for c in calls:
-                    c()
-            run = graph.replay
+            run = capture(calls).replay
         except Exception as e:  # noqa: BLE001 - report and fall back to eager passes
             mode = f"eager ({type(e).__name__})"
             torch.cuda.synchronize()

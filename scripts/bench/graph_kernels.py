@@ -35,10 +35,7 @@ REPLAYS = 10
 def graph_kernels(calls: list, m: int) -> tuple[float, dict[str, float]]:
     """(median µs per call from CUDA events, {kernel: mean µs per call}) for a graph of calls."""
     total_us, _ = bench_linear.graph_time_us(calls, m)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
+    graph = bench_linear.capture(calls)
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -56,10 +53,7 @@ def graph_kernels(calls: list, m: int) -> tuple[float, dict[str, float]]:
 def clocks_during(calls: list, seconds: float = 1.0) -> dict[str, float]:
     """Median SM clock (MHz) and board power (W) that nvidia-smi samples while a graph of
     `calls` replays back to back for about `seconds` (the sustained state the timing sees)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
+    graph = bench_linear.capture(calls)
     graph.replay()
     torch.cuda.synchronize()
     t = time.monotonic()

@@ -28,15 +28,11 @@ from verify_kernels import load_extension, random_layer  # noqa: E402
 ROUNDS = 5
 
 
-def graph_of(calls: list):
+def graph_of(calls: list) -> torch.cuda.CUDAGraph:
     for c in calls[:2]:
         c()  # eager warm-up: the op's tuner runs here, never during capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return graph
+    return bench_linear.capture(calls)
 
 
 def main(argv: list[str] | None = None) -> int:

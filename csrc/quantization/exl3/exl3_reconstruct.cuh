@@ -105,6 +105,27 @@ __device__ __forceinline__ void butterfly8_half2(uint32_t (&x)[kBlockTilesPerSid
         }
 }
 
+// One side of H128 = H8 x H16 over the 8 tiles' fragments a warp holds: the butterfly across
+// the tiles, then one H16 mma per tile into fp32. kLeft: H16 x tile, the tiles' B fragments
+// (pass 1); else tile x H16, their A fragments (pass 2).
+template <bool kLeft>
+__device__ __forceinline__ void hadamard128_side(uint32_t (&x)[kBlockTilesPerSide][4],
+                                                 const uint32_t (&h16)[4],
+                                                 float (&v)[kBlockTilesPerSide][2][4]) {
+  butterfly8_half2(x);
+#pragma unroll
+  for (int q = 0; q < kBlockTilesPerSide; ++q)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
+      if constexpr (kLeft)
+        mma_16816(v[q][h], h16, x[q][2 * h], x[q][2 * h + 1]);
+      else
+        mma_16816(v[q][h], x[q], h16[h], h16[h + 2]);
+    }
+}
+
 // W = diag(suh[s]) Ĥ Ŵ Ĥ diag(svh) for one 128 x 128 block, the Hadamards on tensor cores.
 // Sylvester H128[i][j] = H8[i >> 4][j >> 4] * H16[i & 15][j & 15] (the popcount splits over the
 // index bits), so each side is a butterfly across the 8 tiles one warp holds in registers (H8)
@@ -157,15 +178,7 @@ __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
     for (int q = 0; q < kBlockTilesPerSide; ++q)
       decode_fragments<K2, CB>(s_trellis + q * kRowBytes + warp * R::kTileBytes, lw, halves_xor,
                                b[q]);
-    butterfly8_half2(b);
-#pragma unroll
-    for (int q = 0; q < kBlockTilesPerSide; ++q)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
-        mma_16816(v[q][h], h16, b[q][2 * h], b[q][2 * h + 1]);
-      }
+    hadamard128_side<true>(b, h16, v);
   }
   // Accumulator (q, h, e) sits at row 16 q + g + 8 (e >> 1), column 16 warp + 8 h + 2 t + (e & 1).
 #pragma unroll
@@ -189,15 +202,7 @@ __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
     uint32_t a[kBlockTilesPerSide][4];
 #pragma unroll
     for (int q = 0; q < kBlockTilesPerSide; ++q) ldmatrix_x4(a[q], s_row + q * kTile * 2);
-    butterfly8_half2(a);
-#pragma unroll
-    for (int q = 0; q < kBlockTilesPerSide; ++q)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) v[q][h][e] = 0.0f;
-        mma_16816(v[q][h], a[q], h16[h], h16[h + 2]);
-      }
+    hadamard128_side<false>(a, h16, v);
   }
   // Accumulator (q, h, e) sits at row 16 warp + g + 8 (e >> 1), column 16 q + 8 h + 2 t + (e & 1).
   const __half* suh = static_cast<const __half*>(p.suh) + static_cast<size_t>(shard) * p.k + k0;
