@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--bm", type=int, default=16)
-    ap.add_argument("--split", type=int, default=1)
+    ap.add_argument("--split", type=int, default=1, help="k-splits; 0 leaves the tuner free")
     ap.add_argument("--reconstruct", choices=("original", "rotated"), default=None)
     ap.add_argument("--ext", default=None)
     args = ap.parse_args()
@@ -38,8 +38,9 @@ def main() -> int:
     if args.reconstruct:
         os.environ.update(VLLM_EXL3_RECONSTRUCT_M="1", VLLM_EXL3_RECONSTRUCT_BASIS=args.reconstruct)
     else:
-        os.environ.update(VLLM_EXL3_BM=str(args.bm), VLLM_EXL3_SPLIT_K=str(args.split),
-                          VLLM_EXL3_RECONSTRUCT_M="0")
+        os.environ.update(VLLM_EXL3_BM=str(args.bm), VLLM_EXL3_RECONSTRUCT_M="0")
+        if args.split > 0:
+            os.environ["VLLM_EXL3_SPLIT_K"] = str(args.split)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     layer = random_layer(gen, args.k, [args.n], args.bits, args.codebook)

@@ -7,22 +7,42 @@
 
 namespace vllm_exl3 {
 
+// The column factors of a warp's 4 elements. They do not depend on the sums, so the split-k
+// finish loads them before waiting for the GEMM grid, off the tail's critical path.
+struct ColumnFactors {
+  float svh[4];
+  float bias[4];
+  bool has_bias;
+};
+
+template <typename T>
+__device__ __forceinline__ void load_column_factors(const __half* svh, const T* bias, int lane,
+                                                    int col0, ColumnFactors& f) {
+  const int c = col0 + 4 * lane;
+  load4_f32(svh + c, f.svh);
+  f.has_bias = bias != nullptr;
+  if (f.has_bias) load4_f32(bias + c, f.bias);
+}
+
+template <typename T>
+__device__ __forceinline__ void finish_row(float (&v)[4], int lane, const ColumnFactors& f,
+                                           T* y_row, int col0) {
+  hadamard128(v, lane);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = v[j] * kHadamardScale * f.svh[j];
+  if (f.has_bias) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] += f.bias[j];
+  }
+  *reinterpret_cast<uint2*>(y_row + col0 + 4 * lane) = pack4<T>(v);
+}
+
 template <typename T>
 __device__ __forceinline__ void finish_row(float (&v)[4], int lane, const __half* svh,
                                            const T* bias, T* y_row, int col0) {
-  hadamard128(v, lane);
-  const int c = col0 + 4 * lane;
-  float s[4];
-  load4_f32(svh + c, s);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) v[j] = v[j] * kHadamardScale * s[j];
-  if (bias != nullptr) {
-    float b[4];
-    load4_f32(bias + c, b);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] += b[j];
-  }
-  *reinterpret_cast<uint2*>(y_row + c) = pack4<T>(v);
+  ColumnFactors f;
+  load_column_factors(svh, bias, lane, col0, f);
+  finish_row(v, lane, f, y_row, col0);
 }
 
 }  // namespace vllm_exl3

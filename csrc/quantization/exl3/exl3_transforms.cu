@@ -39,24 +39,28 @@ __global__ void __launch_bounds__(kRowThreads)
 // One warp per (row, 128-block of n): finish an fp32 [m][n] sum (split-k partials, or the
 // cuBLAS product of the rotated reconstruct path). The split-k workspace is left zeroed, so the
 // next call needs no memset. Launched with programmatic serialization: it may be scheduled
-// while its producer runs, and waits for it before reading.
+// while its producer runs, loads the column factors meanwhile, and waits for it before reading
+// the sums.
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     exl3_splitk_finish_kernel(float* __restrict__ acc, const __half* __restrict__ svh,
                               const T* __restrict__ bias, T* __restrict__ y, int m, int n,
                               bool zero) {
-  grid_dependency_wait();
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   const int blocks_per_row = n / kHadamard;
-  if (item >= static_cast<int64_t>(m) * blocks_per_row) return;
-  const int row = static_cast<int>(item / blocks_per_row);
-  const int col0 = static_cast<int>(item % blocks_per_row) * kHadamard;
+  const bool active = item < static_cast<int64_t>(m) * blocks_per_row;
+  const int row = active ? static_cast<int>(item / blocks_per_row) : 0;
+  const int col0 = active ? static_cast<int>(item % blocks_per_row) * kHadamard : 0;
+  ColumnFactors f;
+  if (active) load_column_factors(svh, bias, lane, col0, f);
+  grid_dependency_wait();
+  if (!active) return;
   float4* src = reinterpret_cast<float4*>(acc + static_cast<size_t>(row) * n + col0) + lane;
   const float4 c4 = *src;
   if (zero) *src = make_float4(0.f, 0.f, 0.f, 0.f);
   float v[4] = {c4.x, c4.y, c4.z, c4.w};
-  finish_row<T>(v, lane, svh, bias, y + static_cast<size_t>(row) * n, col0);
+  finish_row<T>(v, lane, f, y + static_cast<size_t>(row) * n, col0);
 }
 
 template <typename T>
