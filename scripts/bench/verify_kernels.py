@@ -53,8 +53,11 @@ CODEBOOKS = (0, 1, 2)  # 3INST, MCG, MUL1
 CODEBOOK_NAMES = {0: "3inst", 1: "mcg", 2: "mul1"}
 M_VALUES = (1, 3, 16, 17, 100, 1000, 4096)
 BM_TIERS = (16, 32, 64, 128)
+# Tiers of the Hopper wgmma engine (tokens per block), checked where the build and device have it.
+WGMMA_TIERS = (64, 128, 256)
 KNOBS = ("VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K", "VLLM_EXL3_RECONSTRUCT_M",
-         "VLLM_EXL3_RECONSTRUCT_BASIS", "VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_SPLIT_K_TRAFFIC")
+         "VLLM_EXL3_RECONSTRUCT_BASIS", "VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_SPLIT_K_TRAFFIC",
+         "VLLM_EXL3_WGMMA")
 # Both large-m paths: W in the original basis + one GEMM, or Ŵ + transforms around the GEMM.
 RECONSTRUCT_PLANS = (dict(reconstruct_m=1, reconstruct_basis="original"),
                      dict(reconstruct_m=1, reconstruct_basis="rotated"))
@@ -240,6 +243,35 @@ def check_reconstruct(rep: Report, gen: torch.Generator) -> None:
                     mismatches=int((got.view(torch.int16) != want.view(torch.int16)).sum()))
 
 
+_WGMMA: list[bool] = []
+
+
+def wgmma_engine() -> bool:
+    """Whether the op has the wgmma engine here: asked by pinning it on a tiny layer."""
+    if not _WGMMA:
+        tr = torch.zeros(8, 8, 32, dtype=torch.int16, device="cuda")
+        ones = torch.ones(1, 128, dtype=torch.half, device="cuda")
+        x = torch.zeros(64, 128, dtype=torch.half, device="cuda")
+        try:
+            with knobs(wgmma=1, bm=64, split_k=1, reconstruct_m=0):
+                torch.ops._C.exl3_linear(x, tr, ones, ones[0], None, [128], 1)
+            _WGMMA.append(True)
+        except RuntimeError as e:
+            if "no wgmma engine" not in str(e):
+                raise
+            _WGMMA.append(False)
+    return _WGMMA[0]
+
+
+def fused_plans(splits: Sequence[int]) -> list[dict]:
+    """Every tier of every engine this device has, pinned, with each split factor."""
+    plans = [dict(bm=bm, split_k=s, reconstruct_m=0, wgmma=0) for bm in BM_TIERS for s in splits]
+    if wgmma_engine():
+        plans += [dict(bm=bm, split_k=s, reconstruct_m=0, wgmma=1) for bm in WGMMA_TIERS
+                  for s in splits]
+    return plans
+
+
 def check_matrix(rep: Report, gen: torch.Generator, m_values: Sequence[int],
                  rates: Sequence[tuple[float, int]], shard_sets: Sequence[Sequence[int]],
                  k: int = 384) -> None:
@@ -255,8 +287,7 @@ def check_matrix(rep: Report, gen: torch.Generator, m_values: Sequence[int],
                     bias = (torch.randn(layer.n, generator=gen, device="cuda").to(dtype)
                             if (m + cb) % 2 else None)
                     ref = reference_y(x, layer, bias)
-                    plans = [dict(bm=bm, split_k=s, reconstruct_m=0) for bm in BM_TIERS
-                             for s in (1, 3)] + list(RECONSTRUCT_PLANS)
+                    plans = fused_plans((1, 3)) + list(RECONSTRUCT_PLANS)
                     for plan in plans:
                         with knobs(**plan):
                             y = run_op(x, layer, bias)
@@ -296,14 +327,13 @@ def check_splits(rep: Report, gen: torch.Generator) -> None:
     layer = random_layer(gen, 4096, [4096], 4, 1)
     rw = ReferenceWeights(layer)
     for m in (1, 17, 100, 1000):
-        for bm in BM_TIERS:
-            for split in (1, 2, 8, 32):
-                for rep_i in range(2):
-                    x = torch.randn(m, 4096, generator=gen, device="cuda").bfloat16()
-                    with knobs(bm=bm, split_k=split, reconstruct_m=0):
-                        y = run_op(x, layer, None)
-                    ok, rel, mx = within(y, rw.y(x, None))
-                    rep.add("split_k", ok, m=m, bm=bm, split=split, rep=rep_i, rel=rel, max=mx)
+        for plan in fused_plans((1, 2, 8, 32)):
+            for rep_i in range(2):
+                x = torch.randn(m, 4096, generator=gen, device="cuda").bfloat16()
+                with knobs(**plan):
+                    y = run_op(x, layer, None)
+                ok, rel, mx = within(y, rw.y(x, None))
+                rep.add("split_k", ok, m=m, plan=plan, rep=rep_i, rel=rel, max=mx)
 
 
 def check_determinism(rep: Report, gen: torch.Generator) -> None:
@@ -391,9 +421,13 @@ def sanitizer_sample(rep: Report, gen: torch.Generator) -> None:
                 x = torch.randn(m, 256, generator=gen, device="cuda").to(dtype)
                 bias = torch.randn(layer.n, generator=gen, device="cuda").to(dtype)
                 ref = reference_y(x, layer, bias)
-                for plan in (dict(bm=16, split_k=1, reconstruct_m=0),
-                             dict(bm=32, split_k=2, reconstruct_m=0),
-                             dict(bm=128, split_k=1, reconstruct_m=0), *RECONSTRUCT_PLANS):
+                wg = ((dict(bm=64, split_k=2, reconstruct_m=0, wgmma=1),
+                       dict(bm=256, split_k=1, reconstruct_m=0, wgmma=1))
+                      if wgmma_engine() else ())
+                for plan in (dict(bm=16, split_k=1, reconstruct_m=0, wgmma=0),
+                             dict(bm=32, split_k=2, reconstruct_m=0, wgmma=0),
+                             dict(bm=128, split_k=1, reconstruct_m=0, wgmma=0), *wg,
+                             *RECONSTRUCT_PLANS):
                     with knobs(**plan):
                         y = run_op(x, layer, bias)
                     ok, rel, mx = within(y, ref)
@@ -413,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else int(time.time_ns() % (1 << 31))
     gen = torch.Generator(device="cuda")
     gen.manual_seed(seed)
-    print(f"extension {ext}; device {torch.cuda.get_device_name()}; seed {seed}", flush=True)
+    print(f"extension {ext}; device {torch.cuda.get_device_name()}; seed {seed}; "
+          f"wgmma engine {'yes' if wgmma_engine() else 'no'}", flush=True)
     rep = Report()
     t0 = time.monotonic()
     if args.sample:

@@ -53,9 +53,15 @@ def normalize_arch(arch: str) -> str:
     return a
 
 
+# Hopper is built with its arch-specific features (sm_90a): the wgmma engine of the GEMM needs
+# them, and an sm_90a image runs on exactly the devices an sm_90 one does (compute capability 9.0).
+ARCH_FEATURES = {"90": "90a"}
+
+
 def gencode_flags(archs: list[str]) -> list[str]:
     flags = []
     for a in archs:
+        a = ARCH_FEATURES.get(a, a)
         flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     return flags
 

@@ -14,6 +14,7 @@
 #include "exl3_epilogue.cuh"
 #include "exl3_kernels.h"
 #include "exl3_trellis.cuh"
+#include "exl3_wgmma.cuh"
 
 #include <type_traits>
 #include <utility>
@@ -50,7 +51,9 @@ __device__ __forceinline__ uint32_t keep_in_register(uint32_t v) {
   return v;
 }
 
-template <int K2, int MT>
+// WG selects the math engine: false = mma.sync (every target), true = Hopper's wgmma with the
+// tile's tokens as its N (exl3_wgmma.cuh; sm_90a only). Loader, pipeline and epilogue are shared.
+template <int K2, int MT, bool WG = false>
 struct GemmShape {
   static constexpr int kBM = MT * kTile;
   // Warp layout: one warp row, so each warp decodes its own 16-column tile exactly once for all
@@ -72,14 +75,28 @@ struct GemmShape {
   static constexpr int kSmemBytes = kPipeBytes > kStagingBytes ? kPipeBytes : kStagingBytes;
   // Register cap hint: 128-row blocks hold 64 fp32 accumulators per thread; ask for 2 blocks/SM
   // there (<= 128 registers), and let the smaller tiers keep more blocks resident.
-  static constexpr int kMinBlocks = MT >= 8 ? 2 : (MT >= 4 ? 3 : 4);
+  // wgmma holds BM / 2 accumulators per thread: 256 tokens need the whole register file of one
+  // block per SM.
+  static constexpr int kMinBlocks =
+      WG ? (MT >= 16 ? 1 : (MT >= 8 ? 2 : 3)) : (MT >= 8 ? 2 : (MT >= 4 ? 3 : 4));
+  // Accumulators per thread: mma.sync's [m-tile][8-column half][4], or wgmma's 64 x BM fragment.
+  static constexpr int kWgAcc = WG ? kBM / 2 : 1;
+  static_assert(!WG || (kWarpTiles == 1 && kGemmWarps == 2 * kWarpgroupThreads / kWarpSize),
+                "wgmma: two warpgroups, each warp supplying its own tile as 16 rows of A");
+  static_assert(!WG || kABytes % kSwizzleAtomBytes == 0, "wgmma stages must stay atom-aligned");
 };
 
-template <int K2, int CB, int MT>
-__global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
+template <int K2, int CB, int MT, bool WG = false>
+__global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlocks)
     exl3_gemm_kernel(const GemmParams p) {
+#if !EXL3_WGMMA
+  if constexpr (WG) {
+    __trap();  // never launched: the host selects this engine only where it was compiled
+    return;
+  }
+#endif
   using R = Rate<K2>;
-  using Shape = GemmShape<K2, MT>;
+  using Shape = GemmShape<K2, MT, WG>;
   constexpr int BM = Shape::kBM;
   // A copy unit: 16-byte chunks, or 8-byte halves when a stage's A tile is too small to give
   // every thread a whole chunk (BM = 16), so that no thread needs a predicate to skip its copy.
@@ -106,6 +123,11 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   const int c_begin = static_cast<int>(static_cast<int64_t>(blockIdx.z) * chunks / p.splits);
   const int c_end = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * chunks / p.splits);
   const int n_chunks = c_end - c_begin;
+  if constexpr (WG) {
+    // The swizzle is decoded from absolute address bits (exl3_wgmma.cuh): a misplaced stage
+    // would be a silent wrong answer, so stop instead.
+    if ((s_a & (kSwizzleAtomBytes - 1)) != 0) __trap();
+  }
 
   // Let the split-k finish kernel (launched with programmatic serialization) get scheduled as
   // soon as every block of this grid is running; it waits for our completion itself.
@@ -177,27 +199,40 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
 #pragma unroll
   for (int kk = 0; kk < kStageKSteps; ++kk) {
     const int row = warp_m * Shape::kWarpMT * kTile + (lane & 15), ch = 2 * kk + (lane >> 4);
-    a_ld[kk] = keep_in_register(s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16));
+    a_ld[kk] = WG ? 0u : keep_in_register(s_a + row * kARowBytes + ((ch ^ (row & 7)) * 16));
   }
 
   // acc[m-tile][8-column half of the warp's tiles][mma accumulator]
   constexpr int kHalves = 2 * Shape::kWarpTiles;
-  float acc[Shape::kWarpMT][kHalves][4];
+  float acc[WG ? 1 : Shape::kWarpMT][WG ? 1 : kHalves][4];
 #pragma unroll
-  for (int mt = 0; mt < Shape::kWarpMT; ++mt)
+  for (int mt = 0; mt < (WG ? 1 : Shape::kWarpMT); ++mt)
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h)
+    for (int h = 0; h < (WG ? 1 : kHalves); ++h)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][h][e] = 0.0f;
+  // wgmma: element 4j + e of the 64 x BM fragment is output column 16 * warp + lane / 4
+  // (+8 for e >= 2) of the block, token 8j + 2 * (lane % 4) + (e & 1).
+  float acc_wg[Shape::kWgAcc];
+#pragma unroll
+  for (int i = 0; i < Shape::kWgAcc; ++i) acc_wg[i] = 0.0f;
+  const uint64_t desc0 = WG ? wgmma_desc_k_major_sw128(s_a) : 0;
+
+  // Stages loaded ahead of the one being consumed. mma.sync is done with a slot when its warp
+  // reaches the next barrier, so the slot consumed last stage is refilled (3 ahead). A wgmma
+  // still reads its slot after the warp moved on: one per warpgroup stays in flight across the
+  // barrier (nothing drains the tensor pipe at stage ends), so the slot refilled is the one
+  // consumed two stages ago, whose wgmmas every warp has waited for (2 ahead).
+  constexpr int kAhead = WG ? kGemmStages - 2 : kGemmStages - 1;
 
   // Prologue: the trellis does not depend on the input transform, so its first stages are in
   // flight before waiting for the transform grid (programmatic dependent launch).
 #pragma unroll
-  for (int s = 0; s < kGemmStages - 1; ++s)
+  for (int s = 0; s < kAhead; ++s)
     if (s < n_chunks) load_t(s);
   grid_dependency_wait();
 #pragma unroll
-  for (int s = 0; s < kGemmStages - 1; ++s) {
+  for (int s = 0; s < kAhead; ++s) {
     if (s < n_chunks) load_a(s);
     cp_async_commit();
   }
@@ -206,14 +241,31 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   // consume. SLOT is a compile-time constant, so the slot offsets fold into the load addresses.
   auto stage = [&](int it, auto slot_constant) {
     constexpr int slot = decltype(slot_constant)::value;
-    cp_async_wait<kGemmStages - 2>();
-    __syncthreads();  // stage `it` landed for everyone; the previous slot is free again
-    if (it + kGemmStages - 1 < n_chunks) {
-      load_t((slot + kGemmStages - 1) % kGemmStages);
-      load_a((slot + kGemmStages - 1) % kGemmStages);
+    cp_async_wait<kAhead - 1>();
+    if constexpr (WG) fence_proxy_async_shared();
+    __syncthreads();  // stage `it` landed for everyone; the slot to refill is free again
+    if (it + kAhead < n_chunks) {
+      load_t((slot + kAhead) % kGemmStages);
+      load_a((slot + kAhead) % kGemmStages);
     }
     cp_async_commit();
     const uint8_t* t_area = s_t_ptr + slot * Shape::kTBytes;
+    if constexpr (WG) {
+      constexpr uint64_t kSlotDesc = static_cast<uint64_t>(slot * Shape::kABytes) >> 4;
+#pragma unroll
+      for (int kk = 0; kk < kStageKSteps; ++kk) {
+        uint32_t raw[R::kRaw], b[4];
+        load_words<K2>(t_area, t_lane, kk * kBlockTiles * R::kTileBytes, raw);
+        fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b);
+        const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
+        wgmma_fence();  // the decoded registers are written before the asynchronous read
+#if EXL3_WGMMA
+        wgmma_rs<BM>(acc_wg, a, desc0 + kSlotDesc + kk * kDescK16Step);
+#endif
+        wgmma_commit();
+        wgmma_wait<1>();  // the previous step's A registers are free for the next decode
+      }
+    } else {
 #pragma unroll
     for (int kk = 0; kk < kStageKSteps; ++kk) {
       uint32_t b[Shape::kWarpTiles][4];
@@ -235,6 +287,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
         }
       }
     }
+    }
   };
   // The k loop visits the slots in order, kLoopStages stages per iteration (stage it uses slot
   // it % kGemmStages), stopping after stage n_chunks - 1.
@@ -242,12 +295,26 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT>::kMinBlocks)
   for (int it = 0; it < n_chunks; it += kLoopStages) {
     stage_sequence(it, n_chunks, stage, std::make_integer_sequence<int, kLoopStages>{});
   }
+  if constexpr (WG) {
+    wgmma_wait<0>();
+    wgmma_fence_operands(acc_wg);
+  }
   cp_async_wait<0>();
   __syncthreads();  // pipeline buffers are reused as the fp32 staging block
 
   // Stage the accumulators as fp32 [BM][128] so a warp can own whole rows of the block.
   float* s_c = reinterpret_cast<float*>(smem);
-  {
+  if constexpr (WG) {
+    const int col = warp * kTile + (lane >> 2), tok = 2 * (lane & 3);
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      float* c = s_c + (8 * j + tok) * kCStride + col;
+      c[0] = acc_wg[4 * j + 0];
+      c[kCStride] = acc_wg[4 * j + 1];
+      c[8] = acc_wg[4 * j + 2];
+      c[kCStride + 8] = acc_wg[4 * j + 3];
+    }
+  } else {
     const int g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int mt = 0; mt < Shape::kWarpMT; ++mt)

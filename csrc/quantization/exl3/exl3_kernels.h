@@ -15,6 +15,8 @@ constexpr int kMaxK2 = 16;
 // once for more rows; smaller ones waste fewer padded rows and give more blocks at small m.
 constexpr int kGemmTiers[] = {1, 2, 4, 8};
 constexpr int kNumGemmTiers = 4;
+// Tiers of the Hopper wgmma engine (sm_90a): tokens per block = 16 * mt = the wgmma's N.
+constexpr int kWgmmaTiers[] = {4, 8, 16};
 constexpr int kMaxShardsHost = 8;
 
 // Column-to-shard table of a fused layer: shard s owns columns [end[s-1], end[s]).
@@ -63,6 +65,9 @@ struct RateKernels {
   void (*gemm)(int cb, int mt, const GemmParams& p, cudaStream_t stream);
   // Resident blocks per SM of a GEMM instantiation on the current device (cached).
   int (*gemm_blocks_per_sm)(int cb, int mt);
+  // The same GEMM on Hopper's wgmma (mt one of kWgmmaTiers); only where wgmma_supported().
+  void (*gemm_wgmma)(int cb, int mt, const GemmParams& p, cudaStream_t stream);
+  int (*gemm_wgmma_blocks_per_sm)(int cb, int mt);
   // Ŵ, fp16, bit-identical to the reference decode.
   void (*reconstruct_rotated)(int cb, const ReconParams& p, cudaStream_t stream);
   // W = diag(suh) Ĥ Ŵ Ĥ diag(svh) in the output dtype, for the cuBLAS large-m path.
@@ -100,5 +105,9 @@ void launch_bias_broadcast(const void* bias, void* y, bool bf16, int m, int n,
                            cudaStream_t stream);
 // Sleep on the device so the autotuner's timed launches queue up behind it (no launch gaps).
 void launch_device_sleep(int microseconds, cudaStream_t stream);
+// Whether this build carries the wgmma engine for `device` (an sm_90a image on a 9.0 device),
+// asked of the device itself once and cached. The question runs a kernel synchronously, so
+// with may_probe = false (a stream is capturing) an unasked device answers false.
+bool wgmma_supported(int device, bool may_probe);
 
 }  // namespace vllm_exl3

@@ -259,7 +259,8 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
         gp.splits = plan.splits;
         gp.ws = plan.splits > 1 ? ws : nullptr;
         STD_TORCH_CHECK(plan.splits == 1 || ws != nullptr, op, ": split-k without a workspace");
-        kernels.gemm(static_cast<int>(codebook), plan.mt, gp, stream);
+        (plan.wgmma ? kernels.gemm_wgmma : kernels.gemm)(static_cast<int>(codebook), plan.mt, gp,
+                                                         stream);
         check_launch(op);
         if (plan.splits > 1) {
           launch_splitk_finish(ws, gp.svh, bias_ptr, gp.y, bf16, gp.m, gp.n, true, stream);

@@ -42,6 +42,8 @@ constexpr int kMinReconstructTuneM = 64;
 // bm128_layout_ab: BM 128 is level with it at m = 512 and behind from 1024), and timing a
 // BM = 16 GEMM at m = 16384 would cost ~0.1 s per run of the tuner.
 constexpr int kMaxTunedRowBlocks = 16;
+// The wgmma engine's smallest tier is 64 tokens; below this many rows it only pads.
+constexpr int kMinWgmmaM = 33;
 // Autotuner: head start given to the device so the timed launches queue up gap-free, and the
 // number of timed repetitions per candidate.
 constexpr int kTuneSleepUs = 300;
@@ -68,6 +70,7 @@ struct Pins {
   bool deterministic = false;
   int mt = 0;      // 0 = free
   int splits = 0;  // 0 = free
+  int wgmma = -1;  // -1 = the tuner chooses, 0 = never, 1 = the fused path always uses it
   std::optional<long> reconstruct_m;
   std::optional<Path> basis;  // pinned reconstruct flavour
   double traffic = kDefaultSplitTraffic;
@@ -77,15 +80,24 @@ Pins read_pins() {
   Pins p;
   if (auto d = env_long("VLLM_EXL3_DETERMINISTIC", "CUDA_EXL3_DETERMINISTIC")) p.deterministic = *d != 0;
   if (auto bm = env_long("VLLM_EXL3_BM", "CUDA_EXL3_BM")) {
-    if (*bm != 16 && *bm != 32 && *bm != 64 && *bm != 128)
+    if (*bm != 16 && *bm != 32 && *bm != 64 && *bm != 128 && *bm != 256)
       throw std::runtime_error("exl3: VLLM_EXL3_BM=" + std::to_string(*bm) +
-                               " must be one of 16, 32, 64, 128");
+                               " must be one of 16, 32, 64, 128 (mma.sync) or 64, 128, 256 "
+                               "(wgmma)");
     p.mt = static_cast<int>(*bm / kRowsPerTier);
   }
   if (auto s = env_long("VLLM_EXL3_SPLIT_K", "CUDA_EXL3_SPLIT_K")) {
     if (*s < 1) throw std::runtime_error("exl3: VLLM_EXL3_SPLIT_K must be >= 1");
     p.splits = static_cast<int>(*s);
   }
+  if (auto w = env_long("VLLM_EXL3_WGMMA", "CUDA_EXL3_WGMMA")) {
+    if (*w != 0 && *w != 1)
+      throw std::runtime_error("exl3: VLLM_EXL3_WGMMA=" + std::to_string(*w) + " must be 0 or 1");
+    p.wgmma = static_cast<int>(*w);
+  }
+  if (p.mt == 16 && p.wgmma == 0)
+    throw std::runtime_error("exl3: VLLM_EXL3_BM=256 exists only for the wgmma engine, which "
+                             "VLLM_EXL3_WGMMA=0 turns off");
   p.reconstruct_m = env_long("VLLM_EXL3_RECONSTRUCT_M", "CUDA_EXL3_RECONSTRUCT_M");
   if (const char* b = env_value("VLLM_EXL3_RECONSTRUCT_BASIS", "CUDA_EXL3_RECONSTRUCT_BASIS")) {
     const std::string v(b);
@@ -120,11 +132,12 @@ int max_splits(const Problem& pr) { return std::max(1, pr.k / kStageK / kMinChun
 
 // Enough k-splits to give every SM its resident blocks, unless the fp32 partial sums would cost
 // more than a fraction of the weight traffic.
-int split_model(const Problem& pr, int mt, const Pins& pins) {
+int split_model(const Problem& pr, int mt, const Pins& pins, bool wgmma = false) {
   const DeviceInfo di = device_info(pr.device);
   const int64_t tiles = static_cast<int64_t>(ceil_div(pr.m, kRowsPerTier * mt)) * (pr.n / kBlockN);
-  const int64_t slots =
-      static_cast<int64_t>(di.sms) * rate_kernels(pr.k2).gemm_blocks_per_sm(pr.cb, mt);
+  const RateKernels& rk = rate_kernels(pr.k2);
+  const int64_t slots = static_cast<int64_t>(di.sms) * (wgmma ? rk.gemm_wgmma_blocks_per_sm(pr.cb, mt)
+                                                             : rk.gemm_blocks_per_sm(pr.cb, mt));
   if (tiles >= slots) return 1;
   int s = ceil_div(slots, tiles);
   s = std::min(s, max_splits(pr));
@@ -152,36 +165,44 @@ Plan cost_model(const Problem& pr, const Pins& pins) {
     p.path = default_basis(pr, pins);
     return p;
   }
-  p.mt = pins.mt ? pins.mt : tier_for_m(pr.m);
+  // The cost model serves capture without a tuned plan: the portable engine, whose tiers it knows.
+  p.mt = pins.mt && pins.mt <= 8 ? pins.mt : tier_for_m(pr.m);
   p.splits = pins.splits ? std::min(pins.splits, max_splits(pr)) : split_model(pr, p.mt, pins);
   return p;
 }
 
-std::vector<Plan> candidates(const Problem& pr, const Pins& pins) {
+// `wgmma_ok`: the engine exists on this device and is not turned off.
+std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok) {
   std::vector<Plan> out;
   const int bucket = pow2_ceil(std::max(pr.m, kRowsPerTier));
   const bool tune_reconstruct = !pins.reconstruct_m && pr.m >= kMinReconstructTuneM;
-  for (int mt : kGemmTiers) {
-    if (pins.mt ? mt != pins.mt : kRowsPerTier * mt > bucket) continue;
+  auto add_tier = [&](int mt, bool wg) {
+    if (pins.mt ? mt != pins.mt : kRowsPerTier * mt > std::max(bucket, wg ? 64 : 0)) return;
     if (tune_reconstruct && !pins.mt && ceil_div(bucket, kRowsPerTier * mt) > kMaxTunedRowBlocks)
-      continue;
+      return;
     std::vector<int> splits;
     if (pins.splits) {
       splits = {std::min(pins.splits, max_splits(pr))};
     } else {
-      const int s = split_model(pr, mt, pins);
+      const int s = split_model(pr, mt, pins, wg);
       splits = {s, std::max(1, s / 2), std::min(max_splits(pr), s * 2)};
     }
     std::sort(splits.begin(), splits.end());
     splits.erase(std::unique(splits.begin(), splits.end()), splits.end());
-    for (int s : splits) out.push_back(Plan{Path::kFused, mt, s});
-  }
+    for (int s : splits) out.push_back(Plan{Path::kFused, mt, s, wg});
+  };
+  const bool only_wgmma = wgmma_ok && pins.wgmma == 1;
+  if (!only_wgmma)
+    for (int mt : kGemmTiers) add_tier(mt, false);
+  if (wgmma_ok && (only_wgmma || pr.m >= kMinWgmmaM))
+    for (int mt : kWgmmaTiers) add_tier(mt, true);
   if (tune_reconstruct)
     for (const Plan& r : reconstruct_candidates(pins)) out.push_back(r);
   return out;
 }
 
-using Key = std::tuple<int, int, int, int, int, int, int, bool, int, int, long, double, bool, int>;
+using Key =
+    std::tuple<int, int, int, int, int, int, int, bool, int, int, long, double, bool, int, int>;
 
 std::mutex g_mutex;
 std::map<Key, Plan> g_cache;
@@ -190,7 +211,7 @@ std::map<int, DeviceInfo> g_devices;
 Key make_key(const Problem& pr, const Pins& pins) {
   return Key{pr.device, pow2_ceil(std::max(pr.m, 1)), pr.k, pr.n, pr.k2, pr.cb, pr.shards,
              pr.bf16, pins.mt, pins.splits, pins.reconstruct_m.value_or(-1), pins.traffic,
-             pins.deterministic, pins.basis ? static_cast<int>(*pins.basis) : -1};
+             pins.deterministic, pins.basis ? static_cast<int>(*pins.basis) : -1, pins.wgmma};
 }
 
 void cuda_check(cudaError_t e, const char* what) {
@@ -244,8 +265,16 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
 
   const bool forced_reconstruct =
       pins.reconstruct_m && *pins.reconstruct_m > 0 && pr.m >= *pins.reconstruct_m;
+  const bool wgmma_ok = pins.wgmma != 0 && wgmma_supported(pr.device, !capturing);
+  if (pins.wgmma == 1 && !capturing && !wgmma_ok)
+    throw std::runtime_error("exl3: VLLM_EXL3_WGMMA=1, but this device or build has no wgmma "
+                             "engine (it needs an sm_90a image on a compute-capability 9.0 GPU)");
   const std::vector<Plan> cands =
-      forced_reconstruct ? reconstruct_candidates(pins) : candidates(pr, pins);
+      forced_reconstruct ? reconstruct_candidates(pins) : candidates(pr, pins, wgmma_ok);
+  if (cands.empty())
+    throw std::runtime_error("exl3: no GEMM tier matches the pins (VLLM_EXL3_BM=" +
+                             std::to_string(kRowsPerTier * pins.mt) +
+                             " with VLLM_EXL3_WGMMA=1: the wgmma tiers are 64, 128, 256)");
   if (cands.size() == 1) return settle(cands[0]);
   const Plan fallback =
       forced_reconstruct ? Plan{default_basis(pr, pins), 1, 1} : cost_model(pr, pins);
@@ -266,9 +295,11 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
     if (c.path == Path::kFused && c.splits > 1 && !splitk_ok(true)) continue;
     const float ms = time_plan(c, stream, run);
     if (log)
-      std::fprintf(stderr, "exl3 plan m=%d k=%d n=%d bits2=%d cb=%d: path=%d bm=%d split=%d %.1f us\n",
+      std::fprintf(stderr,
+                   "exl3 plan m=%d k=%d n=%d bits2=%d cb=%d: path=%d bm=%d split=%d wgmma=%d "
+                   "%.1f us\n",
                    pr.m, pr.k, pr.n, pr.k2, pr.cb, static_cast<int>(c.path),
-                   c.mt * kRowsPerTier, c.splits, ms * 1e3f);
+                   c.mt * kRowsPerTier, c.splits, c.wgmma ? 1 : 0, ms * 1e3f);
     if (best_ms < 0.f || ms < best_ms) {
       best_ms = ms;
       best = c;

@@ -21,6 +21,7 @@ struct Plan {
   Path path = Path::kFused;
   int mt = 1;      // fused: m16 tiles per block (BM = 16 * mt)
   int splits = 1;  // fused: k-splits (1 = full k, epilogue in the GEMM)
+  bool wgmma = false;  // fused: Hopper's wgmma engine (mt one of kWgmmaTiers)
 };
 
 struct Problem {

@@ -30,11 +30,11 @@ constexpr bool codebook_valid(int cb) {
   return (K2 & 1) ? cb == kMul1 : (cb >= 0 && cb <= 2);
 }
 
-template <int K2, int CB, int MT>
+template <int K2, int CB, int MT, bool WG>
 void gemm_launch_tier(const GemmParams& p, cudaStream_t stream) {
-  using Shape = GemmShape<K2, MT>;
+  using Shape = GemmShape<K2, MT, WG>;
   static unsigned done = 0;
-  auto kernel = exl3_gemm_kernel<K2, CB, MT>;
+  auto kernel = exl3_gemm_kernel<K2, CB, MT, WG>;
   allow_smem(kernel, Shape::kSmemBytes, done);
   const dim3 grid((p.m + Shape::kBM - 1) / Shape::kBM, p.n / kBlockN, p.splits);
   cudaLaunchConfig_t cfg{};
@@ -43,16 +43,16 @@ void gemm_launch_tier(const GemmParams& p, cudaStream_t stream) {
   cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
-template <int K2, int CB, int MT>
+template <int K2, int CB, int MT, bool WG>
 int gemm_occupancy_tier() {
   static int cached[32] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
   int& c = cached[dev & 31];
   if (c == 0) {
-    using Shape = GemmShape<K2, MT>;
+    using Shape = GemmShape<K2, MT, WG>;
     static unsigned done = 0;
-    auto kernel = exl3_gemm_kernel<K2, CB, MT>;
+    auto kernel = exl3_gemm_kernel<K2, CB, MT, WG>;
     allow_smem(kernel, Shape::kSmemBytes, done);
     int blocks = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemmThreads,
@@ -62,14 +62,22 @@ int gemm_occupancy_tier() {
   return c;
 }
 
-// mt -> the templated tier; cb -> the templated codebook.
-template <typename F>
+// mt -> the templated tier (of the engine: kGemmTiers or kWgmmaTiers); cb -> the codebook.
+template <bool WG, typename F>
 inline auto with_tier(int mt, F&& f) {
-  switch (mt) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    default: return f(std::integral_constant<int, 8>{});
+  if constexpr (WG) {
+    switch (mt) {
+      case 4: return f(std::integral_constant<int, 4>{});
+      case 8: return f(std::integral_constant<int, 8>{});
+      default: return f(std::integral_constant<int, 16>{});
+    }
+  } else {
+    switch (mt) {
+      case 1: return f(std::integral_constant<int, 1>{});
+      case 2: return f(std::integral_constant<int, 2>{});
+      case 4: return f(std::integral_constant<int, 4>{});
+      default: return f(std::integral_constant<int, 8>{});
+    }
   }
 }
 
@@ -86,20 +94,20 @@ inline auto with_codebook(int cb, F&& f) {
   }
 }
 
-template <int K2>
+template <int K2, bool WG>
 void gemm_launch(int cb, int mt, const GemmParams& p, cudaStream_t stream) {
   with_codebook<K2>(cb, [&](auto c) {
-    with_tier(mt, [&](auto t) {
-      gemm_launch_tier<K2, decltype(c)::value, decltype(t)::value>(p, stream);
+    with_tier<WG>(mt, [&](auto t) {
+      gemm_launch_tier<K2, decltype(c)::value, decltype(t)::value, WG>(p, stream);
     });
   });
 }
 
-template <int K2>
+template <int K2, bool WG>
 int gemm_blocks_per_sm(int cb, int mt) {
   return with_codebook<K2>(cb, [&](auto c) {
-    return with_tier(mt, [&](auto t) {
-      return gemm_occupancy_tier<K2, decltype(c)::value, decltype(t)::value>();
+    return with_tier<WG>(mt, [&](auto t) {
+      return gemm_occupancy_tier<K2, decltype(c)::value, decltype(t)::value, WG>();
     });
   });
 }
@@ -131,7 +139,8 @@ void reconstruct_original_launch(int cb, const ReconParams& p, cudaStream_t stre
 
 template <int K2>
 const RateKernels& make_rate_kernels() {
-  static const RateKernels k{&gemm_launch<K2>, &gemm_blocks_per_sm<K2>,
+  static const RateKernels k{&gemm_launch<K2, false>,      &gemm_blocks_per_sm<K2, false>,
+                             &gemm_launch<K2, true>,       &gemm_blocks_per_sm<K2, true>,
                              &reconstruct_rotated_launch<K2>, &reconstruct_original_launch<K2>};
   return k;
 }

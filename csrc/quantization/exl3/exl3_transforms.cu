@@ -1,8 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // Rate-independent kernels: the input transform, the split-k finish, the bias broadcast of the
-// cuBLAS path, and the autotuner's device sleep.
+// cuBLAS path, the autotuner's device sleep, and the wgmma capability probe.
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
 #include "exl3_epilogue.cuh"
 #include "exl3_kernels.h"
+#include "exl3_wgmma.cuh"
 
 namespace vllm_exl3 {
 
@@ -79,6 +84,10 @@ __global__ void exl3_device_sleep_kernel(int64_t nanoseconds) {
   }
 }
 
+// Writes 1 where the device runs an image compiled with the sm_90a features (EXL3_WGMMA), so the
+// host asks the loaded binary itself rather than trusting build flags.
+__global__ void exl3_wgmma_probe_kernel(int* out) { *out = EXL3_WGMMA; }
+
 static unsigned grid_for_warps(int64_t warps) {
   return static_cast<unsigned>((warps + kRowWarps - 1) / kRowWarps);
 }
@@ -126,6 +135,36 @@ void launch_bias_broadcast(const void* bias, void* y, bool bf16, int m, int n,
 
 void launch_device_sleep(int microseconds, cudaStream_t stream) {
   exl3_device_sleep_kernel<<<1, 1, 0, stream>>>(static_cast<int64_t>(microseconds) * 1000);
+}
+
+bool wgmma_supported(int device, bool may_probe) {
+  static std::mutex mutex;
+  static int cached[64];  // 0 = not asked yet, 1 = no, 2 = yes
+  std::lock_guard<std::mutex> lock(mutex);
+  int& c = cached[device & 63];
+  if (c != 0) return c == 2;
+  if (!may_probe) return false;
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  bool yes = false;
+  if (major == 9 && minor == 0) {
+    // Synchronous: asked once per device, in eager mode only (may_probe).
+    int* d = nullptr;
+    int h = 0;
+    auto check = [](cudaError_t e) {
+      if (e != cudaSuccess)
+        throw std::runtime_error(std::string("exl3: wgmma probe: ") + cudaGetErrorString(e));
+    };
+    check(cudaMalloc(&d, sizeof(int)));
+    exl3_wgmma_probe_kernel<<<1, 1>>>(d);
+    const cudaError_t launched = cudaGetLastError();
+    check(cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost));
+    check(cudaFree(d));
+    yes = launched == cudaSuccess && h == 1;
+  }
+  c = yes ? 2 : 1;
+  return yes;
 }
 
 }  // namespace vllm_exl3
