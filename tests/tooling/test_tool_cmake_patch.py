@@ -70,8 +70,8 @@ EXPECTED = sorted(p.name for p in (ROOT / "csrc/quantization/exl3").glob("*")
 
 
 @pytest.mark.parametrize("archs,expected", [
-    ("7.5;9.0;12.0;12.1", {"9.0", "12.0f"}),
-    ("8.0;8.6;8.9;9.0;10.0;12.0", {"8.0", "8.6", "8.9", "9.0", "10.0f", "12.0f"}),
+    ("7.5;9.0;12.0;12.1", {"9.0a", "12.0f"}),
+    ("8.0;8.6;8.9;9.0;10.0;12.0", {"8.0", "8.6", "8.9", "9.0a", "10.0f", "12.0f"}),
 ])
 def test_exl3_sources_join_c_stable_libtorch(tmp_path, patched_tree, archs, expected):
     assert EXPECTED, "no EXL3 sources in csrc/quantization/exl3"
