@@ -100,9 +100,10 @@ def _timed_plans(err: str, m: int) -> list[str]:
 
 def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypatch) -> None:
     """The autotuner (VLLM_EXL3_LOG_PLANS=1 prints each timed candidate): at m = 4096 only the
-    reconstruct paths are timed (fused tiers would decode the weights > 16 times); at m = 100
-    every tier with <= 16 row blocks is; a second m in an already tuned power-of-two bucket
-    times nothing (what exl3/warmup.py relies on)."""
+    reconstruct paths and fused tiers that decode the weights <= 16 times (the wgmma engine's
+    256-token tier, where it exists) are timed; at m = 100 every tier with <= 16 row blocks is;
+    a second m in an already tuned power-of-two bucket times nothing (what exl3/warmup.py
+    relies on)."""
     monkeypatch.setenv("VLLM_EXL3_LOG_PLANS", "1")
     layer = vk.random_layer(gen, 1024, [1280], 4.0, 1)
 
@@ -116,11 +117,20 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
     capfd.readouterr()
     call(4096)
     big = _timed_plans(capfd.readouterr().err, 4096)
-    assert big and all(" path=0 " not in ln for ln in big), big
+    wgmma = vk.wgmma_engine()
+    fused_big = [ln for ln in big if " path=0 " in ln]
+    assert big and len(fused_big) < len(big), big
+    assert all(" bm=256 " in ln and " wgmma=1 " in ln for ln in fused_big), big
+    assert bool(fused_big) == wgmma, big
     call(100)
     mid = _timed_plans(capfd.readouterr().err, 100)
-    assert {int(ln.split(" bm=")[1].split()[0]) for ln in mid if " path=0 " in ln} == \
-        {16, 32, 64, 128}, mid
+
+    def tiers(engine: int) -> set[int]:
+        return {int(ln.split(" bm=")[1].split()[0]) for ln in mid
+                if " path=0 " in ln and f" wgmma={engine} " in ln}
+
+    assert tiers(0) == {16, 32, 64, 128}, mid
+    assert tiers(1) == ({64, 128} if wgmma else set()), mid
     call(3000)  # bucket 4096, tuned above
     call(65)  # bucket 128, tuned above
     err = capfd.readouterr().err

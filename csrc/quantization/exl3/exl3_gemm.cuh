@@ -220,10 +220,13 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
 
   // Stages loaded ahead of the one being consumed. mma.sync is done with a slot when its warp
   // reaches the next barrier, so the slot consumed last stage is refilled (3 ahead). A wgmma
-  // still reads its slot after the warp moved on: one per warpgroup stays in flight across the
-  // barrier (nothing drains the tensor pipe at stage ends), so the slot refilled is the one
-  // consumed two stages ago, whose wgmmas every warp has waited for (2 ahead).
+  // still reads its slot after the warp moved on: up to kWgmmaInFlight per warpgroup stay in
+  // flight across the barrier (nothing drains the tensor pipe at stage ends), so the slot
+  // refilled is the one consumed two stages ago, whose wgmmas every warp has waited for
+  // (2 ahead).
   constexpr int kAhead = WG ? kGemmStages - 2 : kGemmStages - 1;
+  static_assert(!WG || kWgmmaInFlight < kStageKSteps,
+                "a slot's wgmmas must be complete one stage after it is consumed");
 
   // Prologue: the trellis does not depend on the input transform, so its first stages are in
   // flight before waiting for the transform grid (programmatic dependent launch).
@@ -263,7 +266,9 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
         wgmma_rs<BM>(acc_wg, a, desc0 + kSlotDesc + kk * kDescK16Step);
 #endif
         wgmma_commit();
-        wgmma_wait<1>();  // the previous step's A registers are free for the next decode
+        // Decoding runs kWgmmaInFlight steps ahead of the tensor pipe; the oldest step's A
+        // registers are free for the next decode once it completes.
+        wgmma_wait<kWgmmaInFlight>();
       }
     } else {
 #pragma unroll

@@ -49,6 +49,10 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t addr) {
 }
 // The descriptor of the k16 step `kk` inside a 64-k stage row: 32 bytes further, in >> 4 units.
 constexpr uint64_t kDescK16Step = (16 * 2) >> 4;
+// wgmmas a warpgroup leaves in flight while it decodes the next step (each holds its own 4 A
+// registers until it completes). 2 and 3 measured the same as 1 on the H200 (within 1 %,
+// scripts/bench/results/ab_session6 call 4) and cost registers, so 1.
+constexpr int kWgmmaInFlight = 1;
 
 __device__ __forceinline__ void wgmma_fence() {
 #if EXL3_WGMMA
