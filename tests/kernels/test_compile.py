@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CI (no GPU): every EXL3 CUDA source compiles for sm_90, sm_120 and sm_121 with the local nvcc.
+"""CI (no GPU): every EXL3 CUDA source compiles for sm_90 (as sm_90a), sm_120 and sm_121 with the
+local nvcc, and the Hopper wgmma engine compiles without ptxas serializing its MMAs.
 
 Compile only (objects, no link), through the same quick-build script that makes
 vllm/_exl3_C.abi3.so, against the venv's torch 2.11 stable-ABI headers. The whole set for the
@@ -10,7 +11,9 @@ inside CI's 20-minute budget, so every translation unit is compiled for every ar
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,3 +44,37 @@ def test_arch_names_normalise() -> None:
         ["90", "120", "121", "90"]
     with pytest.raises(kernels_build.BuildError):
         kernels_build.normalize_arch("hopper")
+
+
+def test_hopper_builds_carry_the_arch_specific_features() -> None:
+    assert kernels_build.gencode_flags(["90", "120"]) == [
+        "-gencode", "arch=compute_90a,code=sm_90a", "-gencode", "arch=compute_120,code=sm_120"]
+
+
+@pytest.mark.slow
+def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
+    """ptxas silently serializes a wgmma (waits for it before the next instruction) when it cannot
+    prove the asynchronous operands are left alone, and says so only as an info line (C7513);
+    every tier of the engine must compile without it, without spills, and within the register
+    budget its occupancy assumes (GemmShape::kMinBlocks: 1 block of 256 threads at 256 tokens,
+    2 at 128, 3 at 64)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not available")
+    src = tmp_path / "wgmma_tiers.cu"
+    src.write_text('#include "exl3_gemm.cuh"\nnamespace vllm_exl3 {\n' + "".join(
+        f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}, true>(const GemmParams);\n"
+        for k2, cb in ((4, 1), (8, 0), (8, 1), (8, 2), (5, 2), (12, 1)) for mt in (4, 8, 16))
+        + "}\n")
+    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
+    r = subprocess.run(["nvcc", *flags, "-cubin", "-arch=sm_90a", f"-I{kernels_build.SOURCES}",
+                        "-Xptxas", "-v", str(src), "-o", str(tmp_path / "w.cubin")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "C7513" not in r.stderr and "serialized" not in r.stderr, r.stderr[-3000:]
+    entries = re.findall(r"Compiling entry function '(\S+)'.*?Used (\d+) registers([^\n]*)",
+                         r.stderr, re.S)
+    assert len(entries) == 18, r.stderr[-3000:]
+    for name, regs, rest in entries:
+        mt = int(re.search(r"ELi(\d+)ELb1E", name).group(1))
+        budget = {4: 85, 8: 128, 16: 255}[mt]
+        assert int(regs) <= budget and "stack" not in rest, (name, regs, rest)
