@@ -2,13 +2,17 @@
 // The trellis GEMM: y = epilogue(xh @ Ŵ) without ever materialising Ŵ.
 //
 // A block owns BM rows x 128 columns (one Hadamard block, so the output transform stays in the
-// block) x all of k or one k-split. Up to BM = 64 its 8 warps each own one 16-column trellis tile
-// column and decode every tile of it exactly once, for all BM rows: lane t's 8 positions are its
-// two mma B fragments (§3.2), so a decoded tile feeds 2 * BM/16 mma.m16n8k16 straight from
-// registers. At BM = 128 the warps form a 2 x 4 grid (64 rows x 32 columns each; GemmShape).
+// block) x all of k or one k-split. Its 8 warps each own one 16-column trellis tile column and
+// decode every tile of it exactly once, for all BM rows: lane t's 8 positions are its two mma B
+// fragments (§3.2), so a decoded tile feeds 2 * BM/16 mma.m16n8k16 straight from registers.
 // Activations (fp16, already Hadamard-transformed) and trellis words stream through a
 // multi-stage cp.async pipeline in stages of 64 k; A rows are 128 bytes, XOR-swizzled in 16-byte
 // chunks so the ldmatrix phases hit distinct banks.
+//
+// On Hopper the same block can run its math on wgmma instead (WG = true, exl3_wgmma.cuh): the
+// BM rows become the wgmma's N, each warp's decoded tile its 16 rows of the register A operand,
+// and the tensor core reads the activations straight from the swizzled stage (the swizzle above
+// is wgmma's 128-byte mode).
 #pragma once
 
 #include "exl3_epilogue.cuh"
@@ -272,26 +276,26 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
       }
     } else {
 #pragma unroll
-    for (int kk = 0; kk < kStageKSteps; ++kk) {
-      uint32_t b[Shape::kWarpTiles][4];
-#pragma unroll
-      for (int t = 0; t < Shape::kWarpTiles; ++t) {
-        uint32_t raw[R::kRaw];
-        load_words<K2>(t_area, t_lane, (kk * kBlockTiles + t) * R::kTileBytes, raw);
-        fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b[t]);
-      }
-      // Rows past m are zero-filled in shared memory; computing them costs less than branching.
-#pragma unroll
-      for (int mt = 0; mt < Shape::kWarpMT; ++mt) {
-        uint32_t a[4];
-        ldmatrix_x4(a, a_ld[kk] + slot * Shape::kABytes + mt * kTile * kARowBytes);
+      for (int kk = 0; kk < kStageKSteps; ++kk) {
+        uint32_t b[Shape::kWarpTiles][4];
 #pragma unroll
         for (int t = 0; t < Shape::kWarpTiles; ++t) {
-          mma_16816(acc[mt][2 * t], a, b[t][0], b[t][1]);
-          mma_16816(acc[mt][2 * t + 1], a, b[t][2], b[t][3]);
+          uint32_t raw[R::kRaw];
+          load_words<K2>(t_area, t_lane, (kk * kBlockTiles + t) * R::kTileBytes, raw);
+          fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b[t]);
+        }
+        // Rows past m are zero-filled in shared memory; computing them costs less than branching.
+#pragma unroll
+        for (int mt = 0; mt < Shape::kWarpMT; ++mt) {
+          uint32_t a[4];
+          ldmatrix_x4(a, a_ld[kk] + slot * Shape::kABytes + mt * kTile * kARowBytes);
+#pragma unroll
+          for (int t = 0; t < Shape::kWarpTiles; ++t) {
+            mma_16816(acc[mt][2 * t], a, b[t][0], b[t][1]);
+            mma_16816(acc[mt][2 * t + 1], a, b[t][2], b[t][3]);
+          }
         }
       }
-    }
     }
   };
   // The k loop visits the slots in order, kLoopStages stages per iteration (stage it uses slot
