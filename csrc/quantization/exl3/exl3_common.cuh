@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Constants and PTX wrappers shared by every EXL3 kernel. Only mma.sync.m16n8k16 (fp16 in, fp32
 // accumulate), ldmatrix and cp.async are used, so one source serves sm_90, sm_120 and sm_121.
+// The one exception is the GEMM's optional Hopper engine (exl3_wgmma.cuh), compiled only into
+// sm_90a images and chosen at run time only where the device runs one.
 #pragma once
 
 #include <cuda_bf16.h>
