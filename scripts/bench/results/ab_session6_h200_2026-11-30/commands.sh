@@ -12,10 +12,12 @@
 #   wg3.so    75ce261 with kWgmmaInFlight = 2;  wg3b.so: = 3
 #   final.so  75ce261 (the commit's kernels; the anchor of call 8 ran on it)
 #   st.so     75ce261 with up to 6 pipeline slots for the wgmma engine (README §9)
+#   lpr.so    branch wgmma-lds-ahead (68a9a65): trellis words read one k16 step ahead (§11)
+#   lp.so     lpr plus the stage's first read issued before the refill copies (§11)
 set -eu
 D=scripts/bench/results/ab_session6_h200_2026-11-30
-case "${1:?call 1..9}" in
-1|2|3|4|5|6|7|9) OUT=$OUT bash $D/call$1.sh ;;   # see the header of each script
+case "${1:?call 1..12}" in
+1|2|3|4|5|6|7|9|10|11|12) OUT=$OUT bash $D/call$1.sh ;;   # 12 did not run (no device time)   # see the header of each script
 8)  # the same-run anchor, all 975 points (right after call 7, ExLlamaV3 built by call 6)
     EXT=.s6/final.so CALL_LIMIT_S=585 EXL3_STATE=/tmp/exl3_next OUT=$OUT \
       bash scripts/bench/next_session.sh call2 ;;
