@@ -194,7 +194,8 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
   const bool only_wgmma = wgmma_ok && pins.wgmma == 1;
   if (!only_wgmma)
     for (int mt : kGemmTiers) add_tier(mt, false);
-  if (wgmma_ok && (only_wgmma || pr.m >= kMinWgmmaM))
+  // A pinned BM past the mma.sync tiers (256) asks for the wgmma engine whatever m is.
+  if (wgmma_ok && (only_wgmma || pr.m >= kMinWgmmaM || pins.mt > kGemmTiers[kNumGemmTiers - 1]))
     for (int mt : kWgmmaTiers) add_tier(mt, true);
   if (tune_reconstruct)
     for (const Plan& r : reconstruct_candidates(pins)) out.push_back(r);
@@ -272,9 +273,12 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
   const std::vector<Plan> cands =
       forced_reconstruct ? reconstruct_candidates(pins) : candidates(pr, pins, wgmma_ok);
   if (cands.empty())
-    throw std::runtime_error("exl3: no GEMM tier matches the pins (VLLM_EXL3_BM=" +
-                             std::to_string(kRowsPerTier * pins.mt) +
-                             " with VLLM_EXL3_WGMMA=1: the wgmma tiers are 64, 128, 256)");
+    throw std::runtime_error(
+        "exl3: no GEMM tier matches the pins: VLLM_EXL3_BM=" +
+        std::to_string(kRowsPerTier * pins.mt) +
+        " (mma.sync tiers 16, 32, 64, 128; wgmma tiers 64, 128, 256, which need the wgmma "
+        "engine: " + (wgmma_ok ? "VLLM_EXL3_WGMMA=1 allows only those" :
+                                 "this device or build has none, or VLLM_EXL3_WGMMA=0") + ")");
   if (cands.size() == 1) return settle(cands[0]);
   const Plan fallback =
       forced_reconstruct ? Plan{default_basis(pr, pins), 1, 1} : cost_model(pr, pins);
