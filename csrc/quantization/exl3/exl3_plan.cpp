@@ -136,8 +136,9 @@ int split_model(const Problem& pr, int mt, const Pins& pins, bool wgmma = false)
   const DeviceInfo di = device_info(pr.device);
   const int64_t tiles = static_cast<int64_t>(ceil_div(pr.m, kRowsPerTier * mt)) * (pr.n / kBlockN);
   const RateKernels& rk = rate_kernels(pr.k2);
-  const int64_t slots = static_cast<int64_t>(di.sms) * (wgmma ? rk.gemm_wgmma_blocks_per_sm(pr.cb, mt)
-                                                             : rk.gemm_blocks_per_sm(pr.cb, mt));
+  const int blocks_per_sm =
+      wgmma ? rk.gemm_wgmma_blocks_per_sm(pr.cb, mt) : rk.gemm_blocks_per_sm(pr.cb, mt);
+  const int64_t slots = static_cast<int64_t>(di.sms) * blocks_per_sm;
   if (tiles >= slots) return 1;
   int s = ceil_div(slots, tiles);
   s = std::min(s, max_splits(pr));
@@ -177,7 +178,9 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
   const int bucket = pow2_ceil(std::max(pr.m, kRowsPerTier));
   const bool tune_reconstruct = !pins.reconstruct_m && pr.m >= kMinReconstructTuneM;
   auto add_tier = [&](int mt, bool wg) {
-    if (pins.mt ? mt != pins.mt : kRowsPerTier * mt > std::max(bucket, wg ? 64 : 0)) return;
+    // wgmma's smallest tier serves any m it is asked for (VLLM_EXL3_WGMMA=1 below 33 rows).
+    const int largest = wg ? std::max(bucket, kRowsPerTier * kWgmmaTiers[0]) : bucket;
+    if (pins.mt ? mt != pins.mt : kRowsPerTier * mt > largest) return;
     if (tune_reconstruct && !pins.mt && ceil_div(bucket, kRowsPerTier * mt) > kMaxTunedRowBlocks)
       return;
     std::vector<int> splits;

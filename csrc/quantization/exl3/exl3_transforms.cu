@@ -156,11 +156,16 @@ bool wgmma_supported(int device, bool may_probe) {
       if (e != cudaSuccess)
         throw std::runtime_error(std::string("exl3: wgmma probe: ") + cudaGetErrorString(e));
     };
+    // The probe must run on `device`, whichever device the caller's thread has current.
+    int current = 0;
+    check(cudaGetDevice(&current));
+    check(cudaSetDevice(device));
     check(cudaMalloc(&d, sizeof(int)));
     exl3_wgmma_probe_kernel<<<1, 1>>>(d);
     const cudaError_t launched = cudaGetLastError();
     check(cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost));
     check(cudaFree(d));
+    check(cudaSetDevice(current));
     yes = launched == cudaSuccess && h == 1;
   }
   c = yes ? 2 : 1;
