@@ -259,11 +259,16 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
     const uint8_t* t_area = s_t_ptr + slot * Shape::kTBytes;
     if constexpr (WG) {
       constexpr uint64_t kSlotDesc = static_cast<uint64_t>(slot * Shape::kABytes) >> 4;
+      // The trellis words of each k16 step are read one step ahead of their decode: waiting on
+      // that read was the largest share of the stalls (ncu, ab_session6 call 10).
+      uint32_t raw[R::kRaw];
+      load_words<K2>(t_area, t_lane, 0u, raw);
 #pragma unroll
       for (int kk = 0; kk < kStageKSteps; ++kk) {
-        uint32_t raw[R::kRaw], b[4];
-        load_words<K2>(t_area, t_lane, kk * kBlockTiles * R::kTileBytes, raw);
+        uint32_t b[4];
         fragments_from_raw<K2, CB>(raw, lw.shift, halves_xor, b);
+        if (kk + 1 < kStageKSteps)
+          load_words<K2>(t_area, t_lane, (kk + 1) * kBlockTiles * R::kTileBytes, raw);
         const uint32_t a[4] = {b[0], b[2], b[1], b[3]};
         wgmma_fence();  // the decoded registers are written before the asynchronous read
 #if EXL3_WGMMA
