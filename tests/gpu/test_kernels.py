@@ -102,8 +102,8 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
     """The autotuner (VLLM_EXL3_LOG_PLANS=1 prints each timed candidate): at m = 4096 only the
     reconstruct paths and fused tiers that decode the weights <= 16 times (the wgmma engine's
     256-token tier, where it exists) are timed; at m = 100 every tier with <= 16 row blocks is;
-    a second m in an already tuned power-of-two bucket times nothing (what exl3/warmup.py
-    relies on)."""
+    the k-splits that fill whole waves of blocks are among the candidates; a second m in an
+    already tuned power-of-two bucket times nothing (what exl3/warmup.py relies on)."""
     monkeypatch.setenv("VLLM_EXL3_LOG_PLANS", "1")
     layer = vk.random_layer(gen, 1024, [1280], 4.0, 1)
 
@@ -131,6 +131,13 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
 
     assert tiers(0) == {16, 32, 64, 128}, mid
     assert tiers(1) == ({64, 128} if wgmma else set()), mid
+    # 100 rows x 1280 columns are 10 tiles of BM 128, far short of one wave of blocks: the
+    # wave-filling candidate is the deepest split a 1024-deep layer allows (1024 / 128), which
+    # the traffic-capped split model alone never reaches here.
+    for engine in (0, 1) if wgmma else (0,):
+        splits = {int(ln.split(" split=")[1].split()[0]) for ln in mid
+                  if " path=0 " in ln and " bm=128 " in ln and f" wgmma={engine} " in ln}
+        assert 8 in splits, (engine, mid)
     call(3000)  # bucket 4096, tuned above
     call(65)  # bucket 128, tuned above
     err = capfd.readouterr().err

@@ -44,6 +44,15 @@ constexpr int kMinReconstructTuneM = 64;
 constexpr int kMaxTunedRowBlocks = 16;
 // The wgmma engine's smallest tier is 64 tokens; below this many rows it only pads.
 constexpr int kMinWgmmaM = 33;
+// From this many rows on, the tuner also times the k-splits that just fill one, two or three
+// waves of resident blocks. The split model aims at one block per slot and is capped by its
+// traffic rule, so where the tiles are few it lands past a wave boundary or far short of it
+// (ab_session7 call 1, 4-bit, BM 128 wgmma at m = 128: 4096x4096 split 8, 256 blocks in 264
+// slots, 17.8 us against 25.9 for the model's best of {1, 2, 4}; 17408x5120 split 6, 58.1 us
+// against 78.3 at split 4). Below it the weights are L2-resident while the tuner times them,
+// which flatters more splits than a cold call wants (ab_session4 §4), so no candidates are added.
+constexpr int kMinWaveSplitM = 17;
+constexpr int kWaveSplitWaves = 3;
 // Autotuner: head start given to the device so the timed launches queue up gap-free, and the
 // number of timed repetitions per candidate.
 constexpr int kTuneSleepUs = 300;
@@ -130,15 +139,26 @@ int tier_for_m(int m) { return m <= 16 ? 1 : m <= 32 ? 2 : m <= 64 ? 4 : 8; }
 
 int max_splits(const Problem& pr) { return std::max(1, pr.k / kStageK / kMinChunksPerSplit); }
 
+// A tier's output tiles (BM rows x 128 columns) and the blocks the device holds at once.
+struct GridFill {
+  int64_t tiles;
+  int64_t slots;
+};
+
+GridFill grid_fill(const Problem& pr, int mt, bool wgmma) {
+  const DeviceInfo di = device_info(pr.device);
+  const RateKernels& rk = rate_kernels(pr.k2);
+  const int blocks_per_sm =
+      wgmma ? rk.gemm_wgmma_blocks_per_sm(pr.cb, mt) : rk.gemm_blocks_per_sm(pr.cb, mt);
+  return {static_cast<int64_t>(ceil_div(pr.m, kRowsPerTier * mt)) * (pr.n / kBlockN),
+          static_cast<int64_t>(di.sms) * blocks_per_sm};
+}
+
 // Enough k-splits to give every SM its resident blocks, unless the fp32 partial sums would cost
 // more than a fraction of the weight traffic.
 int split_model(const Problem& pr, int mt, const Pins& pins, bool wgmma = false) {
   const DeviceInfo di = device_info(pr.device);
-  const int64_t tiles = static_cast<int64_t>(ceil_div(pr.m, kRowsPerTier * mt)) * (pr.n / kBlockN);
-  const RateKernels& rk = rate_kernels(pr.k2);
-  const int blocks_per_sm =
-      wgmma ? rk.gemm_wgmma_blocks_per_sm(pr.cb, mt) : rk.gemm_blocks_per_sm(pr.cb, mt);
-  const int64_t slots = static_cast<int64_t>(di.sms) * blocks_per_sm;
+  const auto [tiles, slots] = grid_fill(pr, mt, wgmma);
   if (tiles >= slots) return 1;
   int s = ceil_div(slots, tiles);
   s = std::min(s, max_splits(pr));
@@ -189,6 +209,12 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
     } else {
       const int s = split_model(pr, mt, pins, wg);
       splits = {s, std::max(1, s / 2), std::min(max_splits(pr), s * 2)};
+      if (pr.m >= kMinWaveSplitM) {
+        const auto [tiles, slots] = grid_fill(pr, mt, wg);
+        for (int64_t w = 1; w <= kWaveSplitWaves; ++w)
+          if (w * slots >= tiles)
+            splits.push_back(static_cast<int>(std::min<int64_t>(w * slots / tiles, max_splits(pr))));
+      }
     }
     std::sort(splits.begin(), splits.end());
     splits.erase(std::unique(splits.begin(), splits.end()), splits.end());
