@@ -168,22 +168,26 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
                w * 16 + static_cast<ptrdiff_t>(t_stage_stride) * (c_begin - 1);
   }
 
-  auto load_t = [&](int slot) {
+  // `live` false turns a stage's copies into zero-byte copies (no global read) instead of
+  // skipping them, so that no branch is needed where they sit between wgmmas (a branch there
+  // makes ptxas serialize the wgmmas, C7513).
+  auto load_t = [&](int slot, bool live = true) {
 #pragma unroll
     for (int i = 0; i < kTPerThread; ++i) {
       t_src[i] += t_stage_stride;
       if (kTChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kTChunks)
-        cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i], 16);
+        cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i],
+                   live ? 16 : 0);
     }
   };
-  auto load_a = [&](int slot) {
+  auto load_a = [&](int slot, bool live = true) {
 #pragma unroll
     for (int i = 0; i < kAPerThread; ++i) {
       if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks) {
         if constexpr (kACopyBytes == 16)
-          cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+          cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], live ? a_bytes[i] : 0);
         else
-          cp_async8(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+          cp_async8(a_dst[i] + slot * Shape::kABytes, a_src[i], live ? a_bytes[i] : 0);
       }
       a_src[i] += kStageK;
     }
@@ -231,6 +235,13 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
   constexpr int kAhead = WG ? kGemmStages - 2 : kGemmStages - 1;
   static_assert(!WG || kWgmmaInFlight < kStageKSteps,
                 "a slot's wgmmas must be complete one stage after it is consumed");
+  // Where a stage's refill copies are issued. Right after the barrier, every warp queues its
+  // copies ahead of its first trellis read and wgmma; at BM 256 (9 copies per thread) that cost
+  // 17-20 % of the engine's time (ab_session7 call 4: with no refill, or no barrier lining the
+  // warps up, it ran that much faster), so there they go behind the stage's first wgmma: 5-10 %
+  // faster (call 5). At BM 128 the same move measured -3 % to +6 % by shape, so the smaller
+  // tiers keep them after the barrier.
+  constexpr bool kRefillBehindWgmma = WG && BM >= 256;
 
   // Prologue: the trellis does not depend on the input transform, so its first stages are in
   // flight before waiting for the transform grid (programmatic dependent launch).
@@ -251,13 +262,17 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
     cp_async_wait<kAhead - 1>();
     if constexpr (WG) fence_proxy_async_shared();
     __syncthreads();  // stage `it` landed for everyone; the slot to refill is free again
-    if (it + kAhead < n_chunks) {
-      load_t((slot + kAhead) % kGemmStages);
-      load_a((slot + kAhead) % kGemmStages);
+    constexpr int refill = (slot + kAhead) % kGemmStages;
+    if constexpr (!kRefillBehindWgmma) {
+      if (it + kAhead < n_chunks) {
+        load_t(refill);
+        load_a(refill);
+      }
+      cp_async_commit();
     }
-    cp_async_commit();
     const uint8_t* t_area = s_t_ptr + slot * Shape::kTBytes;
     if constexpr (WG) {
+      const bool live = it + kAhead < n_chunks;
       constexpr uint64_t kSlotDesc = static_cast<uint64_t>(slot * Shape::kABytes) >> 4;
       // The trellis words of each k16 step are read one step ahead of their decode: waiting on
       // that read was the largest share of the stalls (ncu, ab_session6 call 10).
@@ -275,6 +290,11 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
         wgmma_rs<BM>(acc_wg, a, desc0 + kSlotDesc + kk * kDescK16Step);
 #endif
         wgmma_commit();
+        if (kRefillBehindWgmma && kk == 0) {
+          load_t(refill, live);
+          load_a(refill, live);
+          cp_async_commit();
+        }
         // Decoding runs kWgmmaInFlight steps ahead of the tensor pipe; the oldest step's A
         // registers are free for the next decode once it completes.
         wgmma_wait<kWgmmaInFlight>();
