@@ -39,9 +39,13 @@ def test_tree_bytes_counts_tracked_and_untracked_but_not_ignored(tmp_path):
     assert dc.tree_bytes(tmp_path) == 100 + 30 + len("/big/\n")
 
 
-def test_part_budget():
+def test_part_budget(monkeypatch):
     tree = 20 * 2**20
-    assert dc.part_budget(tree, 2**20) == dc.CALL_LIMIT - tree - 2**20 - dc.INSTALLER_ALLOWANCE
+    # Every part leaves room for the x2 sequence's extra carry (ExLlamaV3's wheels), which rides
+    # on the last staging call: with a 62 MiB last call the plan was refused at layout time.
+    monkeypatch.setattr(dc, "x2_extra_bytes", lambda: 8 * 2**20)
+    assert dc.part_budget(tree, 2**20) == (dc.CALL_LIMIT - tree - 2**20 - dc.INSTALLER_ALLOWANCE
+                                           - 8 * 2**20)
     with pytest.raises(SystemExit, match="leaves no room"):
         dc.part_budget(dc.CALL_LIMIT - 2**19, 0)
 
