@@ -12,7 +12,7 @@
 #   r1.so, rs.so: branch wg-refill-spread's first form, -DEXL3_REFILL_SPREAD=0 / 1
 #   rb.so    ea60c72 (main's kernels since)
 #   rb_nobar.so, rb_nodec.so, rb_nodec_nobar.so: ea60c72 + the probe macros of `probes`
-# Calls 9-12 of the session (the end-to-end record) are in ../../../e2e/results/README.md.
+# The end-to-end record's calls (made between calls 7 and 8) are in scripts/e2e/results/README.md.
 set -eu
 D=scripts/bench/results/ab_session7_h200_2026-11-30
 OUT=$OUT bash $D/call${1:?call number}.sh
