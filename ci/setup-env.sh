@@ -44,6 +44,9 @@ fi
   nvidia-cuda-runtime nvidia-cuda-cupti nvidia-cublas nvidia-cufft nvidia-cufile nvidia-curand \
   nvidia-cusparse nvidia-cusparselt-cu13 nvidia-nccl-cu13 nvidia-cudnn-cu13 nvidia-nvshmem-cu13 \
   nvidia-nvjitlink
+# cuobjdump and the nvdisasm its -sass runs, for the SASS tools' tests
+# (scripts/bench/sass_loop.py): the local nvcc has neither.
+"$P" install -q --no-deps nvidia-cuda-cuobjdump==13.2.51 nvidia-cuda-nvdisasm==13.2.51
 # What vllm.config / layers / fused_moe / distributed / the quant registry import, plus the
 # tools our tests and scripts use.
 "$P" install -q filelock typing-extensions sympy networkx jinja2 fsspec \

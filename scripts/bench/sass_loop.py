@@ -53,7 +53,7 @@ PIPES = {
     "alu": ("LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "FSEL", "PLOP3", "IMNMX",
             "VIMNMX", "SGXT", "BMSK", "FLO", "POPC", "IABS", "LOP", "R2P", "P2R", "VIADD"),
     "fma": ("IMAD", "IDP", "HADD2", "HFMA2", "HMUL2", "FFMA", "FADD", "FMUL", "MOV"),
-    "tensor": ("HMMA",),
+    "tensor": ("HMMA", "HGMMA"),
     "lsu": ("LDS", "LDSM", "LDGSTS", "STS", "LDG", "STG", "LDGDEPBAR", "DEPBAR", "SHFL"),
 }
 
@@ -68,8 +68,10 @@ def pipe_of(opcode: str) -> str:
     return "control"
 
 
-def kernel_name(k2: int, cb: int, mt: int) -> str:
-    return f"_ZN9vllm_exl316exl3_gemm_kernelILi{k2}ELi{cb}ELi{mt}EEEvNS_10GemmParamsE"
+def kernel_name(k2: int, cb: int, mt: int, wg: bool = False) -> str:
+    """exl3_gemm_kernel<K2, CB, MT, WG>'s symbol (WG: the Hopper wgmma engine)."""
+    return (f"_ZN9vllm_exl316exl3_gemm_kernelILi{k2}ELi{cb}ELi{mt}ELb{int(wg)}E"
+            "EEvNS_10GemmParamsE")
 
 
 def cuobjdump() -> str:
@@ -116,7 +118,7 @@ def loop_profile(text: str, stages: int = 1) -> dict:
             t = re.search(r"0x([0-9a-f]+)", rest)
             if t and int(t.group(1), 16) < addr:
                 body = [o for a, o, _ in instrs if int(t.group(1), 16) <= a <= addr]
-                if not any(o.startswith("HMMA") for o in body):
+                if not any(o.startswith(("HMMA", "HGMMA")) for o in body):
                     continue
                 if best is None or len(body) > len(best):
                     best = body
@@ -131,8 +133,9 @@ def loop_profile(text: str, stages: int = 1) -> dict:
             "by_opcode": {k: v / stages for k, v in kinds.most_common()}}
 
 
-def compile_cubins(k2s: list[int], mts: list[int], arch: str, work: Path) -> dict[int, Path]:
-    """One cubin per rate holding exl3_gemm_kernel<K2, CB, MT> for every codebook and MT."""
+def compile_cubins(k2s: list[int], mts: list[int], arch: str, work: Path,
+                   wg: bool = False) -> dict[int, Path]:
+    """One cubin per rate holding exl3_gemm_kernel<K2, CB, MT, WG> for every codebook and MT."""
     sys.path.insert(0, str(REPO / "scripts"))
     from vllm_exl3 import kernels_build  # noqa: E402 - the quick build's flags, one source of truth
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
@@ -141,8 +144,8 @@ def compile_cubins(k2s: list[int], mts: list[int], arch: str, work: Path) -> dic
         lines = ['#include "exl3_gemm.cuh"', "namespace vllm_exl3 {"]
         for cb in ((2,) if k2 % 2 else (0, 1, 2)):
             for mt in mts:
-                lines.append(f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}>"
-                             "(const GemmParams);")
+                lines.append(f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}, "
+                             f"{'true' if wg else 'false'}>(const GemmParams);")
         lines.append("}")
         src = work / f"gemm_k{k2}.cu"
         src.write_text("\n".join(lines) + "\n")
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="compile the kernels here instead")
     ap.add_argument("--arch", default="90")
     ap.add_argument("--mt", type=int, nargs="+", default=[1], help="m-tiles (BM / 16)")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="the wgmma engine's kernels (sm_90a; --mt 4 8 16) instead of mma.sync's")
     ap.add_argument("--bits", type=float, nargs="+", default=None)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -171,14 +176,20 @@ def main(argv: list[str] | None = None) -> int:
     stages = loop_stages()
     out = {}
     with tempfile.TemporaryDirectory(prefix="exl3_sass_") as tmp:
-        libs = (compile_cubins(k2s, args.mt, args.arch, Path(tmp)) if args.compile
+        arch = args.arch + ("a" if args.wgmma and not args.arch.endswith("a") else "")
+        libs = (compile_cubins(k2s, args.mt, arch, Path(tmp), args.wgmma) if args.compile
                 else {k2: args.lib for k2 in k2s})
         for k2 in k2s:
             bits = RATES[k2]
             for cb in ((2,) if k2 % 2 else (0, 1, 2)):
                 for mt in args.mt:
-                    prof = loop_profile(sass(libs[k2], kernel_name(k2, cb, mt)), stages)
-                    key = f"{bits:g}:{cb}" + ("" if mt == 1 else f":mt{mt}")
+                    name = kernel_name(k2, cb, mt, args.wgmma)
+                    prof = loop_profile(sass(libs[k2], name), stages)
+                    if not prof.get("per_stage"):
+                        # A renamed kernel or a changed loop must not pass as a free decode.
+                        raise SystemExit(f"no k loop found in {name}")
+                    key = (f"{bits:g}:{cb}" + ("" if mt == 1 else f":mt{mt}")
+                           + (":wgmma" if args.wgmma else ""))
                     out[key] = prof
                     top = ", ".join(f"{k} {v:g}" for k, v in prof.get("by_pipe", {}).items())
                     print(f"bits {bits:>3} cb {cb} mt {mt}: {prof.get('per_stage', 0):6.1f} "
