@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Instructions per decoded weight of the trellis GEMM's k loop, from its SASS (cuobjdump).
 
-The k loop of exl3_gemm_kernel<K2, CB, MT> consumes 64-k stages: a block's stage holds
+The k loop of exl3_gemm_kernel<K2, CB, MT, WG> consumes 64-k stages: a block's stage holds
 32 trellis tiles (4 k16 rows x 8 tiles) = 8192 weights, 32 per thread of its 256. The loop body
-is the largest backward branch whose body holds the HMMA instructions; its instruction count per
-stage / 32 is the per-thread issue cost of one weight of the matrix (decode + the stage's share
-of loads, ldmatrix, mma and loop overhead; at BM = 128 with a 2 x 4 warp grid each tile is decoded
-twice, which this per-weight figure includes). A loop unrolled over several stages is divided by
+is the first backward branch whose body holds the tensor instructions (HMMA, or HGMMA for the
+wgmma engine); its instruction count per stage / 32 is the per-thread issue cost of one weight
+of the matrix (decode + the stage's share of loads, ldmatrix, mma and loop overhead; at BM = 128
+with a 2 x 4 warp grid each tile is decoded twice, which this per-weight figure includes). A loop unrolled over several stages is divided by
 its stage count. Each opcode is also assigned its Hopper execution pipe (by_pipe).
 
 Two sources of SASS:
@@ -112,16 +112,21 @@ def loop_profile(text: str, stages: int = 1) -> dict:
     instrs = []  # (address, opcode, operands)
     for m in LINE.finditer(text):
         instrs.append((int(m.group(1), 16), m.group(3), m.group(4)))
-    best = None
+    # The k loop: the first loop holding tensor instructions (the largest one starting there).
+    # A kernel whose steady-state loop is followed by a guarded tail loop is counted by the
+    # steady one, which runs all but the last iteration.
+    best, best_start = None, None
     for addr, op, rest in instrs:
         if op.startswith("BRA"):
             t = re.search(r"0x([0-9a-f]+)", rest)
             if t and int(t.group(1), 16) < addr:
-                body = [o for a, o, _ in instrs if int(t.group(1), 16) <= a <= addr]
+                start = int(t.group(1), 16)
+                body = [o for a, o, _ in instrs if start <= a <= addr]
                 if not any(o.startswith(("HMMA", "HGMMA")) for o in body):
                     continue
-                if best is None or len(body) > len(best):
-                    best = body
+                if (best is None or start < best_start
+                        or (start == best_start and len(body) > len(best))):
+                    best, best_start = body, start
     if not best:
         return {"loop_instructions": 0}
     kinds = collections.Counter(o.split(".")[0] for o in best)

@@ -13,6 +13,7 @@
 #   rb.so    ea60c72 (main's kernels since)
 #   rb_nobar.so, rb_nodec.so, rb_nodec_nobar.so: ea60c72 + the probe macros of `probes`
 #   if2.so   ea60c72 with kWgmmaInFlight = 2 (exl3_wgmma.cuh)
+#   peel.so  branch wg-peel (ea60c72 + the BM 256 k loop split into all-refilling iterations and a guarded tail)
 # The end-to-end record's calls (made between calls 7 and 8) are in scripts/e2e/results/README.md.
 set -eu
 D=scripts/bench/results/ab_session7_h200_2026-11-30
