@@ -52,6 +52,8 @@ constexpr int kMinWgmmaM = 33;
 // against 78.3 at split 4). Below it the weights are L2-resident while the tuner times them,
 // which flatters more splits than a cold call wants (ab_session4 §4), so no candidates are added.
 constexpr int kMinWaveSplitM = 17;
+// How many waves' filling splits are timed: every best split of that sweep was the model's or
+// filled one or two waves; the third is one more candidate per tier for the shapes not swept.
 constexpr int kWaveSplitWaves = 3;
 // Autotuner: head start given to the device so the timed launches queue up gap-free, and the
 // number of timed repetitions per candidate.
@@ -211,9 +213,11 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
       splits = {s, std::max(1, s / 2), std::min(max_splits(pr), s * 2)};
       if (pr.m >= kMinWaveSplitM) {
         const auto [tiles, slots] = grid_fill(pr, mt, wg);
-        for (int64_t w = 1; w <= kWaveSplitWaves; ++w)
-          if (w * slots >= tiles)
-            splits.push_back(static_cast<int>(std::min<int64_t>(w * slots / tiles, max_splits(pr))));
+        for (int64_t w = 1; w <= kWaveSplitWaves; ++w) {
+          if (w * slots < tiles) continue;  // not even one block per tile fits in w waves
+          const int64_t fill = std::min<int64_t>(w * slots / tiles, max_splits(pr));
+          splits.push_back(static_cast<int>(fill));
+        }
       }
     }
     std::sort(splits.begin(), splits.end());
