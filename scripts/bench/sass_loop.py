@@ -6,8 +6,9 @@ The k loop of exl3_gemm_kernel<K2, CB, MT, WG> consumes 64-k stages: a block's s
 is the first backward branch whose body holds the tensor instructions (HMMA, or HGMMA for the
 wgmma engine); its instruction count per stage / 32 is the per-thread issue cost of one weight
 of the matrix (decode + the stage's share of loads, ldmatrix, mma and loop overhead; at BM = 128
-with a 2 x 4 warp grid each tile is decoded twice, which this per-weight figure includes). A loop unrolled over several stages is divided by
-its stage count. Each opcode is also assigned its Hopper execution pipe (by_pipe).
+with a 2 x 4 warp grid each tile is decoded twice, which this per-weight figure includes). A loop
+unrolled over several stages is divided by its stage count. Each opcode is also assigned its
+Hopper execution pipe (by_pipe).
 
 Two sources of SASS:
     python scripts/bench/sass_loop.py build/exl3/_exl3_C.abi3.so [--json out.json]
