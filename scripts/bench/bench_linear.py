@@ -182,13 +182,18 @@ def write_results(out: Path, tag: str, meta: dict, rows: list[dict], paths: dict
         {"meta": meta, "exl3_paths": {f"{sh} {CB_NAMES[c]} {b:g}b m={m}": p
                                       for (sh, c, b, m), p in paths.items()},
          "rows": rows}, indent=1, default=str))
+    write_csv(out / f"{stamp}.csv", rows)
+    return stamp
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """The rows' comparable columns, one line per configuration."""
     fields = ["k", "n", "bits", "codebook", "m", "ours_us", "exllamav3_us", "bf16_us",
               "pct_sol", "exl3_path"]
-    with open(out / f"{stamp}.csv", "w", newline="") as f:
+    with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    return stamp
 
 
 def decode_s_per_weight(loop: dict | None, ceil: dict) -> float | None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import bench_linear
 
+CB = {name: cb for cb, name in bench_linear.CB_NAMES.items()}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -43,17 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no loop counts for {sorted(missing)} in {args.sass_json}")
     data["meta"]["sol_recomputed"] = args.note
     args.result.write_text(json.dumps(data, indent=1, default=str))
-    stem = args.result.name[:-len(".json")]
-    tag, _, date = stem.rpartition("_")
-    bench_linear.write_results(args.result.parent, tag, {**data["meta"], "date": date},
-                               data["rows"], {})
-    # write_results rewrote the JSON without the ExLlamaV3 paths: put the full record back.
-    args.result.write_text(json.dumps(data, indent=1, default=str))
+    bench_linear.write_csv(args.result.with_suffix(".csv"), data["rows"])
     print(f"recomputed {len(data['rows'])} rows of {args.result}")
     return 0
 
-
-CB = {name: cb for cb, name in bench_linear.CB_NAMES.items()}
 
 if __name__ == "__main__":
     sys.exit(main())
