@@ -69,9 +69,10 @@ def pipe_of(opcode: str) -> str:
     return "control"
 
 
-def kernel_name(k2: int, cb: int, mt: int, wg: bool = False) -> str:
-    """exl3_gemm_kernel<K2, CB, MT, WG>'s symbol (WG: the Hopper wgmma engine)."""
-    return (f"_ZN9vllm_exl316exl3_gemm_kernelILi{k2}ELi{cb}ELi{mt}ELb{int(wg)}E"
+def kernel_name(k2: int, cb: int, mt: int, wg: bool = False, sk: bool = False) -> str:
+    """exl3_gemm_kernel<K2, CB, MT, WG, SK>'s symbol (WG: the Hopper wgmma engine; SK: its
+    stream-k grid)."""
+    return (f"_ZN9vllm_exl316exl3_gemm_kernelILi{k2}ELi{cb}ELi{mt}ELb{int(wg)}ELb{int(sk)}E"
             "EEvNS_10GemmParamsE")
 
 

@@ -55,9 +55,11 @@ M_VALUES = (1, 3, 16, 17, 100, 1000, 4096)
 BM_TIERS = (16, 32, 64, 128)
 # Tiers of the Hopper wgmma engine (tokens per block), checked where the build and device have it.
 WGMMA_TIERS = (64, 128, 256)
+# Its tiers built with the stream-k grid as well.
+STREAM_K_TIERS = (128, 256)
 KNOBS = ("VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K", "VLLM_EXL3_RECONSTRUCT_M",
          "VLLM_EXL3_RECONSTRUCT_BASIS", "VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_SPLIT_K_TRAFFIC",
-         "VLLM_EXL3_WGMMA")
+         "VLLM_EXL3_WGMMA", "VLLM_EXL3_STREAM_K")
 # Both large-m paths: W in the original basis + one GEMM, or Ŵ + transforms around the GEMM.
 RECONSTRUCT_PLANS = (dict(reconstruct_m=1, reconstruct_basis="original"),
                      dict(reconstruct_m=1, reconstruct_basis="rotated"))
@@ -264,11 +266,13 @@ def wgmma_engine() -> bool:
 
 
 def fused_plans(splits: Sequence[int]) -> list[dict]:
-    """Every tier of every engine this device has, pinned, with each split factor."""
+    """Every tier of every engine this device has, pinned, with each split factor, and the
+    wgmma engine's stream-k grid."""
     plans = [dict(bm=bm, split_k=s, reconstruct_m=0, wgmma=0) for bm in BM_TIERS for s in splits]
     if wgmma_engine():
         plans += [dict(bm=bm, split_k=s, reconstruct_m=0, wgmma=1) for bm in WGMMA_TIERS
                   for s in splits]
+        plans += [dict(bm=bm, stream_k=1, reconstruct_m=0, wgmma=1) for bm in STREAM_K_TIERS]
     return plans
 
 
@@ -422,7 +426,8 @@ def sanitizer_sample(rep: Report, gen: torch.Generator) -> None:
                 bias = torch.randn(layer.n, generator=gen, device="cuda").to(dtype)
                 ref = reference_y(x, layer, bias)
                 wg = ((dict(bm=64, split_k=2, reconstruct_m=0, wgmma=1),
-                       dict(bm=256, split_k=1, reconstruct_m=0, wgmma=1))
+                       dict(bm=256, split_k=1, reconstruct_m=0, wgmma=1),
+                       dict(bm=128, stream_k=1, reconstruct_m=0, wgmma=1))
                       if wgmma_engine() else ())
                 for plan in (dict(bm=16, split_k=1, reconstruct_m=0, wgmma=0),
                              dict(bm=32, split_k=2, reconstruct_m=0, wgmma=0),

@@ -138,6 +138,11 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
         splits = {int(ln.split(" split=")[1].split()[0]) for ln in mid
                   if " path=0 " in ln and " bm=128 " in ln and f" wgmma={engine} " in ln}
         assert 8 in splits, (engine, mid)
+    # The wgmma engine's 128-token tier also times its stream-k grid there (10 tiles, far short
+    # of a wave); the mma.sync engine has none.
+    streams = {(int(ln.split(" bm=")[1].split()[0]), int(ln.split(" stream=")[1].split()[0]))
+               for ln in mid if " path=0 " in ln}
+    assert any(bm == 128 and g > 0 for bm, g in streams) == wgmma, mid
     call(3000)  # bucket 4096, tuned above
     call(65)  # bucket 128, tuned above
     err = capfd.readouterr().err

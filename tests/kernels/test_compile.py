@@ -57,13 +57,15 @@ def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
     prove the asynchronous operands are left alone, and says so only as an info line (C7513);
     every tier of the engine must compile without it, without spills, and within the register
     budget its occupancy assumes (GemmShape::kMinBlocks: 1 block of 256 threads at 256 tokens,
-    2 at 128, 3 at 64)."""
+    2 at 128, 3 at 64), in both its grids (classic; stream-k at 128 and 256)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
     src = tmp_path / "wgmma_tiers.cu"
     src.write_text('#include "exl3_gemm.cuh"\nnamespace vllm_exl3 {\n' + "".join(
-        f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}, true>(const GemmParams);\n"
-        for k2, cb in ((4, 1), (8, 0), (8, 1), (8, 2), (5, 2), (12, 1)) for mt in (4, 8, 16))
+        f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}, true, {sk}>"
+        "(const GemmParams);\n"
+        for k2, cb in ((4, 1), (8, 0), (8, 1), (8, 2), (5, 2), (12, 1)) for mt in (4, 8, 16)
+        for sk in (("false", "true") if mt >= 8 else ("false",)))
         + "}\n")
     flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
     r = subprocess.run(["nvcc", *flags, "-cubin", "-arch=sm_90a", f"-I{kernels_build.SOURCES}",
@@ -73,7 +75,7 @@ def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
     assert "C7513" not in r.stderr and "serialized" not in r.stderr, r.stderr[-3000:]
     entries = re.findall(r"Compiling entry function '(\S+)'.*?Used (\d+) registers([^\n]*)",
                          r.stderr, re.S)
-    assert len(entries) == 18, r.stderr[-3000:]
+    assert len(entries) == 30, r.stderr[-3000:]
     for name, regs, rest in entries:
         mt = int(re.search(r"ELi(\d+)ELb1E", name).group(1))
         budget = {4: 85, 8: 128, 16: 255}[mt]

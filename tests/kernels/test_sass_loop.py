@@ -44,5 +44,6 @@ def test_k_loop_found_and_counted(tmp_path: Path, engine: str) -> None:
 
 
 def test_symbol_names_carry_the_engine() -> None:
-    assert sass_loop.kernel_name(8, 1, 1).endswith("ELi1ELb0EEEvNS_10GemmParamsE")
-    assert sass_loop.kernel_name(8, 1, 16, True).endswith("ELi16ELb1EEEvNS_10GemmParamsE")
+    assert sass_loop.kernel_name(8, 1, 1).endswith("ELi1ELb0ELb0EEEvNS_10GemmParamsE")
+    assert sass_loop.kernel_name(8, 1, 16, True).endswith("ELi16ELb1ELb0EEEvNS_10GemmParamsE")
+    assert sass_loop.kernel_name(8, 1, 16, True, True).endswith("ELb1ELb1EEEvNS_10GemmParamsE")

@@ -90,15 +90,12 @@ struct GemmShape {
   static_assert(!WG || kABytes % kSwizzleAtomBytes == 0, "wgmma stages must stay atom-aligned");
 };
 
-template <int K2, int CB, int MT, bool WG = false>
-__global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlocks)
-    exl3_gemm_kernel(const GemmParams p) {
-#if !EXL3_WGMMA
-  if constexpr (WG) {
-    __trap();  // never launched: the host selects this engine only where it was compiled
-    return;
-  }
-#endif
+// One output tile (BM rows x 128 columns at m0, n0) over the k chunks [c_begin, c_end): the
+// pipelined k loop, then the epilogue, or the fp32 partial sums added into p.ws (to_ws).
+template <int K2, int CB, int MT, bool WG>
+__device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, const int n0,
+                                             const int c_begin, const int c_end,
+                                             const bool to_ws) {
   using R = Rate<K2>;
   using Shape = GemmShape<K2, MT, WG>;
   constexpr int BM = Shape::kBM;
@@ -119,13 +116,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int warp_m = warp / Shape::kWarpsN, warp_n = warp % Shape::kWarpsN;
-  const int m0 = blockIdx.x * BM;
-  const int n0 = blockIdx.y * kBlockN;
   const int shard = shard_of_column(p.shards, n0);
-
-  const int chunks = p.k / kStageK;
-  const int c_begin = static_cast<int>(static_cast<int64_t>(blockIdx.z) * chunks / p.splits);
-  const int c_end = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * chunks / p.splits);
   const int n_chunks = c_end - c_begin;
   if constexpr (WG) {
     // The swizzle is decoded from absolute address bits (exl3_wgmma.cuh): a misplaced stage
@@ -368,7 +359,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
   for (int r = warp; r < rows; r += kGemmWarps) {
     const float4 c4 = *reinterpret_cast<const float4*>(s_c + r * kCStride + 4 * lane);
     const size_t row_off = static_cast<size_t>(m0 + r) * p.n;
-    if (p.splits > 1) {
+    if (to_ws) {
       // One contiguous 512-byte row segment per warp instruction: coalesced reductions.
       red_add_f32x4(p.ws + row_off + n0 + 4 * lane, c4.x, c4.y, c4.z, c4.w);
     } else {
@@ -383,6 +374,50 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
         finish_row<T>(v, lane, svh, static_cast<const T*>(p.bias), static_cast<T*>(p.y) + row_off,
                       n0);
       }
+    }
+  }
+}
+
+// SK selects the grid. Classic (false): block (x, y, z) = row block, column block, k-split.
+// Stream-k (true; built for the wgmma engine, whose large tiles leave SMs idle when the tiles are
+// a little more than a whole number of waves, e.g. 136 column blocks on 132 SMs): p.stream_blocks
+// blocks, all resident at once, share the tiles x k-chunks units evenly, block b taking units
+// [b U / G, (b + 1) U / G) in tile order (row blocks fastest, so neighbouring blocks read the
+// same trellis columns); every tile segment adds its partial sums into p.ws and the split-k
+// finish kernel runs the epilogue.
+template <int K2, int CB, int MT, bool WG = false, bool SK = false>
+__global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlocks)
+    exl3_gemm_kernel(const GemmParams p) {
+#if !EXL3_WGMMA
+  if constexpr (WG) {
+    __trap();  // never launched: the host selects this engine only where it was compiled
+    return;
+  }
+#endif
+  static_assert(!SK || (WG && MT >= kStreamKMinTiles),
+                "stream-k is built for the wgmma engine's 128- and 256-token tiers only");
+  constexpr int BM = GemmShape<K2, MT, WG>::kBM;
+  const int chunks = p.k / kStageK;
+  if constexpr (!SK) {
+    const int c_begin = static_cast<int>(static_cast<int64_t>(blockIdx.z) * chunks / p.splits);
+    const int c_end = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * chunks / p.splits);
+    gemm_segment<K2, CB, MT, WG>(p, blockIdx.x * BM, blockIdx.y * kBlockN, c_begin, c_end,
+                                 p.splits > 1);
+  } else {
+    // 32-bit unit arithmetic (64-bit division is a called routine with a stack frame): the
+    // host offers stream-k only while stream_blocks x units fits (exl3_plan.cpp).
+    const uint32_t row_blocks = (p.m + BM - 1) / BM;
+    const uint32_t units = row_blocks * static_cast<uint32_t>(p.n / kBlockN) * chunks;
+    uint32_t u = blockIdx.x * units / p.stream_blocks;
+    const uint32_t end = (blockIdx.x + 1) * units / p.stream_blocks;
+    while (u < end) {
+      const int tile = static_cast<int>(u / chunks), c0 = static_cast<int>(u % chunks);
+      const int c1 = end - u < static_cast<uint32_t>(chunks - c0) ? c0 + static_cast<int>(end - u)
+                                                                  : chunks;
+      gemm_segment<K2, CB, MT, WG>(p, (tile % row_blocks) * BM,
+                                   (tile / row_blocks) * kBlockN, c0, c1, true);
+      u += c1 - c0;
+      __syncthreads();  // the staging block is read before the next segment's pipeline refills
     }
   }
 }

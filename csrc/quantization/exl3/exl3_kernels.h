@@ -17,6 +17,10 @@ constexpr int kGemmTiers[] = {1, 2, 4, 8};
 constexpr int kNumGemmTiers = 4;
 // Tiers of the Hopper wgmma engine (sm_90a): tokens per block = 16 * mt = the wgmma's N.
 constexpr int kWgmmaTiers[] = {4, 8, 16};
+// The wgmma tiers from this one on are also built with the stream-k grid (BM 128, 256; at BM 64
+// its segment loop takes the kernel past the 80 registers of 3 blocks per SM, and a 64-token
+// tile is small enough for the classic grid's k-splits to even out the waves).
+constexpr int kStreamKMinTiles = 8;
 constexpr int kMaxShardsHost = 8;
 
 // Column-to-shard table of a fused layer: shard s owns columns [end[s-1], end[s]).
@@ -46,6 +50,7 @@ struct GemmParams {
   float* ws;            // fp32 [m][n] split-k accumulator, zero on entry (splits > 1)
   int m, k, n;
   int splits;
+  int stream_blocks;  // > 0: the stream-k grid over this many blocks (partials into ws)
   bool out_bf16;
   ShardTable shards;
 };

@@ -257,12 +257,16 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
         transform_input();
         gp.xh = xh->data_ptr();
         gp.splits = plan.splits;
-        gp.ws = plan.splits > 1 ? ws : nullptr;
-        STD_TORCH_CHECK(plan.splits == 1 || ws != nullptr, op, ": split-k without a workspace");
+        gp.stream_blocks = plan.stream_blocks;
+        gp.ws = plan.uses_workspace() ? ws : nullptr;
+        STD_TORCH_CHECK(!plan.uses_workspace() || ws != nullptr, op,
+                        ": split-k / stream-k without a workspace");
+        STD_TORCH_CHECK(plan.stream_blocks == 0 || plan.wgmma, op,
+                        ": stream-k is built for the wgmma engine only");
         (plan.wgmma ? kernels.gemm_wgmma : kernels.gemm)(static_cast<int>(codebook), plan.mt, gp,
                                                          stream);
         check_launch(op);
-        if (plan.splits > 1) {
+        if (plan.uses_workspace()) {
           launch_splitk_finish(ws, gp.svh, bias_ptr, gp.y, bf16, gp.m, gp.n, true, stream);
           check_launch(op);
         }

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -55,6 +56,9 @@ constexpr int kMinWaveSplitM = 17;
 // How many waves' filling splits are timed: every best split of that sweep was the model's or
 // filled one or two waves; the third is one more candidate per tier for the shapes not swept.
 constexpr int kWaveSplitWaves = 3;
+// The stream-k grid is timed for the wgmma tiers while the classic grid is this many waves or
+// fewer: past that, its last partial wave is a small share of the run.
+constexpr int kStreamKMaxWaves = 4;
 // Autotuner: head start given to the device so the timed launches queue up gap-free, and the
 // number of timed repetitions per candidate.
 constexpr int kTuneSleepUs = 300;
@@ -85,6 +89,7 @@ struct Pins {
   std::optional<long> reconstruct_m;
   std::optional<Path> basis;  // pinned reconstruct flavour
   double traffic = kDefaultSplitTraffic;
+  int stream_k = -1;  // -1 = the tuner chooses, 0 = never, 1 = the wgmma candidates are stream-k
 };
 
 Pins read_pins() {
@@ -106,6 +111,15 @@ Pins read_pins() {
       throw std::runtime_error("exl3: VLLM_EXL3_WGMMA=" + std::to_string(*w) + " must be 0 or 1");
     p.wgmma = static_cast<int>(*w);
   }
+  if (auto sk = env_long("VLLM_EXL3_STREAM_K", "CUDA_EXL3_STREAM_K")) {
+    if (*sk != 0 && *sk != 1)
+      throw std::runtime_error("exl3: VLLM_EXL3_STREAM_K=" + std::to_string(*sk) +
+                               " must be 0 or 1");
+    p.stream_k = static_cast<int>(*sk);
+    if (p.stream_k == 1 && p.splits)
+      throw std::runtime_error("exl3: VLLM_EXL3_STREAM_K=1 and VLLM_EXL3_SPLIT_K exclude each "
+                               "other (stream-k sets its own k ranges)");
+  }
   if (p.mt == 16 && p.wgmma == 0)
     throw std::runtime_error("exl3: VLLM_EXL3_BM=256 exists only for the wgmma engine, which "
                              "VLLM_EXL3_WGMMA=0 turns off");
@@ -125,7 +139,10 @@ Pins read_pins() {
                                " must be a positive number");
     p.traffic = x;
   }
-  if (p.deterministic) p.splits = 1;  // split-k sums in a run-dependent order
+  if (p.deterministic) {
+    p.splits = 1;  // split-k and stream-k sum in a run-dependent order
+    p.stream_k = 0;
+  }
   return p;
 }
 
@@ -170,6 +187,20 @@ int split_model(const Problem& pr, int mt, const Pins& pins, bool wgmma = false)
   // Each split reads and writes its partial sums once (a reduction is a read-modify-write).
   const int cap = static_cast<int>(frac * weight_bytes / (2.0 * acc_bytes));
   return std::max(1, std::min(s, cap));
+}
+
+// The wgmma tier's stream-k grid (built for BM 128 and 256): every resident block slot, but no block with fewer than
+// kMinChunksPerSplit k chunks; 0 where it is not offered (pinned off, a pinned split, or a
+// classic grid of more than kStreamKMaxWaves waves unless pinned on).
+int stream_blocks(const Problem& pr, int mt, const Pins& pins) {
+  if (pins.stream_k == 0 || pins.splits || mt < kStreamKMinTiles) return 0;
+  const auto [tiles, slots] = grid_fill(pr, mt, true);
+  if (pins.stream_k != 1 && tiles > kStreamKMaxWaves * slots) return 0;
+  const int64_t units = tiles * (pr.k / kStageK);
+  const int64_t blocks = std::max<int64_t>(1, std::min(slots, units / kMinChunksPerSplit));
+  // The kernel shares out units in 32-bit arithmetic (block index x units).
+  if (blocks * units > std::numeric_limits<uint32_t>::max()) return 0;
+  return static_cast<int>(blocks);
 }
 
 Path default_basis(const Problem& pr, const Pins& pins) {
@@ -222,7 +253,11 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
     }
     std::sort(splits.begin(), splits.end());
     splits.erase(std::unique(splits.begin(), splits.end()), splits.end());
-    for (int s : splits) out.push_back(Plan{Path::kFused, mt, s, wg});
+    if (!(wg && pins.stream_k == 1))
+      for (int s : splits) out.push_back(Plan{Path::kFused, mt, s, wg});
+    if (wg)
+      if (const int g = stream_blocks(pr, mt, pins); g > 0)
+        out.push_back(Plan{Path::kFused, mt, 1, true, g});
   };
   const bool only_wgmma = wgmma_ok && pins.wgmma == 1;
   if (!only_wgmma)
@@ -235,8 +270,8 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
   return out;
 }
 
-using Key =
-    std::tuple<int, int, int, int, int, int, int, bool, int, int, long, double, bool, int, int>;
+using Key = std::tuple<int, int, int, int, int, int, int, bool, int, int, long, double, bool, int,
+                       int, int>;
 
 std::mutex g_mutex;
 std::map<Key, Plan> g_cache;
@@ -245,7 +280,8 @@ std::map<int, DeviceInfo> g_devices;
 Key make_key(const Problem& pr, const Pins& pins) {
   return Key{pr.device, pow2_ceil(std::max(pr.m, 1)), pr.k, pr.n, pr.k2, pr.cb, pr.shards,
              pr.bf16, pins.mt, pins.splits, pins.reconstruct_m.value_or(-1), pins.traffic,
-             pins.deterministic, pins.basis ? static_cast<int>(*pins.basis) : -1, pins.wgmma};
+             pins.deterministic, pins.basis ? static_cast<int>(*pins.basis) : -1, pins.wgmma,
+             pins.stream_k};
 }
 
 void cuda_check(cudaError_t e, const char* what) {
@@ -293,7 +329,10 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
   const bool capturing = status != cudaStreamCaptureStatusNone;
   // A split plan needs the workspace; during capture it can only be used if already big enough.
   auto settle = [&](Plan p) {
-    if (p.path == Path::kFused && p.splits > 1 && !splitk_ok(!capturing)) p.splits = 1;
+    if (p.uses_workspace() && !splitk_ok(!capturing)) {
+      p.splits = 1;
+      p.stream_blocks = 0;
+    }
     return p;
   };
 
@@ -329,14 +368,14 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
   // VLLM_EXL3_LOG_PLANS=1 prints every timed candidate (bisecting and benchmark reports).
   const bool log = env_long("VLLM_EXL3_LOG_PLANS", "CUDA_EXL3_LOG_PLANS").value_or(0) != 0;
   for (const Plan& c : cands) {
-    if (c.path == Path::kFused && c.splits > 1 && !splitk_ok(true)) continue;
+    if (c.uses_workspace() && !splitk_ok(true)) continue;
     const float ms = time_plan(c, stream, run);
     if (log)
       std::fprintf(stderr,
                    "exl3 plan m=%d k=%d n=%d bits2=%d cb=%d: path=%d bm=%d split=%d wgmma=%d "
-                   "%.1f us\n",
+                   "stream=%d %.1f us\n",
                    pr.m, pr.k, pr.n, pr.k2, pr.cb, static_cast<int>(c.path),
-                   c.mt * kRowsPerTier, c.splits, c.wgmma ? 1 : 0, ms * 1e3f);
+                   c.mt * kRowsPerTier, c.splits, c.wgmma ? 1 : 0, c.stream_blocks, ms * 1e3f);
     if (best_ms < 0.f || ms < best_ms) {
       best_ms = ms;
       best = c;

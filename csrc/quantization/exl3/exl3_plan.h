@@ -22,6 +22,12 @@ struct Plan {
   int mt = 1;      // fused: m16 tiles per block (BM = 16 * mt)
   int splits = 1;  // fused: k-splits (1 = full k, epilogue in the GEMM)
   bool wgmma = false;  // fused: Hopper's wgmma engine (mt one of kWgmmaTiers)
+  // fused, wgmma only: > 0 = the stream-k grid over this many resident blocks (splits unused;
+  // partial sums through the split-k workspace and finish kernel, as with splits > 1)
+  int stream_blocks = 0;
+  bool uses_workspace() const {
+    return path == Path::kFused && (splits > 1 || stream_blocks > 0);
+  }
 };
 
 struct Problem {

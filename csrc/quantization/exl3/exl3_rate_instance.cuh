@@ -30,17 +30,29 @@ constexpr bool codebook_valid(int cb) {
   return (K2 & 1) ? cb == kMul1 : (cb >= 0 && cb <= 2);
 }
 
-template <int K2, int CB, int MT, bool WG>
-void gemm_launch_tier(const GemmParams& p, cudaStream_t stream) {
+template <int K2, int CB, int MT, bool WG, bool SK>
+void gemm_launch_grid(const GemmParams& p, const dim3 grid, cudaStream_t stream) {
   using Shape = GemmShape<K2, MT, WG>;
   static unsigned done = 0;
-  auto kernel = exl3_gemm_kernel<K2, CB, MT, WG>;
+  auto kernel = exl3_gemm_kernel<K2, CB, MT, WG, SK>;
   allow_smem(kernel, Shape::kSmemBytes, done);
-  const dim3 grid((p.m + Shape::kBM - 1) / Shape::kBM, p.n / kBlockN, p.splits);
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
   programmatic_launch(cfg, attr, grid, dim3(kGemmThreads), Shape::kSmemBytes, stream);
   cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
+template <int K2, int CB, int MT, bool WG>
+void gemm_launch_tier(const GemmParams& p, cudaStream_t stream) {
+  using Shape = GemmShape<K2, MT, WG>;
+  if constexpr (WG && MT >= kStreamKMinTiles) {
+    if (p.stream_blocks > 0) {
+      gemm_launch_grid<K2, CB, MT, WG, true>(p, dim3(p.stream_blocks), stream);
+      return;
+    }
+  }
+  gemm_launch_grid<K2, CB, MT, WG, false>(
+      p, dim3((p.m + Shape::kBM - 1) / Shape::kBM, p.n / kBlockN, p.splits), stream);
 }
 
 template <int K2, int CB, int MT, bool WG>
