@@ -350,7 +350,9 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
         std::to_string(kRowsPerTier * pins.mt) +
         " (mma.sync tiers 16, 32, 64, 128; wgmma tiers 64, 128, 256, which need the wgmma "
         "engine: " + (wgmma_ok ? "VLLM_EXL3_WGMMA=1 allows only those" :
-                                 "this device or build has none, or VLLM_EXL3_WGMMA=0") + ")");
+                                 "this device or build has none, or VLLM_EXL3_WGMMA=0") + ")" +
+        (pins.stream_k == 1 ? "; VLLM_EXL3_STREAM_K=1 leaves only the wgmma tiers 128 and 256"
+                            : ""));
   if (cands.size() == 1) return settle(cands[0]);
   const Plan fallback =
       forced_reconstruct ? Plan{default_basis(pr, pins), 1, 1} : cost_model(pr, pins);
