@@ -189,9 +189,10 @@ int split_model(const Problem& pr, int mt, const Pins& pins, bool wgmma = false)
   return std::max(1, std::min(s, cap));
 }
 
-// The wgmma tier's stream-k grid (built for BM 128 and 256): every resident block slot, but no block with fewer than
-// kMinChunksPerSplit k chunks; 0 where it is not offered (pinned off, a pinned split, or a
-// classic grid of more than kStreamKMaxWaves waves unless pinned on).
+// The wgmma tier's stream-k grid (built for BM 128 and 256): every resident block slot, but no
+// block with fewer than kMinChunksPerSplit k chunks; 0 where it is not offered (pinned off, a
+// pinned split, a smaller tier, or a classic grid of more than kStreamKMaxWaves waves unless
+// pinned on).
 int stream_blocks(const Problem& pr, int mt, const Pins& pins) {
   if (pins.stream_k == 0 || pins.splits || mt < kStreamKMinTiles) return 0;
   const auto [tiles, slots] = grid_fill(pr, mt, true);
