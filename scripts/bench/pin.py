@@ -2,7 +2,8 @@
 """Pinned cold A/B timing of exl3_linear plans, one extension per process.
 
 Each spec "k n bits cb m bm split wgmma" pins the fused GEMM's tier (BM), k-split and engine
-(VLLM_EXL3_BM / _SPLIT_K / _WGMMA; bm 0 times the reconstruct + cuBLAS path instead), on random
+(VLLM_EXL3_BM / _SPLIT_K / _WGMMA; split "sk" pins the wgmma engine's stream-k grid instead,
+VLLM_EXL3_STREAM_K=1; bm 0 times the reconstruct + cuBLAS path instead), on random
 layers rotated past the L2 (~240 MB of weights), inside one CUDA graph; the median of 30
 replays per call is printed and written to $OUT/pin_LABEL.json. Run the extensions under
 comparison alternately, in separate processes, in the same device call.
@@ -28,14 +29,18 @@ ROTATION_BYTES = 240e6
 REPLAYS = 30
 
 
-def pin(bm: int, split: int, wgmma: int) -> None:
+def pin(bm: int, split: str, wgmma: int) -> None:
+    for v in ("VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K", "VLLM_EXL3_WGMMA", "VLLM_EXL3_STREAM_K"):
+        os.environ.pop(v, None)
     if bm == 0:
-        for v in ("VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K", "VLLM_EXL3_WGMMA"):
-            os.environ.pop(v, None)
         os.environ["VLLM_EXL3_RECONSTRUCT_M"] = "1"
+        return
+    os.environ.update(VLLM_EXL3_BM=str(bm), VLLM_EXL3_WGMMA=str(wgmma),
+                      VLLM_EXL3_RECONSTRUCT_M="0")
+    if split == "sk":
+        os.environ["VLLM_EXL3_STREAM_K"] = "1"
     else:
-        os.environ.update(VLLM_EXL3_BM=str(bm), VLLM_EXL3_SPLIT_K=str(split),
-                          VLLM_EXL3_WGMMA=str(wgmma), VLLM_EXL3_RECONSTRUCT_M="0")
+        os.environ.update(VLLM_EXL3_SPLIT_K=split, VLLM_EXL3_STREAM_K="0")
 
 
 def main(argv: list[str]) -> int:
@@ -46,7 +51,7 @@ def main(argv: list[str]) -> int:
     out = []
     for spec in specs:
         k, n, bits, cb, m, bm, split, wg = spec.split()
-        k, n, cb, m, bm, split, wg = map(int, (k, n, cb, m, bm, split, wg))
+        k, n, cb, m, bm, wg = map(int, (k, n, cb, m, bm, wg))
         bits = float(bits)
         pin(bm, split, wg)
         copies = max(3, int(ROTATION_BYTES // (k * n * bits / 8)) + 1)
@@ -63,7 +68,7 @@ def main(argv: list[str]) -> int:
                 c()
         us = device_ceilings.median_ms(graph.replay, REPLAYS) * 1e3 / len(calls)
         tflops = 2 * m * k * n / us / 1e6
-        print(f"{label:8s} {k}x{n} b{bits:g} cb{cb} m={m:5d} bm={bm:3d} s={split:2d} wg={wg}: "
+        print(f"{label:8s} {k}x{n} b{bits:g} cb{cb} m={m:5d} bm={bm:3d} s={split:>2s} wg={wg}: "
               f"{us:8.1f} us  {tflops:6.0f} TFLOP/s", flush=True)
         out.append(dict(label=label, k=k, n=n, bits=bits, cb=cb, m=m, bm=bm, split=split,
                         wgmma=wg, us=us))
