@@ -56,9 +56,13 @@ constexpr int kMinWaveSplitM = 17;
 // How many waves' filling splits are timed: every best split of that sweep was the model's or
 // filled one or two waves; the third is one more candidate per tier for the shapes not swept.
 constexpr int kWaveSplitWaves = 3;
-// The stream-k grid is timed for the wgmma tiers while the classic grid is this many waves or
-// fewer: past that, its last partial wave is a small share of the run.
-constexpr int kStreamKMaxWaves = 4;
+// The stream-k grid is timed for the wgmma tiers only while the classic grid's waves are less
+// full than this (tiles / (waves x resident slots)). On the H200, pinned and cold
+// (results/ab_session8_h200_2026-11-30 §2), stream-k won 6-35 % at fills 0.52-0.82 and lost
+// 3-19 % at 0.87-0.97: there its partial sums cost more than the short last wave it removes.
+// The cut is made here rather than left to the tuner, which times warm, where the partial sums
+// stay in L2 and look cheaper than they are cold (it picked stream-k at a fill of 0.87).
+constexpr double kStreamKMaxFill = 0.85;
 // Autotuner: head start given to the device so the timed launches queue up gap-free, and the
 // number of timed repetitions per candidate.
 constexpr int kTuneSleepUs = 300;
@@ -191,12 +195,14 @@ int split_model(const Problem& pr, int mt, const Pins& pins, bool wgmma = false)
 
 // The wgmma tier's stream-k grid (built for BM 128 and 256): every resident block slot, but no
 // block with fewer than kMinChunksPerSplit k chunks; 0 where it is not offered (pinned off, a
-// pinned split, a smaller tier, or a classic grid of more than kStreamKMaxWaves waves unless
-// pinned on).
+// pinned split, a smaller tier, or a classic grid whose waves are kStreamKMaxFill full or more,
+// unless pinned on).
 int stream_blocks(const Problem& pr, int mt, const Pins& pins) {
   if (pins.stream_k == 0 || pins.splits || mt < kStreamKMinTiles) return 0;
   const auto [tiles, slots] = grid_fill(pr, mt, true);
-  if (pins.stream_k != 1 && tiles > kStreamKMaxWaves * slots) return 0;
+  const int64_t waves = ceil_div(tiles, slots);
+  if (pins.stream_k != 1 && tiles >= kStreamKMaxFill * static_cast<double>(waves * slots))
+    return 0;
   const int64_t units = tiles * (pr.k / kStageK);
   const int64_t blocks = std::max<int64_t>(1, std::min(slots, units / kMinChunksPerSplit));
   // The kernel shares out units in 32-bit arithmetic (block index x units).
