@@ -57,11 +57,13 @@ constexpr int kMinWaveSplitM = 17;
 // filled one or two waves; the third is one more candidate per tier for the shapes not swept.
 constexpr int kWaveSplitWaves = 3;
 // The stream-k grid is timed for the wgmma tiers only while the classic grid's waves are less
-// full than this (tiles / (waves x resident slots)). On the H200, pinned and cold
-// (results/ab_session8_h200_2026-11-30 §2), stream-k won 6-35 % at fills 0.52-0.82 and lost
-// 3-19 % at 0.87-0.97: there its partial sums cost more than the short last wave it removes.
-// The cut is made here rather than left to the tuner, which times warm, where the partial sums
-// stay in L2 and look cheaper than they are cold (it picked stream-k at a fill of 0.87).
+// full than this (tiles / (waves x resident slots)). On the H200, pinned and cold against the
+// best classic split (results/ab_session8_h200_2026-11-30 §2), stream-k lost 3-19 % on all three
+// points at fills 0.87-0.97, where its partial sums cost more than the short last wave it
+// removes; below 0.85 it won up to 24 % on 11 of 17 points and lost up to 14 % on 3, which the
+// tuner sorts out. The cut is made here rather than left to the tuner because it times warm,
+// where the partial sums stay in L2 and look cheaper than they are cold (it picked stream-k at
+// a fill of 0.87).
 constexpr double kStreamKMaxFill = 0.85;
 // Autotuner: head start given to the device so the timed launches queue up gap-free, and the
 // number of timed repetitions per candidate.
