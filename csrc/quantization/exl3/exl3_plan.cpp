@@ -53,6 +53,14 @@ constexpr int kMinWgmmaM = 33;
 // against 78.3 at split 4). Below it the weights are L2-resident while the tuner times them,
 // which flatters more splits than a cold call wants (ab_session4 §4), so no candidates are added.
 constexpr int kMinWaveSplitM = 17;
+// Below kMinWaveSplitM the tuner also times the splits that divide the k chunks evenly (every
+// block the same number of stages), from the model's split / kEvenSplitReach up to twice it. In
+// the benchmark's own graphs (ab_session8 call 8, 4-bit MCG, m = 1) the model's candidates
+// missed them: 4096x4096 ran split 10 of {10, 21, 32} at 11.0 us where split 8 took 9.7 and
+// 16 took 10.0; 5120x12288 ran split 14 of {3, 7, 14} at 25.3 us where split 8 took 23.1.
+// Fewer, equal blocks win there: each block pays a fixed cost (prologue, partial sums), and
+// an uneven split makes the longest block set the time.
+constexpr int kEvenSplitReach = 4;
 // How many waves' filling splits are timed: every best split of that sweep was the model's or
 // filled one or two waves; the third is one more candidate per tier for the shapes not swept.
 constexpr int kWaveSplitWaves = 3;
@@ -258,6 +266,10 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
           const int64_t fill = std::min<int64_t>(w * slots / tiles, max_splits(pr));
           splits.push_back(static_cast<int>(fill));
         }
+      } else if (!wg) {
+        const int chunks = pr.k / kStageK;
+        for (int d = std::max(1, s / kEvenSplitReach); d <= std::min(max_splits(pr), 2 * s); ++d)
+          if (chunks % d == 0) splits.push_back(d);
       }
     }
     std::sort(splits.begin(), splits.end());
