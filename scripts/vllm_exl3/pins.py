@@ -13,7 +13,7 @@ WHEELS = {
         f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl",
         "adb1e4c9b46d0dfdb094121ae5aad670a42412dd813ed4e5db069ed6a15006de",
     ),
-    # Hash as published by the index (not yet downloaded here); verified on first download.
+    # Downloaded once on 2026-11-30 (for docker/): it hashes to the index's published sha256.
     "aarch64": (
         f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_aarch64.whl",
         "52a4c3e55c2c80cc8793e52ccc244457ceade25b0ad7caa1c15e5002a95a1b2c",
