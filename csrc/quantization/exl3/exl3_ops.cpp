@@ -261,8 +261,11 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
         gp.ws = plan.uses_workspace() ? ws : nullptr;
         STD_TORCH_CHECK(!plan.uses_workspace() || ws != nullptr, op,
                         ": split-k / stream-k without a workspace");
-        STD_TORCH_CHECK(plan.stream_blocks == 0 || plan.wgmma, op,
-                        ": stream-k is built for the wgmma engine only");
+        // A tier without the stream-k grid would run the classic one with no partial sums,
+        // and the finish kernel would then overwrite its output from an empty workspace.
+        STD_TORCH_CHECK(plan.stream_blocks == 0 || (plan.wgmma && plan.mt >= kStreamKMinTiles), op,
+                        ": stream-k is built only for the wgmma engine's tiers of at least ",
+                        kStreamKMinTiles, " m16 tiles (the plan has ", plan.mt, ")");
         (plan.wgmma ? kernels.gemm_wgmma : kernels.gemm)(static_cast<int>(codebook), plan.mt, gp,
                                                          stream);
         check_launch(op);
