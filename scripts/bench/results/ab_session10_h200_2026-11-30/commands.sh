@@ -12,3 +12,5 @@ D=scripts/bench/results/ab_session10_h200_2026-11-30
 OUT=$OUT bash $D/call${1:?call number}.sh
 # Call 10 ran with branch cluster-k at d968612 checked out and `.s11` carried: main.so (as in
 # call 2) and ck.so (cluster-k's quick build); call10.sh is its scripts/bench/cluster_call.sh.
+# Call 11 ran with branch recon-unroll at 03fd804 checked out and `.s11` carried: main.so and
+# ru.so (recon-unroll's quick build); call11.sh is its scripts/bench/recon_call.sh.
