@@ -14,3 +14,7 @@ OUT=$OUT bash $D/call${1:?call number}.sh
 # call 2) and ck.so (cluster-k's quick build); call10.sh is its scripts/bench/cluster_call.sh.
 # Call 11 ran with branch recon-unroll at 03fd804 checked out and `.s11` carried: main.so and
 # ru.so (recon-unroll's quick build); call11.sh is its scripts/bench/recon_call.sh.
+# Calls 12-14 ran with main checked out (these record scripts) and `.s11` carried: main.so,
+# and for calls 13-14 ru2.so / ru3.so, quick builds of branch recon-unroll at its head with
+# kReconOriginalMinBlocks 4 (ru2) and 3 (ru3). call12_files/ncu_times_*.txt keep only the
+# EXL3 and cuBLAS kernels of ncu's output (the layer set-up's torch kernels are left out).
