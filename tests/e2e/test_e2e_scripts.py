@@ -156,3 +156,31 @@ def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch)
     twin_cfg = th.json.loads((twin / "config.json").read_text())
     assert "quantization_config" not in twin_cfg
     assert {k: v for k, v in cfg.items() if k != "quantization_config"} == twin_cfg
+
+
+def test_throughput_repeats_each_concurrency_in_one_engine(monkeypatch):
+    import throughput as th
+
+    engines, batches = [], []
+
+    def fake_measure(llm, batch, output_len):
+        batches.append((llm, len(batch), output_len))
+        return {"concurrency": len(batch), "output_tok_s": 1.0, "tpot_ms": 1.0, "ttft_ms": 1.0}
+
+    monkeypatch.setattr(th, "make_llm", lambda *a, **k: engines.append(object()) or engines[-1])
+    monkeypatch.setattr(th, "free_llm", lambda llm: None)
+    monkeypatch.setattr(th, "measure", fake_measure)
+    args = th.argparse.Namespace(input_len=8, output_len=4, concurrency=[1, 4], repeat=3)
+    out = th.run_model("exl3", Path("unused"), dummy=False, args=args, vocab=100)
+    assert len(engines) == 1
+    # The warm-up request, then each concurrency three times in a row, all in that engine.
+    assert batches == [(engines[0], 1, th.WARMUP_TOKENS)] + [(engines[0], c, 4)
+                                                          for c in (1, 4) for _ in range(3)]
+    assert [(r["concurrency"], r["repeat"]) for r in out["runs"]] == [
+        (c, rep) for c in (1, 4) for rep in range(3)]
+
+
+def test_throughput_refuses_a_repeat_below_one():
+    r = subprocess.run([sys.executable, str(E2E / "throughput.py"), "--repeat", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--repeat must be at least 1" in r.stderr
