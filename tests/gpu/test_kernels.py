@@ -102,8 +102,10 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
     """The autotuner (VLLM_EXL3_LOG_PLANS=1 prints each timed candidate): at m = 4096 only the
     reconstruct paths and fused tiers that decode the weights <= 16 times (the wgmma engine's
     256-token tier, where it exists) are timed; at m = 100 every tier with <= 16 row blocks is;
-    the k-splits that fill whole waves of blocks are among the candidates; a second m in an
-    already tuned power-of-two bucket times nothing (what exl3/warmup.py relies on)."""
+    the k-splits that fill whole waves of blocks are among the candidates; below 17 rows each
+    fused plan is timed with the GEMM released at the input transform's start and at its end,
+    from 17 rows at its start only; a second m in an already tuned power-of-two bucket times
+    nothing (what exl3/warmup.py relies on)."""
     monkeypatch.setenv("VLLM_EXL3_LOG_PLANS", "1")
     layer = vk.random_layer(gen, 1024, [1280], 4.0, 1)
 
@@ -143,6 +145,14 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
     streams = {(int(ln.split(" bm=")[1].split()[0]), int(ln.split(" stream=")[1].split()[0]))
                for ln in mid if " path=0 " in ln}
     assert any(bm == 128 and g > 0 for bm, g in streams) == wgmma, mid
+    assert {ln.split(" early=")[1].split()[0] for ln in mid if " path=0 " in ln} == {"1"}, mid
+    call(8)
+    small = [ln for ln in _timed_plans(capfd.readouterr().err, 8) if " path=0 " in ln]
+    assert small, "no fused plan timed at m = 8"
+    plans = {ln.split(": ")[1].split(" early=")[0] for ln in small}
+    for release in ("0", "1"):
+        assert {ln.split(": ")[1].split(" early=")[0] for ln in small
+                if f" early={release} " in ln} == plans, small
     call(3000)  # bucket 4096, tuned above
     call(65)  # bucket 128, tuned above
     err = capfd.readouterr().err

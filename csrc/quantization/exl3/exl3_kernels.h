@@ -84,8 +84,10 @@ const RateKernels& rate_kernels(int k2);
 
 // Rate-independent kernels (exl3_transforms.cu).
 // xh[s] = fp16(Ĥ(x * suh[s])) per 128-block of k, all shards in one pass over x.
+// `release_early`: a kernel launched after it with programmatic serialization (the GEMM) may be
+// scheduled as soon as this grid starts, not only as its blocks exit.
 void launch_input_transform(const void* x, bool x_bf16, const void* suh, void* xh, int m, int k,
-                            int shards, cudaStream_t stream);
+                            int shards, bool release_early, cudaStream_t stream);
 // y = Ĥ(acc) * svh + bias per 128-block of n from an fp32 [m][n] buffer; `zero` re-zeroes it
 // (the split-k workspace).
 void launch_splitk_finish(float* acc, const void* svh, const void* bias, void* y, bool out_bf16,

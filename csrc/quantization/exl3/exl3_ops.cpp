@@ -196,10 +196,10 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
   rp.shards = table;
   const cudaDataType_t act_type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
 
-  auto transform_input = [&]() {
+  auto transform_input = [&](bool release_early) {
     if (!xh) xh = torch::stable::new_empty(x, {shards, m, k}, ScalarType::Half);
     launch_input_transform(x.data_ptr(), bf16, suh.data_ptr(), xh->data_ptr(), gp.m, gp.k,
-                           static_cast<int>(shards), stream);
+                           static_cast<int>(shards), release_early, stream);
     check_launch(op);
   };
   auto check_cublas = [&](cublasStatus_t st) {
@@ -228,7 +228,7 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
         return;
       }
       case Path::kReconRotated: {
-        transform_input();
+        transform_input(true);  // cuBLAS is launched without programmatic serialization
         if (!w_hat) w_hat = torch::stable::new_empty(x, {k, n}, ScalarType::Half);
         if (!acc) acc = torch::stable::new_empty(x, {m, n}, ScalarType::Float);
         rp.w = w_hat->data_ptr();
@@ -254,7 +254,7 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
         return;
       }
       case Path::kFused: {
-        transform_input();
+        transform_input(plan.early_release);
         gp.xh = xh->data_ptr();
         gp.splits = plan.splits;
         gp.stream_blocks = plan.stream_blocks;

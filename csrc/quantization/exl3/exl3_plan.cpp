@@ -275,7 +275,14 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
     std::sort(splits.begin(), splits.end());
     splits.erase(std::unique(splits.begin(), splits.end()), splits.end());
     if (!(wg && pins.stream_k == 1))
-      for (int s : splits) out.push_back(Plan{Path::kFused, mt, s, wg});
+      for (int s : splits) {
+        out.push_back(Plan{Path::kFused, mt, s, wg});
+        // Below kMinWaveSplitM grids are a few blocks per SM, where the GEMM's placement beside
+        // the input transform's blocks decides its time (Plan::early_release). A plan pinned
+        // whole (BM and split) stays one candidate, timed by nothing.
+        if (pr.m < kMinWaveSplitM && !(pins.mt && pins.splits))
+          out.push_back(Plan{Path::kFused, mt, s, wg, 0, false});
+      }
     if (wg)
       if (const int g = stream_blocks(pr, mt, pins); g > 0)
         out.push_back(Plan{Path::kFused, mt, 1, true, g});
@@ -396,9 +403,10 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
     if (log)
       std::fprintf(stderr,
                    "exl3 plan m=%d k=%d n=%d bits2=%d cb=%d: path=%d bm=%d split=%d wgmma=%d "
-                   "stream=%d %.1f us\n",
+                   "stream=%d early=%d %.1f us\n",
                    pr.m, pr.k, pr.n, pr.k2, pr.cb, static_cast<int>(c.path),
-                   c.mt * kRowsPerTier, c.splits, c.wgmma ? 1 : 0, c.stream_blocks, ms * 1e3f);
+                   c.mt * kRowsPerTier, c.splits, c.wgmma ? 1 : 0, c.stream_blocks,
+                   c.early_release ? 1 : 0, ms * 1e3f);
     if (best_ms < 0.f || ms < best_ms) {
       best_ms = ms;
       best = c;

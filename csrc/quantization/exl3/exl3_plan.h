@@ -25,6 +25,13 @@ struct Plan {
   // fused, wgmma only: > 0 = the stream-k grid over this many resident blocks (splits unused;
   // partial sums through the split-k workspace and finish kernel, as with splits > 1)
   int stream_blocks = 0;
+  // fused: the input transform releases the GEMM at its start, so the GEMM's blocks prefetch
+  // their trellis while it runs. They are then placed beside the transform's resident blocks,
+  // which can stack one SM with a block more than the grid's even share: at 4096x4096 m = 16
+  // (BM 16, split 8: 256 blocks, 64 transform blocks) that cost 3.3 µs of 13.5 per op, while
+  // at m = 1 (4 transform blocks) the early release saves 0.9 µs (ab_session11 §5). false:
+  // released as the transform's blocks exit. The tuner times both below kMinWaveSplitM.
+  bool early_release = true;
   bool uses_workspace() const {
     return path == Path::kFused && (splits > 1 || stream_blocks > 0);
   }

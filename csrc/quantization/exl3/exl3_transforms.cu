@@ -18,8 +18,11 @@ constexpr int kRowWarps = kRowThreads / kWarpSize;
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     exl3_input_transform_kernel(const T* __restrict__ x, const __half* __restrict__ suh,
-                                __half* __restrict__ xh, int m, int k, int shards) {
-  grid_dependents_launch();  // the GEMM may get scheduled and prefetch its trellis meanwhile
+                                __half* __restrict__ xh, int m, int k, int shards,
+                                bool release_early) {
+  // Early release: the GEMM's blocks get scheduled now and prefetch their trellis meanwhile.
+  // Otherwise they are released as this grid's blocks exit (Plan::early_release says when).
+  if (release_early) grid_dependents_launch();
   const int lane = threadIdx.x & 31;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kRowWarps + (threadIdx.x >> 5);
   const int blocks_per_row = k / kHadamard;
@@ -93,16 +96,16 @@ static unsigned grid_for_warps(int64_t warps) {
 }
 
 void launch_input_transform(const void* x, bool x_bf16, const void* suh, void* xh, int m, int k,
-                            int shards, cudaStream_t stream) {
+                            int shards, bool release_early, cudaStream_t stream) {
   const unsigned grid = grid_for_warps(static_cast<int64_t>(m) * (k / kHadamard));
   if (x_bf16)
     exl3_input_transform_kernel<__nv_bfloat16><<<grid, kRowThreads, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(x), static_cast<const __half*>(suh),
-        static_cast<__half*>(xh), m, k, shards);
+        static_cast<__half*>(xh), m, k, shards, release_early);
   else
     exl3_input_transform_kernel<__half><<<grid, kRowThreads, 0, stream>>>(
         static_cast<const __half*>(x), static_cast<const __half*>(suh), static_cast<__half*>(xh),
-        m, k, shards);
+        m, k, shards, release_early);
 }
 
 void launch_splitk_finish(float* acc, const void* svh, const void* bias, void* y, bool out_bf16,
