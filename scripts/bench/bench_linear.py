@@ -78,6 +78,14 @@ def copies_for(bytes_per_copy: int) -> int:
     return max(MIN_COPIES, math.ceil(POOL_BYTES / bytes_per_copy))
 
 
+def warm_capture(calls: list) -> torch.cuda.CUDAGraph:
+    """Two eager calls (the op's tuner runs here, never during capture), then capture()."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    return capture(calls)
+
+
 def capture(calls: list) -> torch.cuda.CUDAGraph:
     """One CUDA graph of `calls` in order (the caller has run them eagerly first: autotuners
     never run during capture)."""

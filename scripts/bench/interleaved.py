@@ -28,13 +28,6 @@ from verify_kernels import load_extension, random_layer  # noqa: E402
 ROUNDS = 5
 
 
-def graph_of(calls: list) -> torch.cuda.CUDAGraph:
-    for c in calls[:2]:
-        c()  # eager warm-up: the op's tuner runs here, never during capture
-    torch.cuda.synchronize()
-    return bench_linear.capture(calls)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ext", default=None)
@@ -56,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                   for _ in range(bench_linear.copies_for(int(k * n * args.bits / 8)))]
         for m in args.m:
             x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-            g_bf16 = graph_of([lambda w_=w_: torch.matmul(x, w_) for w_ in w])
-            g_ours = graph_of([lambda L=L: torch.ops._C.exl3_linear(
+            capture = bench_linear.warm_capture
+            g_bf16 = capture([lambda w_=w_: torch.matmul(x, w_) for w_ in w])
+            g_ours = capture([lambda L=L: torch.ops._C.exl3_linear(
                 x, L.trellis, L.suh, L.svh, None, L.widths, L.codebook) for L in layers])
             ours, bf16 = [], []
             for _ in range(ROUNDS):

@@ -48,13 +48,6 @@ def split_layer(L: Layer, width: int) -> list[Layer]:
     return out
 
 
-def graph_of(calls: list) -> torch.cuda.CUDAGraph:
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    return bench_linear.capture(calls)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ext", default=None)
@@ -82,15 +75,16 @@ def main(argv: list[str] | None = None) -> int:
                 return [lambda L=L: torch.ops._C.exl3_linear(
                     x, L.trellis, L.suh, L.svh, None, L.widths, L.codebook) for L in Ls]
 
-            graphs = {"bf16": (graph_of([lambda w_=w_: torch.matmul(x, w_) for w_ in w]),
+            capture = bench_linear.warm_capture
+            graphs = {"bf16": (capture([lambda w_=w_: torch.matmul(x, w_) for w_ in w]),
                                len(w)),
-                      "ours": (graph_of(ours(layers)), len(layers))}
+                      "ours": (capture(ours(layers)), len(layers))}
             keep = []  # the graphs read these; they must outlive them
             for c in widths:
                 parts = [p for L in layers for p in split_layer(L, c)]
-                graphs[f"ours/{c}"] = (graph_of(ours(parts)), len(layers))
+                graphs[f"ours/{c}"] = (capture(ours(parts)), len(layers))
                 wc = [w_[:, c0:c1].contiguous() for w_ in w for c0, c1 in chunks_of(n, c)]
-                graphs[f"bf16/{c}"] = (graph_of([lambda w_=w_: torch.matmul(x, w_)
+                graphs[f"bf16/{c}"] = (capture([lambda w_=w_: torch.matmul(x, w_)
                                                  for w_ in wc]), len(w))
                 keep += [parts, wc]
             times: dict[str, list[float]] = {name: [] for name in graphs}
