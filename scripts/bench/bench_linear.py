@@ -78,6 +78,17 @@ def copies_for(bytes_per_copy: int) -> int:
     return max(MIN_COPIES, math.ceil(POOL_BYTES / bytes_per_copy))
 
 
+def cold_bf16(gen: torch.Generator, k: int, n: int) -> list[torch.Tensor]:
+    """Random bf16 [k][n] weights, enough copies that a pass over them reads HBM, not L2."""
+    return [torch.randn(k, n, generator=gen, device="cuda").bfloat16()
+            for _ in range(copies_for(2 * k * n))]
+
+
+def cold_layers(gen: torch.Generator, k: int, n: int, bits: float, cb: int) -> list:
+    """Random EXL3 layers [k][n], enough copies that a pass reads the trellis from HBM."""
+    return [random_layer(gen, k, [n], bits, cb) for _ in range(copies_for(int(k * n * bits / 8)))]
+
+
 def warm_capture(calls: list) -> torch.cuda.CUDAGraph:
     """Two eager calls (the op's tuner runs here, never during capture), then capture()."""
     for c in calls[:2]:
@@ -120,8 +131,7 @@ def graph_time_us(calls: list, m: int, use_graph: bool = True) -> tuple[float, s
 def bf16_times(gen: torch.Generator, k: int, n: int, ms: list[int]) -> dict[int, float]:
     """Cold bf16 torch.matmul time per m on a [k][n] weight (same rotation as ours)."""
     out = {}
-    w_copies = [torch.randn(k, n, generator=gen, device="cuda").bfloat16()
-                for _ in range(copies_for(2 * k * n))]
+    w_copies = cold_bf16(gen, k, n)
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
         out[m], _ = graph_time_us([lambda w=w: torch.matmul(x, w) for w in w_copies], m)
@@ -290,15 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() - t_start > args.budget_s:
                     print("time budget reached, stopping", flush=True)
                     break
-                n_copies = copies_for(int(k * n * bits / 8))
-                layers = [random_layer(gen, k, [n], bits, cb) for _ in range(n_copies)]
+                layers = cold_layers(gen, k, n, bits, cb)
                 exl3_lins = exl3_linears(exl3_cls, layers, k, n, cb) if exl3_cls else None
                 for m in args.m:
                     x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-                    ours, mode = graph_time_us([
-                        lambda L=L: torch.ops._C.exl3_linear(x, L.trellis, L.suh, L.svh, None,
-                                                             L.widths, L.codebook)
-                        for L in layers], m)
+                    ours, mode = graph_time_us([lambda L=L: L.linear(x) for L in layers], m)
                     ex_us, ex_mode = None, None
                     if exl3_lins:
                         xh = x.half()

@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_linear  # noqa: E402
-from verify_kernels import load_extension, random_layer  # noqa: E402
+from verify_kernels import load_extension  # noqa: E402
 
 REPLAYS = 10
 
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         bits, cb, m = float(bits), int(cb), int(m)
         print(f"\n{k}x{n} {bits:g}-bit cb {cb} m={m}", flush=True)
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-        w = [torch.randn(k, n, generator=gen, device="cuda").bfloat16()
-             for _ in range(bench_linear.copies_for(2 * k * n))]
+        w = bench_linear.cold_bf16(gen, k, n)
         rows = [show("bf16", *graph_kernels([lambda w=w_: torch.matmul(x, w) for w_ in w], m))]
         if m >= 1024:
             scratch = torch.empty_like(w[0])
@@ -112,18 +111,15 @@ def main(argv: list[str] | None = None) -> int:
             del scratch
         del w
         torch.cuda.empty_cache()
-        layers = [random_layer(gen, k, [n], bits, cb)
-                  for _ in range(bench_linear.copies_for(int(k * n * bits / 8)))]
-        calls = [lambda L=L: torch.ops._C.exl3_linear(x, L.trellis, L.suh, L.svh, None, L.widths,
-                                                      L.codebook) for L in layers]
+        layers = bench_linear.cold_layers(gen, k, n, bits, cb)
+        calls = [lambda L=L: L.linear(x) for L in layers]
         rows.append(show("ours (tuned)", *graph_kernels(calls, m)))
         if m >= 1024:
             rows[-1]["clocks"] = clocks_during(calls)
             # The same GEMM as the bf16 row on each layer's own W (original basis, read back
             # through the op: I @ W), so only the weights' values differ from that row.
             eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
-            w_rec = [torch.ops._C.exl3_linear(eye, L.trellis, L.suh, L.svh, None, L.widths,
-                                              L.codebook) for L in layers]
+            w_rec = [L.linear(eye) for L in layers]
             del eye
             gemm = [lambda w_=w_: torch.matmul(x, w_) for w_ in w_rec]
             rows.append(show("bf16 on the layers' W", *graph_kernels(gemm, m)))

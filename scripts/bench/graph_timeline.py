@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_linear  # noqa: E402
-from verify_kernels import load_extension, random_layer  # noqa: E402
+from verify_kernels import load_extension  # noqa: E402
 
 ROLES = {"exl3_input_transform": "T", "exl3_gemm": "G", "exl3_splitk_finish": "F"}
 
@@ -92,11 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.case:
         shape, bits, cb, m = case.split(":")
         k, n = (int(v) for v in shape.split("x"))
-        layers = [random_layer(gen, k, [n], float(bits), int(cb))
-                  for _ in range(bench_linear.copies_for(int(k * n * float(bits) / 8)))]
+        layers = bench_linear.cold_layers(gen, k, n, float(bits), int(cb))
         x = torch.randn(int(m), k, generator=gen, device="cuda").bfloat16()
-        calls = [lambda L=L: torch.ops._C.exl3_linear(x, L.trellis, L.suh, L.svh, None,
-                                                      L.widths, L.codebook) for L in layers]
+        calls = [lambda L=L: L.linear(x) for L in layers]
         tl = op_timeline(kernel_spans(calls))
         rows.append({"case": case, "timeline_us": tl})
         order = sorted(tl.items(), key=lambda kv: kv[1])

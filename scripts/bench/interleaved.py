@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_linear  # noqa: E402
 import device_ceilings  # noqa: E402
-from verify_kernels import load_extension, random_layer  # noqa: E402
+from verify_kernels import load_extension  # noqa: E402
 
 ROUNDS = 5
 
@@ -43,16 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'shape':>11} {'m':>5} {'ours':>8} {'bf16':>8} {'ratio':>6}  per-round ratios")
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
-        w = [torch.randn(k, n, generator=gen, device="cuda").bfloat16()
-             for _ in range(bench_linear.copies_for(2 * k * n))]
-        layers = [random_layer(gen, k, [n], args.bits, args.codebook)
-                  for _ in range(bench_linear.copies_for(int(k * n * args.bits / 8)))]
+        w = bench_linear.cold_bf16(gen, k, n)
+        layers = bench_linear.cold_layers(gen, k, n, args.bits, args.codebook)
         for m in args.m:
             x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
             capture = bench_linear.warm_capture
             g_bf16 = capture([lambda w_=w_: torch.matmul(x, w_) for w_ in w])
-            g_ours = capture([lambda L=L: torch.ops._C.exl3_linear(
-                x, L.trellis, L.suh, L.svh, None, L.widths, L.codebook) for L in layers])
+            g_ours = capture([lambda L=L: L.linear(x) for L in layers])
             ours, bf16 = [], []
             for _ in range(ROUNDS):
                 bf16.append(device_ceilings.median_ms(g_bf16.replay, bench_linear.REPLAYS)

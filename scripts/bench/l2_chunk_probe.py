@@ -31,7 +31,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_linear  # noqa: E402
 import device_ceilings  # noqa: E402
-from verify_kernels import Layer, load_extension, random_layer  # noqa: E402
+from verify_kernels import Layer, load_extension  # noqa: E402
 
 ROUNDS = 3
 
@@ -63,17 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
-        w = [torch.randn(k, n, generator=gen, device="cuda").bfloat16()
-             for _ in range(bench_linear.copies_for(2 * k * n))]
-        layers = [random_layer(gen, k, [n], args.bits, args.codebook)
-                  for _ in range(bench_linear.copies_for(int(k * n * args.bits / 8)))]
+        w = bench_linear.cold_bf16(gen, k, n)
+        layers = bench_linear.cold_layers(gen, k, n, args.bits, args.codebook)
         widths = [c for c in args.widths if c < n and c % 128 == 0]
         for m in args.m:
             x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
 
             def ours(Ls):
-                return [lambda L=L: torch.ops._C.exl3_linear(
-                    x, L.trellis, L.suh, L.svh, None, L.widths, L.codebook) for L in Ls]
+                return [lambda L=L: L.linear(x) for L in Ls]
 
             capture = bench_linear.warm_capture
             graphs = {"bf16": (capture([lambda w_=w_: torch.matmul(x, w_) for w_ in w]),

@@ -57,8 +57,7 @@ def main(argv: list[str]) -> int:
         copies = max(3, int(ROTATION_BYTES // (k * n * bits / 8)) + 1)
         layers = [random_layer(gen, k, [n], bits, cb) for _ in range(copies)]
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-        calls = [(lambda L=L: torch.ops._C.exl3_linear(x, L.trellis, L.suh, L.svh, None,
-                                                       L.widths, L.codebook)) for L in layers]
+        calls = [(lambda L=L: L.linear(x)) for L in layers]
         for c in calls[:2]:
             c()  # the tuner, if anything is left free, runs here and not in the capture
         torch.cuda.synchronize()

@@ -117,6 +117,11 @@ class Layer:
     def n(self) -> int:
         return self.trellis.shape[1] * 16
 
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """torch.ops._C.exl3_linear on this layer."""
+        return torch.ops._C.exl3_linear(x, self.trellis, self.suh, self.svh, bias, self.widths,
+                                        self.codebook)
+
 
 def signed_scales(gen: torch.Generator, shape: Sequence[int], zeros: int = 0) -> torch.Tensor:
     mag = 0.5 + torch.rand(shape, generator=gen, device="cuda")
@@ -170,8 +175,7 @@ def poison_next(shape: Sequence[int], dtype: torch.dtype) -> None:
 
 def run_op(x: torch.Tensor, layer: Layer, bias: torch.Tensor | None) -> torch.Tensor:
     poison_next((x.shape[0], layer.n), x.dtype)
-    return torch.ops._C.exl3_linear(x, layer.trellis, layer.suh, layer.svh, bias, layer.widths,
-                                    layer.codebook)
+    return layer.linear(x, bias)
 
 
 def errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
