@@ -67,16 +67,15 @@ def op_timeline(spans: list[tuple[str, float, float]]) -> dict[str, float]:
     if cur:
         ops.append(cur)
     full = [o for o in ops if {"T", "G"} <= o.keys()]
-    mid = full[len(full) // 4: max(len(full) // 4 + 1, 3 * len(full) // 4)]
+    first, last = len(full) // 4, max(len(full) // 4 + 1, 3 * len(full) // 4)
     out: dict[str, list[float]] = {}
-    for i, o in enumerate(mid):
-        t0 = o["T"][0]
-        for r, (s, e) in o.items():
+    for i in range(first, min(last, len(full))):
+        t0 = full[i]["T"][0]
+        for r, (s, e) in full[i].items():
             out.setdefault(f"{r} start", []).append(s - t0)
             out.setdefault(f"{r} end", []).append(e - t0)
-        nxt = full[full.index(o) + 1] if full.index(o) + 1 < len(full) else None
-        if nxt:
-            out.setdefault("next T start", []).append(nxt["T"][0] - t0)
+        if i + 1 < len(full):
+            out.setdefault("next T start", []).append(full[i + 1]["T"][0] - t0)
     return {k: statistics.mean(v) for k, v in out.items()}
 
 
