@@ -51,8 +51,13 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t addr) {
 constexpr uint64_t kDescK16Step = (16 * 2) >> 4;
 // wgmmas a warpgroup leaves in flight while it decodes the next step (each holds its own 4 A
 // registers until it completes). 2 and 3 measured the same as 1 on the H200 (within 1 %,
-// scripts/bench/results/ab_session6 call 4) and cost registers, so 1.
-constexpr int kWgmmaInFlight = 1;
+// scripts/bench/results/ab_session6 call 4) and cost registers, so 1. With A by TMA the engine
+// holds 54 fewer registers at BM 256; EXL3_WGMMA_IN_FLIGHT builds the other depths to measure
+// that again (tma_call.sh).
+#ifndef EXL3_WGMMA_IN_FLIGHT
+#define EXL3_WGMMA_IN_FLIGHT 1
+#endif
+constexpr int kWgmmaInFlight = EXL3_WGMMA_IN_FLIGHT;
 
 __device__ __forceinline__ void wgmma_fence() {
 #if EXL3_WGMMA
