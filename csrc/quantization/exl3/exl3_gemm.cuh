@@ -76,7 +76,11 @@ struct GemmShape {
   static constexpr int kTBytes = kStageKSteps * kBlockTiles * Rate<K2>::kTileBytes;
   static constexpr int kPipeBytes = kGemmStages * (kABytes + kTBytes);
   static constexpr int kStagingBytes = kBM * kCStride * 4;
-  static constexpr int kSmemBytes = kPipeBytes > kStagingBytes ? kPipeBytes : kStagingBytes;
+  // wgmma: one 8-byte mbarrier per stage slot, on which that slot's TMA copy of A completes,
+  // past both the pipeline and the epilogue's staging (which reuses the pipeline's bytes).
+  static constexpr int kBarOffset =
+      ((kPipeBytes > kStagingBytes ? kPipeBytes : kStagingBytes) + 7) / 8 * 8;
+  static constexpr int kSmemBytes = kBarOffset + (WG ? 8 * kGemmStages : 0);
   // Register cap hint: 128-row blocks hold 64 fp32 accumulators per thread; ask for 2 blocks/SM
   // there (<= 128 registers), and let the smaller tiers keep more blocks resident.
   // wgmma holds BM / 2 accumulators per thread: 256 tokens need the whole register file of one
@@ -92,10 +96,12 @@ struct GemmShape {
 
 // One output tile (BM rows x 128 columns at m0, n0) over the k chunks [c_begin, c_end): the
 // pipelined k loop, then the epilogue, or the fp32 partial sums added into p.ws (to_ws).
+// a_phase (wgmma): bit s = the parity of slot s's A barrier that its next wait expects; it runs
+// on across a stream-k block's segments.
 template <int K2, int CB, int MT, bool WG>
 __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, const int n0,
                                              const int c_begin, const int c_end,
-                                             const bool to_ws) {
+                                             const bool to_ws, uint32_t& a_phase) {
   using R = Rate<K2>;
   using Shape = GemmShape<K2, MT, WG>;
   constexpr int BM = Shape::kBM;
@@ -113,6 +119,7 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
   const uint32_t s_a = smem_addr(smem);
   const uint32_t s_t = s_a + kGemmStages * Shape::kABytes;
   const uint8_t* s_t_ptr = smem + kGemmStages * Shape::kABytes;
+  const uint32_t s_bar = s_a + Shape::kBarOffset;  // wgmma: the A slots' mbarriers
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int warp_m = warp / Shape::kWarpsN, warp_n = warp % Shape::kWarpsN;
@@ -159,26 +166,29 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
                w * 16 + static_cast<ptrdiff_t>(t_stage_stride) * (c_begin - 1);
   }
 
-  // `live` false turns a stage's copies into zero-byte copies (no global read) instead of
-  // skipping them, so that no branch is needed where they sit between wgmmas (a branch there
-  // makes ptxas serialize the wgmmas, C7513).
-  auto load_t = [&](int slot, bool live = true) {
+  auto load_t = [&](int slot) {
 #pragma unroll
     for (int i = 0; i < kTPerThread; ++i) {
       t_src[i] += t_stage_stride;
       if (kTChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kTChunks)
-        cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i],
-                   live ? 16 : 0);
+        cp_async16(s_t + slot * Shape::kTBytes + (tid + i * kGemmThreads) * 16, t_src[i], 16);
     }
   };
-  auto load_a = [&](int slot, bool live = true) {
+  int a_k = c_begin * kStageK;  // wgmma: the k coordinate of the next A stage
+  auto load_a = [&](int slot) {
+    if constexpr (WG) {
+      tma_load_3d(tid == 0, s_a + slot * Shape::kABytes, &p.xh_map, s_bar + 8 * slot,
+                  Shape::kABytes, a_k, m0, shard);
+      a_k += kStageK;
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kAPerThread; ++i) {
       if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks) {
         if constexpr (kACopyBytes == 16)
-          cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], live ? a_bytes[i] : 0);
+          cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
         else
-          cp_async8(a_dst[i] + slot * Shape::kABytes, a_src[i], live ? a_bytes[i] : 0);
+          cp_async8(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
       }
       a_src[i] += kStageK;
     }
@@ -226,13 +236,10 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
   constexpr int kAhead = WG ? kGemmStages - 2 : kGemmStages - 1;
   static_assert(!WG || kWgmmaInFlight < kStageKSteps,
                 "a slot's wgmmas must be complete one stage after it is consumed");
-  // Where a stage's refill copies are issued. Right after the barrier, every warp queues its
-  // copies ahead of its first trellis read and wgmma; at BM 256 (9 copies per thread) that cost
-  // 17-20 % of the engine's time (ab_session7 call 4: with no refill, or no barrier lining the
-  // warps up, it ran that much faster), so there they go behind the stage's first wgmma: 5-10 %
-  // faster (call 5). At BM 128 the same move measured -3 % to +6 % by shape, so the smaller
-  // tiers keep them after the barrier.
-  constexpr bool kRefillBehindWgmma = WG && BM >= 256;
+  // Refills are issued right after the barrier. With cp.async for A, BM 256 had every thread
+  // queue 9 copies there, 17-20 % of the engine's time (ab_session7 call 4), and moved them
+  // behind the stage's first wgmma. The wgmma engine now takes A from one TMA copy per stage,
+  // issued by one thread, leaving each thread one trellis copy: no reason to move them.
 
   // Prologue: the trellis does not depend on the input transform, so its first stages are in
   // flight before waiting for the transform grid (programmatic dependent launch).
@@ -250,20 +257,20 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
   // consume. SLOT is a compile-time constant, so the slot offsets fold into the load addresses.
   auto stage = [&](int it, auto slot_constant) {
     constexpr int slot = decltype(slot_constant)::value;
-    cp_async_wait<kAhead - 1>();
-    if constexpr (WG) fence_proxy_async_shared();
+    cp_async_wait<kAhead - 1>();  // this thread's trellis copies of stage `it`
+    if constexpr (WG) {
+      mbarrier_wait(s_bar + 8 * slot, (a_phase >> slot) & 1u);  // the stage's A tile
+      a_phase ^= 1u << slot;
+    }
     __syncthreads();  // stage `it` landed for everyone; the slot to refill is free again
     constexpr int refill = (slot + kAhead) % kGemmStages;
-    if constexpr (!kRefillBehindWgmma) {
-      if (it + kAhead < n_chunks) {
-        load_t(refill);
-        load_a(refill);
-      }
-      cp_async_commit();
+    if (it + kAhead < n_chunks) {
+      load_t(refill);
+      load_a(refill);
     }
+    cp_async_commit();
     const uint8_t* t_area = s_t_ptr + slot * Shape::kTBytes;
     if constexpr (WG) {
-      const bool live = it + kAhead < n_chunks;
       constexpr uint64_t kSlotDesc = static_cast<uint64_t>(slot * Shape::kABytes) >> 4;
       // The trellis words of each k16 step are read one step ahead of their decode: waiting on
       // that read was the largest share of the stalls (ncu, ab_session6 call 10).
@@ -281,11 +288,6 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
         wgmma_rs<BM>(acc_wg, a, desc0 + kSlotDesc + kk * kDescK16Step);
 #endif
         wgmma_commit();
-        if (kRefillBehindWgmma && kk == 0) {
-          load_t(refill, live);
-          load_a(refill, live);
-          cp_async_commit();
-        }
         // Decoding runs kWgmmaInFlight steps ahead of the tensor pipe; the oldest step's A
         // registers are free for the next decode once it completes.
         wgmma_wait<kWgmmaInFlight>();
@@ -376,6 +378,9 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
       }
     }
   }
+  // The staging block was accessed through the generic proxy; a stream-k block's next segment
+  // refills the same bytes through the async proxy (TMA) after its barrier.
+  if constexpr (WG) fence_proxy_async_shared();
 }
 
 // SK selects the grid. Classic (false): block (x, y, z) = row block, column block, k-split.
@@ -387,7 +392,7 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
 // finish kernel runs the epilogue.
 template <int K2, int CB, int MT, bool WG = false, bool SK = false>
 __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlocks)
-    exl3_gemm_kernel(const GemmParams p) {
+    exl3_gemm_kernel(const __grid_constant__ GemmParams p) {
 #if !EXL3_WGMMA
   if constexpr (WG) {
     __trap();  // never launched: the host selects this engine only where it was compiled
@@ -396,13 +401,25 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
 #endif
   static_assert(!SK || (WG && MT >= kStreamKMinTiles),
                 "stream-k is built for the wgmma engine's 128- and 256-token tiers only");
-  constexpr int BM = GemmShape<K2, MT, WG>::kBM;
+  using Shape = GemmShape<K2, MT, WG>;
+  constexpr int BM = Shape::kBM;
   const int chunks = p.k / kStageK;
+  uint32_t a_phase = 0;
+  if constexpr (WG) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    if (threadIdx.x == 0) {
+      const uint32_t bars = smem_addr(smem) + Shape::kBarOffset;
+#pragma unroll
+      for (int s = 0; s < kGemmStages; ++s) mbarrier_init(bars + 8 * s, 1);
+      mbarrier_init_fence();
+    }
+    __syncthreads();
+  }
   if constexpr (!SK) {
     const int c_begin = static_cast<int>(static_cast<int64_t>(blockIdx.z) * chunks / p.splits);
     const int c_end = static_cast<int>(static_cast<int64_t>(blockIdx.z + 1) * chunks / p.splits);
     gemm_segment<K2, CB, MT, WG>(p, blockIdx.x * BM, blockIdx.y * kBlockN, c_begin, c_end,
-                                 p.splits > 1);
+                                 p.splits > 1, a_phase);
   } else {
     // 32-bit unit arithmetic (64-bit division is a called routine with a stack frame): the
     // host offers stream-k only while stream_blocks x units fits (exl3_plan.cpp).
@@ -415,7 +432,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, WG>::kMinBlock
       const int c1 = end - u < static_cast<uint32_t>(chunks - c0) ? c0 + static_cast<int>(end - u)
                                                                   : chunks;
       gemm_segment<K2, CB, MT, WG>(p, (tile % row_blocks) * BM,
-                                   (tile / row_blocks) * kBlockN, c0, c1, true);
+                                   (tile / row_blocks) * kBlockN, c0, c1, true, a_phase);
       u += c1 - c0;
       __syncthreads();  // the staging block is read before the next segment's pipeline refills
     }

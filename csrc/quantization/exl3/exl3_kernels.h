@@ -4,6 +4,7 @@
 // (exl3_rate_k<K2>.cu), so the instantiations compile in parallel.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the descriptor type only; encoded through the runtime)
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -42,6 +43,11 @@ __host__ __device__ inline int shard_of_column(const ShardTable& t, int col) {
 }
 
 struct GemmParams {
+  // wgmma engine: xh as an fp16 [S][m][k] tensor for the tensor memory accelerator, one box =
+  // one stage's A tile (64 k x BM rows, 128-byte swizzle; rows past m read as zeros). Encoded
+  // per call by encode_xh_map (exl3_resources.h); unused by the mma.sync engine. First, for its
+  // 64-byte alignment.
+  CUtensorMap xh_map;
   const void* xh;       // fp16 [S][m][k]: the transformed input of every shard
   const void* trellis;  // int16 [k/16][n/16][16K]
   const void* svh;      // fp16 [n]

@@ -256,6 +256,9 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
       case Path::kFused: {
         transform_input(plan.early_release);
         gp.xh = xh->data_ptr();
+        if (plan.wgmma)
+          encode_xh_map(&gp.xh_map, gp.xh, static_cast<int>(shards), gp.m, gp.k,
+                        plan.mt * kRowsPerTier);
         gp.splits = plan.splits;
         gp.stream_blocks = plan.stream_blocks;
         gp.ws = plan.uses_workspace() ? ws : nullptr;

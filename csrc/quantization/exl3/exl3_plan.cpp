@@ -21,7 +21,6 @@ namespace vllm_exl3 {
 namespace {
 
 constexpr int kStageK = 64;        // k per GEMM pipeline stage (exl3_gemm.cuh)
-constexpr int kRowsPerTier = 16;   // BM = 16 * mt
 constexpr int kBlockN = 128;       // columns per GEMM block
 // A k-split shorter than this many stages leaves the cp.async pipeline no steady state.
 constexpr int kMinChunksPerSplit = 2;

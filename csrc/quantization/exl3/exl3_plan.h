@@ -17,6 +17,8 @@ enum class Path {
   kReconRotated,    // input transform, Ŵ (fp16), cuBLAS into fp32, output-side finish kernel
 };
 
+constexpr int kRowsPerTier = 16;  // BM = 16 * mt
+
 struct Plan {
   Path path = Path::kFused;
   int mt = 1;      // fused: m16 tiles per block (BM = 16 * mt)

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "exl3_resources.h"
 
+#include <cudaTypedefs.h>
+
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -33,7 +35,43 @@ SplitkBuffer g_splitk[kMaxDevices];
 cublasHandle_t g_cublas[kMaxDevices] = {};
 void* g_cublas_ws[kMaxDevices] = {};
 
+// The driver's tensor-map encoder, fetched through the runtime so nothing links libcuda directly.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || p == nullptr)
+      throw std::runtime_error("exl3: the CUDA driver has no cuTensorMapEncodeTiled (the wgmma "
+                               "engine needs a CUDA 12 driver)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// One stage's A tile: kTmaBoxK fp16 = one 128-byte row per token, the 128-byte swizzle period.
+constexpr cuuint32_t kTmaBoxK = 64;
+
 }  // namespace
+
+void encode_xh_map(CUtensorMap* map, const void* xh, int shards, int m, int k, int bm) {
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(m),
+                              static_cast<cuuint64_t>(shards)};
+  // Byte strides of dims 1 and 2 (dim 0 is contiguous).
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k) * 2,
+                                 static_cast<cuuint64_t>(m) * k * 2};
+  const cuuint32_t box[3] = {kTmaBoxK, static_cast<cuuint32_t>(bm), 1};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, const_cast<void*>(xh), dims, strides, box, unit,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw std::runtime_error("exl3: encoding the activations' tensor map failed (CUresult " +
+                             std::to_string(static_cast<int>(r)) + ", m = " + std::to_string(m) +
+                             ", k = " + std::to_string(k) + ", BM = " + std::to_string(bm) + ")");
+}
 
 float* splitk_workspace(int device, size_t floats, bool may_grow) {
   if (device < 0 || device >= kMaxDevices) return nullptr;

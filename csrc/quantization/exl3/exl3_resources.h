@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cublas_v2.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -23,5 +24,9 @@ constexpr size_t kSplitkWorkspaceCapBytes = size_t{512} << 20;
 
 // A cuBLAS handle of `device` bound to `stream`, with a fixed workspace (capture-safe).
 cublasHandle_t cublas_handle(int device, cudaStream_t stream);
+
+// `map` = the wgmma engine's view of xh (fp16 [shards][m][k], GemmParams::xh_map) with boxes of
+// 64 k x `bm` rows. Throws if the driver cannot encode it.
+void encode_xh_map(CUtensorMap* map, const void* xh, int shards, int m, int k, int bm);
 
 }  // namespace vllm_exl3

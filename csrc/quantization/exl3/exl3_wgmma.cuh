@@ -51,8 +51,13 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t addr) {
 constexpr uint64_t kDescK16Step = (16 * 2) >> 4;
 // wgmmas a warpgroup leaves in flight while it decodes the next step (each holds its own 4 A
 // registers until it completes). 2 and 3 measured the same as 1 on the H200 (within 1 %,
-// scripts/bench/results/ab_session6 call 4) and cost registers, so 1.
-constexpr int kWgmmaInFlight = 1;
+// scripts/bench/results/ab_session6 call 4) and cost registers, so 1. With A by TMA the engine
+// holds 54 fewer registers at BM 256; EXL3_WGMMA_IN_FLIGHT builds the other depths to measure
+// that again (tma_call.sh).
+#ifndef EXL3_WGMMA_IN_FLIGHT
+#define EXL3_WGMMA_IN_FLIGHT 1
+#endif
+constexpr int kWgmmaInFlight = EXL3_WGMMA_IN_FLIGHT;
 
 __device__ __forceinline__ void wgmma_fence() {
 #if EXL3_WGMMA
@@ -75,6 +80,51 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #if EXL3_WGMMA
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// The activations' stages come from the tensor memory accelerator (TMA): one thread issues a
+// stage's whole A tile as one bulk tensor copy and arms that slot's mbarrier with its byte count;
+// every thread waits on the barrier's phase before the stage's wgmmas read the tile. Both the
+// copy and wgmma go through the async proxy, so no proxy fence sits between them.
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {
+#if EXL3_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+#endif
+}
+// Makes the initialised barriers visible to the async proxy (the TMA unit completes on them).
+__device__ __forceinline__ void mbarrier_init_fence() {
+#if EXL3_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// On `leader` only (a predicate, not a branch: no control flow among in-flight wgmmas): arm the
+// barrier for `bytes` and copy the box at (c0, c1, c2) of `map` into `dst`.
+__device__ __forceinline__ void tma_load_3d(bool leader, uint32_t dst, const void* map,
+                                            uint32_t bar, uint32_t bytes, int c0, int c1,
+                                            int c2) {
+#if EXL3_WGMMA
+  asm volatile(
+      "{\n.reg .pred lead;\nsetp.ne.u32 lead, %0, 0;\n"
+      "@lead mbarrier.arrive.expect_tx.shared::cta.b64 _, [%3], %4;\n"
+      "@lead cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%1], [%2, {%5, %6, %7}], [%3];\n}\n" ::"r"(static_cast<uint32_t>(leader)),
+      "r"(dst), "l"(map), "r"(bar), "r"(bytes), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+#endif
+}
+// Until the barrier has completed the phase of parity `parity`.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+#if EXL3_WGMMA
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred ready;\nmbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, ready;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
 #endif
 }
 
