@@ -59,7 +59,15 @@ struct GemmParams {
   int stream_blocks;  // > 0: the stream-k grid over this many blocks (partials into ws)
   bool out_bf16;
   ShardTable shards;
+  // Launch only (the kernel ignores it): > 0 caps resident blocks per SM at this many through
+  // the dynamic shared memory the launch asks for (Plan::spread).
+  int max_blocks_per_sm;
 };
+
+// Dynamic shared memory that lets at most `blocks` blocks of a kernel reside on one SM of the
+// current device (at least `need`); and the most one block may ask for there.
+int smem_for_blocks_per_sm(int blocks, int need);
+int smem_optin_max();
 
 struct ReconParams {
   const void* trellis;  // int16 [k/16][n/16][16K]

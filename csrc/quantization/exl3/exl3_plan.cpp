@@ -103,6 +103,9 @@ struct Pins {
   std::optional<Path> basis;  // pinned reconstruct flavour
   double traffic = kDefaultSplitTraffic;
   int stream_k = -1;  // -1 = the tuner chooses, 0 = never, 1 = the wgmma candidates are stream-k
+  // EXPERIMENT (branch spread, not registered in vllm/envs.py): VLLM_EXL3_EXPERIMENT_SPREAD
+  // -1 = the tuner chooses below kMinWaveSplitM, 0 = never, 1 = every fused plan spreads.
+  int spread = -1;
 };
 
 Pins read_pins() {
@@ -136,6 +139,8 @@ Pins read_pins() {
   if (p.mt == 16 && p.wgmma == 0)
     throw std::runtime_error("exl3: VLLM_EXL3_BM=256 exists only for the wgmma engine, which "
                              "VLLM_EXL3_WGMMA=0 turns off");
+  if (auto s = env_long("VLLM_EXL3_EXPERIMENT_SPREAD", "CUDA_EXL3_EXPERIMENT_SPREAD"))
+    p.spread = *s != 0 ? 1 : 0;
   p.reconstruct_m = env_long("VLLM_EXL3_RECONSTRUCT_M", "CUDA_EXL3_RECONSTRUCT_M");
   if (const char* b = env_value("VLLM_EXL3_RECONSTRUCT_BASIS", "CUDA_EXL3_RECONSTRUCT_BASIS")) {
     const std::string v(b);
@@ -275,12 +280,19 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
     splits.erase(std::unique(splits.begin(), splits.end()), splits.end());
     if (!(wg && pins.stream_k == 1))
       for (int s : splits) {
-        out.push_back(Plan{Path::kFused, mt, s, wg});
+        Plan plan{Path::kFused, mt, s, wg};
+        plan.spread = pins.spread == 1;
+        out.push_back(plan);
         // Below kMinWaveSplitM grids are a few blocks per SM, where the GEMM's placement beside
-        // the input transform's blocks decides its time (Plan::early_release). A plan pinned
-        // whole (BM and split) stays one candidate, timed by nothing.
-        if (pr.m < kMinWaveSplitM && !(pins.mt && pins.splits))
+        // the input transform's blocks decides its time (Plan::early_release, Plan::spread). A
+        // plan pinned whole (BM and split) stays one candidate, timed by nothing.
+        if (pr.m < kMinWaveSplitM && !(pins.mt && pins.splits)) {
           out.push_back(Plan{Path::kFused, mt, s, wg, 0, false});
+          if (pins.spread == -1) {
+            plan.spread = true;
+            out.push_back(plan);
+          }
+        }
       }
     if (wg)
       if (const int g = stream_blocks(pr, mt, pins); g > 0)
@@ -298,7 +310,7 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
 }
 
 using Key = std::tuple<int, int, int, int, int, int, int, bool, int, int, long, double, bool, int,
-                       int, int>;
+                       int, int, int>;
 
 std::mutex g_mutex;
 std::map<Key, Plan> g_cache;
@@ -308,7 +320,7 @@ Key make_key(const Problem& pr, const Pins& pins) {
   return Key{pr.device, pow2_ceil(std::max(pr.m, 1)), pr.k, pr.n, pr.k2, pr.cb, pr.shards,
              pr.bf16, pins.mt, pins.splits, pins.reconstruct_m.value_or(-1), pins.traffic,
              pins.deterministic, pins.basis ? static_cast<int>(*pins.basis) : -1, pins.wgmma,
-             pins.stream_k};
+             pins.stream_k, pins.spread};
 }
 
 void cuda_check(cudaError_t e, const char* what) {
@@ -402,10 +414,10 @@ Plan choose_plan(const Problem& pr, cudaStream_t stream, const PlanRunner& run,
     if (log)
       std::fprintf(stderr,
                    "exl3 plan m=%d k=%d n=%d bits2=%d cb=%d: path=%d bm=%d split=%d wgmma=%d "
-                   "stream=%d early=%d %.1f us\n",
+                   "stream=%d early=%d spread=%d %.1f us\n",
                    pr.m, pr.k, pr.n, pr.k2, pr.cb, static_cast<int>(c.path),
                    c.mt * kRowsPerTier, c.splits, c.wgmma ? 1 : 0, c.stream_blocks,
-                   c.early_release ? 1 : 0, ms * 1e3f);
+                   c.early_release ? 1 : 0, c.spread ? 1 : 0, ms * 1e3f);
     if (best_ms < 0.f || ms < best_ms) {
       best_ms = ms;
       best = c;

@@ -35,10 +35,15 @@ void gemm_launch_grid(const GemmParams& p, const dim3 grid, cudaStream_t stream)
   using Shape = GemmShape<K2, MT, WG>;
   static unsigned done = 0;
   auto kernel = exl3_gemm_kernel<K2, CB, MT, WG, SK>;
-  allow_smem(kernel, Shape::kSmemBytes, done);
+  // The limit is the device's whole opt-in size, so that a Plan::spread launch may ask for more
+  // than the kernel needs.
+  allow_smem(kernel, smem_optin_max(), done);
+  const int smem = p.max_blocks_per_sm > 0
+                       ? smem_for_blocks_per_sm(p.max_blocks_per_sm, Shape::kSmemBytes)
+                       : Shape::kSmemBytes;
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
-  programmatic_launch(cfg, attr, grid, dim3(kGemmThreads), Shape::kSmemBytes, stream);
+  programmatic_launch(cfg, attr, grid, dim3(kGemmThreads), smem, stream);
   cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
