@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                            "ratio_bf16": round(ours / bf16_us[m], 3),
                            "ratio_exl3": round(ours / ex_us, 3) if ex_us else None,
                            "pct_sol": round(100 * sol / ours, 1), "sol_us": round(sol, 2),
-                           "copies": n_copies, "timing": mode, "exl3_timing": ex_mode,
+                           "copies": len(layers), "timing": mode, "exl3_timing": ex_mode,
                            "exl3_path": paths.get((shape, cb, bits, m)) if ex_us else None}
                     rows.append(row)
                     shape_rows.append(row)
