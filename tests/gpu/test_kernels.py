@@ -103,8 +103,8 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
     reconstruct paths and fused tiers that decode the weights <= 16 times (the wgmma engine's
     256-token tier, where it exists) are timed; at m = 100 every tier with <= 16 row blocks is;
     the k-splits that fill whole waves of blocks are among the candidates; below 17 rows each
-    fused plan is timed with the GEMM released at the input transform's start and at its end,
-    from 17 rows at its start only; a second m in an already tuned power-of-two bucket times
+    fused plan is timed with the GEMM released at the input transform's start, at its start
+    with its blocks spread, and at its end; from 17 rows at its start only; a second m in an already tuned power-of-two bucket times
     nothing (what exl3/warmup.py relies on)."""
     monkeypatch.setenv("VLLM_EXL3_LOG_PLANS", "1")
     layer = vk.random_layer(gen, 1024, [1280], 4.0, 1)
@@ -146,13 +146,17 @@ def test_tuner_candidates_and_bucket_cache(gen: torch.Generator, capfd, monkeypa
                for ln in mid if " path=0 " in ln}
     assert any(bm == 128 and g > 0 for bm, g in streams) == wgmma, mid
     assert {ln.split(" early=")[1].split()[0] for ln in mid if " path=0 " in ln} == {"1"}, mid
+    assert {ln.split(" spread=")[1].split()[0] for ln in mid if " path=0 " in ln} == {"0"}, mid
     call(8)
     small = [ln for ln in _timed_plans(capfd.readouterr().err, 8) if " path=0 " in ln]
     assert small, "no fused plan timed at m = 8"
     plans = {ln.split(": ")[1].split(" early=")[0] for ln in small}
-    for release in ("0", "1"):
+    # Below 17 rows every fused plan is timed three ways: released early or late, and released
+    # early with its blocks spread (Plan::spread); never late and spread.
+    for variant in (" early=0 spread=0 ", " early=1 spread=0 ", " early=1 spread=1 "):
         assert {ln.split(": ")[1].split(" early=")[0] for ln in small
-                if f" early={release} " in ln} == plans, small
+                if variant in ln} == plans, (variant, small)
+    assert not [ln for ln in small if " early=0 spread=1 " in ln], small
     call(3000)  # bucket 4096, tuned above
     call(65)  # bucket 128, tuned above
     err = capfd.readouterr().err

@@ -64,10 +64,12 @@ struct GemmParams {
   int max_blocks_per_sm;
 };
 
-// Dynamic shared memory that lets at most `blocks` blocks of a kernel reside on one SM of the
-// current device (at least `need`); and the most one block may ask for there.
-int smem_for_blocks_per_sm(int blocks, int need);
-int smem_optin_max();
+// The most dynamic shared memory one block of a kernel with `static_bytes` of static shared
+// memory may ask for on the current device (exl3_resources.cpp).
+int smem_dynamic_ceiling(int static_bytes);
+// Dynamic shared memory that lets at most `blocks` blocks of such a kernel reside on one SM of
+// the current device: at least `need`, at most the ceiling.
+int smem_for_blocks_per_sm(int blocks, int need, int static_bytes);
 
 struct ReconParams {
   const void* trellis;  // int16 [k/16][n/16][16K]

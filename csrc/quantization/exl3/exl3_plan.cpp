@@ -103,8 +103,8 @@ struct Pins {
   std::optional<Path> basis;  // pinned reconstruct flavour
   double traffic = kDefaultSplitTraffic;
   int stream_k = -1;  // -1 = the tuner chooses, 0 = never, 1 = the wgmma candidates are stream-k
-  // EXPERIMENT (branch spread, not registered in vllm/envs.py): VLLM_EXL3_EXPERIMENT_SPREAD
-  // -1 = the tuner chooses below kMinWaveSplitM, 0 = never, 1 = every fused plan spreads.
+  // VLLM_EXL3_SPREAD (Plan::spread): -1 = the tuner chooses below kMinWaveSplitM, 0 = never,
+  // 1 = every fused plan spreads.
   int spread = -1;
 };
 
@@ -139,7 +139,7 @@ Pins read_pins() {
   if (p.mt == 16 && p.wgmma == 0)
     throw std::runtime_error("exl3: VLLM_EXL3_BM=256 exists only for the wgmma engine, which "
                              "VLLM_EXL3_WGMMA=0 turns off");
-  if (auto s = env_long("VLLM_EXL3_EXPERIMENT_SPREAD", "CUDA_EXL3_EXPERIMENT_SPREAD"))
+  if (auto s = env_long("VLLM_EXL3_SPREAD", "CUDA_EXL3_SPREAD"))
     p.spread = *s != 0 ? 1 : 0;
   p.reconstruct_m = env_long("VLLM_EXL3_RECONSTRUCT_M", "CUDA_EXL3_RECONSTRUCT_M");
   if (const char* b = env_value("VLLM_EXL3_RECONSTRUCT_BASIS", "CUDA_EXL3_RECONSTRUCT_BASIS")) {

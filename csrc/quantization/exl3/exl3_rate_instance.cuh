@@ -5,6 +5,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "exl3_gemm.cuh"
@@ -13,15 +15,53 @@
 namespace vllm_exl3 {
 
 // Raise a kernel's dynamic shared-memory limit once per device (the attribute is per context).
+// A refused limit throws here: unchecked, the kernel's launches would fail later with a bare
+// "invalid argument".
 template <typename Kernel>
 inline void allow_smem(Kernel kernel, int bytes, unsigned& done_mask) {
   int dev = 0;
   cudaGetDevice(&dev);
   const unsigned bit = 1u << (dev & 31);
   if (!(done_mask & bit)) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it so the caller's launch check is not misled
+      throw std::runtime_error("exl3: the device refused a kernel's dynamic shared-memory limit "
+                               "of " + std::to_string(bytes) + " bytes (" +
+                               cudaGetErrorString(e) + ")");
+    }
     done_mask |= bit;
   }
+}
+
+// One GEMM kernel instantiation's shared memory on each device: its static part (split-k
+// reduction scratch), read once, and its dynamic limit raised once to all a block may have beside
+// it, so that a Plan::spread launch may ask for more than the kernel needs. Owned per
+// instantiation (every GEMM kernel has the same function-pointer type).
+struct GemmSmem {
+  unsigned done = 0;
+  int static_bytes[32] = {};
+};
+template <typename Kernel>
+inline int prepare_gemm_smem(Kernel kernel, GemmSmem& st) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  const unsigned bit = 1u << (dev & 31);
+  if (!(st.done & bit)) {
+    cudaFuncAttributes a{};
+    if (cudaFuncGetAttributes(&a, kernel) != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error("exl3: cannot read a GEMM kernel's attributes on device " +
+                               std::to_string(dev));
+    }
+    const int static_bytes = static_cast<int>(a.sharedSizeBytes);
+    unsigned once = 0;
+    allow_smem(kernel, smem_dynamic_ceiling(static_bytes), once);
+    st.static_bytes[dev & 31] = static_bytes;
+    st.done |= bit;
+  }
+  return st.static_bytes[dev & 31];
 }
 
 // Half rates exist only with MUL1 (exl3-format.md §1.5); the host validates before dispatch.
@@ -33,13 +73,12 @@ constexpr bool codebook_valid(int cb) {
 template <int K2, int CB, int MT, bool WG, bool SK>
 void gemm_launch_grid(const GemmParams& p, const dim3 grid, cudaStream_t stream) {
   using Shape = GemmShape<K2, MT, WG>;
-  static unsigned done = 0;
+  static GemmSmem smem_state;
   auto kernel = exl3_gemm_kernel<K2, CB, MT, WG, SK>;
-  // The limit is the device's whole opt-in size, so that a Plan::spread launch may ask for more
-  // than the kernel needs.
-  allow_smem(kernel, smem_optin_max(), done);
+  const int static_bytes = prepare_gemm_smem(kernel, smem_state);
   const int smem = p.max_blocks_per_sm > 0
-                       ? smem_for_blocks_per_sm(p.max_blocks_per_sm, Shape::kSmemBytes)
+                       ? smem_for_blocks_per_sm(p.max_blocks_per_sm, Shape::kSmemBytes,
+                                                static_bytes)
                        : Shape::kSmemBytes;
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
@@ -68,9 +107,10 @@ int gemm_occupancy_tier() {
   int& c = cached[dev & 31];
   if (c == 0) {
     using Shape = GemmShape<K2, MT, WG>;
-    static unsigned done = 0;
+    static GemmSmem smem_state;
     auto kernel = exl3_gemm_kernel<K2, CB, MT, WG>;
-    allow_smem(kernel, Shape::kSmemBytes, done);
+    // The same limit as gemm_launch_grid's (either may run first).
+    prepare_gemm_smem(kernel, smem_state);
     int blocks = 0;
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kGemmThreads,
                                                   Shape::kSmemBytes);

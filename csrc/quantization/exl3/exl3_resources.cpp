@@ -3,6 +3,7 @@
 
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -54,6 +55,39 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 constexpr cuuint32_t kTmaBoxK = 64;
 
 }  // namespace
+
+namespace {
+struct SmemLimits {
+  int per_sm = 0, reserved_per_block = 0, optin_per_block = 0;
+};
+SmemLimits smem_limits() {
+  static SmemLimits cached[kMaxDevices];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  SmemLimits& l = cached[dev >= 0 && dev < kMaxDevices ? dev : 0];
+  if (l.per_sm == 0) {
+    cudaDeviceGetAttribute(&l.per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    cudaDeviceGetAttribute(&l.reserved_per_block, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    cudaDeviceGetAttribute(&l.optin_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  }
+  return l;
+}
+// Shared memory is allocated to blocks in these units.
+constexpr int kSmemGranule = 128;
+}  // namespace
+
+int smem_dynamic_ceiling(int static_bytes) {
+  return smem_limits().optin_per_block - static_bytes;
+}
+
+int smem_for_blocks_per_sm(int blocks, int need, int static_bytes) {
+  const SmemLimits l = smem_limits();
+  // blocks + 1 blocks, each with its dynamic, static and reserved parts, must not fit on one SM.
+  int bytes = l.per_sm / (blocks + 1) - l.reserved_per_block - static_bytes + kSmemGranule;
+  bytes = (bytes + kSmemGranule - 1) / kSmemGranule * kSmemGranule;
+  if (bytes < need) bytes = need;
+  return std::min(bytes, smem_dynamic_ceiling(static_bytes));
+}
 
 void encode_xh_map(CUtensorMap* map, const void* xh, int shards, int m, int k, int bm) {
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(k), static_cast<cuuint64_t>(m),

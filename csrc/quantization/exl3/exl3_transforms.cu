@@ -91,37 +91,6 @@ __global__ void exl3_device_sleep_kernel(int64_t nanoseconds) {
 // host asks the loaded binary itself rather than trusting build flags.
 __global__ void exl3_wgmma_probe_kernel(int* out) { *out = EXL3_WGMMA; }
 
-namespace {
-struct SmemLimits {
-  int per_sm, reserved_per_block, optin_per_block;
-};
-SmemLimits smem_limits() {
-  static SmemLimits cached[64] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  SmemLimits& l = cached[dev & 63];
-  if (l.per_sm == 0) {
-    cudaDeviceGetAttribute(&l.per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-    cudaDeviceGetAttribute(&l.reserved_per_block, cudaDevAttrReservedSharedMemoryPerBlock, dev);
-    cudaDeviceGetAttribute(&l.optin_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  }
-  return l;
-}
-// Shared-memory allocations are made in these units.
-constexpr int kSmemGranule = 128;
-}  // namespace
-
-int smem_for_blocks_per_sm(int blocks, int need) {
-  const SmemLimits l = smem_limits();
-  // blocks + 1 blocks of `bytes` (each with the reserved part) must not fit on one SM.
-  int bytes = l.per_sm / (blocks + 1) - l.reserved_per_block + kSmemGranule;
-  bytes = (bytes + kSmemGranule - 1) / kSmemGranule * kSmemGranule;
-  if (bytes < need) bytes = need;
-  return bytes > l.optin_per_block ? l.optin_per_block : bytes;
-}
-
-int smem_optin_max() { return smem_limits().optin_per_block; }
-
 static unsigned grid_for_warps(int64_t warps) {
   return static_cast<unsigned>((warps + kRowWarps - 1) / kRowWarps);
 }
