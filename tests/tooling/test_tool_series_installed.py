@@ -15,8 +15,8 @@ import pytest
 
 NAMES = ("VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K",
          "VLLM_EXL3_SPLIT_K_TRAFFIC", "VLLM_EXL3_RECONSTRUCT_M", "VLLM_EXL3_RECONSTRUCT_BASIS",
-         "VLLM_EXL3_WGMMA", "VLLM_EXL3_STREAM_K", "VLLM_EXL3_LOG_PLANS", "VLLM_EXL3_DEBUG_NAMES",
-         "VLLM_EXL3_FORCE_REFERENCE", "VLLM_EXL3_WARMUP")
+         "VLLM_EXL3_WGMMA", "VLLM_EXL3_STREAM_K", "VLLM_EXL3_SPREAD", "VLLM_EXL3_LOG_PLANS",
+         "VLLM_EXL3_DEBUG_NAMES", "VLLM_EXL3_FORCE_REFERENCE", "VLLM_EXL3_WARMUP")
 PROBE = """
 import json
 import vllm.envs as envs
@@ -58,7 +58,7 @@ def test_getters_unset_give_defaults(unset):
         "VLLM_EXL3_DETERMINISTIC": False, "VLLM_EXL3_BM": None, "VLLM_EXL3_SPLIT_K": None,
         "VLLM_EXL3_SPLIT_K_TRAFFIC": None, "VLLM_EXL3_RECONSTRUCT_M": None,
         "VLLM_EXL3_RECONSTRUCT_BASIS": None, "VLLM_EXL3_WGMMA": None,
-        "VLLM_EXL3_STREAM_K": None, "VLLM_EXL3_LOG_PLANS": False,
+        "VLLM_EXL3_STREAM_K": None, "VLLM_EXL3_SPREAD": None, "VLLM_EXL3_LOG_PLANS": False,
         "VLLM_EXL3_DEBUG_NAMES": False, "VLLM_EXL3_FORCE_REFERENCE": False,
         "VLLM_EXL3_WARMUP": True,
     }
@@ -68,7 +68,7 @@ def test_getters_parse_set_values(unset):
     out = _probe({"VLLM_EXL3_DETERMINISTIC": "1", "VLLM_EXL3_BM": "64", "VLLM_EXL3_SPLIT_K": "4",
                   "VLLM_EXL3_SPLIT_K_TRAFFIC": "0.25", "VLLM_EXL3_RECONSTRUCT_M": "512",
                   "VLLM_EXL3_RECONSTRUCT_BASIS": "rotated", "VLLM_EXL3_WGMMA": "0",
-                  "VLLM_EXL3_STREAM_K": "1",
+                  "VLLM_EXL3_STREAM_K": "1", "VLLM_EXL3_SPREAD": "0",
                   "VLLM_EXL3_LOG_PLANS": "1",
                   "VLLM_EXL3_DEBUG_NAMES": "1", "VLLM_EXL3_FORCE_REFERENCE": "1",
                   "VLLM_EXL3_WARMUP": "0"})
@@ -76,7 +76,7 @@ def test_getters_parse_set_values(unset):
         "VLLM_EXL3_DETERMINISTIC": True, "VLLM_EXL3_BM": 64, "VLLM_EXL3_SPLIT_K": 4,
         "VLLM_EXL3_SPLIT_K_TRAFFIC": 0.25, "VLLM_EXL3_RECONSTRUCT_M": 512,
         "VLLM_EXL3_RECONSTRUCT_BASIS": "rotated", "VLLM_EXL3_WGMMA": False,
-        "VLLM_EXL3_STREAM_K": True,
+        "VLLM_EXL3_STREAM_K": True, "VLLM_EXL3_SPREAD": False,
         "VLLM_EXL3_LOG_PLANS": True,
         "VLLM_EXL3_DEBUG_NAMES": True, "VLLM_EXL3_FORCE_REFERENCE": True,
         "VLLM_EXL3_WARMUP": False,
