@@ -152,7 +152,7 @@ def compile_cubins(k2s: list[int], mts: list[int], arch: str, work: Path,
         for cb in ((2,) if k2 % 2 else (0, 1, 2)):
             for mt in mts:
                 lines.append(f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}, "
-                             f"{'true' if wg else 'false'}>(const GemmParams);")
+                             f"{'true' if wg else 'false'}>(const __grid_constant__ GemmParams);")
         lines.append("}")
         src = work / f"gemm_k{k2}.cu"
         src.write_text("\n".join(lines) + "\n")

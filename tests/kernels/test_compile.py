@@ -63,7 +63,7 @@ def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
     src = tmp_path / "wgmma_tiers.cu"
     src.write_text('#include "exl3_gemm.cuh"\nnamespace vllm_exl3 {\n' + "".join(
         f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}, true, {sk}>"
-        "(const GemmParams);\n"
+        "(const __grid_constant__ GemmParams);\n"
         for k2, cb in ((4, 1), (8, 0), (8, 1), (8, 2), (5, 2), (12, 1)) for mt in (4, 8, 16)
         for sk in (("false", "true") if mt >= 8 else ("false",)))
         + "}\n")

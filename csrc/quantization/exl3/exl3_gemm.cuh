@@ -180,17 +180,17 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
       tma_load_3d(tid == 0, s_a + slot * Shape::kABytes, &p.xh_map, s_bar + 8 * slot,
                   Shape::kABytes, a_k, m0, shard);
       a_k += kStageK;
-      return;
-    }
+    } else {
 #pragma unroll
-    for (int i = 0; i < kAPerThread; ++i) {
-      if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks) {
-        if constexpr (kACopyBytes == 16)
-          cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
-        else
-          cp_async8(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+      for (int i = 0; i < kAPerThread; ++i) {
+        if (kAChunks % kGemmThreads == 0 || tid + i * kGemmThreads < kAChunks) {
+          if constexpr (kACopyBytes == 16)
+            cp_async16(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+          else
+            cp_async8(a_dst[i] + slot * Shape::kABytes, a_src[i], a_bytes[i]);
+        }
+        a_src[i] += kStageK;
       }
-      a_src[i] += kStageK;
     }
   };
 
