@@ -59,7 +59,7 @@ WGMMA_TIERS = (64, 128, 256)
 STREAM_K_TIERS = (128, 256)
 KNOBS = ("VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K", "VLLM_EXL3_RECONSTRUCT_M",
          "VLLM_EXL3_RECONSTRUCT_BASIS", "VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_SPLIT_K_TRAFFIC",
-         "VLLM_EXL3_WGMMA", "VLLM_EXL3_STREAM_K")
+         "VLLM_EXL3_WGMMA", "VLLM_EXL3_STREAM_K", "VLLM_EXL3_SPREAD")
 # Both large-m paths: W in the original basis + one GEMM, or Ŵ + transforms around the GEMM.
 RECONSTRUCT_PLANS = (dict(reconstruct_m=1, reconstruct_basis="original"),
                      dict(reconstruct_m=1, reconstruct_basis="rotated"))
@@ -331,11 +331,13 @@ def check_real(rep: Report, gen: torch.Generator, m_values: Sequence[int]) -> No
 
 
 def check_splits(rep: Report, gen: torch.Generator) -> None:
-    """Every BM tier x a range of split factors on a real shape, repeated with fresh inputs."""
+    """Every BM tier x a range of split factors on a real shape, repeated with fresh inputs;
+    each plan also with its blocks spread (Plan::spread: a launch asking for more shared memory
+    than the kernel needs, which the tuner only times below 17 rows, so pinned here)."""
     layer = random_layer(gen, 4096, [4096], 4, 1)
     rw = ReferenceWeights(layer)
     for m in (1, 17, 100, 1000):
-        for plan in fused_plans((1, 2, 8, 32)):
+        for plan in [dict(p, spread=s) for p in fused_plans((1, 2, 8, 32)) for s in (0, 1)]:
             for rep_i in range(2):
                 x = torch.randn(m, 4096, generator=gen, device="cuda").bfloat16()
                 with knobs(**plan):
@@ -430,10 +432,12 @@ def sanitizer_sample(rep: Report, gen: torch.Generator) -> None:
                 bias = torch.randn(layer.n, generator=gen, device="cuda").to(dtype)
                 ref = reference_y(x, layer, bias)
                 wg = ((dict(bm=64, split_k=2, reconstruct_m=0, wgmma=1),
+                       dict(bm=64, split_k=1, reconstruct_m=0, wgmma=1, spread=1),
                        dict(bm=256, split_k=1, reconstruct_m=0, wgmma=1),
                        dict(bm=128, stream_k=1, reconstruct_m=0, wgmma=1))
                       if wgmma_engine() else ())
                 for plan in (dict(bm=16, split_k=1, reconstruct_m=0, wgmma=0),
+                             dict(bm=16, split_k=2, reconstruct_m=0, wgmma=0, spread=1),
                              dict(bm=32, split_k=2, reconstruct_m=0, wgmma=0),
                              dict(bm=128, split_k=1, reconstruct_m=0, wgmma=0), *wg,
                              *RECONSTRUCT_PLANS):
