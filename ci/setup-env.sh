@@ -54,5 +54,8 @@ fi
   openai openai-harmony msgspec pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo \
   prometheus_client einops pytest safetensors tokenizers loguru wheel "setuptools<81" ninja
 "$P" install -q --no-deps compressed-tensors==0.17.0
+# The Python lint test (tests/tooling/test_python_lint.py): scripts the CPU suite cannot run (the
+# GPU benchmarks) still get their names checked.
+"$P" install -q --no-deps pyflakes==4.1.0
 touch "$VENV/.exl3-env-$stamp"
 echo "setup-env: ready in $(( $(date +%s) - t0 ))s at $VENV"

@@ -7,9 +7,8 @@ kernels that do not tune (the reference) are never called."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from exl3_harness import CKPT_3INST, config_for, load_module, tensors
+from exl3_harness import CKPT_3INST, config_for, tensors
 from test_exl3_linear import ATTN, HIDDEN, finish, load_qkv, qkv_layer
 from vllm.model_executor.layers.quantization.exl3 import kernels, warmup
 from vllm.model_executor.layers.quantization.exl3.linear import warm_up
