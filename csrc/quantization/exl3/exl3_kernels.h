@@ -59,17 +59,17 @@ struct GemmParams {
   int stream_blocks;  // > 0: the stream-k grid over this many blocks (partials into ws)
   bool out_bf16;
   ShardTable shards;
-  // Launch only (the kernel ignores it): > 0 caps resident blocks per SM at this many through
-  // the dynamic shared memory the launch asks for (Plan::spread).
-  int max_blocks_per_sm;
+  // Launch only (the kernel ignores it): cap the resident blocks per SM at the grid's even share
+  // through the dynamic shared memory the launch asks for (Plan::spread).
+  bool spread;
 };
 
 // The most dynamic shared memory one block of a kernel with `static_bytes` of static shared
 // memory may ask for on the current device (exl3_resources.cpp).
 int smem_dynamic_ceiling(int static_bytes);
-// Dynamic shared memory that lets at most `blocks` blocks of such a kernel reside on one SM of
-// the current device: at least `need`, at most the ceiling.
-int smem_for_blocks_per_sm(int blocks, int need, int static_bytes);
+// Dynamic shared memory that lets at most a grid of `grid_blocks` blocks' even share of them
+// (rounded up) reside on one SM of the current device: at least `need`, at most the ceiling.
+int smem_to_spread(int64_t grid_blocks, int need, int static_bytes);
 
 struct ReconParams {
   const void* trellis;  // int16 [k/16][n/16][16K]

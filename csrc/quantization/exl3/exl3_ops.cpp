@@ -259,16 +259,7 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
         if (plan.wgmma)
           encode_xh_map(&gp.xh_map, gp.xh, static_cast<int>(shards), gp.m, gp.k,
                         plan.mt * kRowsPerTier);
-        gp.max_blocks_per_sm = 0;
-        if (plan.spread) {
-          const int64_t blocks =
-              plan.stream_blocks > 0
-                  ? plan.stream_blocks
-                  : (m + kRowsPerTier * plan.mt - 1) / (kRowsPerTier * plan.mt) * (n / 128) *
-                        plan.splits;
-          const int sms = device_info(dev).sms;
-          gp.max_blocks_per_sm = static_cast<int>((blocks + sms - 1) / sms);
-        }
+        gp.spread = plan.spread;
         gp.splits = plan.splits;
         gp.stream_blocks = plan.stream_blocks;
         gp.ws = plan.uses_workspace() ? ws : nullptr;

@@ -76,10 +76,10 @@ void gemm_launch_grid(const GemmParams& p, const dim3 grid, cudaStream_t stream)
   static GemmSmem smem_state;
   auto kernel = exl3_gemm_kernel<K2, CB, MT, WG, SK>;
   const int static_bytes = prepare_gemm_smem(kernel, smem_state);
-  const int smem = p.max_blocks_per_sm > 0
-                       ? smem_for_blocks_per_sm(p.max_blocks_per_sm, Shape::kSmemBytes,
-                                                static_bytes)
-                       : Shape::kSmemBytes;
+  const int smem =
+      p.spread ? smem_to_spread(static_cast<int64_t>(grid.x) * grid.y * grid.z, Shape::kSmemBytes,
+                                static_bytes)
+               : Shape::kSmemBytes;
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
   programmatic_launch(cfg, attr, grid, dim3(kGemmThreads), smem, stream);

@@ -54,11 +54,8 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // One stage's A tile: kTmaBoxK fp16 = one 128-byte row per token, the 128-byte swizzle period.
 constexpr cuuint32_t kTmaBoxK = 64;
 
-}  // namespace
-
-namespace {
 struct SmemLimits {
-  int per_sm = 0, reserved_per_block = 0, optin_per_block = 0;
+  int sms = 0, per_sm = 0, reserved_per_block = 0, optin_per_block = 0;
 };
 SmemLimits smem_limits() {
   static SmemLimits cached[kMaxDevices];
@@ -66,6 +63,7 @@ SmemLimits smem_limits() {
   cudaGetDevice(&dev);
   SmemLimits& l = cached[dev >= 0 && dev < kMaxDevices ? dev : 0];
   if (l.per_sm == 0) {
+    cudaDeviceGetAttribute(&l.sms, cudaDevAttrMultiProcessorCount, dev);
     cudaDeviceGetAttribute(&l.per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
     cudaDeviceGetAttribute(&l.reserved_per_block, cudaDevAttrReservedSharedMemoryPerBlock, dev);
     cudaDeviceGetAttribute(&l.optin_per_block, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
@@ -80,8 +78,9 @@ int smem_dynamic_ceiling(int static_bytes) {
   return smem_limits().optin_per_block - static_bytes;
 }
 
-int smem_for_blocks_per_sm(int blocks, int need, int static_bytes) {
+int smem_to_spread(int64_t grid_blocks, int need, int static_bytes) {
   const SmemLimits l = smem_limits();
+  const int blocks = static_cast<int>((grid_blocks + l.sms - 1) / l.sms);
   // blocks + 1 blocks, each with its dynamic, static and reserved parts, must not fit on one SM.
   int bytes = l.per_sm / (blocks + 1) - l.reserved_per_block - static_bytes + kSmemGranule;
   bytes = (bytes + kSmemGranule - 1) / kSmemGranule * kSmemGranule;

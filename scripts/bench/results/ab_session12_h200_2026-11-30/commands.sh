@@ -19,12 +19,10 @@ case "${1:?call number}" in
   1) python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/exl3_next/site \
        .whl/*.whl && python3 scripts/bench/exllamav3_anchor.py build --state /tmp/exl3_next \
        --jobs 12 ;;
-  2) bash scripts/bench/tma_call.sh ;;
-  3) bash scripts/bench/spread_call.sh ;;
+  2|3|6|9) OUT=$OUT bash $D/call$1.sh ;;  # as run (call 3: the pin's name on branch spread)
   4) bash scripts/bench/checks.sh .s13/tma_if2.so tma_if2
      VLLM_EXL3_EXPERIMENT_SPREAD=1 python3 scripts/bench/verify_kernels.py --ext .s14/spread.so ;;
   5) EXT=.s13/tma_if2.so bash scripts/bench/next_session.sh call2 ;;
-  6|9) OUT=$OUT bash $D/call$1.sh ;;
   7|8) if [ "$1" = 7 ]; then M="1 4 16"; else M="64 256 1024"; fi
      i=0
      for e in main merged main merged; do
