@@ -24,10 +24,11 @@ __device__ __forceinline__ void load_column_factors(const __half* svh, const T* 
   if (f.has_bias) load4_f32(bias + c, f.bias);
 }
 
+// y_row[col0 + 4 * lane + j] = v[j] * svh * scale + bias, for a row already through Ĥ.
 template <typename T>
-__device__ __forceinline__ void finish_row(float (&v)[4], int lane, const ColumnFactors& f,
-                                           T* y_row, int col0) {
-  hadamard128(v, lane);
+__device__ __forceinline__ void store_transformed_row(float (&v)[4], int lane,
+                                                      const ColumnFactors& f, T* y_row,
+                                                      int col0) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) v[j] = v[j] * kHadamardScale * f.svh[j];
   if (f.has_bias) {
@@ -38,11 +39,10 @@ __device__ __forceinline__ void finish_row(float (&v)[4], int lane, const Column
 }
 
 template <typename T>
-__device__ __forceinline__ void finish_row(float (&v)[4], int lane, const __half* svh,
-                                           const T* bias, T* y_row, int col0) {
-  ColumnFactors f;
-  load_column_factors(svh, bias, lane, col0, f);
-  finish_row(v, lane, f, y_row, col0);
+__device__ __forceinline__ void finish_row(float (&v)[4], int lane, const ColumnFactors& f,
+                                           T* y_row, int col0) {
+  hadamard128(v, lane);
+  store_transformed_row(v, lane, f, y_row, col0);
 }
 
 }  // namespace vllm_exl3

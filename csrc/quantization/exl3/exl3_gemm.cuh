@@ -37,9 +37,16 @@ constexpr int kARowBytes = kStageK * 2;
 constexpr int kGemmStages = 4;
 // Stages per k-loop iteration (sass_loop.py reads this name): one per slot, unrolled.
 constexpr int kLoopStages = kGemmStages;
-// fp32 staging row stride for the epilogue: +8 floats makes the float2 stores of the mma
-// accumulator layout conflict-free per half-warp, and keeps rows 16-byte aligned for float4 reads.
-constexpr int kCStride = kBlockN + 8;
+// fp32 staging row stride for the epilogue, padded so the accumulator stores are conflict-free
+// and rows stay 16-byte aligned for the float4 row reads. mma.sync stores float2 at (row g,
+// column 2q): +8 floats puts a half-warp's 4 rows 8 banks apart. wgmma stores single floats at
+// (token 2q, column g): +4 floats puts the 4 tokens 8 banks apart (+8 would pair tokens 0 and 4).
+constexpr int kCStrideMma = kBlockN + 8;
+constexpr int kCStrideWgmma = kBlockN + 4;
+// Rows a warp finishes together in the epilogue: their Hadamards are independent, so the
+// group's shuffles overlap. One row at a time, a warp of a 256-row tile paid its LDS + five-
+// shuffle dependency chain 32 times in a row.
+constexpr int kEpilogueRowGroup = 4;
 
 // Runs stage(it + s, s) for s = 0, 1, ... while it + s < n (a compile-time slot per call).
 template <typename Stage, int... S>
@@ -75,7 +82,13 @@ struct GemmShape {
   static constexpr int kABytes = kBM * kARowBytes;
   static constexpr int kTBytes = kStageKSteps * kBlockTiles * Rate<K2>::kTileBytes;
   static constexpr int kPipeBytes = kGemmStages * (kABytes + kTBytes);
+  static constexpr int kCStride = WG ? kCStrideWgmma : kCStrideMma;
   static constexpr int kStagingBytes = kBM * kCStride * 4;
+  // Rows of one epilogue group: the warps' share of the tile, at most kEpilogueRowGroup, so a
+  // group never reaches past the tile (BM is a multiple of kGemmWarps * kEpiRows).
+  static constexpr int kEpiRows =
+      kBM / kGemmWarps < kEpilogueRowGroup ? kBM / kGemmWarps : kEpilogueRowGroup;
+  static_assert(kBM % (kGemmWarps * kEpiRows) == 0, "epilogue groups must tile the block's rows");
   // wgmma: one 8-byte mbarrier per stage slot, on which that slot's TMA copy of A completes,
   // past both the pipeline and the epilogue's staging (which reuses the pipeline's bytes).
   static constexpr int kBarOffset =
@@ -93,6 +106,52 @@ struct GemmShape {
                 "wgmma: two warpgroups, each warp supplying its own tile as 16 rows of A");
   static_assert(!WG || kABytes % kSwizzleAtomBytes == 0, "wgmma stages must stay atom-aligned");
 };
+
+// The epilogue of a staged tile (fp32 [BM][Shape::kCStride] in shared memory, `rows` of them
+// valid): warp w takes rows w, w + kGemmWarps, ... in groups of Shape::kEpiRows, and either adds
+// them into the split-k workspace or finishes them (Ĥ, svh, bias) into y. Rows of a group past
+// `rows` read finite staging values and skip their stores.
+template <typename Shape, typename T>
+__device__ __forceinline__ void store_tile(const GemmParams& p, const float* s_c, int m0, int n0,
+                                           int rows, bool to_ws) {
+  constexpr int G = Shape::kEpiRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  ColumnFactors f;
+  if (!to_ws)
+    load_column_factors(static_cast<const __half*>(p.svh), static_cast<const T*>(p.bias), lane,
+                        n0, f);
+  for (int r0 = warp; r0 < rows; r0 += G * kGemmWarps) {
+    float v[G][4];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float4 c4 = *reinterpret_cast<const float4*>(
+          s_c + (r0 + g * kGemmWarps) * Shape::kCStride + 4 * lane);
+      v[g][0] = c4.x;
+      v[g][1] = c4.y;
+      v[g][2] = c4.z;
+      v[g][3] = c4.w;
+    }
+    if (to_ws) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int r = r0 + g * kGemmWarps;
+        // One contiguous 512-byte row segment per warp instruction: coalesced reductions.
+        if (r < rows)
+          red_add_f32x4(p.ws + static_cast<size_t>(m0 + r) * p.n + n0 + 4 * lane, v[g][0],
+                        v[g][1], v[g][2], v[g][3]);
+      }
+    } else {
+      hadamard128(v, lane);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int r = r0 + g * kGemmWarps;
+        if (r < rows)
+          store_transformed_row<T>(v[g], lane, f,
+                                   static_cast<T*>(p.y) + static_cast<size_t>(m0 + r) * p.n, n0);
+      }
+    }
+  }
+}
 
 // One output tile (BM rows x 128 columns at m0, n0) over the k chunks [c_begin, c_end): the
 // pipelined k loop, then the epilogue, or the fp32 partial sums added into p.ws (to_ws).
@@ -335,11 +394,11 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
     const int col = warp * kTile + (lane >> 2), tok = 2 * (lane & 3);
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
-      float* c = s_c + (8 * j + tok) * kCStride + col;
+      float* c = s_c + (8 * j + tok) * Shape::kCStride + col;
       c[0] = acc_wg[4 * j + 0];
-      c[kCStride] = acc_wg[4 * j + 1];
+      c[Shape::kCStride] = acc_wg[4 * j + 1];
       c[8] = acc_wg[4 * j + 2];
-      c[kCStride + 8] = acc_wg[4 * j + 3];
+      c[Shape::kCStride + 8] = acc_wg[4 * j + 3];
     }
   } else {
     const int g = lane >> 2, q = lane & 3;
@@ -349,35 +408,19 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
       for (int h = 0; h < kHalves; ++h) {
         const int col = warp_n * Shape::kWarpTiles * kTile + h * 8 + 2 * q;
         const int row = (warp_m * Shape::kWarpMT + mt) * kTile + g;
-        *reinterpret_cast<float2*>(s_c + row * kCStride + col) =
+        *reinterpret_cast<float2*>(s_c + row * Shape::kCStride + col) =
             make_float2(acc[mt][h][0], acc[mt][h][1]);
-        *reinterpret_cast<float2*>(s_c + (row + 8) * kCStride + col) =
+        *reinterpret_cast<float2*>(s_c + (row + 8) * Shape::kCStride + col) =
             make_float2(acc[mt][h][2], acc[mt][h][3]);
       }
   }
   __syncthreads();
 
   const int rows = min(BM, p.m - m0);
-  for (int r = warp; r < rows; r += kGemmWarps) {
-    const float4 c4 = *reinterpret_cast<const float4*>(s_c + r * kCStride + 4 * lane);
-    const size_t row_off = static_cast<size_t>(m0 + r) * p.n;
-    if (to_ws) {
-      // One contiguous 512-byte row segment per warp instruction: coalesced reductions.
-      red_add_f32x4(p.ws + row_off + n0 + 4 * lane, c4.x, c4.y, c4.z, c4.w);
-    } else {
-      float v[4] = {c4.x, c4.y, c4.z, c4.w};
-      const __half* svh = static_cast<const __half*>(p.svh);
-      if (p.out_bf16) {
-        using T = __nv_bfloat16;
-        finish_row<T>(v, lane, svh, static_cast<const T*>(p.bias), static_cast<T*>(p.y) + row_off,
-                      n0);
-      } else {
-        using T = __half;
-        finish_row<T>(v, lane, svh, static_cast<const T*>(p.bias), static_cast<T*>(p.y) + row_off,
-                      n0);
-      }
-    }
-  }
+  if (p.out_bf16)
+    store_tile<Shape, __nv_bfloat16>(p, s_c, m0, n0, rows, to_ws);
+  else
+    store_tile<Shape, __half>(p, s_c, m0, n0, rows, to_ws);
   // The staging block was accessed through the generic proxy; a stream-k block's next segment
   // refills the same bytes through the async proxy (TMA) after its barrier.
   if constexpr (WG) fence_proxy_async_shared();

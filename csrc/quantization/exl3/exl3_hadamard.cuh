@@ -11,15 +11,19 @@ namespace vllm_exl3 {
 // because popcount(i & j) does not change when i and j have their bits permuted alike. Callers
 // use e = 4 * lane + j (8-byte vector loads of 4 consecutive values) or e = lane + 32 * j
 // (conflict-free column walks through a padded shared-memory block).
-__device__ __forceinline__ void hadamard128(float (&v)[4], int lane) {
+// R rows at once (v[r]: one row's four values per lane): the rows' butterflies are independent,
+// so their shuffles overlap and a warp pays the shuffle latency once per group, not per row.
+template <int R>
+__device__ __forceinline__ void hadamard128(float (&v)[R][4], int lane) {
   // The two slot bits.
-  {
-    const float a0 = v[0] + v[1], a1 = v[0] - v[1];
-    const float a2 = v[2] + v[3], a3 = v[2] - v[3];
-    v[0] = a0 + a2;
-    v[2] = a0 - a2;
-    v[1] = a1 + a3;
-    v[3] = a1 - a3;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float a0 = v[r][0] + v[r][1], a1 = v[r][0] - v[r][1];
+    const float a2 = v[r][2] + v[r][3], a3 = v[r][2] - v[r][3];
+    v[r][0] = a0 + a2;
+    v[r][2] = a0 - a2;
+    v[r][1] = a1 + a3;
+    v[r][3] = a1 - a3;
   }
   // The five lane bits: the partner with the bit clear holds a, the one with it set holds b,
   // and (a, b) -> (a + b, a - b).
@@ -27,11 +31,17 @@ __device__ __forceinline__ void hadamard128(float (&v)[4], int lane) {
   for (int m = 1; m < kWarpSize; m <<= 1) {
     const float sign = (lane & m) ? -1.0f : 1.0f;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float o = __shfl_xor_sync(kFullMask, v[j], m);
-      v[j] = fmaf(sign, v[j], o);
-    }
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float o = __shfl_xor_sync(kFullMask, v[r][j], m);
+        v[r][j] = fmaf(sign, v[r][j], o);
+      }
   }
+}
+
+__device__ __forceinline__ void hadamard128(float (&v)[4], int lane) {
+  hadamard128<1>(reinterpret_cast<float(&)[1][4]>(v), lane);
 }
 
 }  // namespace vllm_exl3
