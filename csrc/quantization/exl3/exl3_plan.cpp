@@ -103,7 +103,7 @@ struct Pins {
   std::optional<Path> basis;  // pinned reconstruct flavour
   double traffic = kDefaultSplitTraffic;
   int stream_k = -1;  // -1 = the tuner chooses, 0 = never, 1 = the wgmma candidates are stream-k
-  // VLLM_EXL3_SPREAD (Plan::spread): -1 = the tuner chooses below kMinWaveSplitM, 0 = never,
+  // VLLM_EXL3_SPREAD (Plan::spread): -1 = the tuner chooses (spreads_anything), 0 = never,
   // 1 = every fused plan spreads.
   int spread = -1;
 };
@@ -189,6 +189,17 @@ GridFill grid_fill(const Problem& pr, int mt, bool wgmma) {
       wgmma ? rk.gemm_wgmma_blocks_per_sm(pr.cb, mt) : rk.gemm_blocks_per_sm(pr.cb, mt);
   return {static_cast<int64_t>(ceil_div(pr.m, kRowsPerTier * mt)) * (pr.n / kBlockN),
           static_cast<int64_t>(di.sms) * blocks_per_sm};
+}
+
+// Whether Plan::spread can place a classic grid of `splits` k-splits differently: its even share
+// of blocks per SM is below what an SM holds, so without the cap the block scheduler may stack
+// blocks on some SMs and leave others idle. It does: from 17 rows (pinned cold, ab_session13
+// call 11) spreading took 5120x12288 m = 128 at BM 128 (96 blocks) from 82.5 to 50.0 µs,
+// 4096x4096 m = 256 at BM 128 split 2 from 39.4 to 27.1 µs, and BM 64 / 32 grids 2.2-2.8x down.
+bool spreads_anything(const Problem& pr, int mt, bool wgmma, int splits) {
+  const auto [tiles, slots] = grid_fill(pr, mt, wgmma);
+  const int64_t sms = device_info(pr.device).sms;
+  return tiles * splits <= slots - sms;  // at most one block fewer per SM than it holds
 }
 
 // Enough k-splits to give every SM its resident blocks, unless the fp32 partial sums would cost
@@ -284,14 +295,19 @@ std::vector<Plan> candidates(const Problem& pr, const Pins& pins, bool wgmma_ok)
         plan.spread = pins.spread == 1;
         out.push_back(plan);
         // Below kMinWaveSplitM grids are a few blocks per SM, where the GEMM's placement beside
-        // the input transform's blocks decides its time (Plan::early_release, Plan::spread). A
-        // plan pinned whole (BM and split) stays one candidate, timed by nothing.
+        // the input transform's blocks decides its time (Plan::early_release, Plan::spread).
+        // From it on, a grid with room to stack is also timed spread. A plan pinned whole (BM
+        // and split) stays one candidate, timed by nothing.
         if (pr.m < kMinWaveSplitM && !(pins.mt && pins.splits)) {
           out.push_back(Plan{Path::kFused, mt, s, wg, 0, false});
           if (pins.spread == -1) {
             plan.spread = true;
             out.push_back(plan);
           }
+        } else if (pins.spread == -1 && !(pins.mt && pins.splits) &&
+                   spreads_anything(pr, mt, wg, s)) {
+          plan.spread = true;
+          out.push_back(plan);
         }
       }
     if (wg)

@@ -37,7 +37,8 @@ struct Plan {
   // fused: cap the GEMM's resident blocks per SM at its grid's even share (through the dynamic
   // shared memory it asks for), so that blocks released early beside the transform's cannot
   // stack three on one SM where the even share is two. 4096x4096 at m = 16: 10.4 -> 9.8 µs per
-  // op (ab_session12 call 3). The tuner times it as a third variant below kMinWaveSplitM.
+  // op (ab_session12 call 3). The tuner times it as a third variant below kMinWaveSplitM, and
+  // from there on as a second one wherever the grid leaves room to stack (spreads_anything).
   bool spread = false;
   bool uses_workspace() const {
     return path == Path::kFused && (splits > 1 || stream_blocks > 0);
