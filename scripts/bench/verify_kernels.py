@@ -333,7 +333,8 @@ def check_real(rep: Report, gen: torch.Generator, m_values: Sequence[int]) -> No
 def check_splits(rep: Report, gen: torch.Generator) -> None:
     """Every BM tier x a range of split factors on a real shape, repeated with fresh inputs;
     each plan also with its blocks spread (Plan::spread: a launch asking for more shared memory
-    than the kernel needs, which the tuner only times below 17 rows, so pinned here)."""
+    than the kernel needs, which the tuner times only where a grid can stack blocks, so pinned
+    here for every plan)."""
     layer = random_layer(gen, 4096, [4096], 4, 1)
     rw = ReferenceWeights(layer)
     for m in (1, 17, 100, 1000):
