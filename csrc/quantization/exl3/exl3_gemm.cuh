@@ -153,6 +153,61 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float* s_c
   }
 }
 
+// store_tile's output path for the wgmma tiers (BM >= kQuadMinBM): kQuadLanes lanes per row
+// (hadamard128_quad), a warp finishing kQuadRowsPerWarp rows per pass. Of the 8 lanes of an
+// LDS.128 phase, the two rows are kQuadRowSkew rows apart: with the wgmma staging stride
+// (kCStrideWgmma = 128 + 4 words) that puts them 16 banks apart, so the phase is conflict-free.
+constexpr int kQuadRowsPerWarp = kWarpSize / kQuadLanes;
+constexpr int kQuadMinBM = kGemmWarps * kQuadRowsPerWarp;
+constexpr int kQuadRowSkew = 4;
+static_assert(kQuadRowSkew * kCStrideWgmma % 32 == 16, "the phase's two rows must not share banks");
+
+template <typename Shape, typename T>
+__device__ __forceinline__ void store_tile_quad(const GemmParams& p, const float* s_c, int m0,
+                                                int n0, int rows) {
+  static_assert(Shape::kCStride == kCStrideWgmma && Shape::kBM % kQuadMinBM == 0,
+                "the quad epilogue is laid out for the wgmma tiers' staging");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int j = lane % kQuadLanes, rs = lane / kQuadLanes;
+  // The lane's row within its warp's 8: pairs (rs, rs + 1) of a phase -> rows kQuadRowSkew apart.
+  const int sub = (rs >> 1) + (rs & 1) * kQuadRowSkew;
+  // Column factors of the lane's chunks (columns n0 + 16 i + 4 j), kept packed (16-bit).
+  const __half* svh = static_cast<const __half*>(p.svh) + n0 + 4 * j;
+  const T* bias = static_cast<const T*>(p.bias);
+  uint2 svh_p[kQuadChunks], bias_p[kQuadChunks];
+#pragma unroll
+  for (int i = 0; i < kQuadChunks; ++i) {
+    svh_p[i] = *reinterpret_cast<const uint2*>(svh + 16 * i);
+    bias_p[i] = bias != nullptr ? *reinterpret_cast<const uint2*>(bias + n0 + 4 * j + 16 * i)
+                                : make_uint2(0u, 0u);
+  }
+  for (int r0 = 0; r0 < rows; r0 += kQuadMinBM) {
+    const int r = r0 + warp * kQuadRowsPerWarp + sub;
+    float v[kQuadChunks][4];
+#pragma unroll
+    for (int i = 0; i < kQuadChunks; ++i) {
+      const float4 c4 = *reinterpret_cast<const float4*>(s_c + r * Shape::kCStride + 16 * i + 4 * j);
+      v[i][0] = c4.x;
+      v[i][1] = c4.y;
+      v[i][2] = c4.z;
+      v[i][3] = c4.w;
+    }
+    hadamard128_quad(v, lane);
+    if (r < rows) {
+      T* y = static_cast<T*>(p.y) + static_cast<size_t>(m0 + r) * p.n + n0 + 4 * j;
+#pragma unroll
+      for (int i = 0; i < kQuadChunks; ++i) {
+        const __half* sv = reinterpret_cast<const __half*>(&svh_p[i]);
+        const T* bv = reinterpret_cast<const T*>(&bias_p[i]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          v[i][q] = v[i][q] * kHadamardScale * __half2float(sv[q]) + Fp16Like<T>::to_float(bv[q]);
+        *reinterpret_cast<uint2*>(y + 16 * i) = pack4<T>(v[i]);
+      }
+    }
+  }
+}
+
 // One output tile (BM rows x 128 columns at m0, n0) over the k chunks [c_begin, c_end): the
 // pipelined k loop, then the epilogue, or the fp32 partial sums added into p.ws (to_ws).
 // a_phase (wgmma): bit s = the parity of slot s's A barrier that its next wait expects; it runs
@@ -417,10 +472,21 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
   __syncthreads();
 
   const int rows = min(BM, p.m - m0);
-  if (p.out_bf16)
-    store_tile<Shape, __nv_bfloat16>(p, s_c, m0, n0, rows, to_ws);
-  else
-    store_tile<Shape, __half>(p, s_c, m0, n0, rows, to_ws);
+  if constexpr (WG && BM >= kQuadMinBM) {
+    if (!to_ws) {
+      if (p.out_bf16)
+        store_tile_quad<Shape, __nv_bfloat16>(p, s_c, m0, n0, rows);
+      else
+        store_tile_quad<Shape, __half>(p, s_c, m0, n0, rows);
+    } else {
+      store_tile<Shape, __half>(p, s_c, m0, n0, rows, true);  // partial sums: no output dtype
+    }
+  } else {
+    if (p.out_bf16)
+      store_tile<Shape, __nv_bfloat16>(p, s_c, m0, n0, rows, to_ws);
+    else
+      store_tile<Shape, __half>(p, s_c, m0, n0, rows, to_ws);
+  }
   // The staging block was accessed through the generic proxy; a stream-k block's next segment
   // refills the same bytes through the async proxy (TMA) after its barrier.
   if constexpr (WG) fence_proxy_async_shared();

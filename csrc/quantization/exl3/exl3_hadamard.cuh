@@ -40,6 +40,48 @@ __device__ __forceinline__ void hadamard128(float (&v)[R][4], int lane) {
   }
 }
 
+// The same transform held by kQuadLanes lanes per row: lane part j = lane % 4 holds the eight
+// 4-column chunks at columns 16 i + 4 j (i < 8), v[i][q] = column 16 i + 4 j + q. Five of the
+// seven index bits (q, i) are then in registers and only the two of j cross lanes: 8 shuffles
+// per row against the 20 of hadamard128 (a warp's shuffle unit issues one per clock, which
+// bounded the BM 256 epilogue: 2.7 us of its tile, ab_session15 call 5).
+constexpr int kQuadLanes = 4;
+constexpr int kQuadChunks = kHadamard / (4 * kQuadLanes);
+
+__device__ __forceinline__ void hadamard128_quad(float (&v)[kQuadChunks][4], int lane) {
+#pragma unroll
+  for (int i = 0; i < kQuadChunks; ++i) {  // the two bits of q
+    const float a0 = v[i][0] + v[i][1], a1 = v[i][0] - v[i][1];
+    const float a2 = v[i][2] + v[i][3], a3 = v[i][2] - v[i][3];
+    v[i][0] = a0 + a2;
+    v[i][2] = a0 - a2;
+    v[i][1] = a1 + a3;
+    v[i][3] = a1 - a3;
+  }
+#pragma unroll
+  for (int s = 1; s < kQuadChunks; s <<= 1)  // the three bits of i
+#pragma unroll
+    for (int i = 0; i < kQuadChunks; ++i)
+      if (!(i & s))
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float a = v[i][q], b = v[i + s][q];
+          v[i][q] = a + b;
+          v[i + s][q] = a - b;
+        }
+#pragma unroll
+  for (int m = 1; m < kQuadLanes; m <<= 1) {  // the two bits of j, across lanes
+    const float sign = (lane & m) ? -1.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < kQuadChunks; ++i)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float o = __shfl_xor_sync(kFullMask, v[i][q], m);
+        v[i][q] = fmaf(sign, v[i][q], o);
+      }
+  }
+}
+
 __device__ __forceinline__ void hadamard128(float (&v)[4], int lane) {
   hadamard128<1>(reinterpret_cast<float(&)[1][4]>(v), lane);
 }
