@@ -153,13 +153,17 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float* s_c
   }
 }
 
-// store_tile's output path for the wgmma tiers (BM >= kQuadMinBM): kQuadLanes lanes per row
-// (hadamard128_quad), a warp finishing kQuadRowsPerWarp rows per pass. Of the 8 lanes of an
+// store_tile's output path for the wgmma tiers from kQuadFromBM rows: kQuadLanes lanes per row
+// (hadamard128_quad), a warp finishing kQuadRowsPerWarp rows per pass. Pinned cold on the H200
+// (ab_session15 call 6) it took 1024x12288 m = 256 BM 256 from 19.8 to 18.2 us and 5120x12288
+// m = 1024 from 203 to 198; at BM 64 (one pass, 3 blocks per SM) it was 2 % slower, so that tier
+// keeps store_tile's four-rows-per-warp groups. Of the 8 lanes of an
 // LDS.128 phase, the two rows are kQuadRowSkew rows apart: with the wgmma staging stride
 // (kCStrideWgmma = 128 + 4 words) that puts them 16 banks apart, so the phase is conflict-free.
 constexpr int kQuadRowsPerWarp = kWarpSize / kQuadLanes;
 constexpr int kQuadMinBM = kGemmWarps * kQuadRowsPerWarp;
 constexpr int kQuadRowSkew = 4;
+constexpr int kQuadFromBM = 2 * kQuadMinBM;
 static_assert(kQuadRowSkew * kCStrideWgmma % 32 == 16, "the phase's two rows must not share banks");
 
 template <typename Shape, typename T>
@@ -472,7 +476,7 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
   __syncthreads();
 
   const int rows = min(BM, p.m - m0);
-  if constexpr (WG && BM >= kQuadMinBM) {
+  if constexpr (WG && BM >= kQuadFromBM) {
     if (!to_ws) {
       if (p.out_bf16)
         store_tile_quad<Shape, __nv_bfloat16>(p, s_c, m0, n0, rows);
