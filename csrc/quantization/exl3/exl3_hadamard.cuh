@@ -11,24 +11,22 @@ namespace vllm_exl3 {
 // because popcount(i & j) does not change when i and j have their bits permuted alike. Callers
 // use e = 4 * lane + j (8-byte vector loads of 4 consecutive values) or e = lane + 32 * j
 // (conflict-free column walks through a padded shared-memory block).
-// R rows at once (v[r]: one row's four values per lane): the rows' butterflies are independent,
-// so their shuffles overlap and a warp pays the shuffle latency once per group, not per row.
-template <int R>
-__device__ __forceinline__ void hadamard128(float (&v)[R][4], int lane) {
-  // The two slot bits.
+// The two index bits inside one lane's 4 consecutive values, in registers.
+__device__ __forceinline__ void butterfly4(float (&v)[4]) {
+  const float a0 = v[0] + v[1], a1 = v[0] - v[1];
+  const float a2 = v[2] + v[3], a3 = v[2] - v[3];
+  v[0] = a0 + a2;
+  v[2] = a0 - a2;
+  v[1] = a1 + a3;
+  v[3] = a1 - a3;
+}
+
+// The index bits held by lanes 1, 2, ... LANES / 2 of every group of LANES lanes: the partner
+// with the bit clear holds a, the one with it set holds b, and (a, b) -> (a + b, a - b).
+template <int LANES, int R>
+__device__ __forceinline__ void lane_butterflies(float (&v)[R][4], int lane) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float a0 = v[r][0] + v[r][1], a1 = v[r][0] - v[r][1];
-    const float a2 = v[r][2] + v[r][3], a3 = v[r][2] - v[r][3];
-    v[r][0] = a0 + a2;
-    v[r][2] = a0 - a2;
-    v[r][1] = a1 + a3;
-    v[r][3] = a1 - a3;
-  }
-  // The five lane bits: the partner with the bit clear holds a, the one with it set holds b,
-  // and (a, b) -> (a + b, a - b).
-#pragma unroll
-  for (int m = 1; m < kWarpSize; m <<= 1) {
+  for (int m = 1; m < LANES; m <<= 1) {
     const float sign = (lane & m) ? -1.0f : 1.0f;
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -38,6 +36,15 @@ __device__ __forceinline__ void hadamard128(float (&v)[R][4], int lane) {
         v[r][j] = fmaf(sign, v[r][j], o);
       }
   }
+}
+
+// R rows at once (v[r]: one row's four values per lane): the rows' butterflies are independent,
+// so their shuffles overlap and a warp pays the shuffle latency once per group, not per row.
+template <int R>
+__device__ __forceinline__ void hadamard128(float (&v)[R][4], int lane) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) butterfly4(v[r]);  // the two slot bits
+  lane_butterflies<kWarpSize>(v, lane);            // the five lane bits
 }
 
 // The same transform held by kQuadLanes lanes per row: lane part j = lane % 4 holds the eight
@@ -50,14 +57,7 @@ constexpr int kQuadChunks = kHadamard / (4 * kQuadLanes);
 
 __device__ __forceinline__ void hadamard128_quad(float (&v)[kQuadChunks][4], int lane) {
 #pragma unroll
-  for (int i = 0; i < kQuadChunks; ++i) {  // the two bits of q
-    const float a0 = v[i][0] + v[i][1], a1 = v[i][0] - v[i][1];
-    const float a2 = v[i][2] + v[i][3], a3 = v[i][2] - v[i][3];
-    v[i][0] = a0 + a2;
-    v[i][2] = a0 - a2;
-    v[i][1] = a1 + a3;
-    v[i][3] = a1 - a3;
-  }
+  for (int i = 0; i < kQuadChunks; ++i) butterfly4(v[i]);  // the two bits of q
 #pragma unroll
   for (int s = 1; s < kQuadChunks; s <<= 1)  // the three bits of i
 #pragma unroll
@@ -69,17 +69,7 @@ __device__ __forceinline__ void hadamard128_quad(float (&v)[kQuadChunks][4], int
           v[i][q] = a + b;
           v[i + s][q] = a - b;
         }
-#pragma unroll
-  for (int m = 1; m < kQuadLanes; m <<= 1) {  // the two bits of j, across lanes
-    const float sign = (lane & m) ? -1.0f : 1.0f;
-#pragma unroll
-    for (int i = 0; i < kQuadChunks; ++i)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float o = __shfl_xor_sync(kFullMask, v[i][q], m);
-        v[i][q] = fmaf(sign, v[i][q], o);
-      }
-  }
+  lane_butterflies<kQuadLanes>(v, lane);  // the two bits of j, across lanes
 }
 
 __device__ __forceinline__ void hadamard128(float (&v)[4], int lane) {
