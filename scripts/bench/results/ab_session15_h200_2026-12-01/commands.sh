@@ -11,9 +11,10 @@
 #   quad.so    branch epi-quad 7f6aba4, quad rows from BM 64 (call 6)
 #   quad2.so   epi-quad d341c91 (merged) for calls 7-8; the same build as base.so in call 9
 #   fin.so     branch finish-quad 2a34df3 (call 9)
+#   l2p.so     branch l2-persist b63a37b (call 10)
 set -eu
 D=scripts/bench/results/ab_session15_h200_2026-12-01
 case "${1:?call number}" in
-  1|2|3|4|5|6|7|8|9) OUT=$OUT bash $D/call$1.sh ;;
-  *) echo "calls 1-9" >&2; exit 2 ;;
+  1|2|3|4|5|6|7|8|9|10) OUT=$OUT bash $D/call$1.sh ;;
+  *) echo "calls 1-10" >&2; exit 2 ;;
 esac
