@@ -157,9 +157,9 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float* s_c
 // (hadamard128_quad), a warp finishing kQuadRowsPerWarp rows per pass. Pinned cold on the H200
 // (ab_session15 call 6) it took 1024x12288 m = 256 BM 256 from 19.8 to 18.2 us and 5120x12288
 // m = 1024 from 203 to 198; at BM 64 (one pass, 3 blocks per SM) it was 2 % slower, so that tier
-// keeps store_tile's four-rows-per-warp groups. Of the 8 lanes of an
-// LDS.128 phase, the two rows are kQuadRowSkew rows apart: with the wgmma staging stride
-// (kCStrideWgmma = 128 + 4 words) that puts them 16 banks apart, so the phase is conflict-free.
+// keeps store_tile's four-rows-per-warp groups.
+// Of the 8 lanes of an LDS.128 phase, the two rows are kQuadRowSkew rows apart: with the wgmma
+// staging stride (kCStrideWgmma = 128 + 4 words) that puts them 16 banks apart, conflict-free.
 constexpr int kQuadRowsPerWarp = kWarpSize / kQuadLanes;
 constexpr int kQuadMinBM = kGemmWarps * kQuadRowsPerWarp;
 constexpr int kQuadRowSkew = 4;
@@ -190,7 +190,8 @@ __device__ __forceinline__ void store_tile_quad(const GemmParams& p, const float
     float v[kQuadChunks][4];
 #pragma unroll
     for (int i = 0; i < kQuadChunks; ++i) {
-      const float4 c4 = *reinterpret_cast<const float4*>(s_c + r * Shape::kCStride + 16 * i + 4 * j);
+      const float4 c4 =
+          *reinterpret_cast<const float4*>(s_c + r * Shape::kCStride + 16 * i + 4 * j);
       v[i][0] = c4.x;
       v[i][1] = c4.y;
       v[i][2] = c4.z;
