@@ -1,5 +1,0 @@
-# Session 9, call 6 (same lease as calls 3-5, so call 3's ExLlamaV3 build was still in
-# /tmp/exl3_next): same-run re-check of the four anchor points of call 4 where ours was not
-# faster. Three rounds at m = 1 (5120x17408 MUL1, 3 and 5 bits), two at m = 4096 (5120x17408
-# 2-bit, 3INST and MUL1; the second round's files did not come back: at most 8 files return).
-export PYTHONUNBUFFERED=1; ls /tmp/exl3_next 2>&1 | head -3; for r in 1 2 3; do EXL3_COMMIT=591068b timeout 100 python3 scripts/bench/bench_linear.py --ext .s9/main.so --exl3-state /tmp/exl3_next --exl3-wait-s 5 --out $OUT --tag recheck_m1_r$r --shapes 5120x17408 --bits 3 5 --codebooks 2 --m 1 2>&1 | grep -E "^5120x|exllamav3\"|unavailable|Error" | tail -4; done; for r in 1 2; do EXL3_COMMIT=591068b timeout 120 python3 scripts/bench/bench_linear.py --ext .s9/main.so --exl3-state /tmp/exl3_next --exl3-wait-s 5 --out $OUT --tag recheck_m4096_r$r --shapes 5120x17408 --bits 2 --codebooks 0 2 --m 4096 2>&1 | grep -E "^5120x" | tail -4; done
