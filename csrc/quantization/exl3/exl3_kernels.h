@@ -126,11 +126,11 @@ inline void programmatic_launch(cudaLaunchConfig_t& cfg, cudaLaunchAttribute (&a
 // y[r][c] = bias[c]: the C operand of the cuBLAS path (beta = 1 folds the bias in).
 void launch_bias_broadcast(const void* bias, void* y, bool bf16, int m, int n,
                            cudaStream_t stream);
-// Sleep on the device so the autotuner's timed launches queue up behind it (no launch gaps).
+// Sleep on the device so the plan timer's launches queue up behind it (no launch gaps).
 void launch_device_sleep(int microseconds, cudaStream_t stream);
 // Whether this build carries the wgmma engine for `device` (an sm_90a image on a 9.0 device),
-// asked of the device itself once and cached. The question runs a kernel synchronously, so
-// with may_probe = false (a stream is capturing) an unasked device answers false.
-bool wgmma_supported(int device, bool may_probe);
+// asked of the image the device loaded. `device` must be the current device. No launch and no
+// allocation, so it may be asked during CUDA-graph capture.
+bool wgmma_supported(int device);
 
 }  // namespace vllm_exl3

@@ -1,8 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// torch.ops._C.exl3_linear / exl3_reconstruct: input validation, plan execution, registration.
-// Stable ABI only (torch/csrc/stable, torch/headeronly, the AOTI shim for the current stream),
+// torch.ops._C.exl3_linear / exl3_reconstruct / exl3_plan / exl3_time_plans: input validation,
+// plan execution, registration.
+// Stable ABI only (torch/csrc/stable, torch/headeronly, the AOTI shim for the current stream
+// and torch's cuBLAS handle),
 // so the same file builds into vLLM's _C_stable_libtorch and into the standalone _exl3_C.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -120,85 +123,109 @@ ShardTable shard_table(const std::vector<int64_t>& widths, int64_t n) {
   return t;
 }
 
-}  // namespace
+cublasHandle_t torch_blas_handle() {
+  // torch's handle of the current device and thread, bound to the current stream, with its
+  // workspace from torch's caching allocator (capture-safe, counted by vLLM's profiling).
+  void* h = nullptr;
+  TORCH_ERROR_CODE_CHECK(torch_get_current_cuda_blas_handle(&h));
+  return static_cast<cublasHandle_t>(h);
+}
 
-Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::optional<Tensor> bias,
-                   std::vector<int64_t> shard_widths, int64_t codebook) {
-  const char* op = "exl3_linear";
+// One validated exl3_linear problem and how to run a plan on it (the op and the plan timer).
+struct LinearCall {
+  const char* op;
+  Tensor x, trellis, suh, svh, workspace;
+  std::optional<Tensor> bias;
+  int32_t dev = 0;
+  int k2 = 0;
+  int64_t m = 0, k = 0, n = 0, shards = 1, codebook = 0;
+  bool bf16 = false;
+  ShardTable table{};
+  PlanTable plans;
+
+  Problem problem() const {
+    return Problem{dev, static_cast<int>(m), static_cast<int>(k), static_cast<int>(n), k2,
+                   static_cast<int>(codebook), static_cast<int>(shards), bf16};
+  }
+  int64_t workspace_floats() const { return workspace.numel(); }
+
+  // Enqueues `plan` on `stream`, writing y. Scratch tensors are allocated once per call (torch's
+  // caching allocator; the plan timer reuses them across runs).
+  void run(const Plan& plan, Tensor& y, cudaStream_t stream, std::optional<Tensor>& xh,
+           std::optional<Tensor>& w, std::optional<Tensor>& acc) const;
+};
+
+LinearCall prepare_linear(const char* op, const Tensor& x, const Tensor& trellis,
+                          const Tensor& suh, const Tensor& svh, const std::optional<Tensor>& bias,
+                          const std::vector<int64_t>& shard_widths, int64_t codebook,
+                          const std::vector<int64_t>& plans, const Tensor& workspace) {
+  LinearCall c{op, x, trellis, suh, svh, workspace, bias};
   STD_TORCH_CHECK(x.is_cuda(), op, ": x must be a CUDA tensor");
   const int32_t dev = x.get_device_index();
+  c.dev = dev;
   check_tensor(op, "x", x, 2, dev, kCpAsyncAlign);
   const ScalarType dtype = x.scalar_type();
   STD_TORCH_CHECK(dtype == ScalarType::BFloat16 || dtype == ScalarType::Half, op,
                   ": x must be bfloat16 or float16, got ", dtype_str(dtype));
-  const int k2 = check_trellis(op, trellis, codebook, dev);
-  const int64_t k = trellis.size(0) * kTileEdge, n = trellis.size(1) * kTileEdge;
-  const int64_t m = x.size(0);
-  STD_TORCH_CHECK(x.size(1) == k, op, ": x ", shape_str(x), " has ", x.size(1),
-                  " input features but the trellis ", shape_str(trellis), " has k = ", k);
+  c.bf16 = dtype == ScalarType::BFloat16;
+  c.k2 = check_trellis(op, trellis, codebook, dev);
+  c.codebook = codebook;
+  c.k = trellis.size(0) * kTileEdge;
+  c.n = trellis.size(1) * kTileEdge;
+  c.m = x.size(0);
+  STD_TORCH_CHECK(x.size(1) == c.k, op, ": x ", shape_str(x), " has ", x.size(1),
+                  " input features but the trellis ", shape_str(trellis), " has k = ", c.k);
 
   STD_TORCH_CHECK(suh.dim() == 1 || suh.dim() == 2, op, ": suh must be [S, k] (or [k]), got ",
                   shape_str(suh));
   check_tensor(op, "suh", suh, suh.dim(), dev, kVectorAlign);
   check_dtype(op, "suh", suh, ScalarType::Half);
-  const int64_t shards = suh.dim() == 2 ? suh.size(0) : 1;
-  STD_TORCH_CHECK(suh.size(suh.dim() - 1) == k, op, ": suh ", shape_str(suh),
-                  " does not match k = ", k);
-  STD_TORCH_CHECK(shards >= 1 && shards <= kMaxShardsHost, op, ": ", shards,
+  c.shards = suh.dim() == 2 ? suh.size(0) : 1;
+  STD_TORCH_CHECK(suh.size(suh.dim() - 1) == c.k, op, ": suh ", shape_str(suh),
+                  " does not match k = ", c.k);
+  STD_TORCH_CHECK(c.shards >= 1 && c.shards <= kMaxShardsHost, op, ": ", c.shards,
                   " shards; 1..", kMaxShardsHost, " are supported");
-  STD_TORCH_CHECK(static_cast<int64_t>(shard_widths.size()) == shards, op, ": suh has ", shards,
-                  " rows but shard_widths has ", shard_widths.size(), " entries");
-  const ShardTable table = shard_table(shard_widths, n);
+  STD_TORCH_CHECK(static_cast<int64_t>(shard_widths.size()) == c.shards, op, ": suh has ",
+                  c.shards, " rows but shard_widths has ", shard_widths.size(), " entries");
+  c.table = shard_table(shard_widths, c.n);
 
   check_tensor(op, "svh", svh, 1, dev, kVectorAlign);
   check_dtype(op, "svh", svh, ScalarType::Half);
-  STD_TORCH_CHECK(svh.size(0) == n, op, ": svh ", shape_str(svh), " does not match n = ", n);
-  const void* bias_ptr = nullptr;
+  STD_TORCH_CHECK(svh.size(0) == c.n, op, ": svh ", shape_str(svh), " does not match n = ", c.n);
   if (bias.has_value()) {
     check_tensor(op, "bias", *bias, 1, dev, kVectorAlign);
     STD_TORCH_CHECK(bias->scalar_type() == dtype, op, ": bias must have x's dtype ",
                     dtype_str(dtype), ", got ", dtype_str(bias->scalar_type()));
-    STD_TORCH_CHECK(bias->size(0) == n, op, ": bias ", shape_str(*bias),
-                    " does not match n = ", n);
-    bias_ptr = bias->data_ptr();
+    STD_TORCH_CHECK(bias->size(0) == c.n, op, ": bias ", shape_str(*bias),
+                    " does not match n = ", c.n);
   }
-  STD_TORCH_CHECK(m < (int64_t{1} << 31) / kHadamardBlock && k * n < (int64_t{1} << 40), op,
-                  ": problem too large (m = ", m, ", k = ", k, ", n = ", n, ")");
+  check_tensor(op, "workspace", workspace, 1, dev, kCpAsyncAlign);
+  check_dtype(op, "workspace", workspace, ScalarType::Float);
+  STD_TORCH_CHECK(c.m < (int64_t{1} << 31) / kHadamardBlock && c.k * c.n < (int64_t{1} << 40),
+                  op, ": problem too large (m = ", c.m, ", k = ", c.k, ", n = ", c.n, ")");
+  c.plans = parse_plan_table(plans, op);
+  return c;
+}
 
-  torch::stable::accelerator::DeviceGuard guard(dev);
-  const cudaStream_t stream = current_stream(dev);
-  Tensor y = torch::stable::new_empty(x, {m, n});
-  if (m == 0) return y;
-
-  const bool bf16 = dtype == ScalarType::BFloat16;
+void LinearCall::run(const Plan& plan, Tensor& y, cudaStream_t stream, std::optional<Tensor>& xh,
+                     std::optional<Tensor>& w, std::optional<Tensor>& acc) const {
   const RateKernels& kernels = rate_kernels(k2);
-  std::optional<Tensor> xh, w, w_hat, acc;
-  float* ws = nullptr;
-
-  GemmParams gp{};
-  gp.trellis = trellis.data_ptr();
-  gp.svh = svh.data_ptr();
-  gp.bias = bias_ptr;
-  gp.y = y.data_ptr();
-  gp.m = static_cast<int>(m);
-  gp.k = static_cast<int>(k);
-  gp.n = static_cast<int>(n);
-  gp.out_bf16 = bf16;
-  gp.shards = table;
-
+  const void* bias_ptr = bias.has_value() ? bias->data_ptr() : nullptr;
+  const int im = static_cast<int>(m), ik = static_cast<int>(k), in = static_cast<int>(n);
+  const int cb = static_cast<int>(codebook);
   ReconParams rp{};
   rp.trellis = trellis.data_ptr();
   rp.suh = suh.data_ptr();
   rp.svh = svh.data_ptr();
-  rp.k = gp.k;
-  rp.n = gp.n;
+  rp.k = ik;
+  rp.n = in;
   rp.out_bf16 = bf16;
   rp.shards = table;
   const cudaDataType_t act_type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
 
   auto transform_input = [&](bool release_early) {
     if (!xh) xh = torch::stable::new_empty(x, {shards, m, k}, ScalarType::Half);
-    launch_input_transform(x.data_ptr(), bf16, suh.data_ptr(), xh->data_ptr(), gp.m, gp.k,
+    launch_input_transform(x.data_ptr(), bf16, suh.data_ptr(), xh->data_ptr(), im, ik,
                            static_cast<int>(shards), release_early, stream);
     check_launch(op);
   };
@@ -207,90 +234,161 @@ Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::option
                     static_cast<int>(st));
   };
 
-  auto run = [&](const Plan& plan) {
-    switch (plan.path) {
-      case Path::kReconOriginal: {
-        if (!w) w = torch::stable::new_empty(x, {k, n});
-        rp.w = w->data_ptr();
-        kernels.reconstruct_original(static_cast<int>(codebook), rp, stream);
+  switch (plan.path) {
+    case Path::kReconOriginal: {
+      if (!w) w = torch::stable::new_empty(x, {k, n});
+      rp.w = w->data_ptr();
+      kernels.reconstruct_original(cb, rp, stream);
+      check_launch(op);
+      if (bias_ptr) {
+        launch_bias_broadcast(bias_ptr, y.data_ptr(), bf16, im, in, stream);
         check_launch(op);
-        if (bias_ptr) {
-          launch_bias_broadcast(bias_ptr, y.data_ptr(), bf16, gp.m, gp.n, stream);
-          check_launch(op);
-        }
-        // Row-major y[m][n] = x[m][k] @ W[k][n] is column-major y^T = W^T x^T; beta = 1 adds
-        // the broadcast bias inside the GEMM's single rounding.
-        const float alpha = 1.0f, beta = bias_ptr ? 1.0f : 0.0f;
-        check_cublas(cublasGemmEx(cublas_handle(dev, stream), CUBLAS_OP_N, CUBLAS_OP_N, gp.n,
-                                  gp.m, gp.k, &alpha, w->data_ptr(), act_type, gp.n,
-                                  x.data_ptr(), act_type, gp.k, &beta, y.data_ptr(), act_type,
-                                  gp.n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-        return;
       }
-      case Path::kReconRotated: {
-        transform_input(true);  // cuBLAS is launched without programmatic serialization
-        if (!w_hat) w_hat = torch::stable::new_empty(x, {k, n}, ScalarType::Half);
-        if (!acc) acc = torch::stable::new_empty(x, {m, n}, ScalarType::Float);
-        rp.w = w_hat->data_ptr();
-        kernels.reconstruct_rotated(static_cast<int>(codebook), rp, stream);
-        check_launch(op);
-        // Per shard: acc[:, cols_s] = xh[s] @ Ŵ[:, cols_s] (fp16 operands, fp32 out, ld = n).
-        const float alpha = 1.0f, beta = 0.0f;
-        const auto* wh = static_cast<const __half*>(w_hat->data_ptr());
-        const auto* xs = static_cast<const __half*>(xh->data_ptr());
-        float* out = static_cast<float*>(acc->data_ptr());
-        int col = 0;
-        for (int s = 0; s < table.count; ++s) {
-          const int width = table.end[s] - col;
-          check_cublas(cublasGemmEx(cublas_handle(dev, stream), CUBLAS_OP_N, CUBLAS_OP_N, width,
-                                    gp.m, gp.k, &alpha, wh + col, CUDA_R_16F, gp.n,
-                                    xs + static_cast<size_t>(s) * m * k, CUDA_R_16F, gp.k, &beta,
-                                    out + col, CUDA_R_32F, gp.n, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
-          col = table.end[s];
-        }
-        launch_splitk_finish(out, gp.svh, bias_ptr, gp.y, bf16, gp.m, gp.n, false, stream);
-        check_launch(op);
-        return;
-      }
-      case Path::kFused: {
-        transform_input(plan.early_release);
-        gp.xh = xh->data_ptr();
-        if (plan.wgmma)
-          encode_xh_map(&gp.xh_map, gp.xh, static_cast<int>(shards), gp.m, gp.k,
-                        plan.mt * kRowsPerTier);
-        gp.spread = plan.spread;
-        gp.splits = plan.splits;
-        gp.stream_blocks = plan.stream_blocks;
-        gp.ws = plan.uses_workspace() ? ws : nullptr;
-        STD_TORCH_CHECK(!plan.uses_workspace() || ws != nullptr, op,
-                        ": split-k / stream-k without a workspace");
-        // A tier without the stream-k grid would run the classic one with no partial sums,
-        // and the finish kernel would then overwrite its output from an empty workspace.
-        STD_TORCH_CHECK(plan.stream_blocks == 0 || (plan.wgmma && plan.mt >= kStreamKMinTiles), op,
-                        ": stream-k is built only for the wgmma engine's tiers of at least ",
-                        kStreamKMinTiles, " m16 tiles (the plan has ", plan.mt, ")");
-        (plan.wgmma ? kernels.gemm_wgmma : kernels.gemm)(static_cast<int>(codebook), plan.mt, gp,
-                                                         stream);
-        check_launch(op);
-        if (plan.uses_workspace()) {
-          launch_splitk_finish(ws, gp.svh, bias_ptr, gp.y, bf16, gp.m, gp.n, true, stream);
-          check_launch(op);
-        }
-        return;
-      }
+      // Row-major y[m][n] = x[m][k] @ W[k][n] is column-major y^T = W^T x^T; beta = 1 adds the
+      // broadcast bias inside the GEMM's single rounding.
+      const float alpha = 1.0f, beta = bias_ptr ? 1.0f : 0.0f;
+      check_cublas(cublasGemmEx(torch_blas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, in, im, ik,
+                                &alpha, w->data_ptr(), act_type, in, x.data_ptr(), act_type, ik,
+                                &beta, y.data_ptr(), act_type, in, CUBLAS_COMPUTE_32F,
+                                CUBLAS_GEMM_DEFAULT));
+      return;
     }
-  };
-  auto splitk_ok = [&](bool may_grow) {
-    ws = splitk_workspace(dev, static_cast<size_t>(m) * n, may_grow);
-    return ws != nullptr;
-  };
+    case Path::kReconRotated: {
+      transform_input(true);  // cuBLAS is launched without programmatic serialization
+      if (!w) w = torch::stable::new_empty(x, {k, n}, ScalarType::Half);
+      if (!acc) acc = torch::stable::new_empty(x, {m, n}, ScalarType::Float);
+      rp.w = w->data_ptr();
+      kernels.reconstruct_rotated(cb, rp, stream);
+      check_launch(op);
+      // Per shard: acc[:, cols_s] = xh[s] @ Ŵ[:, cols_s] (fp16 operands, fp32 out, ld = n).
+      const float alpha = 1.0f, beta = 0.0f;
+      const auto* wh = static_cast<const __half*>(w->data_ptr());
+      const auto* xs = static_cast<const __half*>(xh->data_ptr());
+      float* out = static_cast<float*>(acc->data_ptr());
+      int col = 0;
+      for (int s = 0; s < table.count; ++s) {
+        const int width = table.end[s] - col;
+        check_cublas(cublasGemmEx(torch_blas_handle(), CUBLAS_OP_N, CUBLAS_OP_N, width, im, ik,
+                                  &alpha, wh + col, CUDA_R_16F, in,
+                                  xs + static_cast<size_t>(s) * m * k, CUDA_R_16F, ik, &beta,
+                                  out + col, CUDA_R_32F, in, CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+        col = table.end[s];
+      }
+      launch_splitk_finish(out, svh.data_ptr(), bias_ptr, y.data_ptr(), bf16, im, in, false,
+                           stream);
+      check_launch(op);
+      return;
+    }
+    case Path::kFused: {
+      transform_input(plan.early_release);
+      GemmParams gp{};
+      gp.xh = xh->data_ptr();
+      gp.trellis = trellis.data_ptr();
+      gp.svh = svh.data_ptr();
+      gp.bias = bias_ptr;
+      gp.y = y.data_ptr();
+      gp.m = im;
+      gp.k = ik;
+      gp.n = in;
+      gp.out_bf16 = bf16;
+      gp.shards = table;
+      if (plan.wgmma)
+        encode_xh_map(&gp.xh_map, gp.xh, static_cast<int>(shards), im, ik,
+                      plan.mt * kRowsPerTier);
+      gp.spread = plan.spread;
+      gp.splits = plan.splits;
+      gp.stream_blocks = plan.stream_blocks;
+      float* ws = static_cast<float*>(workspace.data_ptr());
+      gp.ws = plan.uses_workspace() ? ws : nullptr;
+      STD_TORCH_CHECK(!plan.uses_workspace() || workspace_floats() >= m * n, op,
+                      ": the workspace holds ", workspace_floats(), " floats, the plan's partial "
+                      "sums need ", m * n);
+      (plan.wgmma ? kernels.gemm_wgmma : kernels.gemm)(cb, plan.mt, gp, stream);
+      check_launch(op);
+      if (plan.uses_workspace()) {
+        launch_splitk_finish(ws, gp.svh, bias_ptr, gp.y, bf16, im, in, true, stream);
+        check_launch(op);
+      }
+      return;
+    }
+  }
+}
 
-  const Problem pr{dev, gp.m, gp.k, gp.n, k2, static_cast<int>(codebook),
-                   static_cast<int>(shards), bf16};
-  const Plan plan = choose_plan(pr, stream, run, splitk_ok);
-  run(plan);
+}  // namespace
+
+Tensor exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, std::optional<Tensor> bias,
+                   std::vector<int64_t> shard_widths, int64_t codebook,
+                   std::vector<int64_t> plans, Tensor workspace) {
+  const LinearCall c = prepare_linear("exl3_linear", x, trellis, suh, svh, bias, shard_widths,
+                                      codebook, plans, workspace);
+  torch::stable::accelerator::DeviceGuard guard(c.dev);
+  Tensor y = torch::stable::new_empty(x, {c.m, c.n});
+  if (c.m == 0) return y;
+  const Plan plan = resolve_plan(c.problem(), c.plans, c.workspace_floats(), c.op);
+  std::optional<Tensor> xh, w, acc;
+  c.run(plan, y, current_stream(c.dev), xh, w, acc);
   return y;
+}
+
+std::vector<int64_t> exl3_time_plans(Tensor x, Tensor trellis, Tensor suh, Tensor svh,
+                                     std::optional<Tensor> bias,
+                                     std::vector<int64_t> shard_widths, int64_t codebook,
+                                     std::vector<int64_t> plans, Tensor workspace) {
+  const LinearCall c = prepare_linear("exl3_time_plans", x, trellis, suh, svh, bias,
+                                      shard_widths, codebook, plans, workspace);
+  STD_TORCH_CHECK(c.m > 0, c.op, ": x has no rows");
+  torch::stable::accelerator::DeviceGuard guard(c.dev);
+  const cudaStream_t stream = current_stream(c.dev);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  STD_TORCH_CHECK(cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+                      status == cudaStreamCaptureStatusNone,
+                  c.op, ": the plan timer synchronizes and must not run during CUDA-graph "
+                  "capture");
+  Problem pr = c.problem();
+  pr.m = m_bucket(pr.m);
+  const int64_t bucket = pr.m;
+  Tensor y = torch::stable::new_empty(x, {c.m, c.n});
+  std::optional<Tensor> xh, w, acc;
+  std::vector<int64_t> out;
+  for (const Plan& cand : plan_candidates(pr, c.plans.policy)) {
+    if (cand.uses_workspace() && c.workspace_floats() < c.m * c.n) continue;
+    const int64_t ns = time_plan(cand, stream, [&](const Plan& p) {
+      c.run(p, y, stream, xh, w, acc);
+    });
+    std::vector<int64_t> entry = plan_entry(bucket, cand);
+    out.insert(out.end(), entry.begin(), entry.end());
+    out.push_back(ns);
+  }
+  return out;
+}
+
+std::vector<int64_t> exl3_plan(Tensor trellis, int64_t shards, int64_t codebook, bool bf16,
+                               int64_t m, std::vector<int64_t> plans,
+                               int64_t workspace_floats) {
+  const char* op = "exl3_plan";
+  STD_TORCH_CHECK(trellis.is_cuda(), op, ": trellis must be a CUDA tensor");
+  const int32_t dev = trellis.get_device_index();
+  const int k2 = check_trellis(op, trellis, codebook, dev);
+  STD_TORCH_CHECK(shards >= 1 && shards <= kMaxShardsHost, op, ": ", shards, " shards; 1..",
+                  kMaxShardsHost, " are supported");
+  STD_TORCH_CHECK(m >= 1 && m < (int64_t{1} << 31) / kHadamardBlock, op, ": m = ", m,
+                  " is out of range");
+  torch::stable::accelerator::DeviceGuard guard(dev);
+  const PlanTable table = parse_plan_table(plans, op);
+  const Problem pr{dev,
+                   static_cast<int>(m),
+                   static_cast<int>(trellis.size(0) * kTileEdge),
+                   static_cast<int>(trellis.size(1) * kTileEdge),
+                   k2,
+                   static_cast<int>(codebook),
+                   static_cast<int>(shards),
+                   bf16};
+  PlanSource source = kSourceTable;
+  const Plan plan = resolve_plan(pr, table, workspace_floats, op, &source);
+  std::vector<int64_t> out = plan_entry(m_bucket(pr.m), plan);
+  out.push_back(source);
+  return out;
 }
 
 Tensor exl3_reconstruct(Tensor trellis, int64_t codebook) {
@@ -316,11 +414,19 @@ Tensor exl3_reconstruct(Tensor trellis, int64_t codebook) {
 STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
   m.def(
       "exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias, "
-      "int[] shard_widths, int codebook) -> Tensor");
+      "int[] shard_widths, int codebook, int[] plans, Tensor workspace) -> Tensor");
   m.def("exl3_reconstruct(Tensor trellis, int codebook) -> Tensor");
+  m.def(
+      "exl3_plan(Tensor trellis, int shards, int codebook, bool bf16, int m, int[] plans, "
+      "int workspace_floats) -> int[]");
+  m.def(
+      "exl3_time_plans(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias, "
+      "int[] shard_widths, int codebook, int[] plans, Tensor workspace) -> int[]");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(_C, CUDA, m) {
   m.impl("exl3_linear", TORCH_BOX(&vllm_exl3::exl3_linear));
   m.impl("exl3_reconstruct", TORCH_BOX(&vllm_exl3::exl3_reconstruct));
+  m.impl("exl3_plan", TORCH_BOX(&vllm_exl3::exl3_plan));
+  m.impl("exl3_time_plans", TORCH_BOX(&vllm_exl3::exl3_time_plans));
 }

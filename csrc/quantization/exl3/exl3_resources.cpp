@@ -4,37 +4,14 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 namespace vllm_exl3 {
 
 namespace {
 
 constexpr int kMaxDevices = 64;
-// cuBLAS needs a caller-owned workspace to be capturable; 32 MiB covers its Hopper kernels.
-constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
-
-void cuda_check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error(std::string("exl3: ") + what + ": " + cudaGetErrorString(e));
-}
-
-struct SplitkBuffer {
-  float* ptr = nullptr;
-  size_t floats = 0;
-  // Whether a CUDA graph may reference ptr: it was handed out during capture. Only such
-  // buffers are kept alive after growing; the others (load-time warm-up, eager tuning) are freed.
-  bool in_graphs = false;
-  std::vector<float*> retired;  // kept alive for graphs captured against them
-};
-
-std::mutex g_mutex;
-SplitkBuffer g_splitk[kMaxDevices];
-cublasHandle_t g_cublas[kMaxDevices] = {};
-void* g_cublas_ws[kMaxDevices] = {};
 
 // The driver's tensor-map encoder, fetched through the runtime so nothing links libcuda directly.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -104,57 +81,6 @@ void encode_xh_map(CUtensorMap* map, const void* xh, int shards, int m, int k, i
     throw std::runtime_error("exl3: encoding the activations' tensor map failed (CUresult " +
                              std::to_string(static_cast<int>(r)) + ", m = " + std::to_string(m) +
                              ", k = " + std::to_string(k) + ", BM = " + std::to_string(bm) + ")");
-}
-
-float* splitk_workspace(int device, size_t floats, bool may_grow) {
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  if (floats * sizeof(float) > kSplitkWorkspaceCapBytes) return nullptr;
-  std::lock_guard<std::mutex> lock(g_mutex);
-  SplitkBuffer& b = g_splitk[device];
-  if (b.floats >= floats) {
-    // may_grow is false exactly while the caller's stream is capturing a CUDA graph.
-    if (!may_grow) b.in_graphs = true;
-    return b.ptr;
-  }
-  if (!may_grow) return nullptr;
-  // Grow geometrically so a warm-up over increasing sizes allocates O(log) times.
-  size_t want = b.floats ? b.floats * 2 : floats;
-  if (want < floats) want = floats;
-  if (want * sizeof(float) > kSplitkWorkspaceCapBytes) want = floats;
-  float* p = nullptr;
-  cuda_check(cudaMalloc(&p, want * sizeof(float)), "allocating the split-k workspace");
-  // Zeroed once here; afterwards every finish kernel restores the zeros it consumed.
-  cuda_check(cudaMemset(p, 0, want * sizeof(float)), "zeroing the split-k workspace");
-  cuda_check(cudaDeviceSynchronize(), "zeroing the split-k workspace");
-  if (b.ptr) {
-    if (b.in_graphs) {
-      b.retired.push_back(b.ptr);
-    } else {
-      // No graph holds it; the device is idle after the synchronize above.
-      cuda_check(cudaFree(b.ptr), "freeing the outgrown split-k workspace");
-    }
-  }
-  b.ptr = p;
-  b.floats = want;
-  b.in_graphs = false;
-  return p;
-}
-
-cublasHandle_t cublas_handle(int device, cudaStream_t stream) {
-  if (device < 0 || device >= kMaxDevices)
-    throw std::runtime_error("exl3: device index out of range for cuBLAS");
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (!g_cublas[device]) {
-    if (cublasCreate(&g_cublas[device]) != CUBLAS_STATUS_SUCCESS)
-      throw std::runtime_error("exl3: cublasCreate failed");
-    cuda_check(cudaMalloc(&g_cublas_ws[device], kCublasWorkspaceBytes),
-               "allocating the cuBLAS workspace");
-  }
-  cublasHandle_t h = g_cublas[device];
-  if (cublasSetStream(h, stream) != CUBLAS_STATUS_SUCCESS ||
-      cublasSetWorkspace(h, g_cublas_ws[device], kCublasWorkspaceBytes) != CUBLAS_STATUS_SUCCESS)
-    throw std::runtime_error("exl3: binding the cuBLAS handle to the stream failed");
-  return h;
 }
 
 }  // namespace vllm_exl3

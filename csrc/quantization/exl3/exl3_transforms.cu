@@ -1,9 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Rate-independent kernels: the input transform, the split-k finish, the bias broadcast of the
-// cuBLAS path, the autotuner's device sleep, and the wgmma capability probe.
-#include <mutex>
-#include <stdexcept>
-#include <string>
+// cuBLAS path, the plan timer's device sleep, and the wgmma build marker.
 
 #include "exl3_epilogue.cuh"
 #include "exl3_kernels.h"
@@ -87,9 +84,17 @@ __global__ void exl3_device_sleep_kernel(int64_t nanoseconds) {
   }
 }
 
-// Writes 1 where the device runs an image compiled with the sm_90a features (EXL3_WGMMA), so the
-// host asks the loaded binary itself rather than trusting build flags.
-__global__ void exl3_wgmma_probe_kernel(int* out) { *out = EXL3_WGMMA; }
+// Never launched: its static shared memory is kWgmmaMarkerWords words in an image compiled with
+// the sm_90a features (EXL3_WGMMA) and one word otherwise, so cudaFuncGetAttributes asks the
+// image the device actually loaded, without a launch or an allocation (safe during capture).
+constexpr int kWgmmaMarkerWords = 2;
+__global__ void exl3_wgmma_marker_kernel(int* out) {
+  __shared__ int words[EXL3_WGMMA ? kWgmmaMarkerWords : 1];
+  constexpr int kWords = sizeof(words) / sizeof(int);
+  words[threadIdx.x % kWords] = static_cast<int>(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = words[(threadIdx.x + 1) % kWords];
+}
 
 static unsigned grid_for_warps(int64_t warps) {
   return static_cast<unsigned>((warps + kRowWarps - 1) / kRowWarps);
@@ -140,39 +145,20 @@ void launch_device_sleep(int microseconds, cudaStream_t stream) {
   exl3_device_sleep_kernel<<<1, 1, 0, stream>>>(static_cast<int64_t>(microseconds) * 1000);
 }
 
-bool wgmma_supported(int device, bool may_probe) {
-  static std::mutex mutex;
-  static int cached[64];  // 0 = not asked yet, 1 = no, 2 = yes
-  std::lock_guard<std::mutex> lock(mutex);
-  int& c = cached[device & 63];
-  if (c != 0) return c == 2;
-  if (!may_probe) return false;
+bool wgmma_supported(int device) {
   int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  bool yes = false;
-  if (major == 9 && minor == 0) {
-    // Synchronous: asked once per device, in eager mode only (may_probe).
-    int* d = nullptr;
-    int h = 0;
-    auto check = [](cudaError_t e) {
-      if (e != cudaSuccess)
-        throw std::runtime_error(std::string("exl3: wgmma probe: ") + cudaGetErrorString(e));
-    };
-    // The probe must run on `device`, whichever device the caller's thread has current.
-    int current = 0;
-    check(cudaGetDevice(&current));
-    check(cudaSetDevice(device));
-    check(cudaMalloc(&d, sizeof(int)));
-    exl3_wgmma_probe_kernel<<<1, 1>>>(d);
-    const cudaError_t launched = cudaGetLastError();
-    check(cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost));
-    check(cudaFree(d));
-    check(cudaSetDevice(current));
-    yes = launched == cudaSuccess && h == 1;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess)
+    return false;
+  if (major != 9 || minor != 0) return false;
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device) return false;
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, exl3_wgmma_marker_kernel) != cudaSuccess) {
+    cudaGetLastError();  // no image for this device: not an error of the caller's
+    return false;
   }
-  c = yes ? 2 : 1;
-  return yes;
+  return attr.sharedSizeBytes == kWgmmaMarkerWords * sizeof(int);
 }
 
 }  // namespace vllm_exl3
