@@ -11,8 +11,12 @@ import torch
 import torch.multiprocessing as mp
 
 SCHEMAS = ("exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias, "
-           "int[] shard_widths, int codebook) -> Tensor",
-           "exl3_reconstruct(Tensor trellis, int codebook) -> Tensor")
+           "int[] shard_widths, int codebook, int[] plans, Tensor workspace) -> Tensor",
+           "exl3_reconstruct(Tensor trellis, int codebook) -> Tensor",
+           "exl3_plan(Tensor trellis, int shards, int codebook, bool bf16, int m, int[] plans, "
+           "int workspace_floats) -> int[]",
+           "exl3_time_plans(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias, "
+           "int[] shard_widths, int codebook, int[] plans, Tensor workspace) -> int[]")
 
 
 def _main(_: int, init_file: str) -> None:
@@ -21,13 +25,19 @@ def _main(_: int, init_file: str) -> None:
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
     from vllm.model_executor.layers.quantization.exl3 import ops, reference
     from vllm.model_executor.layers.quantization.exl3.kernels import CudaExl3Kernel
+    from vllm.model_executor.layers.quantization.exl3.linear import layer_runs
 
     assert ops.load_exl3_ops.__wrapped__()[0] is False  # nothing registered yet
     lib = torch.library.Library("_C", "FRAGMENT")
     for schema in SCHEMAS:
         lib.define(schema)
-    lib.impl("exl3_linear", lambda x, trellis, suh, svh, bias, widths, codebook: reference.forward(
-        x, trellis, suh, svh, codebook, widths, bias).to(x.dtype), "CPU")
+    seen_plans = []
+
+    def linear(x, trellis, suh, svh, bias, widths, codebook, plans, workspace):
+        seen_plans.append((list(plans), workspace.dtype))
+        return reference.forward(x, trellis, suh, svh, codebook, widths, bias).to(x.dtype)
+
+    lib.impl("exl3_linear", linear, "CPU")
     lib.impl("exl3_reconstruct", lambda trellis, codebook: reference.decode_rotated(
         trellis, codebook), "CPU")
     assert ops.load_exl3_ops() == (True, None)
@@ -47,7 +57,9 @@ def _main(_: int, init_file: str) -> None:
         load_module(layer, named, f"{mlp}.gate_proj", 0)
         load_module(layer, named, f"{mlp}.up_proj", 1)
         layer.quant_method.process_weights_after_loading(layer)
-        layer.quant_method.kernel = CudaExl3Kernel()  # the op path, here on CPU tensors
+        kernel = CudaExl3Kernel()  # the op path, here on CPU tensors
+        kernel.prepare(layer_runs(layer.quant_method.layout, layer))
+        layer.quant_method.kernel = kernel
         return layer
 
     with gloo_world(1, 0, init_file):
@@ -58,6 +70,11 @@ def _main(_: int, init_file: str) -> None:
         y = compiled(x)
         w = torch.cat([dense(named, f"{mlp}.gate_proj"), dense(named, f"{mlp}.up_proj")], 1)
         assert_matches(y, x.float() @ w, "compiled gate_up through _C::exl3_linear")
+        # The plan table reached the op: the header (version, no flags by default) and an
+        # fp32 workspace; no entries without a checked-in table for this CPU "device".
+        plans, ws_dtype = seen_plans[-1]
+        assert plans[:2] == [ops.PLAN_VERSION, 0] and len(plans) == ops.PLAN_HEADER_LEN
+        assert ws_dtype == torch.float32
 
         # Shards keeping part of their last block: the kept columns are gathered in the graph.
         cut = gate_up(700)

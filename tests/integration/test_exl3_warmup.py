@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Load-time plan tuning (exl3/warmup.py) on vLLM's real layers: a kernel that tunes plans by
-timing is called once per power-of-two token count up to the scheduler's budget, on zeros, once
+"""Load-time warm-up (exl3/warmup.py) on vLLM's real layers: a kernel that runs plans is called once per power-of-two token count up to the scheduler's budget, on zeros, once
 per distinct layer configuration, with the layer's own shapes; the memory cap stops the walk;
 kernels that do not tune (the reference) are never called."""
 
@@ -19,15 +18,15 @@ pytestmark = pytest.mark.usefixtures("world1")
 class RecordingKernel(kernels.ReferenceExl3Kernel):
     """The reference's arithmetic, declared as a plan-tuning kernel, recording each call."""
 
-    tunes_plans = True
+    uses_plans = True
 
     def __init__(self):
         self.calls: list[tuple[int, int, tuple[int, ...]]] = []
 
-    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook):
+    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook, run):
         assert not x.any(), "warm-up inputs are zeros"
         self.calls.append((x.shape[0], x.shape[1], tuple(shard_widths)))
-        return super().apply(x, trellis, suh, svh, bias, shard_widths, codebook)
+        return super().apply(x, trellis, suh, svh, bias, shard_widths, codebook, run)
 
 
 @pytest.fixture

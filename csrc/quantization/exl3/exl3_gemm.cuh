@@ -69,7 +69,7 @@ struct GemmShape {
   static constexpr int kBM = MT * kTile;
   // Warp layout: one warp row, so each warp decodes its own 16-column tile exactly once for all
   // BM rows. A 2 x 4 grid at BM = 128 (half the ldmatrix traffic, each tile decoded twice) was
-  // measured against it on the H200 (scripts/bench/results, bm128_layout_ab): no faster at
+  // measured against it on the H200 (design notes, "warp layout"): no faster at
   // m = 256/512 and 10 % slower at m = 128, so the single row stays; kWarpsM keeps the grid
   // arithmetic below explicit.
   static constexpr int kWarpsM = 1;
@@ -154,10 +154,9 @@ __device__ __forceinline__ void store_tile(const GemmParams& p, const float* s_c
 }
 
 // store_tile's output path for the wgmma tiers from kQuadFromBM rows: kQuadLanes lanes per row
-// (hadamard128_quad), a warp finishing kQuadRowsPerWarp rows per pass. Pinned cold on the H200
-// (ab_session15 call 6) it took 1024x12288 m = 256 BM 256 from 19.8 to 18.2 us and 5120x12288
-// m = 1024 from 203 to 198; at BM 64 (one pass, 3 blocks per SM) it was 2 % slower, so that tier
-// keeps store_tile's four-rows-per-warp groups.
+// (hadamard128_quad), a warp finishing kQuadRowsPerWarp rows per pass: faster from BM 128 on, 2 %
+// slower at BM 64 (one pass, 3 blocks per SM), so that tier keeps store_tile's four-rows-per-warp
+// groups (design notes, "quad epilogue").
 // Of the 8 lanes of an LDS.128 phase, the two rows are kQuadRowSkew rows apart: with the wgmma
 // staging stride (kCStrideWgmma = 128 + 4 words) that puts them 16 banks apart, conflict-free.
 constexpr int kQuadRowsPerWarp = kWarpSize / kQuadLanes;
@@ -356,7 +355,7 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
   static_assert(!WG || kWgmmaInFlight < kStageKSteps,
                 "a slot's wgmmas must be complete one stage after it is consumed");
   // Refills are issued right after the barrier. With cp.async for A, BM 256 had every thread
-  // queue 9 copies there, 17-20 % of the engine's time (ab_session7 call 4), and moved them
+  // queue 9 copies there, 17-20 % of the engine's time (design notes, "refills"), and moved them
   // behind the stage's first wgmma. The wgmma engine now takes A from one TMA copy per stage,
   // issued by one thread, leaving each thread one trellis copy: no reason to move them.
 
@@ -392,7 +391,7 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
     if constexpr (WG) {
       constexpr uint64_t kSlotDesc = static_cast<uint64_t>(slot * Shape::kABytes) >> 4;
       // The trellis words of each k16 step are read one step ahead of their decode: waiting on
-      // that read was the largest share of the stalls (ncu, ab_session6 call 10).
+      // that read was the largest share of the stalls (Nsight Compute).
       uint32_t raw[R::kRaw];
       load_words<K2>(t_area, t_lane, 0u, raw);
 #pragma unroll

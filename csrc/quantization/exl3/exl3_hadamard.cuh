@@ -51,7 +51,7 @@ __device__ __forceinline__ void hadamard128(float (&v)[R][4], int lane) {
 // 4-column chunks at columns 16 i + 4 j (i < 8), v[i][q] = column 16 i + 4 j + q. Five of the
 // seven index bits (q, i) are then in registers and only the two of j cross lanes: 8 shuffles
 // per row against the 20 of hadamard128 (a warp's shuffle unit issues one per clock, which
-// bounded the BM 256 epilogue: 2.7 us of its tile, ab_session15 call 5).
+// bounded the BM 256 epilogue; design notes, "quad epilogue").
 constexpr int kQuadLanes = 4;
 constexpr int kQuadChunks = kHadamard / (4 * kQuadLanes);
 

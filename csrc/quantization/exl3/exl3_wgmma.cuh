@@ -51,8 +51,8 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t addr) {
 constexpr uint64_t kDescK16Step = (16 * 2) >> 4;
 // wgmmas a warpgroup leaves in flight while it decodes the next step (each holds its own 4 A
 // registers until it completes). With A from cp.async, 2 and 3 measured the same as 1 and cost
-// registers (ab_session6 call 4). With A by TMA, which frees 54 registers at BM 256, 2 is 0-3.5 %
-// faster than 1 at BM 64-256 (ab_session12 call 2); EXL3_WGMMA_IN_FLIGHT builds the other
+// registers. With A by TMA, which frees 54 registers at BM 256, 2 is 0-3.5 % faster than 1 at
+// BM 64-256 (design notes, "wgmma depth"); EXL3_WGMMA_IN_FLIGHT builds the other
 // depths to measure again.
 #ifndef EXL3_WGMMA_IN_FLIGHT
 #define EXL3_WGMMA_IN_FLIGHT 2

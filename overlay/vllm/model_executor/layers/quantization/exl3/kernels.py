@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which implementation runs an EXL3 layer, chosen once per layer after loading.
 
 Following vLLM's kernel-selection pattern (`model_executor/kernels/linear/`): the method
@@ -17,6 +18,8 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 from . import ops, reference
+from .workspace import Exl3Workspace, workspace_for
+
 logger = init_logger(__name__)
 
 
@@ -27,9 +30,23 @@ class Exl3KernelConfig:
     act_dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class Exl3Run:
+    """One kernel call of a layer: a run of equal-bitrate shards (layout.py)."""
+    key: str  # plans.layer_key
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    shard_widths: list[int]
+    codebook: int
+
+
 class Exl3Kernel(ABC):
-    # Whether the kernel picks plans by timing on first use (warmup.py tunes them at load).
-    tunes_plans = False
+    # Whether the kernel runs plans (plans.py) that are prepared and warmed up at load.
+    uses_plans = False
+
+    def prepare(self, runs: list[Exl3Run]) -> None:
+        """Called once after loading with the layer's runs, in call order."""
 
     @classmethod
     @abstractmethod
@@ -38,9 +55,10 @@ class Exl3Kernel(ABC):
 
     @abstractmethod
     def apply(self, x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-              bias: torch.Tensor | None, shard_widths: list[int],
-              codebook: int) -> torch.Tensor:
-        """y [m, n] in x.dtype for contiguous x [m, k]; the arguments of `_C::exl3_linear`."""
+              bias: torch.Tensor | None, shard_widths: list[int], codebook: int,
+              run: int) -> torch.Tensor:
+        """y [m, n] in x.dtype for contiguous x [m, k]: the layer's run number `run` (the
+        arguments of `_C::exl3_linear` but its plans and workspace)."""
         raise NotImplementedError
 
 
@@ -49,8 +67,19 @@ class CudaExl3Kernel(Exl3Kernel):
 
     # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
     MIN_CAPABILITY = 80
-    tunes_plans = True
+    uses_plans = True
     ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+    def __init__(self) -> None:
+        self.run_plans: list[list[int]] = []
+        self.workspace: Exl3Workspace | None = None
+
+    def prepare(self, runs: list[Exl3Run]) -> None:
+        from .plans import layer_plans
+
+        self.run_plans = [layer_plans(r.key, r.trellis.device) for r in runs]
+        if runs:
+            self.workspace = workspace_for(runs[0].trellis.device)
 
     @classmethod
     def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:
@@ -63,8 +92,11 @@ class CudaExl3Kernel(Exl3Kernel):
             return False, f"activations are {c.act_dtype}; the kernel takes fp16 or bf16"
         return ops.load_exl3_ops()
 
-    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook):
-        return ops.exl3_linear(x, trellis, suh, svh, bias, shard_widths, codebook)
+    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook, run):
+        if self.workspace is None:
+            raise RuntimeError("EXL3: CudaExl3Kernel.apply before prepare()")
+        return ops.exl3_linear(x, trellis, suh, svh, bias, shard_widths, codebook,
+                               self.run_plans[run], self.workspace.tensor)
 
 
 class ReferenceExl3Kernel(Exl3Kernel):
@@ -77,7 +109,7 @@ class ReferenceExl3Kernel(Exl3Kernel):
                            f"weight on every call (VLLM_EXL3_FORCE_REFERENCE=1 allows it)")
         return True, None
 
-    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook):
+    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook, run):
         y = reference.forward(x, trellis, suh, svh, codebook, shard_widths, bias,
                               dtype=torch.float32)
         return y.to(x.dtype)

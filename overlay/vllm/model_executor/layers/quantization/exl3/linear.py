@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`Exl3LinearMethod`: EXL3 for vLLM's Replicated, Column, MergedColumn, QKV and Row linears.
 
 The path of one forward: `apply` -> `run_layout` (pad x to the allocated k, one kernel call per
@@ -10,16 +11,19 @@ reference codec on CPU).
 import torch
 import torch.nn.functional as F
 
+import vllm.envs as envs
+
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase,
                                                LinearMethodBase, QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear,
                                                register_weight_loader_v2_supported_method)
 
 from .format import TILE, Exl3ModuleSpec
-from .kernels import Exl3Kernel, Exl3KernelConfig, choose_exl3_kernel
+from .kernels import Exl3Kernel, Exl3KernelConfig, Exl3Run, choose_exl3_kernel
 from .layout import Exl3Layout, Exl3LayoutError, Split, plan_linear, trellis_words
 from .padding import unpad_bias_loads
-from .warmup import warm_up_layer
+from .plans import layer_key
+from .warmup import resolve_runs, tune_run, warm_up_layer
 from .weights import OUT_INDEX, Exl3LayerWeights, direct_weight_loader
 
 
@@ -45,13 +49,13 @@ def run_layout(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module, x
     fuse_bias = bias is not None and len(layout.runs) == 1 and layout.identity_output
     storage = layer.trellis.view(-1)
     ys = []
-    for run in layout.runs:
+    for i, run in enumerate(layout.runs):
         trellis = storage[run.word_start:run.word_stop].view(
             layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits))
         ys.append(kernel.apply(x2, trellis, layer.suh[run.first:run.stop],
                                layer.svh[run.col:run.col + run.cols],
                                bias if fuse_bias else None, list(run.shard_widths),
-                               int(run.codebook)))
+                               int(run.codebook), i))
     if not ys:
         y = x2.new_zeros((x2.shape[0], 0))
     else:
@@ -65,11 +69,30 @@ def run_layout(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module, x
     return y.reshape(*lead, layout.out_width)
 
 
+def layer_runs(layout: Exl3Layout, layer: torch.nn.Module) -> list[Exl3Run]:
+    storage = layer.trellis.view(-1)
+    runs = []
+    for run in layout.runs:
+        trellis = storage[run.word_start:run.word_stop].view(
+            layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits))
+        key = layer_key(layout.k_alloc, run.cols, run.bits, int(run.codebook),
+                        len(run.shard_widths), layer.params_dtype)
+        runs.append(Exl3Run(key, trellis, layer.suh[run.first:run.stop],
+                            layer.svh[run.col:run.col + run.cols], list(run.shard_widths),
+                            int(run.codebook)))
+    return runs
+
+
 def warm_up(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module) -> None:
-    """Tune the kernel's plans for every token-count bucket now (warmup.py), once per distinct
-    layer configuration."""
-    if not kernel.tunes_plans:
+    """Prepare the kernel's plans and workspace, then warm the layer up (warmup.py)."""
+    if not kernel.uses_plans:
         return
+    runs = layer_runs(layout, layer)
+    if envs.VLLM_EXL3_TUNE:
+        for run in runs:
+            tune_run(run, layer.params_dtype)
+    kernel.prepare(runs)
+    resolve_runs(runs, getattr(kernel, "run_plans", []), layer.params_dtype)
     key = (str(layer.trellis.device), layer.params_dtype, layout.k_alloc,
            tuple((r.bits, int(r.codebook), r.shard_widths) for r in layout.runs))
     warm_up_layer(key, layout.k_width, layout.out_width, layer.params_dtype,
