@@ -86,9 +86,11 @@ def test_debug_names_logs_hits_and_misses(monkeypatch):
 
 def test_deprecated_env_names():
     env = {"CUDA_EXL3_FORCE_REFERENCE": "1", "CUDA_EXL3_BM": "64", "VLLM_EXL3_BM": "128"}
-    assert adopt_deprecated_env_names(env) == ["VLLM_EXL3_FORCE_REFERENCE"]
+    assert adopt_deprecated_env_names(env) == ["VLLM_EXL3_FORCE_REFERENCE", "VLLM_EXL3_PLAN"]
     assert env["VLLM_EXL3_FORCE_REFERENCE"] == "1"
-    assert env["VLLM_EXL3_BM"] == "128"  # the new spelling wins
+    # The new spelling wins, and the old per-knob variable becomes a VLLM_EXL3_PLAN key.
+    assert env["VLLM_EXL3_PLAN"] == "bm=128"
+    assert "VLLM_EXL3_BM" not in env
 
 
 def test_config_adopts_deprecated_names_into_vllm_envs(monkeypatch):

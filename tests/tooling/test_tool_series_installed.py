@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What patches 0001 and 0002 do to the installed vLLM (ci/test.sh applies the series onto the
 test venv's site-packages first): the exl3 method is registered, and every VLLM_EXL3_* variable
-is registered with a getter that works unset and parses set values; logging and tuning-file
+is registered with a getter that works unset and parses set values; logging and warm-up
 variables stay out of the torch.compile cache key."""
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import sys
 
 import pytest
 
-NAMES = ("VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K",
-         "VLLM_EXL3_SPLIT_K_TRAFFIC", "VLLM_EXL3_RECONSTRUCT_M", "VLLM_EXL3_RECONSTRUCT_BASIS",
-         "VLLM_EXL3_WGMMA", "VLLM_EXL3_STREAM_K", "VLLM_EXL3_SPREAD", "VLLM_EXL3_LOG_PLANS",
+NAMES = ("VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_PLAN", "VLLM_EXL3_TUNE", "VLLM_EXL3_LOG_PLANS",
          "VLLM_EXL3_DEBUG_NAMES", "VLLM_EXL3_FORCE_REFERENCE", "VLLM_EXL3_WARMUP")
 PROBE = """
 import json
@@ -55,31 +53,21 @@ def test_registered(unset):
 
 def test_getters_unset_give_defaults(unset):
     assert unset["values"] == {
-        "VLLM_EXL3_DETERMINISTIC": False, "VLLM_EXL3_BM": None, "VLLM_EXL3_SPLIT_K": None,
-        "VLLM_EXL3_SPLIT_K_TRAFFIC": None, "VLLM_EXL3_RECONSTRUCT_M": None,
-        "VLLM_EXL3_RECONSTRUCT_BASIS": None, "VLLM_EXL3_WGMMA": None,
-        "VLLM_EXL3_STREAM_K": None, "VLLM_EXL3_SPREAD": None, "VLLM_EXL3_LOG_PLANS": False,
-        "VLLM_EXL3_DEBUG_NAMES": False, "VLLM_EXL3_FORCE_REFERENCE": False,
-        "VLLM_EXL3_WARMUP": True,
+        "VLLM_EXL3_DETERMINISTIC": False, "VLLM_EXL3_PLAN": None, "VLLM_EXL3_TUNE": False,
+        "VLLM_EXL3_LOG_PLANS": False, "VLLM_EXL3_DEBUG_NAMES": False,
+        "VLLM_EXL3_FORCE_REFERENCE": False, "VLLM_EXL3_WARMUP": True,
     }
 
 
 def test_getters_parse_set_values(unset):
-    out = _probe({"VLLM_EXL3_DETERMINISTIC": "1", "VLLM_EXL3_BM": "64", "VLLM_EXL3_SPLIT_K": "4",
-                  "VLLM_EXL3_SPLIT_K_TRAFFIC": "0.25", "VLLM_EXL3_RECONSTRUCT_M": "512",
-                  "VLLM_EXL3_RECONSTRUCT_BASIS": "rotated", "VLLM_EXL3_WGMMA": "0",
-                  "VLLM_EXL3_STREAM_K": "1", "VLLM_EXL3_SPREAD": "0",
-                  "VLLM_EXL3_LOG_PLANS": "1",
+    out = _probe({"VLLM_EXL3_DETERMINISTIC": "1", "VLLM_EXL3_PLAN": "bm=64,split_k=4",
+                  "VLLM_EXL3_TUNE": "1", "VLLM_EXL3_LOG_PLANS": "1",
                   "VLLM_EXL3_DEBUG_NAMES": "1", "VLLM_EXL3_FORCE_REFERENCE": "1",
                   "VLLM_EXL3_WARMUP": "0"})
     assert out["values"] == {
-        "VLLM_EXL3_DETERMINISTIC": True, "VLLM_EXL3_BM": 64, "VLLM_EXL3_SPLIT_K": 4,
-        "VLLM_EXL3_SPLIT_K_TRAFFIC": 0.25, "VLLM_EXL3_RECONSTRUCT_M": 512,
-        "VLLM_EXL3_RECONSTRUCT_BASIS": "rotated", "VLLM_EXL3_WGMMA": False,
-        "VLLM_EXL3_STREAM_K": True, "VLLM_EXL3_SPREAD": False,
-        "VLLM_EXL3_LOG_PLANS": True,
-        "VLLM_EXL3_DEBUG_NAMES": True, "VLLM_EXL3_FORCE_REFERENCE": True,
-        "VLLM_EXL3_WARMUP": False,
+        "VLLM_EXL3_DETERMINISTIC": True, "VLLM_EXL3_PLAN": "bm=64,split_k=4",
+        "VLLM_EXL3_TUNE": True, "VLLM_EXL3_LOG_PLANS": True, "VLLM_EXL3_DEBUG_NAMES": True,
+        "VLLM_EXL3_FORCE_REFERENCE": True, "VLLM_EXL3_WARMUP": False,
     }
 
 
