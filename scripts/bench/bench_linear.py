@@ -38,10 +38,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 import device_ceilings  # noqa: E402
 import exllamav3_anchor  # noqa: E402
-from verify_kernels import REPO, load_extension, random_layer  # noqa: E402
+from exl3_oracle import REPO, load_extension, random_layer  # noqa: E402
 
 SHAPES = ((5120, 12288), (5120, 17408), (17408, 5120), (4096, 4096), (4096, 11008))
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)

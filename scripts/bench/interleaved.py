@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 import bench_linear  # noqa: E402
 import device_ceilings  # noqa: E402
-from verify_kernels import load_extension  # noqa: E402
+from exl3_oracle import load_extension  # noqa: E402
 
 ROUNDS = 5
 

@@ -24,7 +24,7 @@ path, bf16, m = 4096, with bias; 2 of 11340 matrix cases exceeded an earlier 4e-
 rel_fro 2.9e-3). A wrong tile, sign or column gives O(1) errors; a single wrong element of
 magnitude ~rms fails max_rel.
 
-    python scripts/bench/verify_kernels.py [--ext path/_exl3_C.abi3.so] [--quick|--sample]
+    python tests/gpu/exl3_oracle.py [--ext path/_exl3_C.abi3.so] [--quick|--sample]
 """
 
 from __future__ import annotations
@@ -57,9 +57,12 @@ BM_TIERS = (16, 32, 64, 128)
 WGMMA_TIERS = (64, 128, 256)
 # Its tiers built with the stream-k grid as well.
 STREAM_K_TIERS = (128, 256)
-KNOBS = ("VLLM_EXL3_BM", "VLLM_EXL3_SPLIT_K", "VLLM_EXL3_RECONSTRUCT_M",
-         "VLLM_EXL3_RECONSTRUCT_BASIS", "VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_SPLIT_K_TRAFFIC",
-         "VLLM_EXL3_WGMMA", "VLLM_EXL3_STREAM_K", "VLLM_EXL3_SPREAD")
+# The op's plan table header (overlay ops.py documents it): version, flags, then the pins of
+# VLLM_EXL3_PLAN for the cost model (-1 / 0 = free), reconstruct_m, split-k traffic per mille.
+PLAN_VERSION = 1
+FLAG_DETERMINISTIC, FLAG_BATCH_INVARIANT = 1, 2
+BASES = {"original": 1, "rotated": 2}
+FREE_HEADER = [PLAN_VERSION, 0, -1, 0, 0, -1, -1, -1, -1, 250]
 # Both large-m paths: W in the original basis + one GEMM, or Ŵ + transforms around the GEMM.
 RECONSTRUCT_PLANS = (dict(reconstruct_m=1, reconstruct_basis="original"),
                      dict(reconstruct_m=1, reconstruct_basis="rotated"))
@@ -82,22 +85,61 @@ def load_extension(path: str | None = None) -> str:
     return "vllm._exl3_C"
 
 
+_WORKSPACE: list[torch.Tensor] = []
+
+
+def default_header() -> list[int]:
+    """The header of the process's settings (VLLM_EXL3_PLAN, VLLM_EXL3_DETERMINISTIC,
+    VLLM_BATCH_INVARIANT) when vLLM with the overlay is installed: how the benchmarks force a
+    plan. Without it, the free header (the cost model)."""
+    try:
+        from vllm.model_executor.layers.quantization.exl3 import plans
+    except ImportError:
+        return list(FREE_HEADER)
+    return plans.current_header()
+
+
+def header(deterministic: int = 0, batch_invariant: int = 0, bm: int = 0, split_k: int = 0,
+           wgmma: int = -1, stream_k: int = -1, spread: int = -1, reconstruct_m: int = -1,
+           reconstruct_basis: str | None = None, split_k_traffic: float = 0.25) -> list[int]:
+    """The op's plan header for these pins (no entries: the cost model applies them)."""
+    flags = (FLAG_DETERMINISTIC if deterministic else 0) | (
+        FLAG_BATCH_INVARIANT if batch_invariant else 0)
+    basis = BASES[reconstruct_basis] if reconstruct_basis else -1
+    return [PLAN_VERSION, flags, basis, bm, split_k, wgmma, stream_k, spread, reconstruct_m,
+            round(split_k_traffic * 1000)]
+
+
 @contextlib.contextmanager
 def knobs(**values: object) -> Iterator[None]:
-    """Set the C++ env knobs for a block (unset names stay unset), restoring them afterwards."""
-    saved = {k: os.environ.get(k) for k in KNOBS}
+    """Run the block's ops with these plan pins (header() keywords), restoring afterwards."""
+    _PLANS.append(header(**values))
     try:
-        for k in KNOBS:
-            os.environ.pop(k, None)
-        for k, v in values.items():
-            os.environ[f"VLLM_EXL3_{k.upper()}"] = str(v)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _PLANS.pop()
+
+
+_PLANS: list[list[int]] = []
+
+
+def workspace(floats: int) -> torch.Tensor:
+    """A zeroed fp32 split-k workspace of at least `floats` (grown, never shrunk; not during
+    CUDA-graph capture, where the op then runs split 1)."""
+    capturing = torch.cuda.is_current_stream_capturing()
+    if not _WORKSPACE or (_WORKSPACE[0].numel() < floats and not capturing):
+        _WORKSPACE[:] = [torch.zeros(max(floats, 1), dtype=torch.float32, device="cuda")]
+    return _WORKSPACE[0]
+
+
+def exl3_op(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+            bias: torch.Tensor | None, widths: list[int], codebook: int,
+            plans: list[int] | None = None) -> torch.Tensor:
+    """torch.ops._C.exl3_linear under the current knobs, with a workspace for any split."""
+    ws = workspace(x.shape[0] * trellis.shape[1] * 16 if x.is_cuda else 0)
+    if plans is None:
+        plans = _PLANS[-1] if _PLANS else default_header()
+    return torch.ops._C.exl3_linear(x, trellis, suh, svh, bias, widths, codebook, plans, ws)
 
 
 @dataclass
@@ -119,8 +161,7 @@ class Layer:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """torch.ops._C.exl3_linear on this layer."""
-        return torch.ops._C.exl3_linear(x, self.trellis, self.suh, self.svh, bias, self.widths,
-                                        self.codebook)
+        return exl3_op(x, self.trellis, self.suh, self.svh, bias, self.widths, self.codebook)
 
 
 def signed_scales(gen: torch.Generator, shape: Sequence[int], zeros: int = 0) -> torch.Tensor:
@@ -260,10 +301,10 @@ def wgmma_engine() -> bool:
         x = torch.zeros(64, 128, dtype=torch.half, device="cuda")
         try:
             with knobs(wgmma=1, bm=64, split_k=1, reconstruct_m=0):
-                torch.ops._C.exl3_linear(x, tr, ones, ones[0], None, [128], 1)
+                exl3_op(x, tr, ones, ones[0], None, [128], 1)
             _WGMMA.append(True)
         except RuntimeError as e:
-            if "no wgmma engine" not in str(e):
+            if "sm_90a build" not in str(e):
                 raise
             _WGMMA.append(False)
     return _WGMMA[0]
@@ -370,8 +411,8 @@ def check_graphs(rep: Report, gen: torch.Generator) -> None:
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    y_graph = torch.ops._C.exl3_linear(x, layer.trellis, layer.suh, layer.svh,
-                                                       None, layer.widths, layer.codebook)
+                    y_graph = exl3_op(x, layer.trellis, layer.suh, layer.svh, None,
+                                      layer.widths, layer.codebook)
                 x.copy_(torch.randn(m, 4096, generator=gen, device="cuda").bfloat16())
                 y_graph.fill_(float("nan"))
                 graph.replay()
@@ -392,7 +433,7 @@ def check_errors(rep: Report) -> None:
     suh = torch.ones(1, k, dtype=torch.half, device=dev)
     svh = torch.ones(n, dtype=torch.half, device=dev)
     x = torch.zeros(4, k, dtype=torch.bfloat16, device=dev)
-    op = torch.ops._C.exl3_linear
+    op = exl3_op
     cases = {
         "x must be bfloat16 or float16": lambda: op(x.float(), tr, suh, svh, None, [n], 1),
         "input features": lambda: op(x[:, :128].contiguous(), tr, suh, svh, None, [n], 1),

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# GPU CI for the EXL3 kernels, on a CUDA host: build the standalone extension for one arch, run
+# the GPU kernel tests (oracle, batch invariance, workspace, plan reproducibility), a
+# compute-sanitizer memcheck of the oracle's sample, and the plan tuner, writing everything
+# under $OUT (default ./gpu-kernels-out).
+#
+#   PY=python ARCH=9.0 OUT=/tmp/out bash ci/gpu_kernels.sh
+#
+# PY: a Python with torch 2.11 and vLLM 0.26 with this overlay applied (scripts/vllm-exl3 apply).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+ARCH=${ARCH:-9.0}
+OUT=${OUT:-$PWD/gpu-kernels-out}
+JOBS=${JOBS:-$(nproc)}
+mkdir -p "$OUT"
+status=0
+step() {
+  local name=$1; shift
+  echo "== $name"
+  if "$@" >"$OUT/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (rc $?, $OUT/$name.log)"; status=1; fi
+  tail -3 "$OUT/$name.log"
+}
+
+step build bash -c "cd scripts && $PY -m vllm_exl3.kernels_build --arch $ARCH --jobs $JOBS --out ../build/exl3"
+export VLLM_EXL3_EXT=$PWD/build/exl3/_exl3_C.abi3.so
+step gpu_tests $PY -m pytest -q -m gpu tests/gpu --junitxml "$OUT/gpu_tests.xml"
+step plan_log_a $PY tests/gpu/plan_log.py
+step plan_log_b $PY tests/gpu/plan_log.py
+if cmp -s "$OUT/plan_log_a.log" "$OUT/plan_log_b.log"; then echo "   plans identical across processes"; else echo "   plans DIFFER"; status=1; fi
+SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+step memcheck "$SAN" --tool memcheck --error-exitcode 1 $PY tests/gpu/exl3_oracle.py --sample
+step tune_plans $PY scripts/bench/tune_plans.py tests/fixtures/qwen3-tiny/exl3-4.0bpw \
+  tests/fixtures/qwen3-tiny/exl3-3.0bpw-mcg --bench-shapes --dtype bfloat16 --dtype float16 \
+  --out "$OUT/configs"
+echo "results in $OUT (exit $status)"
+exit $status
