@@ -23,7 +23,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "tests" / "codec"))
+sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
+import exl3_oracle as vk  # noqa: E402
 from perplexity import WINDOW, model_from_state_dict, validation_windows  # noqa: E402
 from vllm_exl3.codec import exl3_format  # noqa: E402
 
@@ -44,8 +46,8 @@ class Exl3OpLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops._C.exl3_linear(x.reshape(-1, shape[-1]).contiguous(), self.trellis,
-                                     self.suh, self.svh, None, [self.n], self.codebook)
+        y = vk.exl3_op(x.reshape(-1, shape[-1]).contiguous(), self.trellis, self.suh,
+                       self.svh, None, [self.n], self.codebook)
         return y.view(*shape[:-1], self.n)
 
 
@@ -85,7 +87,7 @@ def run(name: str, fmt, windows: torch.Tensor) -> dict:
     attn = "model.layers.0.self_attn"
     parts = [weights[f"{attn}.{x}_proj"] for x in "qkv"]
     x = torch.randn(37, parts[0].suh.numel(), device="cuda", dtype=torch.bfloat16)
-    fused = torch.ops._C.exl3_linear(
+    fused = vk.exl3_op(
         x, torch.cat([p.trellis for p in parts], 1).cuda(),
         torch.stack([p.suh for p in parts]).cuda(), torch.cat([p.svh for p in parts]).cuda(),
         None, [p.svh.numel() for p in parts], int(parts[0].codebook))

@@ -12,7 +12,7 @@
 // 16w..16w+15 of A, which is its own 16-column trellis tile: the two B fragments of the tile
 // (b0, b1: columns 0-7, b2, b3: columns 8-15; k rows 2q.. in b0/b2, 2q+8.. in b1/b3) are the A
 // fragment {b0, b2, b1, b3}. Only compiled for sm_90a; elsewhere the kernel traps and the host
-// never selects it (wgmma_supported).
+// never selects it (wgmma_supported, asked of the loaded image).
 #pragma once
 
 #include <cstdint>
