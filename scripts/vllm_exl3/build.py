@@ -253,8 +253,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"build: {out.stat().st_size / 1e6:.0f} MB in {time.monotonic() - t0:.0f}s"
           + ("" if kernels else " (no EXL3 kernels: the overlay falls back to the reference "
                                "path)"))
-    print(f"install: pip install --no-deps {out}  (into an environment with torch 2.11.0 and "
-          "vLLM's dependencies)")
+    # A plain install: the wheel's metadata is vLLM 0.26.0's, so pip brings torch 2.11.0 and
+    # every dependency at vLLM's pins (--no-deps would leave an environment that cannot start).
+    print(f"install: pip install {out}  (Python 3.10-3.13; for an offline host: "
+          "scripts/vllm-exl3 bundle)")
     return 0
 
 
