@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# The full GPU checks of one kernel build, as every merge of a kernel change runs them:
-# verify_kernels.py (every tier of both engines, split-k, reconstruct, deterministic, CUDA graphs, autotuned real
+# The full GPU checks of one kernel build, as every merge of a kernel change has run them
+# (results/ab_session*/: call12 of session 6, calls 1, 6, 10 of session 7): verify_kernels.py
+# (every tier of both engines, split-k, reconstruct, deterministic, CUDA graphs, autotuned real
 # shapes), tests/gpu, and compute-sanitizer memcheck and racecheck on verify's sample. Run from
-# the repository root on the CUDA host; the log goes to $OUT/checks_<name>.log.
+# the repository root on the device machine; the log goes to $OUT/checks_<name>.log.
 #   bash scripts/bench/checks.sh EXT [NAME]
 set -u
 EXT=${1:?usage: checks.sh EXT [NAME]}

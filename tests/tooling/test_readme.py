@@ -27,7 +27,11 @@ def test_readme_is_short():
     assert n <= README_LIMIT, f"README.md has {n} characters (limit {README_LIMIT})"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+# The overlay's pages live in the vLLM tree, and the paths they name are that tree's.
+REPO_DOCS = [d for d in DOCS if "overlay" not in d.parts]
+
+
+@pytest.mark.parametrize("doc", REPO_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_documents_name_existing_files_only(doc):
     text = doc.read_text(encoding="utf-8")
     missing = [p for p in PATH_RE.findall(text) if not (ROOT / p.rstrip("/.,")).exists()]
