@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""ci/setup-env.sh as a newcomer meets it: one variable moves the whole cache, the environment's
-path is keyed by the script's hash (checkouts at different commits keep their own), the tool
-finds the same path, and the CUDA libraries are pinned where torch 2.11.0 pins them."""
+"""ci/setup-env.sh as a newcomer meets it: one variable moves the whole cache, the
+environment's path is keyed by the script's hash (checkouts at different commits keep
+their own), the tool finds the same path, and the CUDA libraries are pinned where torch
+2.11.0 pins them."""
 
 from __future__ import annotations
 
@@ -21,24 +22,34 @@ SCRIPT = ROOT / "ci" / "setup-env.sh"
 sys.path.insert(0, str(ROOT / "scripts"))
 from vllm_exl3 import repo  # noqa: E402
 
-# torch 2.11.0 names the cuda-toolkit metapackage at this version; the script spells out the
-# versions that metapackage's extras pin (read from cuda_toolkit-13.0.2's METADATA).
+# torch 2.11.0 names the cuda-toolkit metapackage at this version; the script spells out
+# the versions that metapackage's extras pin (read from cuda_toolkit-13.0.2's METADATA).
 CUDA_TOOLKIT = "13.0.2"
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_EXL3_VENV", "VLLM_EXL3_WHEELS", "VLLM_EXL3_CACHE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_EXL3_VENV", "VLLM_EXL3_WHEELS", "VLLM_EXL3_CACHE")
+    }
     env.update(VLLM_EXL3_CACHE=str(tmp_path / "cache"), **extra)
     return env
 
 
 def _setup(tmp_path: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT), *args], env=_env(tmp_path, **extra),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        env=_env(tmp_path, **extra),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
-def test_the_cache_variable_moves_the_environment_and_the_tool_agrees(tmp_path, monkeypatch):
+def test_the_cache_variable_moves_the_environment_and_the_tool_agrees(
+    tmp_path, monkeypatch
+):
     stamp = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()[:16]
     r = _setup(tmp_path, "--path")
     assert r.returncode == 0, r.stderr
@@ -79,8 +90,7 @@ def _script_pins() -> dict[str, str]:
 
 
 def test_cuda_libraries_are_pinned_at_torchs_own_pins():
-    """The pins torch 2.11.0's wheel names directly must be the script's, and the script must
-    pin every CUDA library it installs."""
+    """The pins torch 2.11.0's wheel names directly must be the script's."""
     wheels = sorted((repo.default_cache_dir() / "wheels").glob("torch-2.11.0-*.whl"))
     if not wheels:
         pytest.skip("no torch 2.11.0 wheel in the cache (ci/setup-env.sh downloads it)")
@@ -91,8 +101,10 @@ def test_cuda_libraries_are_pinned_at_torchs_own_pins():
     assert direct, "torch's METADATA names no nvidia-* pins"
     pins = _script_pins()
     assert {n: pins.get(n) for n in direct} == direct
-    assert dict(requires).get(next(n for n, _ in requires if n.startswith("cuda-toolkit"))) \
+    assert (
+        dict(requires).get(next(n for n, _ in requires if n.startswith("cuda-toolkit")))
         == CUDA_TOOLKIT
+    )
 
 
 def test_no_cuda_library_is_left_unpinned():
