@@ -5,8 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup-env.sh
-VENV=${VLLM_EXL3_VENV:-$HOME/.cache/vllm-exl3/venv}
+VENV=$(bash ci/setup-env.sh --path)
 PY="$VENV/bin/python"
+# The linters (ci/lint.sh: ruff, ruff format, clang-format, SPDX headers) join CI once the
+# formatting pass over the tree has landed; until then they would fail on existing files.
+# TODO(lead): enable after the formatting pass:  bash ci/lint.sh
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # Re-apply the current series onto the installed vLLM (reverting an earlier application first),
 # so the tests exercise exactly what the patches and overlay produce.

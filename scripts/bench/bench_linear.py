@@ -20,7 +20,7 @@ Method (design.md "Measuring", anchors-h200.md):
 ExLlamaV3 runs on the same tensors (fp16 activations, its own dispatch); which of its paths ran
 is read from the profiler's kernel names once per (codebook, m).
 
-    python scripts/bench/bench_linear.py --out scripts/bench/results [--no-exl3] [--bits 4 6]
+    python scripts/bench/bench_linear.py --out DIR [--no-exl3] [--bits 4 6]
 """
 
 from __future__ import annotations
@@ -56,14 +56,13 @@ MUL1_MARKER = -2082680531
 
 # A short pass of light work is timed in whatever power state the work before it left: on the
 # H200, right after an m = 4096 GEMM, light work runs up to 25 % slower for 0.1-0.25 s
-# (results/ab_session3_h200_2026-11-30/settle.log: 5120x12288 6-bit m = 1, pinned plan, 34.1 us
-# right after it, 29.2 after 0.1 s idle, 27.8 after 0.25 s, 27.1 fresh), and the 2026-11-30
-# anchor run, which timed every point right after the previous one, had ours at m <= 16 10-25 %
-# above a run that idled first. So every light point (m <= LIGHT_M) of every variant starts
+# (5120x12288 6-bit m = 1, pinned plan: 34.1 us right after it, 29.2 after 0.1 s idle, 27.8
+# after 0.25 s, 27.1 fresh), and an anchor run that timed every point right after the previous
+# one had ours at m <= 16 10-25 % above a run that idled first. So every light point (m <= LIGHT_M) of every variant starts
 # from SETTLE_S of idle: the state of steady light work (decode), whatever ran before. m = 128
-# and 256 count as light too: a point takes well under the slow window there, and in
-# ab_session7 call 6 the m = 128 point of 5120x17408, timed right after the previous shape's
-# m = 4096, came out 17 % slower than in call 2 (same kernels, every tuner candidate alike).
+# and 256 count as light too: a point takes well under the slow window there, and the m = 128
+# point of 5120x17408, timed right after the previous shape's m = 4096, once came out 17 %
+# slower than in a run before it (same kernels, every tuner candidate alike).
 SETTLE_S = 0.25
 LIGHT_M = 256
 
@@ -242,7 +241,7 @@ def sol_us(k: int, n: int, m: int, bits: float, ceil: dict, loop: dict | None) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ext", default=None)
-    ap.add_argument("--out", type=Path, default=REPO / "scripts" / "bench" / "results")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results")))
     ap.add_argument("--tag", default="bench_linear")
     ap.add_argument("--bits", type=float, nargs="+", default=[4, 6, 2, 3, 5])
     ap.add_argument("--codebooks", type=int, nargs="+", default=[1, 0, 2])

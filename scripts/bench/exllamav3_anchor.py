@@ -2,12 +2,12 @@
 """ExLlamaV3 1.6.5 as the benchmark's anchor: its JIT build in the background, a guarded import.
 
 ExLlamaV3 compiles its CUDA extension on first import (torch.utils.cpp_extension.load, minutes).
-The 2026-11-30 session lost its same-run anchor: the build finished, but the benchmark's own
-import then hung until the call's limit. Two ways torch's JIT does that: a `lock` file left in
+An earlier run lost its same-run anchor this way: the build finished, but the benchmark's own
+import then hung until the run's time limit. Two ways torch's JIT does that: a `lock` file left in
 the build directory by an import that was killed mid-build (every later import waits for it
 forever), or build flags that differ between the two imports (another TORCH_CUDA_ARCH_LIST), so
 the second import silently recompiles everything. So here:
-  * the build runs in its own process session (survives the device call that started it) into a
+  * the build runs in its own process session (survives the shell that started it) into a
     private TORCH_EXTENSIONS_DIR, and writes its exit status to a done-file;
   * the benchmark's import uses the very same environment (ENV below), waits for the done-file,
     removes `lock` files only once the builder has exited, and runs under an alarm with a

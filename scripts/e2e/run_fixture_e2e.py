@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""GPU end-to-end record of issue 4 on the fixture checkpoints (run ON the GPU host, after the
-offline bundle is installed; see scripts/e2e/README.md).
+"""The fixture checkpoints end to end through vLLM, on a CUDA host where the built wheel (or the
+offline bundle) is installed; see scripts/e2e/README.md.
 
 TP=1 (default), per checkpoint, vLLM with its defaults (torch.compile + CUDA graphs):
   - perplexity on val.txt through prompt logprobs (fixtures README windows) vs ExLlamaV3's

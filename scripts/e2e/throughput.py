@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Throughput record of issue 4 (run ON the GPU host, after the offline bundle is installed):
+"""Throughput on a CUDA host where the built wheel (or the offline bundle) is installed:
 a synthetic EXL3 checkpoint at real dense dims (tests/synthetic_checkpoint.py, preset qwen3-8b,
 4 bpw, written here on the host) next to the same dims in bf16 (load_format="dummy"), vLLM
 offline generation with fixed input/output lengths (ignore_eos) at several concurrencies, both in
-one session: output tok/s and TPOT. vLLM's defaults (torch.compile + CUDA graphs).
+one process: output tok/s and TPOT. vLLM's defaults (torch.compile + CUDA graphs).
 
 `--write-only` writes the synthetic checkpoint and exits (needs torch, not vLLM): start it in the
-background during the bundle transfers so the measuring call finds it ready.
+background early so that the measuring run finds it ready.
 
 Prints a table; writes throughput.json to --out (default $OUT).
 """

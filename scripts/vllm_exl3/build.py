@@ -33,8 +33,9 @@ from .tree import BUILD_LABEL_PREFIX
 from .wheelfile import WheelName, set_version, unpack, write
 
 DEFAULT_ARCHS = "9.0;12.0;12.1"
-# Same directory as `python -m vllm_exl3.kernels_build`'s default, so objects compiled there
-# during kernel development are reused here (they are kept per architecture set).
+# kernels_build.DEFAULT_OUT: objects compiled by `python -m vllm_exl3.kernels_build` or by the
+# compile test (tests/kernels/test_compile.py) are reused here, and the other way round (they
+# are kept per architecture set).
 KERNEL_BUILD_DIR = ROOT / "build" / "exl3"
 KERNEL_MODULE = "vllm/_exl3_C.abi3.so"
 # Seconds between "still compiling" lines while a long subprocess runs.
@@ -92,11 +93,12 @@ def _run_with_heartbeat(cmd: list[str], what: str, env: dict[str, str] | None = 
 def _venv_python(args: argparse.Namespace) -> Path:
     if args.python:
         return args.python
-    py = default_venv() / "bin" / "python"
-    if not py.exists():
-        print(f"build: no pinned environment at {py.parent.parent}; creating it (ci/setup-env.sh)")
-        subprocess.run(["bash", str(ROOT / "ci" / "setup-env.sh")], check=True)
-    return py
+    venv = default_venv(args.cache_dir)
+    # Always through the script: it reuses a complete environment at once, and waits for another
+    # command that is still creating it.
+    env = dict(os.environ, VLLM_EXL3_CACHE=str(args.cache_dir))
+    subprocess.run(["bash", str(ROOT / "ci" / "setup-env.sh")], check=True, env=env)
+    return venv / "bin" / "python"
 
 
 def build_kernels(python: Path, archs: list[str], jobs: int) -> Path:
@@ -253,8 +255,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"build: {out.stat().st_size / 1e6:.0f} MB in {time.monotonic() - t0:.0f}s"
           + ("" if kernels else " (no EXL3 kernels: the overlay falls back to the reference "
                                "path)"))
-    print(f"install: pip install --no-deps {out}  (into an environment with torch 2.11.0 and "
-          "vLLM's dependencies)")
+    # A plain install: the wheel's metadata is vLLM 0.26.0's, so pip brings torch 2.11.0 and
+    # every dependency at vLLM's pins (--no-deps would leave an environment that cannot start).
+    print(f"install: pip install {out}  (Python 3.10-3.13; for an offline host: "
+          "scripts/vllm-exl3 bundle)")
     return 0
 
 

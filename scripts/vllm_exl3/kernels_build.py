@@ -27,6 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = REPO / "csrc" / "quantization" / "exl3"
 EXTENSION = "_exl3_C.abi3.so"
+# Where `scripts/vllm-exl3 build` (build.KERNEL_BUILD_DIR) and the compile test both build, so
+# the objects one compiled are reused by the other.
+DEFAULT_OUT = REPO / "build" / "exl3"
 # The entry point belongs to the quick build only; the full build uses REGISTER_EXTENSION.
 STANDALONE = "standalone_module.cpp"
 # Oldest torch whose stable ABI we target (vLLM 0.26's CMake uses the same value).
@@ -125,8 +128,10 @@ def _includes(tc: Toolchain) -> list[str]:
 def _stale(obj: Path, src: Path) -> bool:
     if not obj.exists():
         return True
-    # Any header of the directory may be included by any source: rebuild when one is newer.
-    newest = max(p.stat().st_mtime for p in SOURCES.iterdir() if p.is_file())
+    # Any header of the directory may be included by any source, and this file holds the
+    # flags: rebuild when either is newer.
+    newest = max([p.stat().st_mtime for p in SOURCES.iterdir() if p.is_file()]
+                 + [Path(__file__).stat().st_mtime])
     return obj.stat().st_mtime < max(newest, src.stat().st_mtime)
 
 
@@ -190,7 +195,7 @@ def build_extension(out_dir: Path, archs: list[str], jobs: int, compile_only: bo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=REPO / "build" / "exl3")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--arch", action="append", default=None,
                     help="CUDA architecture (repeatable): 9.0, 12.0, 12.1 (default 9.0)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)

@@ -26,10 +26,18 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-exl3"
 
 
-def default_venv() -> Path:
-    """The pinned environment made by ci/setup-env.sh (torch headers for compiling kernels)."""
+SETUP_ENV = ROOT / "ci" / "setup-env.sh"
+
+
+def default_venv(cache: Path | None = None) -> Path:
+    """The pinned environment made by ci/setup-env.sh (torch headers for compiling kernels):
+    `venv-<first 16 hex digits of the script's sha256>` in the cache, the path the script itself
+    uses, so checkouts at different commits sharing one cache keep their own environments."""
     env = os.environ.get("VLLM_EXL3_VENV")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-exl3" / "venv"
+    if env:
+        return Path(env).expanduser()
+    stamp = hashlib.sha256(SETUP_ENV.read_bytes()).hexdigest()[:16]
+    return (cache or default_cache_dir()) / f"venv-{stamp}"
 
 
 def _files_under(base: Path) -> list[Path]:

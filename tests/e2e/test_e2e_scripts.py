@@ -17,7 +17,7 @@ sys.path.insert(0, str(E2E))
 import run_fixture_e2e as fx  # noqa: E402
 
 
-@pytest.mark.parametrize("script", ["run_fixture_e2e.py", "throughput.py", "device_calls.py"])
+@pytest.mark.parametrize("script", ["run_fixture_e2e.py", "throughput.py"])
 def test_help(script):
     r = subprocess.run([sys.executable, str(E2E / script), "--help"], capture_output=True,
                        text=True, timeout=60)

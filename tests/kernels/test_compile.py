@@ -3,9 +3,11 @@
 local nvcc, and the Hopper wgmma engine compiles without ptxas serializing its MMAs.
 
 Compile only (objects, no link), through the same quick-build script that makes
-vllm/_exl3_C.abi3.so, against the venv's torch 2.11 stable-ABI headers. The whole set for the
-three architectures compiled in 164 s on 2 shared cores (measured 2026-11-30, nvcc 13.0), well
-inside CI's 20-minute budget, so every translation unit is compiled for every architecture.
+vllm/_exl3_C.abi3.so, against the venv's torch 2.11 stable-ABI headers, into the folder
+`scripts/vllm-exl3 build` uses: objects that `build` compiled for the same architectures are
+reused (and the other way round), so `build` followed by `ci/test.sh` compiles the kernels once.
+The whole set for the three architectures compiled in 164 s on 2 shared cores (measured
+2026-11-30, nvcc 13.0), well inside CI's 20-minute budget, so every translation unit is compiled for every architecture.
 """
 
 from __future__ import annotations
@@ -27,16 +29,23 @@ ARCHS = ["9.0", "12.0", "12.1"]
 
 
 @pytest.mark.slow
-def test_all_sources_compile_for_every_arch(tmp_path: Path) -> None:
+def test_all_sources_compile_for_every_arch() -> None:
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
-    obj_dir = kernels_build.build_extension(tmp_path, ARCHS, jobs=os.cpu_count() or 1,
-                                            compile_only=True)
-    sources = sorted(p.name for p in kernels_build.SOURCES.iterdir()
+    obj_dir = kernels_build.build_extension(kernels_build.DEFAULT_OUT, ARCHS,
+                                            jobs=os.cpu_count() or 1, compile_only=True)
+    sources = sorted(p for p in kernels_build.SOURCES.iterdir()
                      if p.suffix in (".cu", ".cpp") and p.name != kernels_build.STANDALONE)
-    objects = sorted(p.name.removesuffix(".o") for p in obj_dir.glob("*.o"))
-    assert objects == sources
-    assert all((obj_dir / f"{s}.o").stat().st_size > 0 for s in sources)
+    for src in sources:
+        obj = obj_dir / f"{src.name}.o"
+        assert obj.is_file() and obj.stat().st_size > 0, obj
+        assert not kernels_build._stale(obj, src), f"{obj} is older than the sources"
+
+
+def test_build_and_this_test_share_one_object_folder() -> None:
+    from vllm_exl3 import build
+
+    assert build.KERNEL_BUILD_DIR == kernels_build.DEFAULT_OUT
 
 
 def test_arch_names_normalise() -> None:
