@@ -8,49 +8,86 @@
 #
 #   ci/test_vllm_harness.sh [PYTEST_ARGS...]      run (ci/test.sh calls this last)
 #   ci/test_vllm_harness.sh --pack OUT.tar.gz [--python-version 3.12]
-#                                                 the tests tree plus the wheels of
-#                                                 ci/requirements-harness.txt, for an offline host
+#       for a host without network: vLLM's pristine tests tree and pytest configuration, and
+#       the wheels of ci/requirements-harness.txt for that host's CPython (~11 MB)
 #   VLLM_EXL3_HARNESS_PACK=OUT.tar.gz ci/test_vllm_harness.sh [PYTEST_ARGS...]
-#                                                 run from such a pack: no network, nothing
-#                                                 applied; vLLM is the one $PYTHON imports (the
-#                                                 built wheel), requirements it lacks go to a
-#                                                 temporary --target directory
+#       run from such a pack: this checkout's test files and op registrations are placed into
+#       its tree; vLLM is the one $PYTHON imports (the built wheel: nothing is applied);
+#       requirements it lacks go to a temporary --target directory for the run
 # Env: VLLM_EXL3_VENV (the venv of ci/setup-env.sh; its vLLM gets the series re-applied),
-# PYTHON (pack mode; default python3). The fixture checkpoints reach the tests through
-# EXL3_TEST_MODELS_DIR (this checkout's tests/fixtures/qwen3-tiny).
+# PYTHON (pack modes; default python3). The fixture checkpoints reach the tests through
+# EXL3_TEST_MODELS_DIR (default: this checkout's tests/fixtures/qwen3-tiny).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 requirements=$repo/ci/requirements-harness.txt
-# Kept from the patched sdist: vLLM's tests/ and pytest configuration, and our op registrations
-# (the CPU op tests read the ops' schemas from there).
-KEEP=(tests pyproject.toml csrc/libtorch_stable/quantization/exl3)
+# What the run needs of vLLM's sdist: its tests/ and its pytest configuration.
+VLLM_PARTS=(tests pyproject.toml)
+# Where the series puts the ops' registrations (the CPU op tests read their schemas there).
+OPS_SOURCES=csrc/libtorch_stable/quantization/exl3
 TEST_LIST=.exl3-harness-tests
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/vllm-exl3-harness.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 t0=$(date +%s)
 
-# The patched tests tree at $1, built with the tool run by interpreter $2.
-make_tree() {
-  local dest=$1 tool_py=$2 sdist
-  sdist=$("$tool_py" scripts/vllm-exl3 fetch | tail -1)
-  cp -a "$sdist" "$work/sdist"
-  rm -f "$work/sdist/.vllm-exl3-unpacked"
-  "$tool_py" scripts/vllm-exl3 apply "$work/sdist" >/dev/null
-  mkdir -p "$dest"
-  for p in "${KEEP[@]}"; do
+# Moves the named parts of tree $1 into $2, then removes $1.
+take() {
+  local src=$1 dest=$2 p
+  shift 2
+  for p in "$@"; do
     mkdir -p "$dest/$(dirname "$p")"
-    mv "$work/sdist/$p" "$dest/$p"
+    mv "$src/$p" "$dest/$p"
   done
-  rm -rf "$work/sdist"
-  (cd overlay && find tests -name 'test_*.py' | sort) > "$dest/$TEST_LIST"
-  [ -s "$dest/$TEST_LIST" ] || { echo "test_vllm_harness: overlay/tests holds no tests" >&2; exit 1; }
+  rm -rf "$src"
 }
 
-# Lines "name==version" of ci/requirements-harness.txt that interpreter $1 does not have.
+# The pinned sdist's unpacked tree (fetched into the cache once), via interpreter $1.
+sdist_tree() {
+  "$1" scripts/vllm-exl3 fetch | tail -1
+}
+
+list_tests() {
+  (cd overlay && find tests -name 'test_*.py' | sort) > "$1/$TEST_LIST"
+  [ -s "$1/$TEST_LIST" ] || { echo "test_vllm_harness: overlay/tests holds no tests" >&2; exit 1; }
+}
+
+# The patched tests tree at $1: the sdist copied, the series applied by the tool (interpreter
+# $2), what the run needs kept.
+make_tree() {
+  cp -a "$(sdist_tree "$2")" "$work/sdist"
+  rm -f "$work/sdist/.vllm-exl3-unpacked"
+  "$2" scripts/vllm-exl3 apply "$work/sdist" >/dev/null
+  take "$work/sdist" "$1" "${VLLM_PARTS[@]}" "$OPS_SOURCES"
+  list_tests "$1"
+}
+
+# Into a pack's pristine tree at $1: what the series adds under tests/ and csrc/, where
+# `vllm-exl3 apply` puts it (no patch touches either).
+place_ours() {
+  "$PY" - "$1" <<'PYTHON'
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "scripts")
+from vllm_exl3.repo import Series
+
+series = Series.load()
+for f in (*series.overlay, *series.csrc):
+    if f.dest.startswith(("tests/", "csrc/")):
+        target = Path(sys.argv[1], f.dest)
+        if f.dest.startswith("tests/") and target.exists():
+            sys.exit(f"test_vllm_harness: {f.origin} would replace vLLM's own {f.dest}")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f.source, target)
+PYTHON
+  list_tests "$1"
+}
+
+# Lines "name==version" of the requirements file $2 that interpreter $1 does not have.
 missing_requirements() {
-  "$1" - "$requirements" <<'EOF'
+  "$1" - "$2" <<'PYTHON'
 import importlib.metadata as md
 import sys
 
@@ -65,16 +102,17 @@ for line in open(sys.argv[1]):
         have = None
     if have != version:
         print(spec)
-EOF
+PYTHON
 }
 
 if [ "${1:-}" = --pack ]; then
   out=${2:?"--pack needs an output path"}
   pyver=3.12  # the GPU host's Python
-  if [ "${3:-}" = --python-version ]; then pyver=${4:?}; fi
+  if [ "${3:-}" = --python-version ]; then pyver=${4:?"--python-version needs a version"}; fi
   tool_py=${PYTHON:-python3}
-  make_tree "$work/pack/tree" "$tool_py"
-  # Binary wheels for the host's CPython (abi3/none wheels where that is what is published).
+  cp -a "$(sdist_tree "$tool_py")" "$work/sdist"
+  take "$work/sdist" "$work/pack/tree" "${VLLM_PARTS[@]}"
+  # Binary wheels for that CPython (or the abi3 / pure-Python wheel, where that is what exists).
   "$tool_py" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
     -r "$requirements" -d "$work/pack/wheels"
@@ -88,13 +126,12 @@ if [ -n "${VLLM_EXL3_HARNESS_PACK:-}" ]; then
   PY=${PYTHON:-python3}
   tar -xzf "$VLLM_EXL3_HARNESS_PACK" -C "$work"
   tree=$work/tree
-  requirements=$work/requirements-harness.txt
-  missing=$(missing_requirements "$PY")
+  place_ours "$tree"
+  missing=$(missing_requirements "$PY" "$work/requirements-harness.txt")
   if [ -n "$missing" ]; then
     wheels=()
     for spec in $missing; do
-      name=${spec%%==*}
-      wheels+=("$(ls "$work"/wheels/"${name//-/_}"-"${spec##*==}"-*.whl)")
+      wheels+=("$(ls "$work"/wheels/"${spec%%==*}"-"${spec##*==}"-*.whl)")
     done
     "$PY" -m pip install -q --no-index --no-deps --target "$work/site" "${wheels[@]}"
     export PYTHONPATH="$work/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -103,7 +140,7 @@ if [ -n "${VLLM_EXL3_HARNESS_PACK:-}" ]; then
 else
   VENV=${VLLM_EXL3_VENV:-$HOME/.cache/vllm-exl3/venv}
   PY=$VENV/bin/python
-  missing=$(missing_requirements "$PY")
+  missing=$(missing_requirements "$PY" "$requirements")
   if [ -n "$missing" ]; then
     echo "test_vllm_harness: installing into $VENV:" $missing
     "$PY" -m pip install -q --no-deps $missing

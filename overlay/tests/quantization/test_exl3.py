@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""EXL3 checkpoints through vllm_runner: the method is picked from config.json, every
-quantized linear and the LM head run the CUDA kernel, and greedy generation agrees with the
-reference codec's and with the unquantized model's.
+"""EXL3 checkpoints through vllm_runner: the method is picked from config.json,
+every quantized linear and the LM head run the CUDA kernel, and greedy generation
+agrees with the reference codec's and with the unquantized model's.
 
-The checkpoints are ExLlamaV3 conversions of one small Qwen3, in the directory named by
-EXL3_TEST_MODELS_DIR: bf16/ (the original), exl3-4.0bpw/ (3INST codebook), exl3-3.0bpw-mcg/
-(MCG codebook) and tokenizer/ (shared by all three).
+The checkpoints are ExLlamaV3 conversions of one small Qwen3, in the directory named
+by EXL3_TEST_MODELS_DIR: bf16/ (the original), exl3-4.0bpw/ (3INST codebook),
+exl3-3.0bpw-mcg/ (MCG codebook) and tokenizer/ (shared by all three).
 
 Run `pytest tests/quantization/test_exl3.py`.
 """
@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 import vllm.envs as envs
 from tests.models.utils import check_logprobs_close
 from tests.quantization.utils import is_quant_method_supported
@@ -84,7 +83,8 @@ def _exl3_kernels(model) -> dict[str, str]:
 def test_exl3_model(vllm_runner, model_dirs, bf16_outputs, model, monkeypatch):
     # `LLM.apply_model` pickles the function.
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    # The defaults: the EXL3 ops inside the torch.compile graph, captured as CUDA graphs.
+    # The defaults: the EXL3 ops inside the torch.compile graph, captured as CUDA
+    # graphs.
     with vllm_runner(
         model_dirs[model], dtype="bfloat16", max_model_len=MAX_MODEL_LEN
     ) as llm:
@@ -98,9 +98,14 @@ def test_exl3_model(vllm_runner, model_dirs, bf16_outputs, model, monkeypatch):
     monkeypatch.setenv("VLLM_EXL3_FORCE_REFERENCE", "1")
     envs.disable_envs_cache()
     with vllm_runner(
-        model_dirs[model], dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enforce_eager=True
+        model_dirs[model],
+        dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True,
     ) as llm:
-        reference_outputs = llm.generate_greedy_logprobs(PROMPTS, MAX_TOKENS, NUM_LOGPROBS)
+        reference_outputs = llm.generate_greedy_logprobs(
+            PROMPTS, MAX_TOKENS, NUM_LOGPROBS
+        )
 
     check_logprobs_close(
         outputs_0_lst=reference_outputs,

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""EXL3 through vLLM's quantization registry and layer classes, without a GPU: "exl3" is
-resolved by name and from a checkpoint's config.json, and a model's MLP built with vLLM's own
-classes loads real EXL3 tensors and computes what the dense weights they decode to compute.
+"""EXL3 through vLLM's quantization registry and layer classes, without a GPU:
+"exl3" is resolved by name and from a checkpoint's config.json, and a model's MLP
+built with vLLM's own classes loads real EXL3 tensors and computes what the dense
+weights they decode to compute.
 
-The checkpoints are ExLlamaV3 conversions of one small Qwen3, in the directory named by
-EXL3_TEST_MODELS_DIR (see test_exl3.py).
+The checkpoints are ExLlamaV3 conversions of one small Qwen3, in the directory named
+by EXL3_TEST_MODELS_DIR (see test_exl3.py).
 
 Run `pytest tests/quantization/test_exl3_config.py`.
 """
@@ -17,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-
 from tests.quantization.utils import is_quant_method_supported
 from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import (
@@ -50,8 +50,9 @@ needs_models = pytest.mark.skipif(
 def cpu_dist_init(tmp_path):
     """`dist_init` on any machine: a CPU VllmConfig and a gloo world of size 1.
 
-    vLLM's own fixture builds a default VllmConfig and an NCCL world, both of which need a GPU.
-    Layers must be built inside (their parameters read the tensor-parallel rank).
+    vLLM's own fixture builds a default VllmConfig and an NCCL world, both of which
+    need a GPU. Layers must be built inside (their parameters read the tensor-parallel
+    rank).
     """
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(config):
@@ -95,7 +96,7 @@ def test_exl3_resolved_from_checkpoint(model, tmp_path):
 
 
 def _dense(tensors: dict[str, torch.Tensor], config: Exl3Config, prefix: str):
-    """W float64 [k, n] (y = x @ W) of one checkpoint module, decoded by the reference."""
+    """W float64 [k, n] (y = x @ W) of a checkpoint module, decoded by the reference."""
     return reference.reconstruct(
         tensors[f"{prefix}.trellis"],
         tensors[f"{prefix}.suh"],
@@ -115,7 +116,8 @@ def test_exl3_mlp_on_cpu(cpu_dist_init, model):
     prefix = "model.layers.1.mlp"
     mlp = Qwen3MLP(HIDDEN, INTERMEDIATE, "silu", quant_config=config, prefix=prefix)
 
-    # What Qwen3's load_weights does: gate and up go to the merged layer as shards 0 and 1.
+    # What Qwen3's load_weights does: gate and up go to the merged layer as shards 0 and
+    # 1.
     for layer, module, shard_id in [
         (mlp.gate_up_proj, "gate_proj", 0),
         (mlp.gate_up_proj, "up_proj", 1),
@@ -136,9 +138,12 @@ def test_exl3_mlp_on_cpu(cpu_dist_init, model):
     y = mlp(x)
 
     gate, up, down = (
-        _dense(tensors, config, f"{prefix}.{m}") for m in ("gate_proj", "up_proj", "down_proj")
+        _dense(tensors, config, f"{prefix}.{m}")
+        for m in ("gate_proj", "up_proj", "down_proj")
     )
     xd = x.double()
     expected = (F.silu(xd @ gate) * (xd @ up)) @ down
     assert y.dtype == torch.float32 and y.shape == expected.shape
-    torch.testing.assert_close(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max())
+    torch.testing.assert_close(
+        y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max()
+    )

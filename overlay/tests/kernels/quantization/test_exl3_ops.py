@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The EXL3 ops `_C::exl3_linear` and `_C::exl3_reconstruct`: schemas, fake implementations
-(opcheck) and, on CUDA, results against the reference codec.
+"""The EXL3 ops `_C::exl3_linear` and `_C::exl3_reconstruct`: schemas, fake
+implementations (opcheck) and, on CUDA, results against the reference codec.
 
-Without the CUDA build (any machine without a GPU), the schemas are read from the ops'
-registration in csrc/ and registered here with the reference codec as a CPU kernel. opcheck then
-checks the Python wrappers and the fake implementations the EXL3 package registers against that
-kernel, as torch.compile meets them.
+Without the CUDA build (any machine without a GPU), the schemas are read from the
+ops' registration in csrc/ and registered here with the reference codec as a CPU
+kernel. opcheck then checks the Python wrappers and the fake implementations the EXL3
+package registers against that kernel, as torch.compile meets them.
 
 Run `pytest tests/kernels/quantization/test_exl3_ops.py`.
 """
@@ -17,16 +17,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from tests.kernels.utils import opcheck
+from torch._subclasses.fake_tensor import FakeTensorMode
 from vllm.model_executor.layers.quantization.exl3 import ops, reference
 from vllm.model_executor.layers.quantization.exl3.format import TILE, Codebook
 from vllm.model_executor.layers.quantization.exl3.layout import trellis_words
 from vllm.platforms import current_platform
 
 OPS_SOURCES = Path(__file__).parents[3] / "csrc/libtorch_stable/quantization/exl3"
-# (bits per weight, codebook): every codebook, low and high rates, a fractional one (MUL1 only).
+# (bits per weight, codebook): every codebook, low and high rates, a fractional one
+# (MUL1 only).
 RATES = [
     (2, Codebook.THREE_INST),
     (4, Codebook.THREE_INST),
@@ -40,19 +40,29 @@ RATES = [
 SHAPES = [(256, [256]), (512, [128, 256, 128]), (4096, [512])]
 M_VALUES = [1, 16, 100, 1000]
 # Output error bounds (fp16 operands, fp32 accumulation, one output rounding): relative
-# Frobenius error and max |error| / rms(reference). The derivation is in the design notes.
+# Frobenius error and max |error| / rms(reference). The derivation is in the design
+# notes.
 TOLERANCE = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (5e-3, 6e-2)}
 
 
 def linear_args(x, layer, bias):
-    """The arguments of `_C::exl3_linear` (and of `ops.exl3_linear`), in schema order."""
-    return (x, layer["trellis"], layer["suh"], layer["svh"], bias, layer["widths"],
-            int(layer["codebook"]))
+    """The arguments of `_C::exl3_linear` (and `ops.exl3_linear`) in schema order."""
+    return (
+        x,
+        layer["trellis"],
+        layer["suh"],
+        layer["svh"],
+        bias,
+        layer["widths"],
+        int(layer["codebook"]),
+    )
 
 
 def _linear_cpu(x, trellis, suh, svh, bias, shard_widths, codebook, *plan):
-    """The reference codec as the op's CPU kernel; `plan` (kernel choice) does not apply."""
-    return reference.forward(x, trellis, suh, svh, codebook, shard_widths, bias).to(x.dtype)
+    """The reference codec as the op's CPU kernel; a kernel `plan` does not apply."""
+    return reference.forward(x, trellis, suh, svh, codebook, shard_widths, bias).to(
+        x.dtype
+    )
 
 
 def _reconstruct_cpu(trellis, codebook):
@@ -64,8 +74,9 @@ def op_schemas() -> dict[str, str]:
     schemas = {}
     for src in sorted(OPS_SOURCES.glob("*.c*")):
         text = src.read_text()
-        for block in re.findall(r"STABLE_TORCH_LIBRARY_FRAGMENT\(_C,\s*\w+\)\s*\{(.*?)\n\}",
-                                text, re.S):
+        for block in re.findall(
+            r"STABLE_TORCH_LIBRARY_FRAGMENT\(_C,\s*\w+\)\s*\{(.*?)\n\}", text, re.S
+        ):
             for literals in re.findall(r"\.def\(\s*((?:\"[^\"]*\"\s*)+)\)", block):
                 schema = "".join(re.findall(r"\"([^\"]*)\"", literals))
                 schemas[schema.split("(", 1)[0]] = schema
@@ -74,13 +85,15 @@ def op_schemas() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def device():
-    """Where the ops run: CUDA when the build's kernels load, otherwise the CPU stand-in."""
+    """Where the ops run: CUDA when the build's kernels load, else the CPU stand-in."""
     if current_platform.is_cuda() and ops.load_exl3_ops()[0]:
         yield "cuda"
         return
     schemas = op_schemas()
     if not {"exl3_linear", "exl3_reconstruct"} <= schemas.keys():
-        pytest.fail(f"no exl3_linear / exl3_reconstruct registration under {OPS_SOURCES}")
+        pytest.fail(
+            f"no exl3_linear / exl3_reconstruct registration under {OPS_SOURCES}"
+        )
     lib = torch.library.Library("_C", "FRAGMENT")
     for schema in schemas.values():
         lib.define(schema)
@@ -93,10 +106,16 @@ def device():
     lib._destroy()
 
 
-def random_layer(k: int, widths: list[int], bits: float, codebook: Codebook, device: str,
-                 gen: torch.Generator) -> dict:
-    """Random codes are valid trellises; scales are signed, two output channels exactly 0 (as
-    padded channels are)."""
+def random_layer(
+    k: int,
+    widths: list[int],
+    bits: float,
+    codebook: Codebook,
+    device: str,
+    gen: torch.Generator,
+) -> dict:
+    """Random codes are valid trellises; scales are signed, two output channels
+    exactly 0 (as padded channels are)."""
     n = sum(widths)
 
     def scales(*shape: int) -> torch.Tensor:
@@ -106,10 +125,21 @@ def random_layer(k: int, widths: list[int], bits: float, codebook: Codebook, dev
 
     svh = scales(n)
     svh[torch.randint(0, n, (2,), generator=gen, device=device)] = 0
-    trellis = torch.randint(-(2**15), 2**15, (k // TILE, n // TILE, trellis_words(bits)),
-                            generator=gen, device=device, dtype=torch.int32).to(torch.int16)
-    return {"trellis": trellis, "suh": scales(len(widths), k), "svh": svh, "widths": widths,
-            "codebook": codebook}
+    trellis = torch.randint(
+        -(2**15),
+        2**15,
+        (k // TILE, n // TILE, trellis_words(bits)),
+        generator=gen,
+        device=device,
+        dtype=torch.int32,
+    ).to(torch.int16)
+    return {
+        "trellis": trellis,
+        "suh": scales(len(widths), k),
+        "svh": svh,
+        "widths": widths,
+        "codebook": codebook,
+    }
 
 
 def fresh_generator(device: str) -> tuple[torch.Generator, int]:
@@ -117,9 +147,16 @@ def fresh_generator(device: str) -> tuple[torch.Generator, int]:
     return gen, gen.seed()
 
 
-@pytest.mark.parametrize("bits,codebook", [RATES[0], RATES[3], RATES[5]])
-@pytest.mark.parametrize("k,widths", SHAPES[:2])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+# What opcheck exercises is the schema and the fake, not the arithmetic: one case per
+# codebook.
+OPCHECK_CASES = [
+    (2, Codebook.THREE_INST, 256, [256], torch.float16),
+    (3, Codebook.MCG, 512, [128, 256, 128], torch.bfloat16),
+    (2.5, Codebook.MUL1, 256, [128, 128], torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("bits,codebook,k,widths,dtype", OPCHECK_CASES)
 def test_exl3_linear_opcheck(device, bits, codebook, k, widths, dtype):
     gen, _ = fresh_generator(device)
     layer = random_layer(k, widths, bits, codebook, device, gen)
@@ -129,7 +166,7 @@ def test_exl3_linear_opcheck(device, bits, codebook, k, widths, dtype):
         opcheck(torch.ops._C.exl3_linear.default, linear_args(x, layer, b))
 
 
-@pytest.mark.parametrize("bits,codebook", [RATES[0], RATES[3], RATES[5]])
+@pytest.mark.parametrize("bits,codebook", [c[:2] for c in OPCHECK_CASES])
 def test_exl3_reconstruct_opcheck(device, bits, codebook):
     gen, _ = fresh_generator(device)
     layer = random_layer(256, [384], bits, codebook, device, gen)
@@ -137,12 +174,14 @@ def test_exl3_reconstruct_opcheck(device, bits, codebook):
 
 
 def test_exl3_fakes(device):
-    """The wrappers under FakeTensorMode (as Dynamo traces them): shapes and dtypes only."""
+    """The wrappers under FakeTensorMode (as Dynamo traces them): shapes, dtypes."""
     gen, _ = fresh_generator("cpu")
     layer = random_layer(512, [128, 256, 128], 4, Codebook.MCG, "cpu", gen)
     with FakeTensorMode() as mode:
-        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
-                for k, v in layer.items()}
+        fake = {
+            k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+            for k, v in layer.items()
+        }
         x = torch.empty(7, 512, dtype=torch.bfloat16, device=device)
         y = ops.exl3_linear(*linear_args(x, fake, None))
         w_hat = ops.exl3_reconstruct(fake["trellis"], int(Codebook.MCG))
@@ -160,7 +199,7 @@ def test_exl3_schemas_match_the_sources(device):
 
 
 def _errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(relative Frobenius error, max |error| / rms(ref)); NaN or Inf in y never passes."""
+    """(relative Frobenius error, max |error| / rms(ref)); NaN or Inf never passes."""
     if not bool(torch.isfinite(y).all()):
         return math.inf, math.inf
     d = y.double() - ref
@@ -183,18 +222,27 @@ def test_exl3_linear_matches_reference(device, bits, codebook, k, widths, dtype)
     for m in M_VALUES:
         x = torch.randn(m, k, generator=gen, device=device).to(dtype)
         b = bias if m == M_VALUES[-1] else None
-        # The op takes its output from torch's caching allocator: leave a NaN-filled block of
-        # that size there, so a tile the kernel fails to write cannot pass.
+        # The op takes its output from torch's caching allocator: leave a NaN-filled
+        # block of that size there, so a tile the kernel fails to write cannot pass.
         poison = torch.full((m, sum(widths)), math.nan, dtype=dtype, device=device)
         del poison
         y = ops.exl3_linear(*linear_args(x, layer, b))
-        ref = reference.forward(x, layer["trellis"], layer["suh"], layer["svh"],
-                                int(codebook), widths, b, dtype=torch.float64)
+        ref = reference.forward(
+            x,
+            layer["trellis"],
+            layer["suh"],
+            layer["svh"],
+            int(codebook),
+            widths,
+            b,
+            dtype=torch.float64,
+        )
         assert y.dtype == dtype and y.shape == ref.shape
         rel, worst = _errors(y, ref)
         assert rel <= tol_rel and worst <= tol_max, (
             f"m={m} bias={b is not None} seed={seed}: relative error {rel:.3g} (bound "
-            f"{tol_rel}), max error {worst:.3g} rms (bound {tol_max})")
+            f"{tol_rel}), max error {worst:.3g} rms (bound {tol_max})"
+        )
 
 
 @pytest.mark.skipif(not current_platform.is_cuda(), reason="needs the CUDA build")
@@ -207,4 +255,6 @@ def test_exl3_reconstruct_bit_exact(device, bits, codebook):
     w_hat = ops.exl3_reconstruct(layer["trellis"], int(codebook))
     expected = reference.decode_rotated(layer["trellis"], int(codebook))
     assert w_hat.dtype == torch.float16
-    assert torch.equal(w_hat.view(torch.int16), expected.view(torch.int16)), f"seed={seed}"
+    assert torch.equal(w_hat.view(torch.int16), expected.view(torch.int16)), (
+        f"seed={seed}"
+    )
