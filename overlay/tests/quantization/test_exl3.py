@@ -18,7 +18,10 @@ import pytest
 import vllm.envs as envs
 from tests.models.utils import check_logprobs_close
 from tests.quantization.utils import is_quant_method_supported
-from vllm.model_executor.layers.quantization.exl3.kernels import CudaExl3Kernel
+from vllm.model_executor.layers.quantization.exl3.kernels import (
+    CudaExl3Kernel,
+    ReferenceExl3Kernel,
+)
 from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
 from vllm.model_executor.layers.quantization.exl3.lm_head import Exl3LMHeadMethod
 
@@ -69,27 +72,27 @@ def bf16_outputs(vllm_runner, model_dirs):
         return llm.generate_greedy_logprobs(PROMPTS, MAX_TOKENS, NUM_LOGPROBS)
 
 
-def _exl3_kernels(model) -> dict[str, str]:
-    return {
-        name: type(module.quant_method.kernel).__name__
-        for name, module in model.named_modules()
-        if isinstance(
-            getattr(module, "quant_method", None), (Exl3LinearMethod, Exl3LMHeadMethod)
-        )
-    }
-
-
 @pytest.mark.parametrize("model", QUANTIZED)
 def test_exl3_model(vllm_runner, model_dirs, bf16_outputs, model, monkeypatch):
     # `LLM.apply_model` pickles the function.
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    # The defaults: the EXL3 ops inside the torch.compile graph, captured as CUDA
-    # graphs.
+
+    def exl3_kernels(net) -> dict[str, str]:
+        return {
+            name: type(module.quant_method.kernel).__name__
+            for name, module in net.named_modules()
+            if isinstance(
+                getattr(module, "quant_method", None),
+                (Exl3LinearMethod, Exl3LMHeadMethod),
+            )
+        }
+
+    # vLLM's defaults: the EXL3 ops traced by torch.compile, run in CUDA graphs.
     with vllm_runner(
         model_dirs[model], dtype="bfloat16", max_model_len=MAX_MODEL_LEN
     ) as llm:
         assert llm.llm.model_config.quantization == "exl3"
-        (kernels,) = llm.apply_model(_exl3_kernels)
+        (kernels,) = llm.apply_model(exl3_kernels)
         exl3_outputs = llm.generate_greedy_logprobs(PROMPTS, MAX_TOKENS, NUM_LOGPROBS)
     assert len(kernels) == EXL3_LAYERS, kernels
     assert set(kernels.values()) == {CudaExl3Kernel.__name__}, kernels
@@ -103,9 +106,11 @@ def test_exl3_model(vllm_runner, model_dirs, bf16_outputs, model, monkeypatch):
         max_model_len=MAX_MODEL_LEN,
         enforce_eager=True,
     ) as llm:
+        (kernels,) = llm.apply_model(exl3_kernels)
         reference_outputs = llm.generate_greedy_logprobs(
             PROMPTS, MAX_TOKENS, NUM_LOGPROBS
         )
+    assert set(kernels.values()) == {ReferenceExl3Kernel.__name__}, kernels
 
     check_logprobs_close(
         outputs_0_lst=reference_outputs,
