@@ -14,8 +14,8 @@ site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 set +e
 "$PY" -m pytest -q -ra tests "$@"
 rc=$?
-# vLLM's own test harness on the overlay's tests/ files (a full run only: arguments select
-# tests of ours). Its own script, so it also runs alone.
+# vLLM's own test harness on the overlay's tests/ files: on a plain run (no pytest arguments,
+# as CI calls it). Its own script, so it also runs alone.
 if [ $# -eq 0 ]; then
   VLLM_EXL3_VENV=$VENV bash ci/test_vllm_harness.sh
   harness_rc=$?

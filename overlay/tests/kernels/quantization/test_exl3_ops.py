@@ -187,8 +187,8 @@ def test_exl3_reconstruct_opcheck(device, bits, codebook):
 
 def test_exl3_fakes(device):
     """The wrappers under FakeTensorMode (as Dynamo traces them): shapes, dtypes."""
-    gen, _ = fresh_generator("cpu")
-    layer = random_layer(512, [128, 256, 128], 4, Codebook.MCG, "cpu", gen)
+    gen, _ = fresh_generator(device)
+    layer = random_layer(512, [128, 256, 128], 4, Codebook.MCG, device, gen)
     with FakeTensorMode() as mode:
         fake = {
             k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
