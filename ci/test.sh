@@ -17,6 +17,13 @@ site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 set +e
 "$PY" -m pytest -q -ra tests "$@"
 rc=$?
+# vLLM's own test harness on the overlay's tests/ files: on a plain run (no pytest arguments,
+# as CI calls it). Its own script, so it also runs alone.
+if [ $# -eq 0 ]; then
+  VLLM_EXL3_VENV=$VENV bash ci/test_vllm_harness.sh
+  harness_rc=$?
+  [ "$rc" -ne 0 ] || rc=$harness_rc
+fi
 set -e
 # pytest's 5 means "no tests collected": that is a failure of this command, not a pass.
 exit $rc
