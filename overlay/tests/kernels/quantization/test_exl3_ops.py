@@ -23,7 +23,7 @@ from tests.kernels.utils import (
     opcheck,
 )
 from torch._subclasses.fake_tensor import FakeTensorMode
-from vllm.model_executor.layers.quantization.exl3 import ops, reference
+from vllm.model_executor.layers.quantization.exl3 import ops, plans, reference
 from vllm.model_executor.layers.quantization.exl3.format import TILE, Codebook
 from vllm.model_executor.layers.quantization.exl3.layout import trellis_words
 from vllm.platforms import current_platform
@@ -50,7 +50,13 @@ TOLERANCE = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (5e-3, 6e-2)}
 
 
 def linear_args(x, layer, bias):
-    """The arguments of `_C::exl3_linear` (and `ops.exl3_linear`) in schema order."""
+    """The arguments of `_C::exl3_linear` (and `ops.exl3_linear`) in schema order:
+    no plan table entries (the op's cost model plans every m) and a zeroed workspace
+    large enough for split-k at every m tested."""
+    header = plans.plan_header(False, False, plans.PlanPins())
+    workspace = torch.zeros(
+        max(M_VALUES) * sum(layer["widths"]), dtype=torch.float32, device=x.device
+    )
     return (
         x,
         layer["trellis"],
@@ -59,6 +65,8 @@ def linear_args(x, layer, bias):
         bias,
         layer["widths"],
         int(layer["codebook"]),
+        header,
+        workspace,
     )
 
 
