@@ -50,6 +50,7 @@ FIXTURE_SUBSETS = {
 # The real embeddings' standard deviation is 0.054-0.062; the generated one matches it.
 EMBED_STD = 0.06
 HEAD_BITS = 6  # ExLlamaV3's default head_bits
+DEEPSEEK_V3_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
 def sha256(path: Path) -> str:
@@ -65,6 +66,11 @@ def assemble(name: str, out_dir: Path, seed: int = 0) -> Path:
     layers = 1 + max(int(k.split(".")[2]) for k in tensors if k.startswith("model.layers."))
     cfg = json.loads((src / "config.json").read_text())
     cfg["num_hidden_layers"] = layers
+    if cfg.get("model_type") == "deepseek_v3":
+        # transformers 5 writes DeepSeek-V3 configs without these two keys (its model always
+        # scores with a sigmoid plus the correction bias); vLLM 0.26 reads them with the
+        # defaults "softmax" and no bias, which would be another model.
+        cfg.update(DEEPSEEK_V3_ROUTING)
     gen = torch.Generator().manual_seed(seed)
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     generated = {"model.embed_tokens.weight": (EMBED_STD * torch.randn(
