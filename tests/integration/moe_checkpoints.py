@@ -103,11 +103,14 @@ def link_tokenizer(ckpt_dir: Path) -> None:
 
 # ---- the oracle ----------------------------------------------------------------------------
 
-def decoded_modules(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """Every EXL3 module of a checkpoint as W fp32 [k_pad, n_pad] (y = x @ W)."""
+def decoded_modules(ckpt_dir: Path, under: tuple[str, ...] = ("",)) -> dict[str, torch.Tensor]:
+    """Every EXL3 module of a checkpoint (whose name starts with one of `under`) as W fp32
+    [k_pad, n_pad] (y = x @ W)."""
     index = read_safetensors_index(ckpt_dir)
     out = {}
     for prefix, spec in find_exl3_modules(index).items():
+        if not prefix.startswith(under):
+            continue
         w = load_module(ckpt_dir, spec, index=index)
         out[prefix] = reference.reconstruct(w.trellis, w.suh, w.svh, int(w.codebook),
                                             dtype=torch.float32)
