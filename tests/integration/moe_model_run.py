@@ -103,13 +103,11 @@ def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16"):
     return model, vllm_config
 
 
-def vllm_logits(ckpt_dir, ids: torch.Tensor, monkeypatch,
-                dtype: str = "bfloat16") -> tuple[torch.Tensor, nn.Module]:
-    """Logits of vLLM's model for one sequence."""
+def run_logits(model, vllm_config, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a loaded model for one sequence, the attention ops replaced by stand-ins."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    model, vllm_config = load_model(ckpt_dir, monkeypatch, dtype)
     with (set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config),
           torch.no_grad(), torch.compiler.set_stance("force_eager")):
         for layer in model.model.layers:
@@ -122,4 +120,11 @@ def vllm_logits(ckpt_dir, ids: torch.Tensor, monkeypatch,
         for layer in model.model.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = model.model.norm(hidden, residual)
-        return model.compute_logits(hidden).float(), model
+        return model.compute_logits(hidden).float()
+
+
+def vllm_logits(ckpt_dir, ids: torch.Tensor, monkeypatch,
+                dtype: str = "bfloat16") -> tuple[torch.Tensor, nn.Module]:
+    """Logits of vLLM's model for one sequence, at the TP size of the current vLLM world."""
+    model, vllm_config = load_model(ckpt_dir, monkeypatch, dtype)
+    return run_logits(model, vllm_config, ids), model

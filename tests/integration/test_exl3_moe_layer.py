@@ -23,8 +23,10 @@ TOKENS = 24
 RTOL = 2e-5
 
 
-def build_moe(ckpt, prefix: str, params_dtype=torch.float32, **kwargs):
-    """vLLM's FusedMoE for the checkpoint's layer `prefix` (experts module), loaded."""
+def build_moe(ckpt, prefix: str, params_dtype=torch.float32, expect_all_loaded=True,
+              **kwargs):
+    """vLLM's FusedMoE for the checkpoint's layer `prefix` (experts module), loaded; under
+    expert parallelism a rank loads only its experts (expect_all_loaded=False)."""
     import json
 
     from vllm.config import get_current_vllm_config
@@ -44,8 +46,9 @@ def build_moe(ckpt, prefix: str, params_dtype=torch.float32, **kwargs):
     weights = [(k[len(prefix) + 1:], v) for k, v in named.items()
                if k.startswith(prefix + ".")]
     loaded = list(moe.load_weights(iter(weights)))
-    # One successful load per checkpoint tensor under the experts prefix.
-    assert len(loaded) == len(weights), (len(loaded), len(weights))
+    if expect_all_loaded:
+        # One successful load per checkpoint tensor under the experts prefix.
+        assert len(loaded) == len(weights), (len(loaded), len(weights))
     moe.routed_experts.quant_method.process_weights_after_loading(moe.routed_experts)
     return moe, named, loaded
 

@@ -17,6 +17,9 @@ from moe_model_run import load_model
 import synthetic_checkpoint as synth
 
 MODEL_DTYPE = "float16"
+# Two decoder layers: one MoE layer at least in every preset (DeepSeek-V3 and GLM-4.5 start with a
+# dense one).
+LAYERS = 2
 # (preset, codebook, default bits, per-module overrides: first fnmatch pattern wins)
 ARCHITECTURES = {
     "qwen3-moe": ("qwen3-moe-tiny", "mcg", 4,
@@ -32,7 +35,8 @@ ARCHITECTURES = {
 def write(arch: str, out, **kwargs):
     preset, codebook, bits, overrides = ARCHITECTURES[arch]
     synth.write_checkpoint(preset, out, bits=bits, codebook=codebook,
-                           bits_overrides=overrides, mtp=False, seed=7, **kwargs)
+                           bits_overrides=overrides, mtp=False, seed=7, layers=LAYERS,
+                           **kwargs)
     link_tokenizer(out)
     return out
 
