@@ -59,3 +59,62 @@ def test_synthetic_architecture(arch, tmp_path, monkeypatch, world1):
             k2 |= set(module.w2_meta[:, 1].tolist())
     assert k2 == {int(2 * b) for b in (bits, *overrides.values())}, sorted(k2)
     assert check_moe_blocks(ckpt, model, vllm_config) >= 1
+
+
+def test_mla_kv_b_proj_stored_as_exl3(tmp_path, monkeypatch, world1):
+    """A DeepSeek-V3 checkpoint whose kv_b_proj is EXL3 (ExLlamaV3 keeps it fp16, another writer
+    may not): loaded as EXL3 and reconstructed once into the dense weight MLA absorbs; the model
+    equals the same checkpoint with that weight stored as fp16."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from moe_model_run import run_logits
+    from test_exl3_moe_model import token_ids
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.exl3 import reference
+    from vllm.model_executor.layers.quantization.exl3.dequantized import (
+        Exl3DequantizedLinearMethod)
+
+    exl3_dir, dense_dir = (write("deepseek-v3", tmp_path / d) for d in ("exl3", "dense"))
+    named = load_file(str(exl3_dir / "model.safetensors"))
+    dense_named = dict(named)
+    storage_path = exl3_dir / "quantization_config.json"
+    document = json.loads(storage_path.read_text())
+    gen = torch.Generator().manual_seed(11)
+    decoded = {}
+    for name in [k for k in named if k.endswith("kv_b_proj.weight")]:
+        module = name.rpartition(".")[0]
+        out, inp = named.pop(name).shape
+        slot = synth.LinearSlot(module, inp, out, "column", module)
+        tensors = synth._exl3_tensors(slot, 4, synth.CODEBOOK_NAMES["3inst"], False, gen)
+        named.update(tensors)
+        w = reference.reconstruct(tensors[f"{module}.trellis"], tensors[f"{module}.suh"],
+                                  tensors[f"{module}.svh"], 0)[:inp, :out].t()
+        decoded[module] = w
+        dense_named[name] = w.half().contiguous()
+        document["tensor_storage"][module] = {
+            "stored_tensors": synth._storage_entry(tensors), "quant_format": "exl3",
+            "bits_per_weight": 4}
+    assert len(decoded) == 2
+    save_file(named, str(exl3_dir / "model.safetensors"), metadata={"format": "pt"})
+    storage_path.write_text(json.dumps(document))
+    save_file(dense_named, str(dense_dir / "model.safetensors"), metadata={"format": "pt"})
+
+    ids = token_ids(12)
+    model, vllm_config = load_model(exl3_dir, monkeypatch, MODEL_DTYPE)
+    for module, w in decoded.items():
+        layer = model.get_submodule(module)
+        assert isinstance(layer.quant_method, Exl3DequantizedLinearMethod)
+        assert {n for n, _ in layer.named_parameters()} == {"weight"}
+        err = (layer.weight.double() - w.double()).abs().max().item()
+        assert err <= 2 ** -10 * w.abs().max().item(), f"{module}: {err}"
+    got = run_logits(model, vllm_config, ids)
+    model, vllm_config = load_model(dense_dir, monkeypatch, MODEL_DTYPE)
+    kv_b = model.get_submodule(next(iter(decoded)))
+    assert type(kv_b.quant_method).__name__ == "Exl3PaddedUnquantizedLinearMethod"
+    assert isinstance(kv_b.quant_method, UnquantizedLinearMethod)
+    want = run_logits(model, vllm_config, ids)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max().item() <= 8 * 2 ** -10 * want.abs().max().item()

@@ -260,8 +260,11 @@ class Exl3Config(QuantizationConfig):
                 # The format keeps unquantized linears 128-padded too; this is vLLM's
                 # unquantized method with a loader that trims that padding (padding.py).
                 return Exl3PaddedUnquantizedLinearMethod()
+            from .dequantized import DENSE_CONSUMED, Exl3DequantizedLinearMethod
             from .linear import Exl3LinearMethod
 
+            if prefix.rpartition(".")[2] in DENSE_CONSUMED:
+                return Exl3DequantizedLinearMethod(specs)
             return Exl3LinearMethod(specs)
         if isinstance(layer, ParallelLMHead):
             key = self._resolve(prefix)

@@ -7,16 +7,14 @@ ExLlamaV3 stores every expert projection as its own EXL3 linear
 between gate, up and down and between experts. The layer's local experts (E, hidden h, per-rank
 expert width i_p, all multiples of 128) are held as:
 
-| parameter | dtype, shape | meaning |
-|---|---|---|
-| `w13_trellis` | int16 [T13] | gate and up trellises of every local expert back to back; (e, r) is the block [h/16, i_p/16, 16K] at `w13_meta[e, r, 0]` (r 0 gate, 1 up) |
-| `w13_meta` | int64 [E, 2, 2] | (offset in elements, k2 = 2 * bits) per expert and role |
-| `w13_suh` | fp16 [E, 2, h] | input scales per expert and role |
-| `w13_svh` | fp16 [E, 2 * i_p] | output scales, gate columns then up columns |
-| `w2_trellis` | int16 [T2] | down trellises, expert e the block [i_p/16, h/16, 16K] at `w2_meta[e, 0]` |
-| `w2_meta` | int64 [E, 2] | (offset, k2) |
-| `w2_suh` | fp16 [E, i_p] | |
-| `w2_svh` | fp16 [E, h] | |
+* `w13_trellis` int16 [T13]: the gate and up trellises of every local expert back to back;
+  expert e, role r (0 gate, 1 up) is the block [h/16, i_p/16, 16K] at `w13_meta[e, r, 0]`;
+* `w13_meta` int64 [E, 2, 2]: (offset in elements, k2 = 2 * bits) per expert and role;
+* `w13_suh` fp16 [E, 2, h]: input scales per expert and role;
+* `w13_svh` fp16 [E, 2 * i_p]: output scales, gate columns then up columns;
+* `w2_trellis` int16 [T2]: the down trellises, expert e the block [i_p/16, h/16, 16K] at
+  `w2_meta[e, 0]`; `w2_meta` int64 [E, 2]: (offset, k2);
+* `w2_suh` fp16 [E, i_p]; `w2_svh` fp16 [E, h].
 
 The meta tables are non-persistent buffers (dummy-weight initialisation must not randomise
 them); block offsets are multiples of `BLOCK_ALIGN` elements. One codebook per layer.
@@ -324,7 +322,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 return
             suffix, loaded = full, unpack_sign_bits(loaded)
         self._claim(where, suffix, local, role, name)
-        h, i_p, r = self.hidden, self.width, self.tp_rank
+        i_p, r = self.width, self.tp_rank
         if suffix == "trellis":
             words = TILE * _k2(spec) // K2_PER_BIT
             self._check(where, loaded, torch.int16,
