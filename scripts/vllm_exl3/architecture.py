@@ -8,7 +8,9 @@ names for MoE, routers and kv_b_proj unquantized, an lm_head always present.
 
 Supported: dense decoders (llama/qwen2/qwen3-style q/k/v/o + gate/up/down), qwen2/qwen3 MoE
 (per-expert, optional shared expert), Mixtral (block_sparse_moe, w1/w2/w3 experts), GLM-4.5/4.6
-MoE (q/k/v bias, optional q/k norms, DeepSeek-style routed + shared experts), DeepSeek-style MLA +
+MoE (q/k/v bias, optional q/k norms, DeepSeek-style routed + shared experts), Qwen3-Next (gated
+attention every full_attention_interval-th layer, Gated DeltaNet otherwise, MoE with a gated
+shared expert), DeepSeek-style MLA +
 MoE with shared experts and an MTP layer (`num_nextn_predict_layers`, the glm4_moe_lite MTP
 layout). Anything else raises PlanError.
 Pure Python: no torch.
@@ -88,6 +90,11 @@ class ModelPlan:
 
 # Model types whose attention_bias puts a bias on q/k/v only (o_proj has none).
 QKV_ONLY_BIAS = ("qwen2", "qwen2_moe", "glm4_moe")
+# Models whose q_proj carries an output gate per head (q_proj width 2 * heads * head_dim).
+GATED_Q_TYPES = ("qwen3_next",)
+# Hybrid models: every full_attention_interval-th layer is attention, the others Gated DeltaNet
+# linear attention (`linear_attn`, fused in_proj_qkvz and in_proj_ba as in the HF checkpoint).
+GATED_DELTA_NET_TYPES = ("qwen3_next",)
 # Mixtral: experts under block_sparse_moe, projections w1 (gate), w3 (up), w2 (down), expert
 # width = intermediate_size.
 MIXTRAL_TYPES = ("mixtral",)
@@ -173,10 +180,12 @@ def _attention(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: s
         return
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
+    # Qwen3-Next's q_proj also produces the output gate, interleaved per head (twice the width).
+    q_width = heads * head_dim * (2 if model_type in GATED_Q_TYPES else 1)
     qkv_bias = model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias"))
     o_bias = bool(cfg.get("attention_bias")) and model_type not in QKV_ONLY_BIAS
     fused = f"{prefix}.qkv_proj"
-    plan.add_linear(LinearSlot(f"{prefix}.q_proj", hidden, heads * head_dim, COLUMN, fused,
+    plan.add_linear(LinearSlot(f"{prefix}.q_proj", hidden, q_width, COLUMN, fused,
                                bits_key=bits_key, has_bias=qkv_bias, heads=heads))
     for proj in ("k_proj", "v_proj"):
         plan.add_linear(LinearSlot(f"{prefix}.{proj}", hidden, kv_heads * head_dim, COLUMN, fused,
@@ -233,11 +242,42 @@ def _moe(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str) ->
                                    f"{prefix}.shared_expert_gate", quantized=False))
 
 
+def _gated_delta_net(plan: ModelPlan, cfg: dict, prefix: str, hidden: int,
+                     bits_key: str) -> None:
+    """Qwen3-Next's linear attention as ExLlamaV3 stores it: in_proj_qkvz and out_proj EXL3,
+    in_proj_ba unquantized (pad_to=1), the conv, decay and norm tensors as stored."""
+    key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value_dim = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    v_heads = cfg["linear_num_value_heads"]
+    plan.add_linear(LinearSlot(f"{prefix}.in_proj_qkvz", hidden, 2 * key_dim + 2 * value_dim,
+                               COLUMN, f"{prefix}.in_proj_qkvz", bits_key=bits_key))
+    plan.add_linear(LinearSlot(f"{prefix}.in_proj_ba", hidden, 2 * v_heads, COLUMN,
+                               f"{prefix}.in_proj_ba", quantized=False))
+    plan.add_plain(f"{prefix}.conv1d.weight",
+                   (2 * key_dim + value_dim, 1, cfg["linear_conv_kernel_dim"]), "conv")
+    plan.add_plain(f"{prefix}.A_log", (v_heads,), "decay", module=prefix)
+    plan.add_plain(f"{prefix}.dt_bias", (v_heads,), "decay", module=prefix)
+    plan.add_plain(f"{prefix}.norm.weight", (cfg["linear_value_head_dim"],), "norm")
+    plan.add_linear(LinearSlot(f"{prefix}.out_proj", value_dim, hidden, ROW,
+                               f"{prefix}.out_proj", bits_key=bits_key))
+
+
+def _is_linear_attention_layer(cfg: dict, idx: int) -> bool:
+    if cfg.get("model_type") not in GATED_DELTA_NET_TYPES:
+        return False
+    if cfg.get("layer_types"):
+        return cfg["layer_types"][idx] == "linear_attention"
+    return (idx + 1) % cfg.get("full_attention_interval", 4) != 0
+
+
 def _decoder_layer(plan: ModelPlan, cfg: dict, idx: int, bits_key: str) -> None:
     hidden = cfg["hidden_size"]
     prefix = f"model.layers.{idx}"
     plan.add_plain(f"{prefix}.input_layernorm.weight", (hidden,), "norm")
-    _attention(plan, cfg, f"{prefix}.self_attn", hidden, bits_key)
+    if _is_linear_attention_layer(cfg, idx):
+        _gated_delta_net(plan, cfg, f"{prefix}.linear_attn", hidden, bits_key)
+    else:
+        _attention(plan, cfg, f"{prefix}.self_attn", hidden, bits_key)
     plan.add_plain(f"{prefix}.post_attention_layernorm.weight", (hidden,), "norm")
     if _is_moe_layer(cfg, idx):
         block = "block_sparse_moe" if cfg.get("model_type") in MIXTRAL_TYPES else "mlp"
@@ -259,6 +299,8 @@ def plan_model(cfg: dict) -> ModelPlan:
         if key not in cfg:
             raise PlanError(f"config.json: missing {key!r} (not a decoder-only text model?)")
     for key, bad in _UNSUPPORTED_KEYS.items():
+        if key == "layer_types" and cfg.get("model_type") in GATED_DELTA_NET_TYPES:
+            continue  # linear-attention layers, placed by full_attention_interval
         if key in cfg and bad(cfg[key]):
             raise PlanError(f"config.json: {key}={cfg[key]!r} is not supported by the planner")
     if (cfg.get("num_local_experts") and not cfg.get("moe_intermediate_size")

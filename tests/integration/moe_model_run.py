@@ -94,6 +94,9 @@ def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16"):
                         lambda *args, **kwargs: CPU_ATTENTION_BACKEND)
     # vLLM's MLA backends need CUDA even to be constructed.
     monkeypatch.setattr(mla, "MLAAttention", CausalMla)
+    # Read when Gated DeltaNet layers are constructed; a GPU-less platform has none.
+    if current_platform.current_device is None:
+        monkeypatch.setattr(current_platform, "current_device", lambda: torch.device("cpu"))
     patch_cpu_routing(monkeypatch)
     model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
     assert model_config.quantization == "exl3"

@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "glm4-moe": ("glm4-moe-tiny", "mul1", 4,
                  {"*.experts.2.*": 2.5, "*.experts.6.up_proj": 3.5, "*.experts.7.down_proj": 6}),
     "mixtral": ("mixtral-tiny", "mcg", 3, {"*.experts.4.w2": 4, "*.experts.5.*": 2}),
+    "qwen3-next": ("qwen3-next-tiny", "mul1", 4, {"*.experts.3.*": 1.5, "*.experts.4.gate_proj": 8}),
 }
 
 
