@@ -37,6 +37,8 @@ def moe_blocks(model) -> list[tuple[str, torch.nn.Module]]:
     out = []
     for name, module in model.named_modules():
         if isinstance(getattr(module, "experts", None), MoERunner):
+            # An MTP draft nests its decoder layer as `mtp_block`; the checkpoint does not.
+            name = name.replace(".mtp_block", "")
             out.append((name if name.startswith("model.") else f"model.{name}", module))
     return out
 

@@ -82,13 +82,9 @@ def patch_cpu_routing(monkeypatch) -> None:
     monkeypatch.setattr(fused_topk_router, "vllm_topk_sigmoid", _topk_writer(torch.sigmoid))
 
 
-def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16"):
-    """(model, vllm_config) of vLLM's loader at the TP size of the current vLLM world."""
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.platforms import current_platform
-
+def cpu_stand_ins(monkeypatch) -> None:
     from vllm.model_executor.layers import mla
+    from vllm.platforms import current_platform
 
     monkeypatch.setattr(current_platform, "get_attn_backend_cls",
                         lambda *args, **kwargs: CPU_ATTENTION_BACKEND)
@@ -98,6 +94,35 @@ def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16"):
     if current_platform.current_device is None:
         monkeypatch.setattr(current_platform, "current_device", lambda: torch.device("cpu"))
     patch_cpu_routing(monkeypatch)
+
+
+def load_target_and_draft(ckpt_dir, monkeypatch, dtype: str = "float16"):
+    """(target, draft, vllm_config): the model and its MTP draft (vLLM's SpeculativeConfig
+    for method "mtp"), both built with the one quant config of the VllmConfig."""
+    from vllm.config import (DeviceConfig, ModelConfig, ParallelConfig, SpeculativeConfig,
+                             VllmConfig)
+    from vllm.model_executor.model_loader import get_model_loader
+
+    cpu_stand_ins(monkeypatch)
+    model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
+    speculative = SpeculativeConfig(method="mtp", num_speculative_tokens=1,
+                                    target_model_config=model_config,
+                                    target_parallel_config=ParallelConfig())
+    vllm_config = VllmConfig(model_config=model_config, speculative_config=speculative,
+                             device_config=DeviceConfig("cpu"))
+    loader = get_model_loader(vllm_config.load_config)
+    target = loader.load_model(vllm_config=vllm_config, model_config=model_config)
+    draft = loader.load_model(vllm_config=vllm_config,
+                              model_config=speculative.draft_model_config)
+    return target, draft, vllm_config
+
+
+def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16"):
+    """(model, vllm_config) of vLLM's loader at the TP size of the current vLLM world."""
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    cpu_stand_ins(monkeypatch)
     model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
     assert model_config.quantization == "exl3"
     vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
