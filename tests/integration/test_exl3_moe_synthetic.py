@@ -29,6 +29,9 @@ ARCHITECTURES = {
     "glm4-moe": ("glm4-moe-tiny", "mul1", 4,
                  {"*.experts.2.*": 2.5, "*.experts.6.up_proj": 3.5, "*.experts.7.down_proj": 6}),
     "mixtral": ("mixtral-tiny", "mcg", 3, {"*.experts.4.w2": 4, "*.experts.5.*": 2}),
+    # Expert width 192: stored padded to 256 (svh = 0 on the padding), vLLM's width rounded up.
+    "qwen3-moe-padded": ({**synth.PRESETS["qwen3-moe-tiny"], "moe_intermediate_size": 192},
+                         "3inst", 3, {"*.experts.6.*": 4}),
     "qwen3-next": ("qwen3-next-tiny", "mul1", 4, {"*.experts.3.*": 1.5, "*.experts.4.gate_proj": 8}),
 }
 
@@ -51,6 +54,7 @@ def test_synthetic_architecture(arch, tmp_path, monkeypatch, world1):
     methods = [m.quant_method for n, m in model.named_modules()
                if n.endswith("routed_experts")]
     assert methods and all(isinstance(q, Exl3MoEMethod) for q in methods)
+    assert all(q.width % 128 == 0 for q in methods), [q.width for q in methods]
     # The per-expert rate table holds every rate the overrides asked for (k2 = 2 * bits).
     _, _, bits, overrides = ARCHITECTURES[arch]
     k2 = set()

@@ -210,7 +210,9 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if why is None and i_p % HADAMARD_SIZE:
             why = f"expert width {i_p} per rank is not a multiple of {HADAMARD_SIZE}"
         if why is not None:
-            raise Exl3LayoutError(f"{where}: {why} (the down projections' k)")
+            raise Exl3LayoutError(
+                f"{where}: {why} (the down projections' k); expert parallelism "
+                f"(--enable-expert-parallel) keeps every expert whole on one rank")
         if layer.moe_config.activation.value != "silu":
             raise Exl3LayoutError(
                 f"{where}: activation {layer.moe_config.activation.value!r}; EXL3 MoE supports "
