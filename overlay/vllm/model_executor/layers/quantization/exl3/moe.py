@@ -176,8 +176,9 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self.experts = experts
         self.codebook = next(iter(experts.values())).gate.codebook
         self.kernel: Exl3MoEKernel
-        # (local expert, role) -> the global expert's specs, set in create_weights.
-        self._local: dict[int, int] = {}  # local -> global expert id
+        # Set in create_weights: local -> global expert id, and the checkpoint suffixes each
+        # (local expert, role) must load.
+        self._local: dict[int, int] = {}
         self._expected: dict[tuple[int, int], set[str]] = {}
         self._written: dict[tuple[str, int, int], str] = {}  # (target, local, role) -> name
         self._loaded_any = False
