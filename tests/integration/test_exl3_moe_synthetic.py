@@ -32,7 +32,8 @@ ARCHITECTURES = {
     # Expert width 192: stored padded to 256 (svh = 0 on the padding), vLLM's width rounded up.
     "qwen3-moe-padded": ({**synth.PRESETS["qwen3-moe-tiny"], "moe_intermediate_size": 192},
                          "3inst", 3, {"*.experts.6.*": 4}),
-    "qwen3-next": ("qwen3-next-tiny", "mul1", 4, {"*.experts.3.*": 1.5, "*.experts.4.gate_proj": 8}),
+    "qwen3-next": ("qwen3-next-tiny", "mul1", 4,
+                   {"*.experts.3.*": 1.5, "*.experts.4.gate_proj": 8}),
 }
 
 
