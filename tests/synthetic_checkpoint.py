@@ -3,7 +3,8 @@
 """Write EXL3 checkpoints with random trellis codes in ExLlamaV3 1.6.5's on-disk layout.
 
 Covers architectures we have no real checkpoint for: any config the architecture plan knows
-(scripts/vllm_exl3/architecture.py: dense, qwen2/qwen3 MoE, DeepSeek-style MLA + MoE + MTP).
+(scripts/vllm_exl3/architecture.py: dense, qwen2/qwen3 MoE, Mixtral, GLM-4.5 MoE, Qwen3-Next,
+DeepSeek-style MLA + MoE + MTP).
 Layout as in exl3-format.md §1: per-projection tensor sets (trellis int16, suh/svh fp16, an int32
 scalar marker for mcg/mul1), k and n padded to 128 with svh = 0 on padded output columns, an
 lm_head always present (padded vocab), norms/embeddings in the model dtype, routers and kv_b_proj
@@ -115,11 +116,58 @@ _DEEPSEEK_V3_TINY = {
     "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "rope_scaling": None,
     "tie_word_embeddings": False, "use_cache": True, "vocab_size": 4000,
 }
+# GLM-4.5/4.6 MoE, shrunk: q/k/v bias without o bias, q/k norms, one dense layer first, sigmoid
+# routing with the correction bias over 2 groups, a shared expert.
+_GLM4_MOE_TINY = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1,
+    "dtype": "bfloat16", "torch_dtype": "bfloat16", "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 512,
+    "max_position_embeddings": 2048, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False,
+    "use_cache": True, "use_qk_norm": True, "vocab_size": 4096, "n_routed_experts": 8,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+}
+# Mixtral, shrunk: experts under block_sparse_moe as w1/w2/w3, expert width intermediate_size.
+_MIXTRAL_TINY = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
+    "bos_token_id": 0, "eos_token_id": 0, "dtype": "bfloat16", "torch_dtype": "bfloat16",
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 256, "initializer_range": 0.02,
+    "intermediate_size": 256, "max_position_embeddings": 2048, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "num_hidden_layers": 2, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
+    "vocab_size": 4096, "router_aux_loss_coef": 0.02, "output_router_logits": False,
+}
+# Qwen3-Next, shrunk: Gated DeltaNet in layer 0, gated attention in layer 1 (interval 2), every
+# layer MoE with a sigmoid-gated shared expert.
+_QWEN3_NEXT_TINY = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0,
+    "dtype": "bfloat16", "torch_dtype": "bfloat16", "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 512,
+    "max_position_embeddings": 2048, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "full_attention_interval": 2,
+    "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False,
+    "use_cache": True, "vocab_size": 4096, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "output_router_logits": False, "router_aux_loss_coef": 0.001,
+}
 PRESETS: dict[str, dict] = {
     "qwen3-tiny": _QWEN3_TINY,
     "qwen3-8b": _QWEN3_8B,
     "qwen3-moe-tiny": _QWEN3_MOE_TINY,
     "deepseek-v3-tiny": _DEEPSEEK_V3_TINY,
+    "glm4-moe-tiny": _GLM4_MOE_TINY,
+    "mixtral-tiny": _MIXTRAL_TINY,
+    "qwen3-next-tiny": _QWEN3_NEXT_TINY,
 }
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}

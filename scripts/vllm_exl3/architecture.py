@@ -7,8 +7,12 @@ ExLlamaV3's converted checkpoints (exl3-format.md §1.8): one tensor set per pro
 names for MoE, routers and kv_b_proj unquantized, an lm_head always present.
 
 Supported: dense decoders (llama/qwen2/qwen3-style q/k/v/o + gate/up/down), qwen2/qwen3 MoE
-(per-expert, optional shared expert), DeepSeek-style MLA + MoE with shared experts and an MTP
-layer (`num_nextn_predict_layers`, the glm4_moe_lite MTP layout). Anything else raises PlanError.
+(per-expert, optional shared expert), Mixtral (block_sparse_moe, w1/w2/w3 experts), GLM-4.5/4.6
+MoE (q/k/v bias, optional q/k norms, DeepSeek-style routed + shared experts), Qwen3-Next (gated
+attention every full_attention_interval-th layer, Gated DeltaNet otherwise, MoE with a gated
+shared expert), DeepSeek-style MLA +
+MoE with shared experts and an MTP layer (`num_nextn_predict_layers`, the glm4_moe_lite MTP
+layout). Anything else raises PlanError.
 Pure Python: no torch.
 """
 
@@ -83,6 +87,17 @@ class ModelPlan:
         if module not in self.modules:
             self.modules.append(module)
 
+
+# Model types whose attention_bias puts a bias on q/k/v only (o_proj has none).
+QKV_ONLY_BIAS = ("qwen2", "qwen2_moe", "glm4_moe")
+# Models whose q_proj carries an output gate per head (q_proj width 2 * heads * head_dim).
+GATED_Q_TYPES = ("qwen3_next",)
+# Hybrid models: every full_attention_interval-th layer is attention, the others Gated DeltaNet
+# linear attention (`linear_attn`, fused in_proj_qkvz and in_proj_ba as in the HF checkpoint).
+GATED_DELTA_NET_TYPES = ("qwen3_next",)
+# Mixtral: experts under block_sparse_moe, projections w1 (gate), w3 (up), w2 (down), expert
+# width = intermediate_size.
+MIXTRAL_TYPES = ("mixtral",)
 
 _EXPERT = re.compile(r"^(?P<mlp>.+)\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _FUSED_SIBLINGS = {
@@ -165,10 +180,12 @@ def _attention(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: s
         return
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
+    # Qwen3-Next's q_proj also produces the output gate, interleaved per head (twice the width).
+    q_width = heads * head_dim * (2 if model_type in GATED_Q_TYPES else 1)
     qkv_bias = model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias"))
-    o_bias = bool(cfg.get("attention_bias")) and model_type not in ("qwen2", "qwen2_moe")
+    o_bias = bool(cfg.get("attention_bias")) and model_type not in QKV_ONLY_BIAS
     fused = f"{prefix}.qkv_proj"
-    plan.add_linear(LinearSlot(f"{prefix}.q_proj", hidden, heads * head_dim, COLUMN, fused,
+    plan.add_linear(LinearSlot(f"{prefix}.q_proj", hidden, q_width, COLUMN, fused,
                                bits_key=bits_key, has_bias=qkv_bias, heads=heads))
     for proj in ("k_proj", "v_proj"):
         plan.add_linear(LinearSlot(f"{prefix}.{proj}", hidden, kv_heads * head_dim, COLUMN, fused,
@@ -176,7 +193,7 @@ def _attention(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: s
                                    kv_heads=kv_heads))
     plan.add_linear(LinearSlot(f"{prefix}.o_proj", heads * head_dim, hidden, ROW,
                                f"{prefix}.o_proj", bits_key=bits_key, has_bias=o_bias))
-    if model_type.startswith("qwen3"):
+    if model_type.startswith("qwen3") or cfg.get("use_qk_norm"):
         plan.add_plain(f"{prefix}.q_norm.weight", (head_dim,), "norm")
         plan.add_plain(f"{prefix}.k_norm.weight", (head_dim,), "norm")
 
@@ -202,17 +219,19 @@ def _is_moe_layer(cfg: dict, idx: int) -> bool:
 
 def _moe(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str) -> None:
     experts = _num_experts(cfg)
-    inter = cfg["moe_intermediate_size"]
+    mixtral = cfg.get("model_type") in MIXTRAL_TYPES
+    inter = cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     plan.add_linear(LinearSlot(f"{prefix}.gate", hidden, experts, REPLICATED, f"{prefix}.gate",
                                quantized=False))
     if cfg.get("n_routed_experts") and cfg.get("topk_method", "noaux_tc") == "noaux_tc":
         plan.add_plain(f"{prefix}.gate.e_score_correction_bias", (experts,), "router_bias",
                        module=f"{prefix}.gate")
     for e in range(experts):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in (gate, up, down):
             name = f"{prefix}.experts.{e}.{proj}"
-            k, n = (inter, hidden) if proj == "down_proj" else (hidden, inter)
-            plan.add_linear(LinearSlot(name, k, n, ROW if proj == "down_proj" else COLUMN,
+            k, n = (inter, hidden) if proj == down else (hidden, inter)
+            plan.add_linear(LinearSlot(name, k, n, ROW if proj == down else COLUMN,
                                        f"{prefix}.experts", bits_key=bits_key))
     if cfg.get("n_shared_experts"):
         _mlp(plan, f"{prefix}.shared_experts", hidden, inter * cfg["n_shared_experts"], bits_key)
@@ -223,14 +242,46 @@ def _moe(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str) ->
                                    f"{prefix}.shared_expert_gate", quantized=False))
 
 
+def _gated_delta_net(plan: ModelPlan, cfg: dict, prefix: str, hidden: int,
+                     bits_key: str) -> None:
+    """Qwen3-Next's linear attention as ExLlamaV3 stores it: in_proj_qkvz and out_proj EXL3,
+    in_proj_ba unquantized (pad_to=1), the conv, decay and norm tensors as stored."""
+    key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    value_dim = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    v_heads = cfg["linear_num_value_heads"]
+    plan.add_linear(LinearSlot(f"{prefix}.in_proj_qkvz", hidden, 2 * key_dim + 2 * value_dim,
+                               COLUMN, f"{prefix}.in_proj_qkvz", bits_key=bits_key))
+    plan.add_linear(LinearSlot(f"{prefix}.in_proj_ba", hidden, 2 * v_heads, COLUMN,
+                               f"{prefix}.in_proj_ba", quantized=False))
+    plan.add_plain(f"{prefix}.conv1d.weight",
+                   (2 * key_dim + value_dim, 1, cfg["linear_conv_kernel_dim"]), "conv")
+    plan.add_plain(f"{prefix}.A_log", (v_heads,), "decay", module=prefix)
+    plan.add_plain(f"{prefix}.dt_bias", (v_heads,), "decay", module=prefix)
+    plan.add_plain(f"{prefix}.norm.weight", (cfg["linear_value_head_dim"],), "norm")
+    plan.add_linear(LinearSlot(f"{prefix}.out_proj", value_dim, hidden, ROW,
+                               f"{prefix}.out_proj", bits_key=bits_key))
+
+
+def _is_linear_attention_layer(cfg: dict, idx: int) -> bool:
+    if cfg.get("model_type") not in GATED_DELTA_NET_TYPES:
+        return False
+    if cfg.get("layer_types"):
+        return cfg["layer_types"][idx] == "linear_attention"
+    return (idx + 1) % cfg.get("full_attention_interval", 4) != 0
+
+
 def _decoder_layer(plan: ModelPlan, cfg: dict, idx: int, bits_key: str) -> None:
     hidden = cfg["hidden_size"]
     prefix = f"model.layers.{idx}"
     plan.add_plain(f"{prefix}.input_layernorm.weight", (hidden,), "norm")
-    _attention(plan, cfg, f"{prefix}.self_attn", hidden, bits_key)
+    if _is_linear_attention_layer(cfg, idx):
+        _gated_delta_net(plan, cfg, f"{prefix}.linear_attn", hidden, bits_key)
+    else:
+        _attention(plan, cfg, f"{prefix}.self_attn", hidden, bits_key)
     plan.add_plain(f"{prefix}.post_attention_layernorm.weight", (hidden,), "norm")
     if _is_moe_layer(cfg, idx):
-        _moe(plan, cfg, f"{prefix}.mlp", hidden, bits_key)
+        block = "block_sparse_moe" if cfg.get("model_type") in MIXTRAL_TYPES else "mlp"
+        _moe(plan, cfg, f"{prefix}.{block}", hidden, bits_key)
     else:
         _mlp(plan, f"{prefix}.mlp", hidden, cfg["intermediate_size"], bits_key)
 
@@ -248,10 +299,15 @@ def plan_model(cfg: dict) -> ModelPlan:
         if key not in cfg:
             raise PlanError(f"config.json: missing {key!r} (not a decoder-only text model?)")
     for key, bad in _UNSUPPORTED_KEYS.items():
+        if key == "layer_types" and cfg.get("model_type") in GATED_DELTA_NET_TYPES:
+            continue  # linear-attention layers, placed by full_attention_interval
         if key in cfg and bad(cfg[key]):
             raise PlanError(f"config.json: {key}={cfg[key]!r} is not supported by the planner")
-    if cfg.get("num_local_experts") and not cfg.get("moe_intermediate_size"):
-        raise PlanError("config.json: Mixtral-style MoE (w1/w2/w3 experts) is not supported")
+    if (cfg.get("num_local_experts") and not cfg.get("moe_intermediate_size")
+            and cfg.get("model_type") not in MIXTRAL_TYPES):
+        raise PlanError(f"config.json: model type {cfg.get('model_type')!r} has "
+                        f"num_local_experts but no moe_intermediate_size (only Mixtral's w1/w2/w3 "
+                        f"layout is known)")
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     plan = ModelPlan()
     plan.add_plain("model.embed_tokens.weight", (vocab, hidden), "embed")

@@ -126,12 +126,22 @@ def _expert_tensors() -> dict[str, torch.Tensor]:
 
 
 def test_exl3_moe_experts_fail_closed():
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    """Routed experts with EXL3 modules get the EXL3 MoE method, which needs every expert: a
+    checkpoint with one expert projection names the first missing one; a layer without EXL3
+    experts keeps vLLM's own method (None)."""
+    from types import SimpleNamespace
 
-    experts = RoutedExperts.__new__(RoutedExperts)  # only its type matters here
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    experts = RoutedExperts.__new__(RoutedExperts)  # its type and these attributes matter here
+    experts.moe_config = SimpleNamespace(num_logical_experts=8, hidden_dim=256,
+                                         hidden_dim_unpadded=256, intermediate_size=768)
+    experts.ckpt_gate_proj_name, experts.ckpt_up_proj_name = "gate_proj", "up_proj"
+    experts.ckpt_down_proj_name = "down_proj"
     config = config_from_tensors(_expert_tensors())
-    with pytest.raises(NotImplementedError, match=r"EXL3 MoE not supported yet: "
-                                                  r"model\.layers\.0\.mlp\.experts has 1"):
+    with pytest.raises(Exl3LayoutError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj"
+                                              r"\.trellis: missing tensor"):
         config.get_quant_method(experts, "model.layers.0.mlp.experts")
     assert config.get_quant_method(experts, "model.layers.1.mlp.experts") is None
 

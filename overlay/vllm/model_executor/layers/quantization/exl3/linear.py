@@ -14,7 +14,8 @@ import torch.nn.functional as F
 import vllm.envs as envs
 
 from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase,
-                                               LinearMethodBase, QKVParallelLinear,
+                                               LinearMethodBase, MergedColumnParallelLinear,
+                                               QKVParallelLinear,
                                                ReplicatedLinear, RowParallelLinear,
                                                register_weight_loader_v2_supported_method)
 
@@ -99,6 +100,13 @@ def warm_up(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module) -> N
                   layer.trellis.device, lambda x: run_layout(kernel, layout, layer, x, None))
 
 
+def _single_shard_loader(loader):
+    def load(param, loaded_weight, loaded_shard_id=None):
+        loader(param, loaded_weight, 0 if loaded_shard_id is None else loaded_shard_id)
+
+    return load
+
+
 @register_weight_loader_v2_supported_method
 class Exl3LinearMethod(LinearMethodBase):
     """One EXL3 linear layer; `specs` are its checkpoint modules in shard order."""
@@ -131,6 +139,10 @@ class Exl3LinearMethod(LinearMethodBase):
         # through the layer's v2 loader, which calls Exl3Parameter.load_*.
         loader = (direct_weight_loader if split is Split.NONE
                   else extra_weight_attrs["weight_loader"])
+        if isinstance(layer, MergedColumnParallelLinear) and len(output_partition_sizes) == 1:
+            # A one-shard merged layer (Qwen3-Next's in_proj_qkvz): models load its single
+            # checkpoint module without a shard id, which vLLM would split by its own offsets.
+            loader = _single_shard_loader(loader)
         self.weights = Exl3LayerWeights(self.layout, self.specs)
         self.weights.create(layer, loader)
         # The checkpoint's bias is n_pad long; vLLM's bias loader wants the real n.
