@@ -152,6 +152,8 @@ class Exl3Config(QuantizationConfig):
         self.unsupported: dict[str, str] = {}
         self.resolver: ModuleNameResolver | None = None
         self._mapper = None
+        # tensor_storage's (bits, codebook) per module; MoE experts must agree with it.
+        self.claims: dict[str, tuple[float, Codebook]] = {}
 
     def __repr__(self) -> str:
         described = "undescribed" if self.modules is None else f"{len(self.modules)} modules"
@@ -189,6 +191,7 @@ class Exl3Config(QuantizationConfig):
             document = get_hf_file_to_dict(QUANT_CONFIG_FILE, model_name, **kwargs)
             storage = document.get("tensor_storage") if document else None
         headers = header_tensors(get_safetensors_params_metadata(model_name, revision=revision))
+        self.claims = storage_claims(storage) if storage else {}
         self.set_checkpoint(*describe_checkpoint(headers, storage, str(model_name)))
 
     def set_checkpoint(self, modules: dict[str, Exl3ModuleSpec],
@@ -271,14 +274,29 @@ class Exl3Config(QuantizationConfig):
             self._resolve(prefix)  # raises for a quantized embedding
             return None
         if _is_routed_experts(layer):
-            assert self.resolver is not None
-            inside = [k for k in self.resolver.modules_under(prefix) if k in self.modules]
-            if inside:
-                raise NotImplementedError(
-                    f"EXL3 MoE not supported yet: {prefix} has {len(inside)} EXL3 expert "
-                    f"modules ({_listing(inside)})")
-            return None
+            return self._moe_method(layer, prefix)
         return None
+
+    def _moe_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """Exl3MoEMethod when the layer's experts are EXL3 modules; None (vLLM's unquantized
+        experts) when the checkpoint has no EXL3 module under the prefix."""
+        assert self.resolver is not None and self.modules is not None
+        under = self.resolver.modules_under(prefix)
+        for key in under:
+            if key in self.unsupported:
+                raise NotImplementedError(f"EXL3: {self.unsupported[key]} (layer {prefix})")
+        inside = [k for k in under if k in self.modules]
+        if not inside:
+            return None
+        from .moe import Exl3MoEMethod, plan_experts
+
+        moe = layer.moe_config
+        experts = plan_experts(
+            prefix, inside, self.modules,
+            (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name),
+            moe.num_logical_experts, moe.hidden_dim_unpadded or moe.hidden_dim,
+            moe.intermediate_size, self.claims)
+        return Exl3MoEMethod(moe, prefix, experts)
 
 
 def _is_routed_experts(layer: torch.nn.Module) -> bool:

@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Which implementation runs an EXL3 MoE layer's routed experts, chosen once per layer.
+
+Same pattern as kernels.py: `Exl3MoEMethod` describes the layer (`Exl3MoEKernelConfig`), each
+candidate says whether it can run it here, the first that can is used;
+`VLLM_EXL3_FORCE_REFERENCE=1` forces the reference. The weights are the parameters moe.py
+registers, bundled as `Exl3MoEWeights`: every (expert, role) trellis is a contiguous block of a
+flat int16 buffer, located by a per-expert `meta` table of (offset, k2), so experts and roles may
+carry different bitrates.
+"""
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import vllm.envs as envs
+from vllm.logger import init_logger
+
+from . import reference
+from .format import TILE
+
+logger = init_logger(__name__)
+
+# meta[..., 1] holds k2 = 2 * bits (an integer for every EXL3 rate, 1.5 / 2.5 / 3.5 included).
+K2_PER_BIT = 2
+# Roles inside the w13 tables.
+GATE, UP = 0, 1
+# The activations the experts support (gated SiLU, as every EXL3 MoE architecture uses).
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class Exl3MoEWeights:
+    """The eight tensors of one layer's local experts (see the module docstring)."""
+
+    w13_trellis: torch.Tensor  # int16 [T13]
+    w13_meta: torch.Tensor  # int64 [E, 2, 2]: (offset, k2) of gate, up
+    w13_suh: torch.Tensor  # fp16 [E, 2, h]
+    w13_svh: torch.Tensor  # fp16 [E, 2 * i_p]: gate columns, then up columns
+    w2_trellis: torch.Tensor  # int16 [T2]
+    w2_meta: torch.Tensor  # int64 [E, 2]: (offset, k2) of down
+    w2_suh: torch.Tensor  # fp16 [E, i_p]
+    w2_svh: torch.Tensor  # fp16 [E, h]
+    num_experts: int  # E, local
+    hidden: int  # h
+    width: int  # i_p, the per-rank expert width
+
+
+@dataclass(frozen=True)
+class Exl3MoEKernelConfig:
+    prefix: str
+    device: torch.device  # where the loaded weights live
+    act_dtype: torch.dtype
+    activation: str
+    codebook: int
+    # Every distinct (bits) of the layer's experts and roles, for kernels with a rate subset.
+    bits: tuple[float, ...]
+
+
+def trellis_block(flat: torch.Tensor, offset: int, k2: int, rows: int,
+                  cols: int) -> torch.Tensor:
+    """The [rows/16, cols/16, 16K] trellis stored at `offset` of a flat buffer (K = k2 / 2)."""
+    words = TILE * k2 // K2_PER_BIT
+    size = (rows // TILE) * (cols // TILE) * words
+    return flat[offset:offset + size].view(rows // TILE, cols // TILE, words)
+
+
+class Exl3MoEKernel(ABC):
+
+    @classmethod
+    @abstractmethod
+    def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
+        raise NotImplementedError
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w: Exl3MoEWeights, *, activation: str, apply_router_weight_on_input: bool,
+              expert_map: torch.Tensor | None, global_num_experts: int, codebook: int,
+              deterministic: bool) -> torch.Tensor:
+        """out [M, h] in x.dtype: for each token, the sum over its top-k of routing weight *
+        down(SiLU(gate(x)) * up(x)) for the experts local to this rank (expert_map: global ->
+        local, -1 = elsewhere, contributes nothing); routed scaling and shared experts are
+        applied by vLLM outside."""
+        raise NotImplementedError
+
+
+class ReferenceExl3MoEKernel(Exl3MoEKernel):
+    """Plain PyTorch, fp32 accumulation, the trellises decoded by reference.py on every call
+    (no decoded-weight cache that could hide a loading bug): CPU, tests, debugging.
+
+    Deterministic by construction: each token's top-k contributions are added in top-k slot
+    order, experts in index order."""
+
+    @classmethod
+    def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
+        if c.activation not in SUPPORTED_ACTIVATIONS:
+            return False, f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})"
+        if c.device.type != "cpu":
+            return False, (f"weights are on {c.device}: the reference would decode every "
+                           f"expert on every call (VLLM_EXL3_FORCE_REFERENCE=1 allows it)")
+        return True, None
+
+    @staticmethod
+    def _project(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor,
+                 svh: torch.Tensor, codebook: int) -> torch.Tensor:
+        return reference.forward(x, trellis, suh, svh, codebook, dtype=torch.float32)
+
+    def apply(self, x, topk_weights, topk_ids, w, *, activation, apply_router_weight_on_input,
+              expert_map, global_num_experts, codebook, deterministic):
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"EXL3 MoE: activation {activation!r} is not supported "
+                             f"({SUPPORTED_ACTIVATIONS})")
+        h, i_p = w.hidden, w.width
+        m, top_k = topk_ids.shape
+        ids = topk_ids.long()
+        if expert_map is not None:
+            # Out-of-range global ids (never produced by vLLM's routers) map to no expert.
+            valid = (ids >= 0) & (ids < global_num_experts)
+            ids = torch.where(valid, expert_map.long()[ids.clamp(0, global_num_experts - 1)],
+                              torch.full_like(ids, -1))
+        meta13 = w.w13_meta.cpu().tolist()
+        meta2 = w.w2_meta.cpu().tolist()
+        xf = x.float()
+        # contributions[token, slot]: filled per expert, then summed over slots in order.
+        contributions = torch.zeros((m, top_k, h), dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            if e < 0:
+                continue
+            if e >= w.num_experts:
+                raise ValueError(f"EXL3 MoE: local expert id {e} >= {w.num_experts} local "
+                                 f"experts")
+            rows, slots = torch.nonzero(ids == e, as_tuple=True)
+            xe = xf[rows]
+            if apply_router_weight_on_input:
+                xe = xe * topk_weights[rows, slots, None].float()
+            (g_off, g_k2), (u_off, u_k2) = meta13[e]
+            gate = self._project(xe, trellis_block(w.w13_trellis, g_off, g_k2, h, i_p),
+                                 w.w13_suh[e, GATE], w.w13_svh[e, :i_p], codebook)
+            up = self._project(xe, trellis_block(w.w13_trellis, u_off, u_k2, h, i_p),
+                               w.w13_suh[e, UP], w.w13_svh[e, i_p:], codebook)
+            d_off, d_k2 = meta2[e]
+            y = self._project(F.silu(gate) * up,
+                              trellis_block(w.w2_trellis, d_off, d_k2, i_p, h),
+                              w.w2_suh[e], w.w2_svh[e], codebook)
+            if not apply_router_weight_on_input:
+                y = y * topk_weights[rows, slots, None].float()
+            contributions[rows, slots] = y
+        out = contributions[:, 0]
+        for s in range(1, top_k):
+            out = out + contributions[:, s]
+        return out.to(x.dtype)
+
+
+# The CUDA grouped-GEMM kernel goes first here once it exists; the reference stays last.
+CANDIDATES: tuple[type[Exl3MoEKernel], ...] = (ReferenceExl3MoEKernel,)
+
+
+def choose_exl3_moe_kernel(c: Exl3MoEKernelConfig) -> Exl3MoEKernel:
+    if envs.VLLM_EXL3_FORCE_REFERENCE:
+        logger.info_once("EXL3: VLLM_EXL3_FORCE_REFERENCE=1, using the reference MoE codec")
+        return ReferenceExl3MoEKernel()
+    reasons = []
+    for kernel in CANDIDATES:
+        ok, why_not = kernel.can_implement(c)
+        if ok:
+            logger.debug("EXL3 %s: %s", c.prefix, kernel.__name__)
+            return kernel()
+        reasons.append(f"{kernel.__name__}: {why_not}")
+    raise ValueError(f"EXL3 {c.prefix}: no MoE kernel can run this layer: "
+                     + "; ".join(reasons))
