@@ -47,10 +47,10 @@ class MoeLayer:
     def experts(self) -> int:
         return self.w13_meta.shape[0]
 
-    @property
-    def k2s(self) -> tuple[list[int], list[int]]:
-        return (sorted(set(self.w13_meta[:, :, 1].flatten().tolist())),
-                sorted(set(self.w2_meta[:, 1].tolist())))
+    # The distinct k2 of gate/up and of down (the host copy the op takes as int[]).
+    k2s: tuple[list[int], list[int]]
+    meta13_host: list
+    meta2_host: list
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.w13_trellis, self.w13_meta, self.w13_suh, self.w13_svh, self.w2_trellis,
@@ -61,10 +61,10 @@ class MoeLayer:
         down (2)."""
         h, i = self.hidden, self.width
         if role == 2:
-            (offset, k2), flat, rows, cols = self.w2_meta[e].tolist(), self.w2_trellis, i, h
+            (offset, k2), flat, rows, cols = self.meta2_host[e], self.w2_trellis, i, h
             suh, svh = self.w2_suh[e], self.w2_svh[e]
         else:
-            (offset, k2), flat, rows, cols = self.w13_meta[e, role].tolist(), self.w13_trellis, h, i
+            (offset, k2), flat, rows, cols = self.meta13_host[e][role], self.w13_trellis, h, i
             suh, svh = self.w13_suh[e, role], self.w13_svh[e, role * i:(role + 1) * i]
         words = 8 * k2
         size = (rows // TILE) * (cols // TILE) * words
@@ -120,7 +120,10 @@ def random_moe_layer(gen: torch.Generator, experts: int, hidden: int, width: int
         w2_trellis=words(t2), w2_meta=meta2.to(device),
         w2_suh=signed_scales(gen, (experts, width), device),
         w2_svh=signed_scales(gen, (experts, hidden), device),
-        codebook=codebook, hidden=hidden, width=width)
+        codebook=codebook, hidden=hidden, width=width,
+        k2s=(sorted(set(meta13[:, :, 1].flatten().tolist())),
+             sorted(set(meta2[:, 1].tolist()))),
+        meta13_host=meta13.tolist(), meta2_host=meta2.tolist())
 
 
 def random_routing(gen: torch.Generator, tokens: int, top_k: int, global_experts: int,
