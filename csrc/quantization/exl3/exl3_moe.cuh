@@ -48,16 +48,21 @@ __device__ __forceinline__ void moe_store_rows(const float* s_c, int rows, const
   }
 }
 
+// Four values rounded to the output dtype (decided per launch; one k loop serves both).
+__device__ __forceinline__ uint2 pack4_out(const float (&v)[4], bool bf16) {
+  return bf16 ? pack4<__nv_bfloat16>(v) : pack4<__half>(v);
+}
+
 // Gate/up: the block's rows go to y13[role][slot], in the activation dtype.
-template <typename T>
 struct MoeGateUpEpilogue {
-  T* y;  // y13[role][row0][n0]
+  uint16_t* y;  // y13[role][row0][n0]
   const __half* svh;
   int n;
+  bool bf16;
   template <typename Shape>
   __device__ __forceinline__ void store(const float* s_c, int rows) const {
     moe_store_rows<Shape>(s_c, rows, svh, [&](int r, float(&v)[4], int lane) {
-      *reinterpret_cast<uint2*>(y + static_cast<size_t>(r) * n + 4 * lane) = pack4<T>(v);
+      *reinterpret_cast<uint2*>(y + static_cast<size_t>(r) * n + 4 * lane) = pack4_out(v, bf16);
     });
   }
 };
@@ -65,15 +70,14 @@ struct MoeGateUpEpilogue {
 // Down: row r is slot row0 + r, i.e. pair sorted_ids[slot] (padding: nothing), scaled by its
 // routing weight, then either written as the pair's row (deterministic combine afterwards) or
 // added into its token's fp32 sum.
-template <typename T>
 struct MoeDownEpilogue {
   const MoeGemmParams* mp;
-  const int32_t* ids;  // sorted_ids + row0
-  const __half* svh;   // svh2[e] + n0
+  const __half* svh;  // svh2[e] + n0
   int n0, row0;
   template <typename Shape>
   __device__ __forceinline__ void store(const float* s_c, int rows) const {
     const MoeGemmParams& p = *mp;
+    const int32_t* ids = p.sorted_ids + row0;
     const int live = min(rows, p.sorted_len - row0);
     moe_store_rows<Shape>(s_c, live, svh, [&](int r, float(&v)[4], int lane) {
       const int pair = ids[r];
@@ -88,8 +92,9 @@ struct MoeDownEpilogue {
         float* dst = static_cast<float*>(p.out) + static_cast<size_t>(pair / p.topk) * p.n + col;
         red_add_f32x4(dst, v[0], v[1], v[2], v[3]);
       } else {
-        *reinterpret_cast<uint2*>(static_cast<T*>(p.out) + static_cast<size_t>(pair) * p.n +
-                                  col) = pack4<T>(v);
+        *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) +
+                                  static_cast<size_t>(pair) * p.n + col) =
+            pack4_out(v, p.out_bf16);
       }
     });
   }
@@ -112,7 +117,8 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, false>::kMinBl
   const int64_t* meta = mp.meta + 2 * (static_cast<int64_t>(e) * mp.roles + role);
   if (meta[1] != K2) return;
   const int64_t offset = meta[0];
-  const int64_t size = static_cast<int64_t>(mp.k / kTile) * (mp.n / kTile) * Rate<K2>::kTileBytes / 2;
+  const int64_t size =
+      static_cast<int64_t>(mp.k / kTile) * (mp.n / kTile) * Rate<K2>::kTileBytes / 2;
   // The host checked the table when the layer was set up; a table changed since would read
   // another expert's or stray memory: stop loudly instead.
   if (offset < 0 || offset % 8 != 0 || offset + size > mp.trellis_numel) __trap();
@@ -135,20 +141,11 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, false>::kMinBl
     gemm_segment<K2, CB, MT, false>(p, 0, n0, 0, chunks, false, a_phase, epi);
   };
   if constexpr (STAGE == MoeStage::kGateUp) {
-    auto go = [&](auto* y) {
-      using T = std::remove_pointer_t<decltype(y)>;
-      run(MoeGateUpEpilogue<T>{
-          y + (static_cast<size_t>(role) * mp.slots + row0) * mp.n + n0, svh, mp.n});
-    };
-    if (mp.out_bf16)
-      go(static_cast<__nv_bfloat16*>(mp.out));
-    else
-      go(static_cast<__half*>(mp.out));
+    run(MoeGateUpEpilogue{static_cast<uint16_t*>(mp.out) +
+                              (static_cast<size_t>(role) * mp.slots + row0) * mp.n + n0,
+                          svh, mp.n, mp.out_bf16});
   } else {
-    if (mp.out_bf16)
-      run(MoeDownEpilogue<__nv_bfloat16>{&mp, mp.sorted_ids + row0, svh, n0, row0});
-    else
-      run(MoeDownEpilogue<__half>{&mp, mp.sorted_ids + row0, svh, n0, row0});
+    run(MoeDownEpilogue{&mp, svh, n0, row0});
   }
 }
 
