@@ -51,7 +51,7 @@ if not hasattr(torch.ops._C, "exl3_moe"):
                 allow_module_level=True)
 
 TOLERANCE = {torch.float16: (2e-3, 1.5e-2), torch.bfloat16: (1e-2, 1e-1)}
-BLOCKS = (16, 64)
+BLOCKS = (16, 32, 64, 128)
 RATES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 HALF_RATES = (1.5, 2.5, 3.5)
 COMBOS = [(b, cb) for b in RATES for cb in (0, 1, 2) if b not in HALF_RATES or cb == 2]
@@ -104,9 +104,9 @@ def test_nan_never_passes() -> None:
 def test_every_rate_and_codebook(gen: torch.Generator, bits: float, codebook: int) -> None:
     layer = ml.random_moe_layer(gen, 8, 256, 256, [bits], codebook)
     for i, (block, dtype, det) in enumerate([(16, torch.float16, True),
-                                             (64, torch.bfloat16, False),
-                                             (16, torch.bfloat16, True),
-                                             (64, torch.float16, True)]):
+                                             (32, torch.bfloat16, False),
+                                             (64, torch.bfloat16, True),
+                                             (128, torch.float16, True)]):
         run_checked(gen, layer, (5, 37, 200, 300)[i], 2, 8, dtype, block, det, bits=bits,
                     codebook=codebook)
 
@@ -262,7 +262,7 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
         (dict(x=x.float()), "x must be bfloat16 or float16"),
         (dict(w=w.half()), "topk_weights must be float32"),
         (dict(ids=ids[:, :1].contiguous()), "topk_weights must be [3, 1]"),
-        (dict(block=32), "block_size 32"),
+        (dict(block=48), "block_size 48"),
         (dict(k13=[]), "w13_k2s"),
         (dict(k2=[5]), "only with the MUL1 codebook"),
         (dict(k13=[4, 4]), "twice"),

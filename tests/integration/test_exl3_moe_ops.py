@@ -136,6 +136,8 @@ def test_block_size_rule() -> None:
     from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
     rule = CudaExl3MoEKernel.block_size
     assert rule(1, 8, 128) == BLOCK_SIZES[0]  # decode: a 16-row block per routed pair
-    assert rule(256, 8, 128) == BLOCK_SIZES[0]
-    assert rule(4096, 8, 128) == BLOCK_SIZES[1]
-    assert rule(8192, 2, 16) == BLOCK_SIZES[1]
+    assert rule(256, 8, 128) == 16
+    assert rule(257, 8, 128) == 32
+    assert rule(1024, 8, 128) == 64
+    assert rule(4096, 8, 128) == BLOCK_SIZES[-1]
+    assert rule(8192, 2, 16) == BLOCK_SIZES[-1]

@@ -86,7 +86,7 @@ def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
 def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
     """The grouped MoE GEMM runs the dense k loop with the routed-row epilogues: at the widest
     windows (1.5, 3.5 and 8 bits) every codebook x tier x stage fits its register budget
-    (GemmShape::kMinBlocks) without local memory."""
+    (kMoeMinBlocks) without local memory."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
     flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
@@ -98,7 +98,7 @@ def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr[-3000:]
         entries = re.findall(r"Compiling entry function '(\S*exl3_moe_gemm\S*)'.*?"
                              r"(\d+) bytes spill stores.*?Used (\d+) registers", r.stderr, re.S)
-        # MUL1 only at the half rates; 2 tiers x 2 stages per codebook.
-        assert len(entries) == (4 if k2 % 2 else 12), r.stderr[-3000:]
+        # MUL1 only at the half rates; 4 tiers x 2 stages per codebook.
+        assert len(entries) == (8 if k2 % 2 else 24), r.stderr[-3000:]
         for name, spills, regs in entries:
-            assert int(spills) == 0, (name, spills)
+            assert int(spills) == 0, (name, spills, regs)

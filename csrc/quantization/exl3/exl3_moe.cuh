@@ -53,16 +53,39 @@ __device__ __forceinline__ uint2 pack4_out(const float (&v)[4], bool bf16) {
   return bf16 ? pack4<__nv_bfloat16>(v) : pack4<__half>(v);
 }
 
+// Where a block of the grid works: its row block's first slot and expert, and its 128 columns
+// as (role, first column within the role). Recomputed by the epilogues from the kernel
+// parameters rather than carried in registers through the k loop.
+struct MoeBlock {
+  int row0, expert, role, n0;
+};
+template <int BM>
+__device__ __forceinline__ MoeBlock moe_block(const MoeGemmParams& mp) {
+  MoeBlock b;
+  b.row0 = blockIdx.x * BM;
+  b.expert = mp.expert_ids[blockIdx.x];
+  const int col = blockIdx.y * kBlockN;
+  b.role = col / mp.n;
+  b.n0 = col - b.role * mp.n;
+  return b;
+}
+__device__ __forceinline__ const __half* moe_svh(const MoeGemmParams& mp, const MoeBlock& b) {
+  return static_cast<const __half*>(mp.svh) +
+         (static_cast<size_t>(b.expert) * mp.roles + b.role) * mp.n + b.n0;
+}
+
 // Gate/up: the block's rows go to y13[role][slot], in the activation dtype.
+template <int BM>
 struct MoeGateUpEpilogue {
-  uint16_t* y;  // y13[role][row0][n0]
-  const __half* svh;
-  int n;
-  bool bf16;
+  const MoeGemmParams& mp;
   template <typename Shape>
   __device__ __forceinline__ void store(const float* s_c, int rows) const {
-    moe_store_rows<Shape>(s_c, rows, svh, [&](int r, float(&v)[4], int lane) {
-      *reinterpret_cast<uint2*>(y + static_cast<size_t>(r) * n + 4 * lane) = pack4_out(v, bf16);
+    const MoeBlock b = moe_block<BM>(mp);
+    uint16_t* y = static_cast<uint16_t*>(mp.out) +
+                  (static_cast<size_t>(b.role) * mp.slots + b.row0) * mp.n + b.n0;
+    moe_store_rows<Shape>(s_c, rows, moe_svh(mp, b), [&](int r, float(&v)[4], int lane) {
+      *reinterpret_cast<uint2*>(y + static_cast<size_t>(r) * mp.n + 4 * lane) =
+          pack4_out(v, mp.out_bf16);
     });
   }
 };
@@ -70,16 +93,16 @@ struct MoeGateUpEpilogue {
 // Down: row r is slot row0 + r, i.e. pair sorted_ids[slot] (padding: nothing), scaled by its
 // routing weight, then either written as the pair's row (deterministic combine afterwards) or
 // added into its token's fp32 sum.
+template <int BM>
 struct MoeDownEpilogue {
-  const MoeGemmParams* mp;
-  const __half* svh;  // svh2[e] + n0
-  int n0, row0;
+  const MoeGemmParams& mp;
   template <typename Shape>
   __device__ __forceinline__ void store(const float* s_c, int rows) const {
-    const MoeGemmParams& p = *mp;
-    const int32_t* ids = p.sorted_ids + row0;
-    const int live = min(rows, p.sorted_len - row0);
-    moe_store_rows<Shape>(s_c, live, svh, [&](int r, float(&v)[4], int lane) {
+    const MoeGemmParams& p = mp;
+    const MoeBlock b = moe_block<BM>(mp);
+    const int32_t* ids = p.sorted_ids + b.row0;
+    const int live = min(rows, p.sorted_len - b.row0);
+    moe_store_rows<Shape>(s_c, live, moe_svh(mp, b), [&](int r, float(&v)[4], int lane) {
       const int pair = ids[r];
       if (pair < 0 || pair >= p.pairs) return;
       if (p.topk_weights != nullptr) {
@@ -87,7 +110,7 @@ struct MoeDownEpilogue {
 #pragma unroll
         for (int j = 0; j < 4; ++j) v[j] *= w;
       }
-      const int col = n0 + 4 * lane;
+      const int col = b.n0 + 4 * lane;
       if (p.accumulate) {
         float* dst = static_cast<float*>(p.out) + static_cast<size_t>(pair / p.topk) * p.n + col;
         red_add_f32x4(dst, v[0], v[1], v[2], v[3]);
@@ -100,21 +123,23 @@ struct MoeDownEpilogue {
   }
 };
 
+// Resident blocks the register cap aims for: the dense tiers' (GemmShape::kMinBlocks), except
+// that from 64 rows the routed epilogue's extra state did not fit the dense 64-row tier's 80
+// registers (ptxas spilled up to 64 bytes at 3.5 bits), so those tiers get 128.
+template <int K2, int MT>
+constexpr int kMoeMinBlocks = MT >= 4 ? 2 : GemmShape<K2, MT, false>::kMinBlocks;
+
 // grid (row blocks, roles * n / 128). Launched once per distinct bitrate of the layer.
 template <int K2, int CB, int MT, MoeStage STAGE>
-__global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, false>::kMinBlocks)
+__global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
     exl3_moe_gemm_kernel(const __grid_constant__ MoeGemmParams mp) {
   constexpr int BM = MT * kTile;
-  const int block = blockIdx.x;
-  const int row0 = block * BM;
+  const MoeBlock b = moe_block<BM>(mp);
   // Written by moe_align_block_size, which completed before the input transform started; this
   // grid overlaps only the transform (programmatic launch), so these reads need no wait.
-  if (row0 >= min(*mp.num_post_pad, mp.sorted_len)) return;
-  const int e = mp.expert_ids[block];
-  if (e < 0 || e >= mp.experts) return;
-  const int col = blockIdx.y * kBlockN;
-  const int role = col / mp.n, n0 = col - role * mp.n;
-  const int64_t* meta = mp.meta + 2 * (static_cast<int64_t>(e) * mp.roles + role);
+  if (b.row0 >= min(*mp.num_post_pad, mp.sorted_len)) return;
+  if (b.expert < 0 || b.expert >= mp.experts) return;
+  const int64_t* meta = mp.meta + 2 * (static_cast<int64_t>(b.expert) * mp.roles + b.role);
   if (meta[1] != K2) return;
   const int64_t offset = meta[0];
   const int64_t size =
@@ -125,7 +150,7 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, false>::kMinBl
 
   GemmParams p{};
   p.xh = static_cast<const __half*>(mp.xh) +
-         (static_cast<size_t>(role) * mp.slots + row0) * mp.k;
+         (static_cast<size_t>(b.role) * mp.slots + b.row0) * mp.k;
   p.trellis = static_cast<const int16_t*>(mp.trellis) + offset;
   p.m = BM;
   p.k = mp.k;
@@ -133,20 +158,14 @@ __global__ void __launch_bounds__(kGemmThreads, GemmShape<K2, MT, false>::kMinBl
   p.splits = 1;
   p.shards.count = 1;
   p.shards.end[0] = mp.n;
-  const __half* svh = static_cast<const __half*>(mp.svh) +
-                      (static_cast<size_t>(e) * mp.roles + role) * mp.n + n0;
   uint32_t a_phase = 0;
   const int chunks = mp.k / kStageK;
-  auto run = [&](const auto& epi) {
-    gemm_segment<K2, CB, MT, false>(p, 0, n0, 0, chunks, false, a_phase, epi);
-  };
-  if constexpr (STAGE == MoeStage::kGateUp) {
-    run(MoeGateUpEpilogue{static_cast<uint16_t*>(mp.out) +
-                              (static_cast<size_t>(role) * mp.slots + row0) * mp.n + n0,
-                          svh, mp.n, mp.out_bf16});
-  } else {
-    run(MoeDownEpilogue{&mp, svh, n0, row0});
-  }
+  if constexpr (STAGE == MoeStage::kGateUp)
+    gemm_segment<K2, CB, MT, false>(p, 0, b.n0, 0, chunks, false, a_phase,
+                                    MoeGateUpEpilogue<BM>{mp});
+  else
+    gemm_segment<K2, CB, MT, false>(p, 0, b.n0, 0, chunks, false, a_phase,
+                                    MoeDownEpilogue<BM>{mp});
 }
 
 template <int K2, int CB, int MT, MoeStage STAGE>
@@ -174,10 +193,7 @@ void moe_gemm_launch(MoeStage stage, int cb, int mt, const MoeGemmParams& p,
       else
         moe_gemm_launch_tier<K2, CB, MT, MoeStage::kDown>(p, stream);
     };
-    if (mt == 1)
-      tier(std::integral_constant<int, 1>{});
-    else
-      tier(std::integral_constant<int, 4>{});
+    with_tier<false>(mt, tier);
   });
 }
 

@@ -14,11 +14,12 @@
 
 namespace vllm_exl3 {
 
-// BM tiers of the grouped GEMM (rows per block = moe_align_block_size's block size = 16 * mt):
-// 16 for decode (one m16 tile: the fewest padded rows per expert), 64 once experts see tens of
-// rows each (one trellis decode feeds four m16 tiles).
-constexpr int kMoeTiers[] = {1, 4};
-constexpr int kNumMoeTiers = 2;
+// BM tiers of the grouped GEMM (rows per block = moe_align_block_size's block size = 16 * mt),
+// the dense GEMM's tiers: a block decodes its expert's trellis columns once for all its rows, so
+// the caller picks the smallest tier that holds an expert's typical row count (16 for decode:
+// the fewest padded rows).
+constexpr int kMoeTiers[] = {1, 2, 4, 8};
+constexpr int kNumMoeTiers = 4;
 
 // The two grouped GEMMs of an MoE layer.
 enum class MoeStage : int {

@@ -210,9 +210,14 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
     STD_TORCH_CHECK(global_num_experts == experts, kOp, ": without an expert_map the ",
                     experts, " local experts must be all ", global_num_experts);
   }
-  STD_TORCH_CHECK(block_size == kTileEdge * kMoeTiers[0] || block_size == kTileEdge * kMoeTiers[1],
-                  kOp, ": block_size ", block_size, " is not a tier of the grouped GEMM (",
-                  kTileEdge * kMoeTiers[0], " or ", kTileEdge * kMoeTiers[1], ")");
+  bool tier = false;
+  std::string tiers;
+  for (int t : kMoeTiers) {
+    tier = tier || block_size == kTileEdge * t;
+    tiers += (tiers.empty() ? "" : ", ") + std::to_string(kTileEdge * t);
+  }
+  STD_TORCH_CHECK(tier, kOp, ": block_size ", block_size,
+                  " is not a tier of the grouped GEMM (", tiers, ")");
   check_tensor("sorted_ids", sorted_ids, 1, dev, kWordAlign);
   check_dtype("sorted_ids", sorted_ids, ScalarType::Int);
   check_tensor("expert_ids", expert_ids, 1, dev, kWordAlign);

@@ -166,11 +166,10 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
     # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
     MIN_CAPABILITY = 80
     ACT_DTYPES = (torch.float16, torch.bfloat16)
-    # Rows per expert (on average, uniform routing) from which the 64-row blocks pay: each
-    # trellis tile is decoded once for four m16 tiles, while the padding of each expert's last
-    # block stays below half a block. Below it, 16-row blocks (the decode path: one row block
-    # per routed pair when tokens are few) waste the fewest rows.
-    LARGE_BLOCK_MIN_ROWS = 48
+    # Block size: the smallest tier holding an expert's average row count. A block decodes its
+    # expert's trellis columns once for all its rows, and decoding (not the padded rows' MMAs)
+    # bounds the GEMM at these row counts, so fewer, fuller blocks win as soon as experts see
+    # more than 16 rows; at decode sizes 16-row blocks waste the fewest rows.
 
     def __init__(self) -> None:
         # (w13_meta, w2_meta) data pointers -> the distinct k2 of each, read once per layer.
@@ -195,7 +194,7 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
     def block_size(cls, tokens: int, top_k: int, global_num_experts: int) -> int:
         from .moe_ops import BLOCK_SIZES
         rows = tokens * top_k / max(global_num_experts, 1)
-        return BLOCK_SIZES[1] if rows >= cls.LARGE_BLOCK_MIN_ROWS else BLOCK_SIZES[0]
+        return next((b for b in BLOCK_SIZES if b >= rows), BLOCK_SIZES[-1])
 
     def rates(self, w: Exl3MoEWeights, codebook: int) -> tuple[list[int], list[int]]:
         """The distinct k2 of gate/up and of down, checked against the trellis buffers.

@@ -15,7 +15,7 @@ from . import ops
 
 OP = "exl3_moe"
 # Row-block sizes the grouped GEMM is built for (16 * its m16 tiers, exl3_moe.h kMoeTiers).
-BLOCK_SIZES = (16, 64)
+BLOCK_SIZES = (16, 32, 64, 128)
 
 
 def load_exl3_moe_op() -> tuple[bool, str | None]:
