@@ -89,3 +89,25 @@ def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
         mt = int(re.search(r"ELi(\d+)ELb1E", name).group(1))
         budget = {4: 85, 8: 128, 16: 255}[mt]
         assert int(regs) <= budget and "stack" not in rest, (name, regs, rest)
+
+
+@pytest.mark.slow
+def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
+    """The grouped MoE GEMM runs the dense k loop with the routed-row epilogues: at the widest
+    windows (1.5, 3.5 and 8 bits) every codebook x tier x stage fits its register budget
+    (kMoeMinBlocks) without local memory."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not available")
+    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
+    for k2 in (3, 7, 16):
+        src = kernels_build.SOURCES / f"exl3_moe_rate_k{k2}.cu"
+        r = subprocess.run(["nvcc", *flags, "-cubin", "-arch=sm_90a",
+                            f"-I{kernels_build.SOURCES}", "-Xptxas", "-v", str(src), "-o",
+                            str(tmp_path / f"moe{k2}.cubin")], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        entries = re.findall(r"Compiling entry function '(\S*exl3_moe_gemm\S*)'.*?"
+                             r"(\d+) bytes spill stores.*?Used (\d+) registers", r.stderr, re.S)
+        # MUL1 only at the half rates; 4 tiers x 2 stages per codebook.
+        assert len(entries) == (8 if k2 % 2 else 24), r.stderr[-3000:]
+        for name, spills, regs in entries:
+            assert int(spills) == 0, (name, spills, regs)

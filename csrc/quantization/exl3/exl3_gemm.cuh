@@ -20,6 +20,7 @@
 #include "exl3_trellis.cuh"
 #include "exl3_wgmma.cuh"
 
+#include <cstddef>
 #include <type_traits>
 #include <utility>
 
@@ -216,10 +217,13 @@ __device__ __forceinline__ void store_tile_quad(const GemmParams& p, const float
 // pipelined k loop, then the epilogue, or the fp32 partial sums added into p.ws (to_ws).
 // a_phase (wgmma): bit s = the parity of slot s's A barrier that its next wait expects; it runs
 // on across a stream-k block's segments.
-template <int K2, int CB, int MT, bool WG>
+// Epi: the dense layers' epilogue (nullptr_t), or a caller's own: epi.template store<Shape>(
+// s_c, rows) gets the staged fp32 tile (the grouped MoE GEMM scatters rows by routing).
+template <int K2, int CB, int MT, bool WG, typename Epi = std::nullptr_t>
 __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, const int n0,
                                              const int c_begin, const int c_end,
-                                             const bool to_ws, uint32_t& a_phase) {
+                                             const bool to_ws, uint32_t& a_phase,
+                                             const Epi& epi = nullptr) {
   using R = Rate<K2>;
   using Shape = GemmShape<K2, MT, WG>;
   constexpr int BM = Shape::kBM;
@@ -476,7 +480,9 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0, 
   __syncthreads();
 
   const int rows = min(BM, p.m - m0);
-  if constexpr (WG && BM >= kQuadFromBM) {
+  if constexpr (!std::is_same_v<Epi, std::nullptr_t>) {
+    epi.template store<Shape>(s_c, rows);
+  } else if constexpr (WG && BM >= kQuadFromBM) {
     if (!to_ws) {
       if (p.out_bf16)
         store_tile_quad<Shape, __nv_bfloat16>(p, s_c, m0, n0, rows);

@@ -20,7 +20,7 @@ import vllm.envs as envs
 from vllm.logger import init_logger
 
 from . import reference
-from .format import TILE
+from .format import TILE, Codebook
 
 logger = init_logger(__name__)
 
@@ -154,8 +154,118 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
         return out.to(x.dtype)
 
 
-# The CUDA grouped-GEMM kernel goes first here once it exists; the reference stays last.
-CANDIDATES: tuple[type[Exl3MoEKernel], ...] = (ReferenceExl3MoEKernel,)
+class CudaExl3MoEKernel(Exl3MoEKernel):
+    """The grouped trellis GEMM (`torch.ops._C.exl3_moe`) over vLLM's `moe_align_block_size`.
+
+    Each aligned row block belongs to one expert and is one tile of the dense EXL3 GEMM on that
+    expert's trellis; gate and up run in one launch, SwiGLU is fused into the down projection's
+    input transform, and the routing weights into its epilogue. One launch per distinct bitrate
+    serves layers whose experts (and roles) differ in bitrate.
+    """
+
+    # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
+    MIN_CAPABILITY = 80
+    ACT_DTYPES = (torch.float16, torch.bfloat16)
+    # Block size: the smallest tier holding an expert's average row count. A block decodes its
+    # expert's trellis columns once for all its rows, and decoding (not the padded rows' MMAs)
+    # bounds the GEMM at these row counts, so fewer, fuller blocks win as soon as experts see
+    # more than 16 rows; at decode sizes 16-row blocks waste the fewest rows.
+
+    def __init__(self) -> None:
+        # (w13_meta, w2_meta) data pointers -> the distinct k2 of each, read once per layer.
+        self._rates: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    @classmethod
+    def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
+        if c.activation not in SUPPORTED_ACTIVATIONS:
+            return False, f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})"
+        if c.device.type != "cuda":
+            return False, f"weights are on {c.device}, not a CUDA device"
+        from vllm.platforms import current_platform
+        capability = current_platform.get_device_capability()
+        if capability is None or capability.to_int() < cls.MIN_CAPABILITY:
+            return False, f"needs compute capability {cls.MIN_CAPABILITY}, have {capability}"
+        if c.act_dtype not in cls.ACT_DTYPES:
+            return False, f"activations are {c.act_dtype}; the kernel takes fp16 or bf16"
+        from . import moe_ops
+        return moe_ops.load_exl3_moe_op()
+
+    @classmethod
+    def block_size(cls, tokens: int, top_k: int, global_num_experts: int) -> int:
+        from .moe_ops import BLOCK_SIZES
+        rows = tokens * top_k / max(global_num_experts, 1)
+        return next((b for b in BLOCK_SIZES if b >= rows), BLOCK_SIZES[-1])
+
+    def rates(self, w: Exl3MoEWeights, codebook: int) -> tuple[list[int], list[int]]:
+        """The distinct k2 of gate/up and of down, checked against the trellis buffers.
+
+        Read from the device tables once per layer (a host sync: vLLM's first forward runs
+        eagerly before any CUDA-graph capture)."""
+        key = (w.w13_meta.data_ptr(), w.w2_meta.data_ptr())
+        found = self._rates.get(key)
+        if found is None:
+            if w.w13_meta.is_cuda and torch.cuda.is_current_stream_capturing():
+                # No host read now: every rate (a launch per rate absent from the layer only
+                # costs its empty grid); the op's device checks still guard the table.
+                logger.warning_once("EXL3 MoE: bitrate table first read during CUDA-graph "
+                                    "capture; launching for every rate")
+                every = [k2 for k2 in sorted(VALID_K2)
+                         if k2 % 2 == 0 or codebook == Codebook.MUL1]
+                return every, every
+            found = (_checked_rates("w13", w.w13_meta.cpu(), w.w13_trellis.numel(),
+                                    (w.hidden, w.width)),
+                     _checked_rates("w2", w.w2_meta.cpu().unsqueeze(1), w.w2_trellis.numel(),
+                                    (w.width, w.hidden)))
+            self._rates[key] = found
+        return found
+
+    def apply(self, x, topk_weights, topk_ids, w, *, activation, apply_router_weight_on_input,
+              expert_map, global_num_experts, codebook, deterministic):
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"EXL3 MoE: activation {activation!r} is not supported "
+                             f"({SUPPORTED_ACTIVATIONS})")
+        from vllm.model_executor.layers.fused_moe.moe_align_block_size import (
+            moe_align_block_size)
+
+        from . import moe_ops
+        rates13, rates2 = self.rates(w, codebook)
+        m, top_k = topk_ids.shape
+        block = self.block_size(m, top_k, global_num_experts)
+        if expert_map is not None and expert_map.dtype != torch.int32:
+            expert_map = expert_map.to(torch.int32)
+        # Non-local experts are left out of the alignment altogether (no -1 blocks to skip).
+        sorted_ids, expert_ids, post_pad = moe_align_block_size(
+            topk_ids, block, global_num_experts, expert_map, ignore_invalid_experts=True)
+        return moe_ops.exl3_moe(
+            x.contiguous(), topk_weights.float().contiguous(), topk_ids.contiguous(),
+            sorted_ids, expert_ids, post_pad, expert_map, w.w13_trellis, w.w13_meta,
+            w.w13_suh, w.w13_svh, w.w2_trellis, w.w2_meta, w.w2_suh, w.w2_svh, block, rates13,
+            rates2, global_num_experts, codebook, apply_router_weight_on_input, deterministic)
+
+
+# Every EXL3 bitrate as k2 = 2 * bits: 1..8 bits and MUL1's 1.5 / 2.5 / 3.5.
+VALID_K2 = frozenset(range(2, 17, 2)) | {3, 5, 7}
+# Trellis blocks start on 16-byte boundaries (cp.async), i.e. every 8 int16 elements.
+TRELLIS_OFFSET_ALIGN = 8
+
+
+def _checked_rates(name: str, meta: torch.Tensor, numel: int,
+                   shape: tuple[int, int]) -> list[int]:
+    """meta [E, roles, 2] (host copy): every block a valid rate, aligned, inside the buffer."""
+    rows, cols = shape
+    for e, roles in enumerate(meta.tolist()):
+        for r, (offset, k2) in enumerate(roles):
+            where = f"EXL3 MoE {name}_meta[{e}, {r}]"
+            if k2 not in VALID_K2:
+                raise ValueError(f"{where}: k2 = {k2} is not 2 * an EXL3 bitrate")
+            size = (rows // TILE) * (cols // TILE) * TILE * k2 // K2_PER_BIT
+            if offset < 0 or offset % TRELLIS_OFFSET_ALIGN or offset + size > numel:
+                raise ValueError(f"{where}: the trellis block [{offset}, {offset + size}) is "
+                                 f"unaligned or outside {name}_trellis ({numel} elements)")
+    return sorted({int(k2) for roles in meta.tolist() for _, k2 in roles})
+
+
+CANDIDATES: tuple[type[Exl3MoEKernel], ...] = (CudaExl3MoEKernel, ReferenceExl3MoEKernel)
 
 
 def choose_exl3_moe_kernel(c: Exl3MoEKernelConfig) -> Exl3MoEKernel:
