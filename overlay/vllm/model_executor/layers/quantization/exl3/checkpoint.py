@@ -488,6 +488,11 @@ def declared_disagreements(config: Mapping[str, Any] | None,
             out.append(f"{phantom[0]}: {QUANT_CONFIG_FILE} lists it as EXL3 but no trellis is "
                        f"stored ({len(phantom)} modules: {listing(phantom)}); the tensors "
                        f"decide (not EXL3)")
+        unlisted = sorted(k for k in specs if k not in storage)
+        if unlisted:
+            out.append(f"{unlisted[0]}: EXL3 in the tensors but missing from "
+                       f"{QUANT_CONFIG_FILE}'s tensor_storage ({len(unlisted)} modules: "
+                       f"{listing(unlisted)}); described from its tensors")
     return out
 
 

@@ -23,6 +23,7 @@ from vllm.model_executor.layers.quantization.base_config import (QuantizationCon
                                                                  QuantizeMethodBase)
 
 from .checkpoint import storage_claims, validate_checkpoint
+from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
 from .env_compat import adopt_deprecated_env_names
 from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
@@ -175,7 +176,7 @@ class Exl3Config(QuantizationConfig):
         from vllm.transformers_utils.config import get_safetensors_params_metadata
         from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
-        if os.path.isdir(model_name):
+        if _holds_weights(model_name):
             description = validate_checkpoint(model_name, tied=_tied(hf_config))
             for warning in description.warnings:
                 logger.warning("EXL3 checkpoint %s: %s", model_name, warning)
@@ -277,6 +278,14 @@ class Exl3Config(QuantizationConfig):
                     f"modules ({_listing(inside)})")
             return None
         return None
+
+
+def _holds_weights(model_name: str) -> bool:
+    """A local checkpoint directory with safetensors weights (not a hub id, not a config-only
+    directory for load_format="dummy")."""
+    return os.path.isdir(model_name) and any(
+        name.endswith(SAFETENSORS_SUFFIX) or name == SAFETENSORS_INDEX
+        for name in os.listdir(model_name))
 
 
 def _tied(hf_config: Any) -> bool | None:
