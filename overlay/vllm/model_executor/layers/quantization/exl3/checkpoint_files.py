@@ -279,22 +279,24 @@ def read_safetensors_index(ckpt_dir: str | os.PathLike) -> dict[str, TensorEntry
         raise Exl3FormatError(f"{ckpt_dir}: cannot list the checkpoint directory "
                               f"({e.strerror or e})") from e
     files, weight_map = _shard_files(ckpt_dir, names)
+    headers = [(fname, *read_safetensors_header(os.path.join(ckpt_dir, fname)))
+               for fname in files]
     index: dict[str, TensorEntry] = {}
-    for fname in files:
-        header, base = read_safetensors_header(os.path.join(ckpt_dir, fname))
+    for fname, header, base in headers:
         for name, meta in header.items():
             if name in index:
                 raise Exl3FormatError(
                     f"{name}: stored in both {index[name].file} and {fname} (duplicate tensor: "
                     f"which one is meant?)")
-            if weight_map is not None and weight_map.get(name) != fname:
-                listed = weight_map.get(name)
-                raise Exl3FormatError(
-                    f"{name}: found in {fname} but {SAFETENSORS_INDEX} "
-                    + (f"maps it to {listed}" if listed else "does not list it"))
             start, end = meta["data_offsets"]
             index[name] = TensorEntry(fname, meta["dtype"], tuple(meta["shape"]),
                                       (base + start, base + end))
+    for name, entry in index.items():
+        if weight_map is not None and weight_map.get(name) != entry.file:
+            listed = weight_map.get(name)
+            raise Exl3FormatError(
+                f"{name}: found in {entry.file} but {SAFETENSORS_INDEX} "
+                + (f"maps it to {listed}" if listed else "does not list it"))
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(index))
         if missing:
