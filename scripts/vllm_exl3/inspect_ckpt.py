@@ -465,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_text(report))
     errors = report["errors"]
     if errors:
-        more = f" (and {len(errors) - 1} more; see the report)" if len(errors) > 1 else ""
+        more = (f" (and {checkpoint.more_problems(len(errors) - 1)}; see the report)"
+                if len(errors) > 1 else "")
         raise ToolError(errors[0] + more)
     return 0

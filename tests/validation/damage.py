@@ -523,11 +523,11 @@ CASES: list[Case] = [
          error("model.safetensors: safetensors __metadata__ must map strings to strings")),
     # -- JSON files --
     Case("config-json-syntax", "json", _config_missing_comma,
-         error(per_path={"inspect": ("config.json: invalid JSON at line 17 column 5",),
-                         "dequantize": ("config.json: invalid JSON at line 17 column 5",),
-                         # transformers parses config.json before any quantization method
-                         # exists; it names the file (the traceback shows line and column).
-                         "vllm": ("config.json' is not a valid JSON file",)})),
+         # transformers parses config.json before any quantization method exists; it names
+         # the file (its traceback shows the line and column).
+         error(inspect=("config.json: invalid JSON at line 13 column 5",),
+               dequantize=("config.json: invalid JSON at line 13 column 5",),
+               vllm=("config.json' is not a valid JSON file",))),
     Case("quant-json-truncated", "json", _quant_json_truncated,
          error("quantization_config.json: invalid JSON at line")),
     Case("quant-json-not-object", "json", replace_file("[1, 2]", "quantization_config.json"),
@@ -562,11 +562,11 @@ CASES: list[Case] = [
     Case("shard-missing-no-index", "shards", _shards_without_index,
          error("model-00002-of-00003.safetensors: missing (1 of 3 shards absent")),
     Case("no-weights", "shards", _no_weights,
-         error(per_path={"inspect": ("no .safetensors files found",),
-                         "dequantize": ("no .safetensors files found",),
-                         # A directory without weights is described from tensor_storage (for
-                         # load_format="dummy"); vLLM's loader then finds no weights.
-                         "vllm": ("Cannot find any model weights",)})),
+         # A directory without weights is described from tensor_storage (for
+         # load_format="dummy"); vLLM's loader then finds no weights.
+         error(inspect=("no-weights: no .safetensors files found",),
+               dequantize=("no-weights: no .safetensors files found",),
+               vllm=("Cannot find any model weights", "no-weights"))),
     # -- config.json against the tensors --
     Case("hidden-size", "config", edit_config(hidden_size=512),
          error("model.embed_tokens.weight: shape [4096, 256], but config.json hidden_size = "

@@ -24,6 +24,9 @@ def test_the_corpus_covers_every_class():
     assert len(CASES) >= MIN_CASES
     assert set(kinds) == set(CLASSES), kinds
     assert len({case.id for case in CASES}) == len(CASES)
+    for case in CASES:  # every error and warning is checked for what it says, on every path
+        if case.expect.verdict != LOADS:
+            assert all(case.expect.phrases(path) for path in PATHS), case.id
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])

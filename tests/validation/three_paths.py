@@ -9,7 +9,8 @@
   through the model's `load_weights` and runs `process_weights_after_loading`. Nothing is run
   forward: loading is the path under test.
 
-As a script, prints the table of every case in damage.py and the message each path gives.
+As a script (`python tests/validation/three_paths.py [OUT.md]`), writes the table of every case
+in damage.py and the message each path gives.
 """
 
 from __future__ import annotations
@@ -119,30 +120,37 @@ def run_all(ckpt: Path, scratch: Path) -> dict[str, Outcome]:
             "vllm": run_vllm(ckpt)}
 
 
-def _cell(outcome: Outcome) -> str:
-    text = outcome.text().splitlines()[0] if outcome.text() else "loads"
-    for prefix in ("vllm-exl3 inspect: error: ", "vllm-exl3 dequantize: error: "):
+def _cell(outcome: Outcome, root: str) -> str:
+    """The message as a table cell: first line, the tool's prefix, pydantic's wrapper around
+    VllmConfig's ValueError, the exception type and the temporary directory taken off."""
+    text = outcome.text()
+    if not text:
+        return "loads"
+    if "Value error, " in text:
+        text = text.split("Value error, ", 1)[1].split(" [type=value_error", 1)[0]
+    text = text.splitlines()[0].strip().removeprefix("- ")
+    for prefix in ("vllm-exl3 inspect: error: ", "vllm-exl3 dequantize: error: ", "warning: "):
         text = text.removeprefix(prefix)
+    head, sep, rest = text.partition(": ")
+    if sep and head.isidentifier() and head[0].isupper():  # "Exl3LayoutError: ..."
+        text = rest
+    text = text.replace(f"EXL3 checkpoint {root}/", "EXL3 checkpoint ").replace(f"{root}/", "")
     return text.replace("|", "\\|")
 
 
 def table() -> str:
-    """Markdown: case -> the message of each path (the same for the three where they agree)."""
+    """Markdown: case -> the message of each path (one message where the three agree)."""
     from damage import CASES
 
     lines = ["| case | class | verdict | message |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         for case in CASES:
             ckpt = case.make(Path(tmp))
-            outcomes = run_all(ckpt, Path(tmp))
-            cells = {path: _cell(o) for path, o in outcomes.items()}
-            vllm = cells["vllm"]
-            if "Value error, " in vllm:  # pydantic's wrapper around VllmConfig's ValueError
-                vllm = vllm.split("Value error, ", 1)[1].split(" [type=value_error", 1)[0]
-            shown = cells["inspect"]
-            if cells["dequantize"] != shown or vllm.split(": ", 1)[-1] not in (shown, vllm):
-                shown = (f"inspect: {cells['inspect']}<br>dequantize: {cells['dequantize']}"
-                         f"<br>vLLM: {vllm}")
+            cells = {path: _cell(o, tmp) for path, o in run_all(ckpt, Path(tmp)).items()}
+            if len(set(cells.values())) == 1:
+                shown = cells["inspect"]
+            else:
+                shown = "<br>".join(f"{path}: {cell}" for path, cell in cells.items())
             lines.append(f"| {case.id} | {case.kind} | {case.expect.verdict} | {shown} |")
     return "\n".join(lines)
 
@@ -155,4 +163,9 @@ if __name__ == "__main__":
     from exl3_harness import gloo_world
 
     with tempfile.TemporaryDirectory() as tmp, gloo_world(1, 0, f"{tmp}/init"):
-        print(table())
+        text = table()
+    # vLLM logs to stdout; the table goes to the named file when one is given.
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(text + "\n")
+    else:
+        print(text)

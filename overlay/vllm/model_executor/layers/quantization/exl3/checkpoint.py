@@ -72,6 +72,10 @@ def listing(names: list[str], limit: int = LIST_LIMIT) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def more_problems(n: int) -> str:
+    return f"{n} more problem{'s' if n > 1 else ''}"
+
+
 def round_up(x: int, to: int = HADAMARD_SIZE) -> int:
     return -(-x // to) * to
 
@@ -119,7 +123,7 @@ def validate_checkpoint(ckpt_dir: str | os.PathLike, *,
     if config is not None:
         problems = config_problems(config, tensors, specs, tied=tied)
         if problems:
-            more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+            more = f" (and {more_problems(len(problems) - 1)})" if len(problems) > 1 else ""
             raise Exl3FormatError(problems[0] + more)
     warnings = declared_disagreements(config, quant_document, specs)
     return CheckpointDescription(root, tensors, config, quant_document, specs, unsupported,
