@@ -2,19 +2,22 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """One verdict on an EXL3 checkpoint directory, shared by vLLM's loader and the tools.
 
-`validate_checkpoint` runs before any weight is read: the files (checkpoint_files.py), the EXL3
-modules (format.py), then config.json against the tensors (hidden size, vocabulary, the dims of
-every projection it implies, layer and expert counts, head presence and tying, biases), failing
-closed on the first problem with a message that starts with the tensor or file it is about. What
-the JSON files *declare* about bitrates and codebooks is compared too, but the tensors decide:
-those disagreements come back as warnings. `check_scale_values` is the value rule for `suh` and
-`svh`, applied wherever their data is read (the vLLM loader, `dequantize`, `inspect --values`).
+`validate_checkpoint` runs before any weight is read: the files (checkpoint_files.py),
+the EXL3 modules (format.py), then config.json against the tensors (hidden size,
+vocabulary, the dims of every projection it implies, layer and expert counts, head
+presence and tying, biases), failing closed on the first problem with a message that
+starts with the tensor or file it is about. What the JSON files *declare* about bitrates
+and codebooks is compared too, but the tensors decide: those disagreements come back as
+warnings. `check_scale_values` is the value rule for `suh` and `svh`, applied wherever
+their data is read (the vLLM loader, `dequantize`, `inspect --values`).
 
-vLLM builds the model from config.json, so a config that claims more than the checkpoint holds
-would leave parameters unwritten (vLLM tracks unloaded parameters only for unquantized models);
-a config that claims less would fail inside a model's loader. Both are named here instead.
+vLLM builds the model from config.json, so a config that claims more than the checkpoint
+holds would leave parameters unwritten (vLLM tracks unloaded parameters only for
+unquantized models); a config that claims less would fail inside a model's loader. Both
+are named here instead.
 
-Imports only the standard library and torch (through format.py), so the tools load it on its own.
+Imports only the standard library and torch (through format.py), so the tools load it on
+its own.
 """
 
 from __future__ import annotations
@@ -28,20 +31,36 @@ from typing import Any
 
 import torch
 
-from .checkpoint_files import (Exl3FormatError, TensorEntry, read_json_object,
-                               read_safetensors_index)
-from .format import (EMBED_SIGNS_SUFFIX, HADAMARD_SIZE, Codebook, Exl3ModuleSpec, group_spec,
-                     group_tensors)
+from .checkpoint_files import (
+    Exl3FormatError,
+    TensorEntry,
+    read_json_object,
+    read_safetensors_index,
+)
+from .format import (
+    EMBED_SIGNS_SUFFIX,
+    HADAMARD_SIZE,
+    Codebook,
+    Exl3ModuleSpec,
+    group_spec,
+    group_tensors,
+)
 
 CONFIG_FILE = "config.json"
 QUANT_CONFIG_FILE = "quantization_config.json"
 # config.json keys that name the number of routed experts, in the order models use them.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
-# config.json keys for extra (multi-token-prediction) decoder layers stored after the main ones.
+# config.json keys for extra (multi-token-prediction) decoder layers stored after the
+# main ones.
 MTP_LAYER_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
-# config.json's `bits` is written with 2 decimals; a larger gap than the rounding is a mismatch.
+# config.json's `bits` is written with 2 decimals; a larger gap than the rounding is a
+# mismatch.
 BITS_TOLERANCE = 0.0051
-CODEBOOK_NAMES = {Codebook.THREE_INST: "3inst", Codebook.MCG: "mcg", Codebook.MUL1: "mul1"}
+CODEBOOK_NAMES = {
+    Codebook.THREE_INST: "3inst",
+    Codebook.MCG: "mcg",
+    Codebook.MUL1: "mul1",
+}
 # Names listed in a message before "and N more".
 LIST_LIMIT = 3
 # Model types whose q/k/v projections carry a bias without saying so in config.json.
@@ -64,7 +83,9 @@ class CheckpointDescription:
     quant_document: dict | None  # quantization_config.json
     modules: dict[str, Exl3ModuleSpec]  # EXL3 linears by module key
     unsupported: dict[str, str]  # EXL3 containers vLLM cannot load, with the reason
-    warnings: list[str] = field(default_factory=list)  # declared vs stored; the tensors win
+    warnings: list[str] = field(
+        default_factory=list
+    )  # declared vs stored; the tensors win
 
 
 def listing(names: list[str], limit: int = LIST_LIMIT) -> str:
@@ -80,11 +101,13 @@ def round_up(x: int, to: int = HADAMARD_SIZE) -> int:
     return -(-x // to) * to
 
 
-# ---- reading --------------------------------------------------------------------------------
+# ---- reading
+# --------------------------------------------------------------------------------
 
 
 def read_documents(root: str) -> tuple[dict | None, dict | None]:
-    """config.json and quantization_config.json (None where absent), syntax errors named."""
+    """config.json and quantization_config.json (None where absent), syntax errors
+    named."""
     docs = []
     for name in (CONFIG_FILE, QUANT_CONFIG_FILE):
         path = os.path.join(root, name)
@@ -92,27 +115,31 @@ def read_documents(root: str) -> tuple[dict | None, dict | None]:
     return docs[0], docs[1]
 
 
-def find_modules(tensors: Mapping[str, TensorEntry]
-                 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module key,
-    in sorted order (so every reader meets the same first error)."""
+def find_modules(
+    tensors: Mapping[str, TensorEntry],
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
+    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module
+    key, in sorted order (so every reader meets the same first error)."""
     specs: dict[str, Exl3ModuleSpec] = {}
     unsupported: dict[str, str] = {}
     for prefix, members in group_tensors(tensors).items():
         if EMBED_SIGNS_SUFFIX in members:
-            unsupported[prefix] = (f"{prefix} is a quantized token embedding (trellis + signs, "
-                                   f"--embed_bits), which is not supported")
+            unsupported[prefix] = (
+                f"{prefix} is a quantized token embedding (trellis + signs, "
+                f"--embed_bits), which is not supported"
+            )
         elif (spec := group_spec(prefix, members)) is not None:
             specs[prefix] = spec
     return specs, unsupported
 
 
-def validate_checkpoint(ckpt_dir: str | os.PathLike, *,
-                        tied: bool | None = None) -> CheckpointDescription:
+def validate_checkpoint(
+    ckpt_dir: str | os.PathLike, *, tied: bool | None = None
+) -> CheckpointDescription:
     """Every structural rule, failing closed on the first problem (an Exl3FormatError).
 
-    `tied`: whether the model ties its output layer to the token embedding, when the caller
-    knows it better than config.json (vLLM resolves the model class's default).
+    `tied`: whether the model ties its output layer to the token embedding, when the
+    caller knows it better than config.json (vLLM resolves the model class's default).
     """
     root = os.fspath(ckpt_dir)
     if not os.path.isdir(root):
@@ -123,14 +150,20 @@ def validate_checkpoint(ckpt_dir: str | os.PathLike, *,
     if config is not None:
         problems = config_problems(config, tensors, specs, tied=tied)
         if problems:
-            more = f" (and {more_problems(len(problems) - 1)})" if len(problems) > 1 else ""
+            more = (
+                f" (and {more_problems(len(problems) - 1)})"
+                if len(problems) > 1
+                else ""
+            )
             raise Exl3FormatError(problems[0] + more)
     warnings = declared_disagreements(config, quant_document, specs)
-    return CheckpointDescription(root, tensors, config, quant_document, specs, unsupported,
-                                 warnings)
+    return CheckpointDescription(
+        root, tensors, config, quant_document, specs, unsupported, warnings
+    )
 
 
-# ---- config.json against the tensors ---------------------------------------------------------
+# ---- config.json against the tensors
+# ---------------------------------------------------------
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -143,11 +176,16 @@ def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _int(cfg: Mapping[str, Any], key: str) -> int | None:
     value = cfg.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return (
+        value
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0
+        else None
+    )
 
 
 def expert_count(cfg: Mapping[str, Any]) -> int | None:
-    """Routed experts per MoE layer as config.json declares them (None for a dense model)."""
+    """Routed experts per MoE layer as config.json declares them (None for a dense
+    model)."""
     for key in EXPERT_COUNT_KEYS:
         if (n := _int(cfg, key)) is not None:
             return n
@@ -155,7 +193,9 @@ def expert_count(cfg: Mapping[str, Any]) -> int | None:
 
 
 def expert_key(cfg: Mapping[str, Any]) -> str:
-    return next((k for k in EXPERT_COUNT_KEYS if _int(cfg, k) is not None), EXPERT_COUNT_KEYS[1])
+    return next(
+        (k for k in EXPERT_COUNT_KEYS if _int(cfg, k) is not None), EXPERT_COUNT_KEYS[1]
+    )
 
 
 def expert_ids(names: Iterable[str]) -> dict[str, set[int]]:
@@ -184,23 +224,31 @@ def _ranges(indices: Iterable[int]) -> str:
 
 
 def _intermediate(cfg: Mapping[str, Any], name: str) -> tuple[int | None, str]:
-    """The real intermediate width of an MLP projection and the config.json keys it comes from."""
+    """The real intermediate width of an MLP projection and the config.json keys it
+    comes from."""
     if ".slice." in name:
         return None, ""  # ExLlamaV3 slices of a very wide dense MLP; widths are its own
     if ".experts." in name:
         return _int(cfg, "moe_intermediate_size"), "moe_intermediate_size"
     if ".shared_expert." in name:
-        return _int(cfg, "shared_expert_intermediate_size"), "shared_expert_intermediate_size"
+        return _int(
+            cfg, "shared_expert_intermediate_size"
+        ), "shared_expert_intermediate_size"
     if ".shared_experts." in name:
-        inter, shared = _int(cfg, "moe_intermediate_size"), _int(cfg, "n_shared_experts")
-        return ((inter * shared if inter and shared else None),
-                "moe_intermediate_size x n_shared_experts")
+        inter, shared = (
+            _int(cfg, "moe_intermediate_size"),
+            _int(cfg, "n_shared_experts"),
+        )
+        return (
+            (inter * shared if inter and shared else None),
+            "moe_intermediate_size x n_shared_experts",
+        )
     return _int(cfg, "intermediate_size"), "intermediate_size"
 
 
 def implied_dims(cfg: Mapping[str, Any], name: str) -> tuple[int, int, str] | None:
-    """(real k, real n, which config.json keys say so) of a linear, from its name; None when
-    config.json does not determine it."""
+    """(real k, real n, which config.json keys say so) of a linear, from its name; None
+    when config.json does not determine it."""
     hidden = _int(cfg, "hidden_size")
     if hidden is None:
         return None
@@ -210,7 +258,8 @@ def implied_dims(cfg: Mapping[str, Any], name: str) -> tuple[int, int, str] | No
         return (hidden, vocab, "hidden_size, vocab_size") if vocab else None
     if leaf in ("q_proj", "k_proj", "v_proj", "o_proj") and ".self_attn." in f".{name}":
         if cfg.get("kv_lora_rank"):
-            return None  # MLA: projections through the LoRA ranks, checked by shape rules only
+            # MLA: projections through the LoRA ranks, checked by the shape rules only.
+            return None
         heads = _int(cfg, "num_attention_heads")
         if heads is None:
             return None
@@ -218,8 +267,12 @@ def implied_dims(cfg: Mapping[str, Any], name: str) -> tuple[int, int, str] | No
         head_dim = _int(cfg, "head_dim") or hidden // heads
         q, kv = heads * head_dim, kv_heads * head_dim
         keys = "hidden_size, num_attention_heads, num_key_value_heads, head_dim"
-        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-                "o_proj": (q, hidden)}[leaf] + (keys,)
+        return {
+            "q_proj": (hidden, q),
+            "k_proj": (hidden, kv),
+            "v_proj": (hidden, kv),
+            "o_proj": (q, hidden),
+        }[leaf] + (keys,)
     if leaf in ("gate_proj", "up_proj", "down_proj"):
         inter, key = _intermediate(cfg, name)
         if inter is None:
@@ -229,8 +282,13 @@ def implied_dims(cfg: Mapping[str, Any], name: str) -> tuple[int, int, str] | No
     return None
 
 
-def _dims_problem(cfg: Mapping[str, Any], module: str, stored: tuple[int, int],
-                  tensor: str, exact_padded: bool) -> str | None:
+def _dims_problem(
+    cfg: Mapping[str, Any],
+    module: str,
+    stored: tuple[int, int],
+    tensor: str,
+    exact_padded: bool,
+) -> str | None:
     implied = implied_dims(cfg, module)
     if implied is None:
         return None
@@ -238,9 +296,11 @@ def _dims_problem(cfg: Mapping[str, Any], module: str, stored: tuple[int, int],
     padded = (round_up(k), round_up(n))
     if stored == padded or (not exact_padded and stored == (k, n)):
         return None
-    return (f"{tensor}: stored k x n = {stored[0]} x {stored[1]}, but config.json ({keys}) "
-            f"implies {k} x {n}, padded to {padded[0]} x {padded[1]} (is config.json from "
-            f"another model?)")
+    return (
+        f"{tensor}: stored k x n = {stored[0]} x {stored[1]}, but config.json ({keys}) "
+        f"implies {k} x {n}, padded to {padded[0]} x {padded[1]} (is config.json from "
+        f"another model?)"
+    )
 
 
 def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
@@ -250,7 +310,8 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
         m = _LAYER.match(name)
         if m:
             per_base.setdefault(m.group("base"), {}).setdefault(
-                int(m.group("index")), set()).add(m.group("rest"))
+                int(m.group("index")), set()
+            ).add(m.group("rest"))
     layers_total = _int(cfg, "num_hidden_layers")
     if not per_base or layers_total is None:
         return []
@@ -261,16 +322,21 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
     missing = [i for i in range(layers_total) if i not in stored]
     if missing:
         problems.append(
-            f"{base}.{missing[0]}: no tensors stored, but config.json num_hidden_layers = "
-            f"{layers_total} (the checkpoint stores layers {_ranges(stored)}; the model would "
-            f"be built with layers it cannot load)")
+            f"{base}.{missing[0]}: no tensors stored, but config.json "
+            "num_hidden_layers = "
+            f"{layers_total} (the checkpoint stores layers {_ranges(stored)}; the "
+            "model would "
+            f"be built with layers it cannot load)"
+        )
     beyond = [i for i in stored if i >= layers_total + extra]
     if beyond:
         problems.append(
-            f"{base}.{min(beyond)}: stored, but config.json num_hidden_layers = {layers_total}"
+            f"{base}.{min(beyond)}: stored, but config.json num_hidden_layers = "
+            f"{layers_total}"
             + (f" (+ {extra} MTP)" if extra else "")
-            + f" (the checkpoint stores layers {_ranges(stored)}; is config.json from another "
-            f"model?)")
+            + f" (the checkpoint stores layers {_ranges(stored)}; is config.json from "
+            f"another model?)"
+        )
     # Layers of one kind (layer_types entry, MoE or dense) store the same tensors.
     types = cfg.get("layer_types")
     groups: dict[tuple, list[int]] = {}
@@ -283,8 +349,10 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
     for members in groups.values():
         if len(members) < 2:
             continue
-        shapes = {i: {_EXPERT.sub(r"\g<mlp>.*.", f"x.{r}")[2:] for r in stored[i]}
-                  for i in members}
+        shapes = {
+            i: {_EXPERT.sub(r"\g<mlp>.*.", f"x.{r}")[2:] for r in stored[i]}
+            for i in members
+        }
         for i in members:
             others = [shapes[j] for j in members if j != i]
             common = set.intersection(*others)
@@ -292,8 +360,11 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
             if lacking:
                 modules = sorted({r.rpartition(".")[0] for r in lacking})
                 problems.append(
-                    f"{base}.{i}.{modules[0]}: missing from the checkpoint ({listing(lacking)} "
-                    f"absent from {base}.{i}; every other layer of its kind stores them)")
+                    f"{base}.{i}.{modules[0]}: missing from the checkpoint "
+                    f"({listing(lacking)} "
+                    f"absent from {base}.{i}; every other layer of its kind stores "
+                    "them)"
+                )
     return problems
 
 
@@ -305,62 +376,103 @@ def _expert_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
         if stored:
             container = min(stored)
             problems.append(
-                f"{container}.{min(stored[container])}: expert tensors stored, but config.json "
-                f"declares no experts ({' / '.join(EXPERT_COUNT_KEYS)}; is config.json from "
-                f"another model?)")
+                f"{container}.{min(stored[container])}: expert tensors stored, but "
+                "config.json "
+                f"declares no experts ({' / '.join(EXPERT_COUNT_KEYS)}; is config.json "
+                "from "
+                f"another model?)"
+            )
         return problems
     key = expert_key(cfg)
     if not stored:
-        problems.append(f"config.json: {key} = {count}, but the checkpoint stores no expert "
-                        f"tensors (is config.json from another model?)")
+        problems.append(
+            f"config.json: {key} = {count}, but the checkpoint stores no expert "
+            f"tensors (is config.json from another model?)"
+        )
     for container, ids in sorted(stored.items()):
         missing = sorted(set(range(count)) - ids)
         if missing:
-            problems.append(f"{container}.{missing[0]}: missing ({len(missing)} of {count} "
-                            f"experts absent; config.json {key} = {count}, the checkpoint "
-                            f"stores experts {_ranges(ids)})")
+            problems.append(
+                f"{container}.{missing[0]}: missing ({len(missing)} of {count} "
+                f"experts absent; config.json {key} = {count}, the checkpoint "
+                f"stores experts {_ranges(ids)})"
+            )
         beyond = sorted(i for i in ids if i >= count)
         if beyond:
-            problems.append(f"{container}.{beyond[0]}: stored, but config.json {key} = {count} "
-                            f"(is config.json from another model?)")
+            problems.append(
+                f"{container}.{beyond[0]}: stored, but config.json {key} = {count} "
+                f"(is config.json from another model?)"
+            )
     return problems
 
 
-def _head_problems(cfg: Mapping[str, Any], tensors: Mapping[str, TensorEntry],
-                   specs: Mapping[str, Exl3ModuleSpec], tied: bool | None) -> list[str]:
+def _head_problems(
+    cfg: Mapping[str, Any],
+    tensors: Mapping[str, TensorEntry],
+    specs: Mapping[str, Exl3ModuleSpec],
+    tied: bool | None,
+) -> list[str]:
     if tied is None:
         tied = cfg.get("tie_word_embeddings") is True
-    heads = sorted({n.rpartition(".")[0] for n in tensors
-                    if n.rpartition(".")[0].rpartition(".")[2] == "lm_head"})
+    heads = sorted(
+        {
+            n.rpartition(".")[0]
+            for n in tensors
+            if n.rpartition(".")[0].rpartition(".")[2] == "lm_head"
+        }
+    )
     if tied and heads:
         head = heads[0]
         stored = f"{head}.trellis" if head in specs else f"{head}.weight"
-        return [f"{stored}: stored, but config.json tie_word_embeddings = true: vLLM would tie "
-                f"the output layer to the token embedding and drop the stored head (ExLlamaV3 "
-                f"writes an untied lm_head and sets tie_word_embeddings to false); set it to "
-                f"false"]
+        return [
+            f"{stored}: stored, but config.json tie_word_embeddings = true: vLLM would "
+            "tie "
+            "the output layer to the token embedding and drop the stored head "
+            "(ExLlamaV3 "
+            "writes an untied lm_head and sets tie_word_embeddings to false); set it "
+            "to "
+            f"false"
+        ]
     if not tied and not heads:
-        return ["lm_head: missing (no lm_head.trellis or lm_head.weight), and config.json "
-                "tie_word_embeddings is not true: the output layer would never be loaded "
-                "(ExLlamaV3 always writes an lm_head; incomplete download?)"]
+        return [
+            "lm_head: missing (no lm_head.trellis or lm_head.weight), and config.json "
+            "tie_word_embeddings is not true: the output layer would never be loaded "
+            "(ExLlamaV3 always writes an lm_head; incomplete download?)"
+        ]
     return []
 
 
-def _bias_problems(cfg: Mapping[str, Any], tensors: Mapping[str, TensorEntry],
-                   specs: Mapping[str, Exl3ModuleSpec]) -> list[str]:
-    """Bias presence against attention_bias / mlp_bias, for the projections they govern."""
+def _bias_problems(
+    cfg: Mapping[str, Any],
+    tensors: Mapping[str, TensorEntry],
+    specs: Mapping[str, Exl3ModuleSpec],
+) -> list[str]:
+    """Bias presence against attention_bias / mlp_bias, for the projections they
+    govern."""
     model_type = str(cfg.get("model_type", ""))
     rules = []
     if model_type in IMPLICIT_QKV_BIAS:
-        rules.append((("q_proj", "k_proj", "v_proj"), True, f"model_type = {model_type!r}"))
+        rules.append(
+            (("q_proj", "k_proj", "v_proj"), True, f"model_type = {model_type!r}")
+        )
     elif isinstance(cfg.get("attention_bias"), bool):
         value = cfg["attention_bias"]
-        rules.append((("q_proj", "k_proj", "v_proj"), value,
-                      f"attention_bias = {str(value).lower()}"))
+        rules.append(
+            (
+                ("q_proj", "k_proj", "v_proj"),
+                value,
+                f"attention_bias = {str(value).lower()}",
+            )
+        )
     if isinstance(cfg.get("mlp_bias"), bool):
         value = cfg["mlp_bias"]
-        rules.append((("gate_proj", "up_proj", "down_proj"), value,
-                      f"mlp_bias = {str(value).lower()}"))
+        rules.append(
+            (
+                ("gate_proj", "up_proj", "down_proj"),
+                value,
+                f"mlp_bias = {str(value).lower()}",
+            )
+        )
     problems = []
     for module in sorted(specs):
         leaf = module.rpartition(".")[2]
@@ -369,17 +481,25 @@ def _bias_problems(cfg: Mapping[str, Any], tensors: Mapping[str, TensorEntry],
                 continue
             has = specs[module].has_bias
             if has and not expected:
-                problems.append(f"{module}.bias: stored, but config.json {why}: the model "
-                                f"builds {leaf} without a bias")
+                problems.append(
+                    f"{module}.bias: stored, but config.json {why}: the model "
+                    f"builds {leaf} without a bias"
+                )
             elif expected and not has:
-                problems.append(f"{module}.bias: missing, but config.json {why}: the model "
-                                f"builds {leaf} with a bias")
+                problems.append(
+                    f"{module}.bias: missing, but config.json {why}: the model "
+                    f"builds {leaf} with a bias"
+                )
     return problems
 
 
-def config_problems(config: Mapping[str, Any], tensors: Mapping[str, TensorEntry],
-                    specs: Mapping[str, Exl3ModuleSpec], *, tied: bool | None = None
-                    ) -> list[str]:
+def config_problems(
+    config: Mapping[str, Any],
+    tensors: Mapping[str, TensorEntry],
+    specs: Mapping[str, Exl3ModuleSpec],
+    *,
+    tied: bool | None = None,
+) -> list[str]:
     """Every way config.json disagrees with the stored tensors, most basic first."""
     cfg = text_config(config)
     problems: list[str] = []
@@ -391,21 +511,36 @@ def config_problems(config: Mapping[str, Any], tensors: Mapping[str, TensorEntry
         if leaf == "embed_tokens" and suffix == "weight" and len(entry.shape) == 2:
             rows, cols = entry.shape
             if hidden and cols != hidden:
-                problems.append(f"{name}: shape {list(entry.shape)}, but config.json "
-                                f"hidden_size = {hidden} (is config.json from another model?)")
+                problems.append(
+                    f"{name}: shape {list(entry.shape)}, but config.json "
+                    f"hidden_size = {hidden} (is config.json from another model?)"
+                )
             if vocab and rows != vocab:
-                problems.append(f"{name}: shape {list(entry.shape)}, but config.json "
-                                f"vocab_size = {vocab} (is config.json from another model?)")
-        elif suffix == "weight" and hidden and entry.shape != (hidden,) and (
-                prefix in FINAL_NORMS or (leaf in LAYER_NORMS and _LAYER.match(name))):
-            problems.append(f"{name}: shape {list(entry.shape)}, but config.json hidden_size "
-                            f"= {hidden} (is config.json from another model?)")
+                problems.append(
+                    f"{name}: shape {list(entry.shape)}, but config.json "
+                    f"vocab_size = {vocab} (is config.json from another model?)"
+                )
+        elif (
+            suffix == "weight"
+            and hidden
+            and entry.shape != (hidden,)
+            and (prefix in FINAL_NORMS or (leaf in LAYER_NORMS and _LAYER.match(name)))
+        ):
+            problems.append(
+                f"{name}: shape {list(entry.shape)}, but config.json hidden_size "
+                f"= {hidden} (is config.json from another model?)"
+            )
     names = sorted(tensors)
     problems += _layer_problems(cfg, names)
     problems += _expert_problems(cfg, names)
     for module, spec in sorted(specs.items()):
-        found = _dims_problem(cfg, module, (spec.in_features, spec.out_features),
-                              f"{module}.trellis", exact_padded=True)
+        found = _dims_problem(
+            cfg,
+            module,
+            (spec.in_features, spec.out_features),
+            f"{module}.trellis",
+            exact_padded=True,
+        )
         if found:
             problems.append(found)
     for name in names:
@@ -421,7 +556,8 @@ def config_problems(config: Mapping[str, Any], tensors: Mapping[str, TensorEntry
     return problems
 
 
-# ---- what the JSON files declare (the tensors decide) ----------------------------------------
+# ---- what the JSON files declare (the tensors decide)
+# ----------------------------------------
 
 
 def storage_claims(storage: Mapping[str, Any]) -> dict[str, tuple[Any, Codebook]]:
@@ -440,39 +576,58 @@ def storage_claims(storage: Mapping[str, Any]) -> dict[str, tuple[Any, Codebook]
     return claims
 
 
-def declared_disagreements(config: Mapping[str, Any] | None,
-                           quant_document: Mapping[str, Any] | None,
-                           specs: Mapping[str, Exl3ModuleSpec]) -> list[str]:
-    """Where config.json's quantization_config or quantization_config.json's tensor_storage
-    describe the EXL3 modules differently from their tensors; each names the module."""
+def declared_disagreements(
+    config: Mapping[str, Any] | None,
+    quant_document: Mapping[str, Any] | None,
+    specs: Mapping[str, Exl3ModuleSpec],
+) -> list[str]:
+    """Where config.json's quantization_config or quantization_config.json's
+    tensor_storage describe the EXL3 modules differently from their tensors; each names
+    the module."""
     out: list[str] = []
     block = text_config(config or {}).get("quantization_config") or (config or {}).get(
-        "quantization_config")
+        "quantization_config"
+    )
     if isinstance(block, Mapping):
         codebook = block.get("codebook")
         if isinstance(codebook, str):
-            other = sorted(m for m, s in specs.items() if CODEBOOK_NAMES[s.codebook] != codebook)
+            other = sorted(
+                m for m, s in specs.items() if CODEBOOK_NAMES[s.codebook] != codebook
+            )
             if other:
                 found = sorted({CODEBOOK_NAMES[specs[m].codebook] for m in other})
-                out.append(f"{other[0]}: config.json quantization_config.codebook = "
-                           f"{codebook!r}, but its tensors are {'/'.join(found)} "
-                           f"({len(other)} modules: {listing(other)}); the tensors decide")
+                out.append(
+                    f"{other[0]}: config.json quantization_config.codebook = "
+                    f"{codebook!r}, but its tensors are {'/'.join(found)} "
+                    f"({len(other)} modules: {listing(other)}); the tensors decide"
+                )
         head = next((m for m in specs if m.rpartition(".")[2] == "lm_head"), None)
         head_bits = block.get("head_bits")
-        if head is not None and isinstance(head_bits, (int, float)) and float(
-                head_bits) != float(specs[head].bits):
-            out.append(f"{head}: config.json quantization_config.head_bits = {head_bits}, but "
-                       f"{head}.trellis holds {specs[head].bits} bits; the tensors decide")
+        if (
+            head is not None
+            and isinstance(head_bits, (int, float))
+            and float(head_bits) != float(specs[head].bits)
+        ):
+            out.append(
+                f"{head}: config.json quantization_config.head_bits = {head_bits}, but "
+                f"{head}.trellis holds {specs[head].bits} bits; the tensors decide"
+            )
         body = [s for m, s in specs.items() if m.rpartition(".")[2] != "lm_head"]
         bits = block.get("bits")
         if body and isinstance(bits, (int, float)):
             weights = sum(s.in_features * s.out_features for s in body)
-            average = sum(s.bits * s.in_features * s.out_features for s in body) / weights
+            average = (
+                sum(s.bits * s.in_features * s.out_features for s in body) / weights
+            )
             if abs(average - float(bits)) > BITS_TOLERANCE and not math.isclose(
-                    average, float(bits)):
-                out.append(f"config.json: quantization_config.bits = {bits}, but the EXL3 "
-                           f"linears (lm_head excluded) average {average:.4f} bits per weight; "
-                           f"the tensors decide")
+                average, float(bits)
+            ):
+                out.append(
+                    f"config.json: quantization_config.bits = {bits}, but the EXL3 "
+                    f"linears (lm_head excluded) average {average:.4f} bits per "
+                    "weight; "
+                    f"the tensors decide"
+                )
     storage = (quant_document or {}).get("tensor_storage")
     if isinstance(storage, Mapping):
         claims = storage_claims(storage)
@@ -484,33 +639,42 @@ def declared_disagreements(config: Mapping[str, Any] | None,
             except (TypeError, ValueError):
                 same_bits = False
             if not same_bits or codebook != spec.codebook:
-                out.append(f"{key}: {QUANT_CONFIG_FILE} says {bits} bits, codebook "
-                           f"{CODEBOOK_NAMES[codebook]}; its tensors say {spec.bits} bits, "
-                           f"codebook {CODEBOOK_NAMES[spec.codebook]}; the tensors decide")
+                out.append(
+                    f"{key}: {QUANT_CONFIG_FILE} says {bits} bits, codebook "
+                    f"{CODEBOOK_NAMES[codebook]}; its tensors say {spec.bits} bits, "
+                    f"codebook {CODEBOOK_NAMES[spec.codebook]}; the tensors decide"
+                )
         phantom = sorted(k for k in claims if k not in specs)
         if phantom:
-            out.append(f"{phantom[0]}: {QUANT_CONFIG_FILE} lists it as EXL3 but no trellis is "
-                       f"stored ({len(phantom)} modules: {listing(phantom)}); the tensors "
-                       f"decide (not EXL3)")
+            out.append(
+                f"{phantom[0]}: {QUANT_CONFIG_FILE} lists it as EXL3 but no trellis is "
+                f"stored ({len(phantom)} modules: {listing(phantom)}); the tensors "
+                f"decide (not EXL3)"
+            )
         unlisted = sorted(k for k in specs if k not in storage)
         if unlisted:
-            out.append(f"{unlisted[0]}: EXL3 in the tensors but missing from "
-                       f"{QUANT_CONFIG_FILE}'s tensor_storage ({len(unlisted)} modules: "
-                       f"{listing(unlisted)}); described from its tensors")
+            out.append(
+                f"{unlisted[0]}: EXL3 in the tensors but missing from "
+                f"{QUANT_CONFIG_FILE}'s tensor_storage ({len(unlisted)} modules: "
+                f"{listing(unlisted)}); described from its tensors"
+            )
     return out
 
 
-# ---- values -----------------------------------------------------------------------------------
+# ---- values
+# -----------------------------------------------------------------------------------
 
 
 def check_scale_values(name: str, values: torch.Tensor, real: int | None) -> str | None:
-    """The value rule for a `suh` or `svh` vector (`name` is the full tensor name; `real` how
-    many leading entries are real rows/columns, the rest being 128-padding, None if unknown).
+    """The value rule for a `suh` or `svh` vector (`name` is the full tensor name;
+    `real` how many leading entries are real rows/columns, the rest being 128-padding,
+    None if unknown).
 
-    Raises for NaN or inf anywhere (one would turn every output of the layer into NaN) and for
-    a zero input scale on a real row (the quantizer never writes one: it drops that input).
-    Returns a note for zero output scales on real columns: the format writes them for output
-    channels whose weights are all zero, so they are legal, but such a column always yields 0.
+    Raises for NaN or inf anywhere (one would turn every output of the layer into NaN)
+    and for a zero input scale on a real row (the quantizer never writes one: it drops
+    that input). Returns a note for zero output scales on real columns: the format
+    writes them for output channels whose weights are all zero, so they are legal, but
+    such a column always yields 0.
     """
     finite = torch.isfinite(values)
     if not bool(finite.all()):
@@ -519,18 +683,28 @@ def check_scale_values(name: str, values: torch.Tensor, real: int | None) -> str
         value = float(values[first])
         more = f" (and {len(bad) - 1} more non-finite values)" if len(bad) > 1 else ""
         raise Exl3FormatError(
-            f"{name}: {value} at index {first}{more}: a non-finite scale makes every output of "
-            f"the layer NaN (damaged checkpoint)")
+            f"{name}: {value} at index {first}{more}: a non-finite scale makes every "
+            "output of "
+            f"the layer NaN (damaged checkpoint)"
+        )
     span = values if real is None else values[:real]
     zeros = (span == 0).nonzero().flatten()
     if not len(zeros):
         return None
     first = int(zeros[0])
-    where = f"at index {first}" + (f" and {len(zeros) - 1} more" if len(zeros) > 1 else "")
+    where = f"at index {first}" + (
+        f" and {len(zeros) - 1} more" if len(zeros) > 1 else ""
+    )
     if name.endswith(".suh"):
         raise Exl3FormatError(
-            f"{name}: 0 {where}, on real input rows (of {len(span)}): a zero input scale drops "
-            f"that input, which the format never does (zeros belong only to 128-padding rows; "
-            f"damaged checkpoint)")
-    return (f"{name}: 0 {where}, on real output columns (of {len(span)}): those outputs are "
-            f"always 0 (legal only for all-zero output channels)")
+            f"{name}: 0 {where}, on real input rows (of {len(span)}): a zero input "
+            "scale drops "
+            "that input, which the format never does (zeros belong only to "
+            "128-padding rows; "
+            f"damaged checkpoint)"
+        )
+    return (
+        f"{name}: 0 {where}, on real output columns (of {len(span)}): those outputs "
+        "are "
+        f"always 0 (legal only for all-zero output channels)"
+    )

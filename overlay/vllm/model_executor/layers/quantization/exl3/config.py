@@ -25,7 +25,7 @@ from vllm.model_executor.layers.quantization.base_config import (QuantizationCon
 from .checkpoint import storage_claims, validate_checkpoint
 from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
 from .env_compat import adopt_deprecated_env_names
-from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
+from .format import EMBED_SIGNS_SUFFIX, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
 from .load_ledger import LoadLedger
 from .names import ModuleNameResolver, shard_names
