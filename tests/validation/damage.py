@@ -32,13 +32,13 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PATHS = ("inspect", "dequantize", "vllm")
 LFS_POINTER = (
-    "version https://git-lfs.github.com/spec/v1\n"
-    "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
-    "size 4520418\n"
+    "version https://git-lfs.github.com/spec/v1\noid "
+    "sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\nsize "
+    "4520418\n"
 )
 HTML_PAGE = (
-    "<!DOCTYPE html>\n<html><head><title>404 Not Found</title></head>\n"
-    "<body><h1>Not Found</h1></body></html>\n"
+    "<!DOCTYPE html>\n<html><head><title>404 Not Found</title></head>\n<body><h1>Not "
+    "Found</h1></body></html>\n"
 )
 L0 = "model.layers.0"
 
@@ -180,6 +180,16 @@ def replace_file(
         (dst / name).write_bytes(data)
 
     return build
+
+
+def _lfs_pointer_config_without_dtype(dst: Path) -> None:
+    """Without a dtype in config.json, vLLM's ModelConfig reads the safetensors headers
+    itself, before any quantization method exists (patch 0004 bounds that reader)."""
+    replace_file(LFS_POINTER)(dst)
+    edit_json(
+        dst / "config.json",
+        lambda c: [c.pop(k, None) for k in ("dtype", "torch_dtype")],
+    )
 
 
 def raw_parts(path: Path) -> tuple[dict, bytes]:
@@ -583,6 +593,16 @@ CASES: list[Case] = [
         error("model.safetensors: a Git LFS pointer", "git lfs pull"),
     ),
     Case(
+        "lfs-pointer-config-without-dtype",
+        "file",
+        _lfs_pointer_config_without_dtype,
+        error(
+            inspect=("model.safetensors: a Git LFS pointer", "git lfs pull"),
+            dequantize=("model.safetensors: a Git LFS pointer", "git lfs pull"),
+            vllm=("model.safetensors: not a safetensors file", "Git LFS pointer"),
+        ),
+    ),
+    Case(
         "html-page",
         "file",
         replace_file(HTML_PAGE),
@@ -606,8 +626,7 @@ CASES: list[Case] = [
         raw_edit(_header_length),
         error(
             "model.safetensors: safetensors header length 1099511627776 exceeds the "
-            "file "
-            "size"
+            "file size"
         ),
     ),
     Case(
@@ -661,8 +680,7 @@ CASES: list[Case] = [
         raw_edit(_dtype),
         error(
             f"model.safetensors: tensor {L0}.mlp.up_proj.svh: unknown safetensors "
-            "dtype "
-            f"'Q4'"
+            "dtype 'Q4'"
         ),
     ),
     Case(
@@ -734,7 +752,7 @@ CASES: list[Case] = [
         shard_edit(_index_lists_absent),
         error(
             f"{L0}.mlp.up_proj.bias: listed in model.safetensors.index.json but in no "
-            f"shard"
+            "shard"
         ),
     ),
     Case(
@@ -806,9 +824,8 @@ CASES: list[Case] = [
         "config",
         edit_config(hidden_size=512),
         error(
-            "model.embed_tokens.weight: shape [4096, 256], but config.json hidden_size "
-            "= "
-            "512"
+            "model.embed_tokens.weight: shape [4096, 256], but config.json "
+            "hidden_size = 512"
         ),
     ),
     Case(
@@ -817,8 +834,7 @@ CASES: list[Case] = [
         edit_config(vocab_size=5000),
         error(
             "model.embed_tokens.weight: shape [4096, 256], but config.json vocab_size "
-            "= "
-            "5000"
+            "= 5000"
         ),
     ),
     Case(
@@ -827,7 +843,7 @@ CASES: list[Case] = [
         edit_config(intermediate_size=1024),
         error(
             f"{L0}.mlp.down_proj.trellis: stored k x n = 768 x 256, but config.json "
-            f"(hidden_size, intermediate_size) implies 1024 x 256"
+            "(hidden_size, intermediate_size) implies 1024 x 256"
         ),
     ),
     Case(
@@ -943,7 +959,7 @@ CASES: list[Case] = [
         ),
         error(
             f"{L0}.mlp.experts.0: expert tensors stored, but config.json declares no "
-            f"experts"
+            "experts"
         ),
     ),
     # -- what the JSON files declare: the tensors decide, with a warning naming the
@@ -984,8 +1000,8 @@ CASES: list[Case] = [
         warning(
             inspect=("missing from tensor_storage: model.layers.3.mlp.down_proj",),
             dequantize=(
-                "model.layers.3.mlp.down_proj: EXL3 in the tensors but missing "
-                "from quantization_config.json's tensor_storage",
+                "model.layers.3.mlp.down_proj: EXL3 in the tensors but missing from "
+                "quantization_config.json's tensor_storage",
             ),
             vllm=(
                 "model.layers.3.mlp.down_proj: EXL3 in the tensors but missing from "
@@ -1097,7 +1113,7 @@ CASES: list[Case] = [
         with_tensors(_narrow_module),
         error(
             f"{L0}.self_attn.k_proj.trellis: out_features n = 112 is not a multiple of "
-            f"128"
+            "128"
         ),
     ),
     Case(
@@ -1153,13 +1169,11 @@ CASES: list[Case] = [
             ),
             dequantize=(
                 "model.layers.0.self_attn.o_proj: config.json "
-                "quantization_config.codebook = 'mul1', but its tensors are "
-                "3inst/mcg",
+                "quantization_config.codebook = 'mul1', but its tensors are 3inst/mcg",
             ),
             vllm=(
                 "model.layers.0.self_attn.o_proj: config.json "
-                "quantization_config.codebook = 'mul1', but its tensors are "
-                "3inst/mcg",
+                "quantization_config.codebook = 'mul1', but its tensors are 3inst/mcg",
             ),
         ),
     ),

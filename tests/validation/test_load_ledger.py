@@ -75,16 +75,14 @@ CASES = {
         _layer_not_in_checkpoint,
         (
             "EXL3 model.layers.4.self_attn.qkv_proj (rank {rank}): checkpoint tensors "
-            "never "
-            "loaded: weight[q], weight[k], weight[v]",
+            "never loaded: weight[q], weight[k], weight[v]",
         ),
     ),
     "exl3-module-outside-index": (
         _exl3_module_outside_the_index,
         (
             f"EXL3 {O3} (rank {{rank}}): checkpoint tensors never loaded: {O3}.suh, "
-            f"{O3}.svh, "
-            f"{O3}.trellis",
+            f"{O3}.svh, {O3}.trellis",
         ),
     ),
     "exl3-tensor-twice": (
@@ -124,8 +122,7 @@ def test_tp1_every_owned_parameter_written_once(
 
 
 def _rank_main(rank: int, init_file: str, root: str) -> None:
-    # A spawned process: vLLM is imported here, the validation bypassed as in the TP=1
-    # test.
+    # A spawned process: vLLM is imported here; validation bypassed as at TP=1.
     from exl3_harness import gloo_world
     from three_paths import run_vllm
 

@@ -102,6 +102,10 @@ def run_vllm(ckpt: Path) -> Outcome:
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.platforms import current_platform
 
+    import torch
+
+    # vLLM's set_default_torch_dtype does not restore the default when loading raises.
+    default_dtype = torch.get_default_dtype()
     records, logger = _Records(), logging.getLogger(EXL3_LOGGER)
     logger.addHandler(records)
     backend = current_platform.get_attn_backend_cls
@@ -132,6 +136,7 @@ def run_vllm(ckpt: Path) -> Outcome:
     except Exception as e:  # noqa: BLE001 - the message is what is checked
         return Outcome(True, f"{type(e).__name__}: {e}", "\n".join(records.lines))
     finally:
+        torch.set_default_dtype(default_dtype)
         current_platform.get_attn_backend_cls = backend
         logger.removeHandler(records)
     return Outcome(False, "", "\n".join(records.lines))

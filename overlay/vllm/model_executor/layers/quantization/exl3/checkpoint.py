@@ -50,11 +50,9 @@ CONFIG_FILE = "config.json"
 QUANT_CONFIG_FILE = "quantization_config.json"
 # config.json keys that name the number of routed experts, in the order models use them.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
-# config.json keys for extra (multi-token-prediction) decoder layers stored after the
-# main ones.
+# config.json keys for extra (multi-token-prediction) layers stored after the main ones.
 MTP_LAYER_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
-# config.json's `bits` is written with 2 decimals; a larger gap than the rounding is a
-# mismatch.
+# config.json's `bits` has 2 decimals; a larger gap than the rounding is a mismatch.
 BITS_TOLERANCE = 0.0051
 CODEBOOK_NAMES = {
     Codebook.THREE_INST: "3inst",
@@ -126,7 +124,7 @@ def find_modules(
         if EMBED_SIGNS_SUFFIX in members:
             unsupported[prefix] = (
                 f"{prefix} is a quantized token embedding (trellis + signs, "
-                f"--embed_bits), which is not supported"
+                "--embed_bits), which is not supported"
             )
         elif (spec := group_spec(prefix, members)) is not None:
             specs[prefix] = spec
@@ -299,7 +297,7 @@ def _dims_problem(
     return (
         f"{tensor}: stored k x n = {stored[0]} x {stored[1]}, but config.json ({keys}) "
         f"implies {k} x {n}, padded to {padded[0]} x {padded[1]} (is config.json from "
-        f"another model?)"
+        "another model?)"
     )
 
 
@@ -323,10 +321,8 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
     if missing:
         problems.append(
             f"{base}.{missing[0]}: no tensors stored, but config.json "
-            "num_hidden_layers = "
-            f"{layers_total} (the checkpoint stores layers {_ranges(stored)}; the "
-            "model would "
-            f"be built with layers it cannot load)"
+            f"num_hidden_layers = {layers_total} (the checkpoint stores layers "
+            f"{_ranges(stored)}; the model would be built with layers it cannot load)"
         )
     beyond = [i for i in stored if i >= layers_total + extra]
     if beyond:
@@ -335,7 +331,7 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
             f"{layers_total}"
             + (f" (+ {extra} MTP)" if extra else "")
             + f" (the checkpoint stores layers {_ranges(stored)}; is config.json from "
-            f"another model?)"
+            "another model?)"
         )
     # Layers of one kind (layer_types entry, MoE or dense) store the same tensors.
     types = cfg.get("layer_types")
@@ -361,9 +357,8 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
                 modules = sorted({r.rpartition(".")[0] for r in lacking})
                 problems.append(
                     f"{base}.{i}.{modules[0]}: missing from the checkpoint "
-                    f"({listing(lacking)} "
-                    f"absent from {base}.{i}; every other layer of its kind stores "
-                    "them)"
+                    f"({listing(lacking)} absent from {base}.{i}; every other layer of "
+                    "its kind stores them)"
                 )
     return problems
 
@@ -377,31 +372,29 @@ def _expert_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
             container = min(stored)
             problems.append(
                 f"{container}.{min(stored[container])}: expert tensors stored, but "
-                "config.json "
-                f"declares no experts ({' / '.join(EXPERT_COUNT_KEYS)}; is config.json "
-                "from "
-                f"another model?)"
+                f"config.json declares no experts ({' / '.join(EXPERT_COUNT_KEYS)}; is "
+                "config.json from another model?)"
             )
         return problems
     key = expert_key(cfg)
     if not stored:
         problems.append(
             f"config.json: {key} = {count}, but the checkpoint stores no expert "
-            f"tensors (is config.json from another model?)"
+            "tensors (is config.json from another model?)"
         )
     for container, ids in sorted(stored.items()):
         missing = sorted(set(range(count)) - ids)
         if missing:
             problems.append(
-                f"{container}.{missing[0]}: missing ({len(missing)} of {count} "
-                f"experts absent; config.json {key} = {count}, the checkpoint "
-                f"stores experts {_ranges(ids)})"
+                f"{container}.{missing[0]}: missing ({len(missing)} of {count} experts "
+                f"absent; config.json {key} = {count}, the checkpoint stores experts "
+                f"{_ranges(ids)})"
             )
         beyond = sorted(i for i in ids if i >= count)
         if beyond:
             problems.append(
-                f"{container}.{beyond[0]}: stored, but config.json {key} = {count} "
-                f"(is config.json from another model?)"
+                f"{container}.{beyond[0]}: stored, but config.json {key} = {count} (is "
+                "config.json from another model?)"
             )
     return problems
 
@@ -426,12 +419,9 @@ def _head_problems(
         stored = f"{head}.trellis" if head in specs else f"{head}.weight"
         return [
             f"{stored}: stored, but config.json tie_word_embeddings = true: vLLM would "
-            "tie "
-            "the output layer to the token embedding and drop the stored head "
-            "(ExLlamaV3 "
-            "writes an untied lm_head and sets tie_word_embeddings to false); set it "
-            "to "
-            f"false"
+            "tie the output layer to the token embedding and drop the stored head "
+            "(ExLlamaV3 writes an untied lm_head and sets tie_word_embeddings to "
+            "false); set it to false"
         ]
     if not tied and not heads:
         return [
@@ -482,13 +472,13 @@ def _bias_problems(
             has = specs[module].has_bias
             if has and not expected:
                 problems.append(
-                    f"{module}.bias: stored, but config.json {why}: the model "
-                    f"builds {leaf} without a bias"
+                    f"{module}.bias: stored, but config.json {why}: the model builds "
+                    f"{leaf} without a bias"
                 )
             elif expected and not has:
                 problems.append(
-                    f"{module}.bias: missing, but config.json {why}: the model "
-                    f"builds {leaf} with a bias"
+                    f"{module}.bias: missing, but config.json {why}: the model builds "
+                    f"{leaf} with a bias"
                 )
     return problems
 
@@ -512,13 +502,13 @@ def config_problems(
             rows, cols = entry.shape
             if hidden and cols != hidden:
                 problems.append(
-                    f"{name}: shape {list(entry.shape)}, but config.json "
-                    f"hidden_size = {hidden} (is config.json from another model?)"
+                    f"{name}: shape {list(entry.shape)}, but config.json hidden_size = "
+                    f"{hidden} (is config.json from another model?)"
                 )
             if vocab and rows != vocab:
                 problems.append(
-                    f"{name}: shape {list(entry.shape)}, but config.json "
-                    f"vocab_size = {vocab} (is config.json from another model?)"
+                    f"{name}: shape {list(entry.shape)}, but config.json vocab_size = "
+                    f"{vocab} (is config.json from another model?)"
                 )
         elif (
             suffix == "weight"
@@ -527,8 +517,8 @@ def config_problems(
             and (prefix in FINAL_NORMS or (leaf in LAYER_NORMS and _LAYER.match(name)))
         ):
             problems.append(
-                f"{name}: shape {list(entry.shape)}, but config.json hidden_size "
-                f"= {hidden} (is config.json from another model?)"
+                f"{name}: shape {list(entry.shape)}, but config.json hidden_size = "
+                f"{hidden} (is config.json from another model?)"
             )
     names = sorted(tensors)
     problems += _layer_problems(cfg, names)
@@ -625,8 +615,7 @@ def declared_disagreements(
                 out.append(
                     f"config.json: quantization_config.bits = {bits}, but the EXL3 "
                     f"linears (lm_head excluded) average {average:.4f} bits per "
-                    "weight; "
-                    f"the tensors decide"
+                    "weight; the tensors decide"
                 )
     storage = (quant_document or {}).get("tensor_storage")
     if isinstance(storage, Mapping):
@@ -649,7 +638,7 @@ def declared_disagreements(
             out.append(
                 f"{phantom[0]}: {QUANT_CONFIG_FILE} lists it as EXL3 but no trellis is "
                 f"stored ({len(phantom)} modules: {listing(phantom)}); the tensors "
-                f"decide (not EXL3)"
+                "decide (not EXL3)"
             )
         unlisted = sorted(k for k in specs if k not in storage)
         if unlisted:
@@ -684,8 +673,7 @@ def check_scale_values(name: str, values: torch.Tensor, real: int | None) -> str
         more = f" (and {len(bad) - 1} more non-finite values)" if len(bad) > 1 else ""
         raise Exl3FormatError(
             f"{name}: {value} at index {first}{more}: a non-finite scale makes every "
-            "output of "
-            f"the layer NaN (damaged checkpoint)"
+            "output of the layer NaN (damaged checkpoint)"
         )
     span = values if real is None else values[:real]
     zeros = (span == 0).nonzero().flatten()
@@ -698,13 +686,10 @@ def check_scale_values(name: str, values: torch.Tensor, real: int | None) -> str
     if name.endswith(".suh"):
         raise Exl3FormatError(
             f"{name}: 0 {where}, on real input rows (of {len(span)}): a zero input "
-            "scale drops "
-            "that input, which the format never does (zeros belong only to "
-            "128-padding rows; "
-            f"damaged checkpoint)"
+            "scale drops that input, which the format never does (zeros belong only "
+            "to 128-padding rows; damaged checkpoint)"
         )
     return (
         f"{name}: 0 {where}, on real output columns (of {len(span)}): those outputs "
-        "are "
-        f"always 0 (legal only for all-zero output channels)"
+        "are always 0 (legal only for all-zero output channels)"
     )

@@ -37,8 +37,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 SNIFF_BYTES = 512
 # First line of every Git LFS pointer file (the git-lfs specification).
 LFS_POINTER_PREFIX = b"version https://git-lfs"
-# How an HTML page saved in place of a download begins (compared lower-cased, after
-# whitespace).
+# How an HTML page saved in place of a download begins (lower-cased, after blanks).
 HTML_PREFIXES = (b"<!doctype html", b"<html", b"<head", b"<body", b"<?xml")
 # Sharded checkpoints name their files like this (transformers and ExLlamaV3 both do).
 SHARD_NAME = re.compile(
@@ -106,8 +105,7 @@ def read_json_object(path: str | os.PathLike) -> dict:
     if not isinstance(document, dict):
         raise Exl3FormatError(
             f"{os.fspath(path)}: the JSON document is a {type(document).__name__}, "
-            "expected an "
-            f"object"
+            "expected an object"
         )
     return document
 
@@ -122,16 +120,14 @@ def _foreign_file(head: bytes) -> str | None:
     """What a file is when it is a known stand-in for the real one, else None."""
     if head.startswith(LFS_POINTER_PREFIX):
         return (
-            "a Git LFS pointer, not the file itself (the repository was cloned without "
-            "Git LFS): run `git lfs pull` in the checkpoint's repository, or download "
-            "the "
-            "file again"
+            "a Git LFS pointer, not the file itself (the repository was cloned "
+            "without Git LFS): run `git lfs pull` in the checkpoint's repository, or "
+            "download the file again"
         )
     if head.lstrip().lower().startswith(HTML_PREFIXES):
         return (
             "an HTML page, not the file itself (a download saved an error or login "
-            "page): "
-            "download the file again"
+            "page): download the file again"
         )
     return None
 
@@ -155,8 +151,8 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
             if size == 0:
                 raise _header_error(
                     path,
-                    "empty file (0 bytes); the download or copy did not "
-                    "complete: fetch it again",
+                    "empty file (0 bytes); the download or copy did not complete: "
+                    "fetch it again",
                 )
             if size < HEADER_LENGTH_BYTES:
                 raise _header_error(
@@ -169,7 +165,7 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
                 raise _header_error(
                     path,
                     f"safetensors header length {length} exceeds the file size {size} "
-                    f"(truncated, or not a safetensors file)",
+                    "(truncated, or not a safetensors file)",
                 )
             if length > MAX_HEADER_BYTES:
                 raise _header_error(
@@ -189,14 +185,14 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
         where = getattr(e, "pos", getattr(e, "start", 0))
         raise _header_error(
             path,
-            f"safetensors header is not valid JSON (byte {where} of the "
-            f"{length}-byte header; corrupt header)",
+            f"safetensors header is not valid JSON (byte {where} of the {length}-byte "
+            "header; corrupt header)",
         ) from e
     if not isinstance(header, dict):
         raise _header_error(
             path,
-            f"safetensors header is a JSON {type(header).__name__}, "
-            f"expected an object (corrupt header)",
+            f"safetensors header is a JSON {type(header).__name__}, expected an object "
+            "(corrupt header)",
         )
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not (
@@ -234,8 +230,8 @@ def _check_offsets(path: str, header: dict, data_bytes: int) -> None:
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
         ):
             raise Exl3FormatError(
-                f"{where}: shape {shape!r} is not a list of non-negative "
-                f"integers (corrupt header)"
+                f"{where}: shape {shape!r} is not a list of non-negative integers "
+                "(corrupt header)"
             )
         if not (
             isinstance(offsets, list)
@@ -243,8 +239,8 @@ def _check_offsets(path: str, header: dict, data_bytes: int) -> None:
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         ):
             raise Exl3FormatError(
-                f"{where}: data_offsets {offsets!r} is not a pair of "
-                f"integers (corrupt header)"
+                f"{where}: data_offsets {offsets!r} is not a pair of integers (corrupt "
+                "header)"
             )
         start, end = offsets
         numel = 1
@@ -253,14 +249,13 @@ def _check_offsets(path: str, header: dict, data_bytes: int) -> None:
         expected = numel * DTYPE_BYTES[dtype]
         if not 0 <= start <= end:
             raise Exl3FormatError(
-                f"{where}: data_offsets [{start}, {end}] are not an "
-                f"increasing range (corrupt header)"
+                f"{where}: data_offsets [{start}, {end}] are not an increasing range "
+                "(corrupt header)"
             )
         if end - start != expected:
             raise Exl3FormatError(
                 f"{where}: data_offsets [{start}, {end}] hold {end - start} bytes, but "
-                "shape "
-                f"{shape} {dtype} needs {expected} (corrupt header)"
+                f"shape {shape} {dtype} needs {expected} (corrupt header)"
             )
         spans.append((start, end, name))
     position = 0
@@ -268,29 +263,26 @@ def _check_offsets(path: str, header: dict, data_bytes: int) -> None:
         where = f"{path}: tensor {name}"
         if start < position:
             raise Exl3FormatError(
-                f"{where}: data_offsets [{start}, {end}] overlap the "
-                f"previous tensor's data (corrupt header)"
+                f"{where}: data_offsets [{start}, {end}] overlap the previous tensor's "
+                "data (corrupt header)"
             )
         if start > position:
             raise Exl3FormatError(
-                f"{where}: data_offsets start at {start}, leaving a gap "
-                f"after byte {position} (corrupt header)"
+                f"{where}: data_offsets start at {start}, leaving a gap after byte "
+                f"{position} (corrupt header)"
             )
         if end > data_bytes:
             raise Exl3FormatError(
                 f"{where}: truncated: its data ends at byte {end} of the data section "
-                "but the "
-                f"file holds {data_bytes} data bytes (incomplete download or copy: "
-                "fetch the "
-                f"file again)"
+                f"but the file holds {data_bytes} data bytes (incomplete download or "
+                "copy: fetch the file again)"
             )
         position = end
     if position != data_bytes:
         raise Exl3FormatError(
             f"{path}: {data_bytes - position} bytes after the last tensor's data (the "
-            "header "
-            f"describes {position} data bytes, the file holds {data_bytes}; corrupt or "
-            f"appended-to file)"
+            f"header describes {position} data bytes, the file holds {data_bytes}; "
+            "corrupt or appended-to file)"
         )
 
 
@@ -311,26 +303,23 @@ def _shard_files(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
             raise Exl3FormatError(
-                f"{index_path}: no weight_map object mapping tensor names "
-                f"to shard files"
+                f"{index_path}: no weight_map object mapping tensor names to shard "
+                "files"
             )
         files = sorted(set(weight_map.values()))
         for fname in files:
             if fname not in present:
                 raise Exl3FormatError(
                     f"{os.path.join(ckpt_dir, fname)}: missing; {SAFETENSORS_INDEX} "
-                    "maps "
-                    f"{sum(v == fname for v in weight_map.values())} tensors to it "
-                    "(incomplete "
-                    f"download: fetch it again)"
+                    f"maps {sum(v == fname for v in weight_map.values())} tensors to "
+                    "it (incomplete download: fetch it again)"
                 )
         strays = [n for n in present if n not in files]
         if strays:
             raise Exl3FormatError(
                 f"{os.path.join(ckpt_dir, strays[0])}: stray shard, not listed in "
                 f"{SAFETENSORS_INDEX} (left over from another download or "
-                "conversion?): "
-                f"remove it or move it out of the checkpoint directory"
+                "conversion?): remove it or move it out of the checkpoint directory"
             )
         return files, weight_map
     if not present:
@@ -339,10 +328,9 @@ def _shard_files(
         stray = next(n for n in present if n != SAFETENSORS_SINGLE)
         raise Exl3FormatError(
             f"{os.path.join(ckpt_dir, stray)}: stray shard beside the single-file "
-            "checkpoint "
-            f"{SAFETENSORS_SINGLE} and no {SAFETENSORS_INDEX} (every .safetensors file "
-            "would be "
-            f"loaded): remove it or move it out of the checkpoint directory"
+            f"checkpoint {SAFETENSORS_SINGLE} and no {SAFETENSORS_INDEX} (every "
+            ".safetensors file would be loaded): remove it or move it out of the "
+            "checkpoint directory"
         )
     counts = {}
     for n in present:
@@ -357,8 +345,7 @@ def _shard_files(
             name = f"{stem}-{missing[0]:05}-of-{count:05}{SAFETENSORS_SUFFIX}"
             raise Exl3FormatError(
                 f"{os.path.join(ckpt_dir, name)}: missing ({len(missing)} of {count} "
-                "shards "
-                f"absent and no {SAFETENSORS_INDEX}; incomplete download)"
+                f"shards absent and no {SAFETENSORS_INDEX}; incomplete download)"
             )
     return present, None
 
@@ -385,8 +372,7 @@ def read_safetensors_index(ckpt_dir: str | os.PathLike) -> dict[str, TensorEntry
             if name in index:
                 raise Exl3FormatError(
                     f"{name}: stored in both {index[name].file} and {fname} (duplicate "
-                    "tensor: "
-                    f"which one is meant?)"
+                    "tensor: which one is meant?)"
                 )
             start, end = meta["data_offsets"]
             index[name] = TensorEntry(

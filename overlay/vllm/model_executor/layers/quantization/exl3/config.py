@@ -12,7 +12,6 @@ a damaged or mismatched one fails here, before vLLM reads any weight.
 """
 
 import os
-
 from collections.abc import Mapping
 from typing import Any
 

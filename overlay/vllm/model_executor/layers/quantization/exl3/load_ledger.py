@@ -4,10 +4,9 @@
 
 vLLM checks for unloaded parameters only when a model is not quantized, so a layer the
 checkpoint does not cover would keep whatever its allocation held. One ledger per model
-(per
-`Exl3Config`, so per rank) records each checkpoint tensor a layer receives: a second
-write of the same tensor fails at once, and after loading every EXL3-owned or
-padding-owned layer checks it received all it expects.
+(per `Exl3Config`, so per rank) records each checkpoint tensor a layer receives: a
+second write of the same tensor to the same layer fails at once, and after loading
+every EXL3-owned or padding-owned layer checks that it received all it expects.
 
 A model that received no checkpoint tensor at all was not loaded from a checkpoint
 (`load_format="dummy"` fills parameters with random values without loaders); its layers
@@ -20,42 +19,46 @@ from .layout import Exl3LayoutError
 
 
 class LoadLedger:
-    """Which tensors the layers of one model received, by (layer, tensor)."""
+    """The tensors each layer of one model received. A layer is keyed by its owner
+    object (its weights or its module): two layers built under one name stay apart."""
 
     def __init__(self) -> None:
-        self._written: set[tuple[str, str]] = set()
+        self._written: dict[int, set[str]] = {}
+        self._owners: dict[int, object] = {}  # keeps each id() valid until checked
+        self.started = False  # any checkpoint tensor reached any layer of this model
 
-    @property
-    def started(self) -> bool:
-        """Whether any checkpoint tensor reached any layer of this model."""
-        return bool(self._written)
-
-    def record(self, layer: str, tensor: str) -> None:
-        key = (layer, tensor)
-        if key in self._written:
+    def record(self, owner: object, layer: str, tensor: str) -> None:
+        written = self._written.setdefault(id(owner), set())
+        self._owners[id(owner)] = owner
+        if tensor in written:
             raise Exl3LayoutError(
                 f"EXL3 {layer}: {tensor} written twice (the checkpoint holds it twice, "
-                "or two "
-                f"checkpoint names map to it)"
+                "or two checkpoint names map to it)"
             )
-        self._written.add(key)
+        written.add(tensor)
+        self.started = True
 
-    def written(self, layer: str, tensor: str) -> bool:
-        return (layer, tensor) in self._written
+    def written(self, owner: object, tensor: str) -> bool:
+        return tensor in self._written.get(id(owner), ())
 
     def check(
-        self, layer: str, expected: Iterable[str], rank: int | None = None
+        self,
+        owner: object,
+        layer: str,
+        expected: Iterable[str],
+        rank: int | None = None,
     ) -> None:
-        """After loading: every expected tensor of `layer` was written (unless nothing
-        was)."""
+        """After loading: every expected tensor of the layer was written (unless nothing
+        in the model was); the layer's record is dropped."""
+        written = self._written.pop(id(owner), set())
+        self._owners.pop(id(owner), None)
         if not self.started:
             return
-        missing = [t for t in expected if (layer, t) not in self._written]
+        missing = [t for t in expected if t not in written]
         if missing:
             where = f" (rank {rank})" if rank is not None else ""
             raise Exl3LayoutError(
                 f"EXL3 {layer}{where}: checkpoint tensors never loaded: "
-                f"{', '.join(missing)} "
-                f"(nothing in the checkpoint reached them; the layer would run on "
-                f"uninitialised memory)"
+                f"{', '.join(missing)} (nothing in the checkpoint reached them; the "
+                "layer would run on uninitialised memory)"
             )

@@ -44,15 +44,16 @@ def _ledger_names(param: str, shard_id: ShardId) -> list[str]:
 
 def check_loaded(ledger: LoadLedger, layer: LinearBase, params: tuple[str, ...]) -> None:
     """After loading: each of `params` the layer has was written whole or shard by shard."""
+    expected = []
     for param in params:
         if getattr(layer, param, None) is None:
             continue
         ids = shard_ids(layer)
-        if ids == [None] or ledger.written(layer.prefix, param):
-            expected = [param]
+        if ids == [None] or ledger.written(layer, param):
+            expected.append(param)
         else:
-            expected = [name for i in ids for name in _ledger_names(param, i)]
-        ledger.check(layer.prefix, expected, rank=layer.tp_rank)
+            expected += [name for i in ids for name in _ledger_names(param, i)]
+    ledger.check(layer, layer.prefix, expected, rank=layer.tp_rank)
 
 
 def real_rows(layer: LinearBase, shard_id: int | str | tuple[int, ...] | None) -> int:
@@ -98,7 +99,7 @@ def unpadding_loader(layer: LinearBase, loader: Callable,
         is_bias = param is getattr(layer, "bias", None)
         if ledger is not None:
             for name in _ledger_names("bias" if is_bias else "weight", shard_id):
-                ledger.record(layer.prefix, name)
+                ledger.record(layer, layer.prefix, name)
         real = (real_rows(layer, shard_id),) if is_bias else (
             real_rows(layer, shard_id), layer.input_size)
         where = f"{layer.prefix}.{'bias' if is_bias else 'weight'}"

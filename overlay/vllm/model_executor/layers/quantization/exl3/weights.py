@@ -159,7 +159,7 @@ class Exl3LayerWeights:
         if suffix not in self.expected[index]:
             raise self._fail(shard, suffix, "tensor not listed in the checkpoint's safetensors "
                              "headers for this module")
-        self.ledger.record(layout.prefix, f"{shard.name}.{suffix}")
+        self.ledger.record(self, layout.prefix, f"{shard.name}.{suffix}")
         self.loaded.add((suffix, index))
         if suffix == "trellis":
             self._load_trellis(shard, index, loaded)
@@ -236,9 +236,9 @@ class Exl3LayerWeights:
     def finish(self, layer: torch.nn.Module) -> None:
         """Check completeness and markers, then keep exactly trellis + suh + svh."""
         layout = self.layout
-        self.ledger.check(layout.prefix, [f"{shard.name}.{suffix}"
-                                          for i, shard in enumerate(layout.shards)
-                                          for suffix in sorted(self.expected[i])],
+        self.ledger.check(self, layout.prefix, [f"{shard.name}.{suffix}"
+                                                for i, shard in enumerate(layout.shards)
+                                                for suffix in sorted(self.expected[i])],
                           rank=layout.tp_rank)
         if not self.loaded:
             # Nothing came from a checkpoint: load_format="dummy" (random-weight perf runs).
