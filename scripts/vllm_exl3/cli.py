@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import traceback
 
 from .errors import ToolError
 
@@ -23,6 +24,7 @@ SUBCOMMAND_MODULES = (
     "inspect_ckpt",
     "dequantize",
 )
+DEBUG_FLAG = "--debug"
 # Subcommand -> module, so a command imports only its own module (the checkpoint tools import
 # torch, which would add seconds to every `apply`). --help and unknown names import all.
 _MODULE_OF = {
@@ -45,6 +47,8 @@ def build_parser(modules: tuple[str, ...] = SUBCOMMAND_MODULES) -> argparse.Argu
         description="EXL3 for vLLM 0.26.0: fetch the pinned vLLM, apply or revert the patch "
         "series and overlay, build a wheel, bundle it for an offline host, inspect checkpoints.",
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, show the Python traceback too (anywhere on the line)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in modules:
         qualified = f"{__package__}.{name}"
@@ -62,6 +66,9 @@ def build_parser(modules: tuple[str, ...] = SUBCOMMAND_MODULES) -> argparse.Argu
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Accepted before or after the subcommand's own arguments.
+    debug = DEBUG_FLAG in argv
+    argv = [a for a in argv if a != DEBUG_FLAG]
     command = argv[0] if argv and not argv[0].startswith("-") else ""
     if command in _MODULE_OF:
         modules: tuple[str, ...] = (_MODULE_OF[command],)
@@ -72,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(modules).parse_args(argv)
     try:
         return args.func(args)
-    except ToolError as e:
+    except (ToolError, OSError) as e:
+        # A user's error (or the machine's): one line naming what and why; the traceback only
+        # on request.
+        if debug:
+            traceback.print_exc()
         print(f"vllm-exl3 {args.command}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

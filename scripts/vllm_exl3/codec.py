@@ -54,5 +54,6 @@ def _submodule(name: str) -> ModuleType:
 
 
 exl3_format = _submodule("format")
+checkpoint = _submodule("checkpoint")
 reference = _submodule("reference")
 tp_rules = _submodule("tp_rules")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from .architecture import PlanError, plan_model, round_up
+from .codec import checkpoint
 from .codec import exl3_format as fmt
 from .codec import reference
 from .errors import ToolError
@@ -69,6 +70,21 @@ def _trim(name: str, k_pad: int, n_pad: int, dims: dict, config: dict,
     return k, n
 
 
+def _check_scales(src: Path, index: dict, specs: dict, dims: dict, config: dict) -> list[str]:
+    """The value rule of every suh/svh (checkpoint.check_scale_values), before decoding."""
+    notes = []
+    for prefix, spec in specs.items():
+        real = _trim(prefix, spec.in_features, spec.out_features, dims, config, [])
+        for suffix, count in (("suh", real[0]), ("svh", real[1])):
+            name = f"{prefix}.{suffix}"
+            if name in spec.tensor_names:
+                values = fmt.read_tensor(src, name, index[name])
+                note = checkpoint.check_scale_values(name, values, count)
+                if note:
+                    notes.append(note)
+    return notes
+
+
 def dequantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfloat16",
                device: str = "cpu", shard_mib: int = DEFAULT_SHARD_MIB,
                progress: bool = True) -> dict:
@@ -83,17 +99,25 @@ def dequantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfl
         raise ToolError("the output directory must differ from the checkpoint directory")
     if dst.exists() and any(dst.iterdir()):
         raise ToolError(f"{dst}: exists and is not empty")
-    with open(src / "config.json") as f:
-        config = json.load(f)
+    # The verdict vLLM's loader gives on the same directory, before any weight is read.
     try:
-        index = fmt.read_safetensors_index(src)
-        specs = fmt.find_exl3_modules(index)
+        description = checkpoint.validate_checkpoint(src)
     except fmt.Exl3FormatError as e:
         raise ToolError(str(e)) from e
+    if description.unsupported:
+        raise ToolError(next(iter(description.unsupported.values())))
+    config, index, specs = description.config, description.tensors, description.modules
+    for w in description.warnings:
+        print(f"warning: {w}", file=sys.stderr)
     if not specs:
         raise ToolError(f"{src}: no EXL3 tensors found (nothing to dequantize)")
     out_dtype = getattr(torch, dtype)
     dims, warnings = _real_dims(config)
+    warnings = list(description.warnings) + warnings
+    try:
+        warnings += _check_scales(src, index, specs, dims, config)
+    except fmt.Exl3FormatError as e:
+        raise ToolError(str(e)) from e
     dst.mkdir(parents=True, exist_ok=True)
 
     exl3_names = {n for s in specs.values() for n in s.tensor_names}
@@ -162,7 +186,7 @@ def dequantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfl
                 and not item.name.endswith(WEIGHT_SUFFIXES)):
             shutil.copy2(item, dst / item.name)
             copied.append(item.name)
-    for w in warnings:
+    for w in warnings[len(description.warnings):]:
         print(f"warning: {w}", file=sys.stderr)
     return {"exl3_modules": total, "tensors": sum(len(s) for s in names_in_shards),
             "shards": count, "copied": copied, "warnings": warnings}

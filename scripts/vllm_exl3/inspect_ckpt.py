@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .architecture import (COLUMN, PAD, ROW, VOCAB, LinearSlot, PlanError, linear_role,
                            plan_model)
+from .codec import checkpoint
 from .codec import exl3_format as fmt
 from .codec import tp_rules
 from .errors import ToolError
@@ -48,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n", 1)[1])
     p.add_argument("checkpoint", help="directory with config.json and *.safetensors")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--values", action="store_true",
+                   help="also read every suh/svh vector and check its values (finite; zeros "
+                        "only on padding)")
     p.set_defaults(func=run)
 
 
@@ -56,16 +60,6 @@ def _nbytes(entry: fmt.TensorEntry) -> int:
     for d in entry.shape:
         n *= d
     return n
-
-
-def _load_json(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ToolError(f"{path}: cannot read ({e})") from e
 
 
 def _named(names: list[str]) -> str:
@@ -152,17 +146,18 @@ def _tensor_parallel(tp: int, modules: list[dict], plan_slots: dict[str, LinearS
             "redundant_compute": overhead}
 
 
-def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
-    """The whole report as a JSON-able dict (what --json prints)."""
+def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dict:
+    """The whole report as a JSON-able dict (what --json prints). Files that cannot be read as
+    what they claim to be (checkpoint_files.py) raise; every rule a module or config.json breaks
+    is listed under errors, the first of them the one vLLM's loader would name."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise ToolError(f"{root}: not a directory")
     try:
         index = fmt.read_safetensors_index(root)
+        config, qjson = checkpoint.read_documents(str(root))
     except fmt.Exl3FormatError as e:
         raise ToolError(str(e)) from e
-    config = _load_json(root / "config.json")
-    qjson = _load_json(root / "quantization_config.json")
     errors: list[str] = []
     disagreements: list[str] = []
     notes: list[str] = []
@@ -228,6 +223,23 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
         if "scale" in members:
             notes.append(f"{prefix}.scale: present, not applied (ExLlamaV3 1.6.5 ignores it)")
         modules.append(entry)
+
+    if config is not None:
+        errors += checkpoint.config_problems(config, index, specs)
+    if values:
+        for prefix, spec in specs.items():
+            slot = plan_slots.get(prefix)
+            real = (slot.in_features, slot.out_features) if slot else (None, None)
+            try:
+                for suffix, count in (("suh", real[0]), ("svh", real[1])):
+                    name = f"{prefix}.{suffix}"
+                    if name in spec.tensor_names:
+                        note = checkpoint.check_scale_values(
+                            name, fmt.read_tensor(root, name, index[name]), count)
+                        if note:
+                            notes.append(note)
+            except fmt.Exl3FormatError as e:
+                errors.append(str(e))
 
     # Totals.
     def bpw(mods: list[dict]) -> tuple[float | None, float | None]:
@@ -446,9 +458,14 @@ def format_text(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = inspect_checkpoint(args.checkpoint)
+    report = inspect_checkpoint(args.checkpoint, values=args.values)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(format_text(report))
-    return 1 if report["errors"] else 0
+    errors = report["errors"]
+    if errors:
+        more = (f" (and {checkpoint.more_problems(len(errors) - 1)}; see the report)"
+                if len(errors) > 1 else "")
+        raise ToolError(errors[0] + more)
+    return 0

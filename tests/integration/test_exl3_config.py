@@ -50,7 +50,7 @@ def test_fixture_is_described_from_its_tensors(ckpt, bits, codebook, config_log)
         assert spec.bits == (6 if key == "lm_head" else bits), key
     head = config.modules["lm_head"]
     assert (head.in_features, head.out_features) == (256, 4096)
-    assert not any("recovered" in m or "tensors win" in m for m in config_log)
+    assert not any("recovered" in m or "tensors decide" in m for m in config_log)
     # VllmConfig (and so the quant config) is pickled to the worker processes.
     assert pickle.loads(pickle.dumps(config)).modules == config.modules
 
@@ -71,10 +71,11 @@ def test_tensors_win_over_tensor_storage(tmp_path, config_log):
     assert "model.layers.1.mlp.down_proj" in config.modules
     assert "model.layers.9.mlp.up_proj" not in config.modules
     text = "\n".join(config_log)
-    assert "k_proj: quantization_config.json says 5 bits, codebook MUL1; the tensors say 3" in text
-    assert "1 EXL3 modules missing from quantization_config.json recovered" in text
-    assert "model.layers.1.mlp.down_proj" in text
-    assert "lists model.layers.9.mlp.up_proj as EXL3" in text
+    assert ("model.layers.0.self_attn.k_proj: quantization_config.json says 5 bits, codebook "
+            "mul1; its tensors say 3 bits, codebook mcg; the tensors decide") in text
+    assert ("model.layers.1.mlp.down_proj: EXL3 in the tensors but missing from "
+            "quantization_config.json's tensor_storage (1 modules") in text
+    assert "model.layers.9.mlp.up_proj: quantization_config.json lists it as EXL3" in text
 
 
 def test_headers_alone_describe_the_checkpoint(tmp_path):

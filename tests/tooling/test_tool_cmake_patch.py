@@ -41,7 +41,8 @@ def patched_tree(tmp_path_factory) -> Path:
     tree = tmp_path_factory.mktemp("cmake") / "tree"
     # Just what the series touches, plus vLLM's CMake helpers.
     for rel in ("PKG-INFO", "CMakeLists.txt", "vllm/envs.py",
-                "vllm/model_executor/layers/quantization/__init__.py"):
+                "vllm/model_executor/layers/quantization/__init__.py",
+                "vllm/transformers_utils/utils.py"):
         write_tree(tree, {rel: (sdist / rel).read_text()})
     shutil.copytree(sdist / "cmake", tree / "cmake")
     (tree / "csrc/libtorch_stable").mkdir(parents=True)

@@ -6,9 +6,12 @@ codebook = the marker present), not by the JSON. config.json's `quantization_con
 vLLM pick this method (`from_config`); `maybe_update_config` then reads the per-module
 description: the safetensors headers (shapes and dtypes only, no data) and
 quantization_config.json's `tensor_storage`. Where they disagree the tensors win, with a warning;
-modules the JSON does not list (an MTP head) are recovered from the headers.
+modules the JSON does not list (an MTP head) are recovered from the headers. A local checkpoint
+directory is validated as a whole first (checkpoint.py, the same verdict as the tools give), so
+a damaged or mismatched one fails here, before vLLM reads any weight.
 """
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,9 +21,12 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.base_config import (QuantizationConfig,
                                                                  QuantizeMethodBase)
 
+from .checkpoint import storage_claims, validate_checkpoint
+from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
 from .env_compat import adopt_deprecated_env_names
-from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
+from .format import EMBED_SIGNS_SUFFIX, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
+from .load_ledger import LoadLedger
 from .names import ModuleNameResolver, shard_names
 
 logger = init_logger(__name__)
@@ -67,22 +73,6 @@ def storage_tensors(storage: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ..
             dtype = TORCH_TO_SAFETENSORS_DTYPE.get(info.get("dtype"), info.get("dtype"))
             out[name] = (tuple(info["shape"]), dtype)
     return out
-
-
-def storage_claims(storage: Mapping[str, Any]) -> dict[str, tuple[float, Codebook]]:
-    """What tensor_storage says about each EXL3 module: (bits, codebook)."""
-    claims = {}
-    for key, entry in storage.items():
-        if entry.get("quant_format") != "exl3":
-            continue
-        if "mul1_multiplier" in entry:
-            codebook = Codebook.MUL1
-        elif "mcg_multiplier" in entry:
-            codebook = Codebook.MCG
-        else:
-            codebook = Codebook.THREE_INST
-        claims[key] = (entry.get("bits_per_weight"), codebook)
-    return claims
 
 
 def find_modules(tensors: Mapping[str, tuple[tuple[int, ...], str]]
@@ -154,6 +144,8 @@ class Exl3Config(QuantizationConfig):
         self._mapper = None
         # tensor_storage's (bits, codebook) per module; MoE experts must agree with it.
         self.claims: dict[str, tuple[float, Codebook]] = {}
+        # One per model (per rank): every EXL3- and padding-owned tensor written exactly once.
+        self.ledger = LoadLedger()
 
     def __repr__(self) -> str:
         described = "undescribed" if self.modules is None else f"{len(self.modules)} modules"
@@ -185,6 +177,12 @@ class Exl3Config(QuantizationConfig):
         from vllm.transformers_utils.config import get_safetensors_params_metadata
         from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
+        if _holds_weights(model_name):
+            description = validate_checkpoint(model_name, tied=_tied(hf_config))
+            for warning in description.warnings:
+                logger.warning("EXL3 checkpoint %s: %s", model_name, warning)
+            self.set_checkpoint(description.modules, description.unsupported)
+            return
         storage = self.tensor_storage
         if storage is None:
             kwargs = {} if revision is None else {"revision": revision}
@@ -259,20 +257,20 @@ class Exl3Config(QuantizationConfig):
 
                 # The format keeps unquantized linears 128-padded too; this is vLLM's
                 # unquantized method with a loader that trims that padding (padding.py).
-                return Exl3PaddedUnquantizedLinearMethod()
+                return Exl3PaddedUnquantizedLinearMethod(self.ledger)
             from .dequantized import DENSE_CONSUMED, Exl3DequantizedLinearMethod
             from .linear import Exl3LinearMethod
 
             if prefix.rpartition(".")[2] in DENSE_CONSUMED:
                 return Exl3DequantizedLinearMethod(specs)
-            return Exl3LinearMethod(specs)
+            return Exl3LinearMethod(specs, self.ledger)
         if isinstance(layer, ParallelLMHead):
             key = self._resolve(prefix)
             if key is None:
                 return None
             from .lm_head import Exl3LMHeadMethod
 
-            return Exl3LMHeadMethod(prefix, self.modules[key])
+            return Exl3LMHeadMethod(prefix, self.modules[key], self.ledger)
         if isinstance(layer, VocabParallelEmbedding):
             self._resolve(prefix)  # raises for a quantized embedding
             return None
@@ -300,6 +298,24 @@ class Exl3Config(QuantizationConfig):
             moe.num_logical_experts, moe.hidden_dim_unpadded or moe.hidden_dim,
             moe.intermediate_size, self.claims)
         return Exl3MoEMethod(moe, prefix, experts)
+
+
+def _holds_weights(model_name: str) -> bool:
+    """A local checkpoint directory with safetensors weights (not a hub id, not a config-only
+    directory for load_format="dummy")."""
+    return os.path.isdir(model_name) and any(
+        name.endswith(SAFETENSORS_SUFFIX) or name == SAFETENSORS_INDEX
+        for name in os.listdir(model_name))
+
+
+def _tied(hf_config: Any) -> bool | None:
+    """Whether the model vLLM builds ties its head to the embedding (the model class's default
+    included, which config.json may leave out)."""
+    if hf_config is None:
+        return None
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    tied = getattr(text, "tie_word_embeddings", None)
+    return tied if isinstance(tied, bool) else None
 
 
 def _is_routed_experts(layer: torch.nn.Module) -> bool:

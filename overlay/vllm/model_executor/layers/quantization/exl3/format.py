@@ -13,15 +13,23 @@ Imports only the standard library and torch, so tools outside vLLM can load it o
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
+
+from . import checkpoint_files
+
+# The file-level readers and the error type live in checkpoint_files.py (standard library only);
+# they are part of this module's API too.
+Exl3FormatError = checkpoint_files.Exl3FormatError
+TensorEntry = checkpoint_files.TensorEntry
+SAFETENSORS_INDEX = checkpoint_files.SAFETENSORS_INDEX
+SAFETENSORS_SINGLE = checkpoint_files.SAFETENSORS_SINGLE
+read_safetensors_header = checkpoint_files.read_safetensors_header
+read_safetensors_index = checkpoint_files.read_safetensors_index
 
 # vLLM's init_logger is logging.getLogger under the vllm namespace; this module must not import
 # vLLM (the tools load it standalone), and under vLLM __name__ already sits in that namespace.
@@ -78,15 +86,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 BIAS_DTYPES = ("F16", "BF16", "F32")  # ExLlamaV3 casts a non-fp16 bias to fp16 at load
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-# A safetensors header longer than this is corrupt, not large (the format caps it at 100 MB).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-
-class Exl3FormatError(ValueError):
-    """A checkpoint breaks an EXL3 format rule; the message names the tensor and the rule."""
-
 
 def bits_from_trellis_width(width: int, where: str) -> float:
     """Bitrate K from the trellis' last dim (16*K int16 words per tile)."""
@@ -113,13 +112,6 @@ class Exl3ModuleSpec:
     has_bias: bool
     legacy_signs: bool  # su and/or sv bitfields stand in for suh/svh
     tensor_names: tuple[str, ...]  # every stored tensor of the module, full names
-
-
-class TensorEntry(NamedTuple):
-    file: str  # shard file name, relative to the checkpoint directory
-    dtype: str  # safetensors dtype string
-    shape: tuple[int, ...]
-    offsets: tuple[int, int] = (0, 0)  # absolute byte range in the file
 
 
 @dataclass
@@ -219,65 +211,6 @@ def module_spec(prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]])
         legacy_signs=legacy,
         tensor_names=tuple(f"{prefix}.{s}" for s in EXL3_SUFFIXES if s in tensors),
     )
-
-
-def read_safetensors_header(path: str) -> tuple[dict, int]:
-    """The JSON header of one safetensors file and the file offset where its data starts."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise Exl3FormatError(f"{path}: truncated safetensors file (no header length)")
-        (size,) = struct.unpack("<Q", raw)
-        if size > MAX_HEADER_BYTES:
-            raise Exl3FormatError(f"{path}: safetensors header length {size} is implausible")
-        blob = f.read(size)
-    if len(blob) != size:
-        raise Exl3FormatError(f"{path}: truncated safetensors header")
-    try:
-        header = json.loads(blob)
-    except json.JSONDecodeError as e:
-        raise Exl3FormatError(f"{path}: safetensors header is not valid JSON ({e})") from e
-    header.pop("__metadata__", None)
-    return header, 8 + size
-
-
-def read_safetensors_index(ckpt_dir: str | os.PathLike) -> dict[str, TensorEntry]:
-    """Every tensor of a checkpoint (single file or sharded with an index), headers only."""
-    ckpt_dir = os.fspath(ckpt_dir)
-    index_path = os.path.join(ckpt_dir, SAFETENSORS_INDEX)
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-    elif os.path.exists(os.path.join(ckpt_dir, SAFETENSORS_SINGLE)):
-        weight_map = None
-        files = [SAFETENSORS_SINGLE]
-    else:
-        files = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".safetensors"))
-        weight_map = None
-        if not files:
-            raise Exl3FormatError(f"{ckpt_dir}: no .safetensors files found")
-    index: dict[str, TensorEntry] = {}
-    for fname in files:
-        path = os.path.join(ckpt_dir, fname)
-        header, base = read_safetensors_header(path)
-        for name, meta in header.items():
-            if name in index:
-                raise Exl3FormatError(
-                    f"{name}: stored in both {index[name].file} and {fname} (duplicate tensor)")
-            if weight_map is not None and weight_map.get(name) != fname:
-                raise Exl3FormatError(
-                    f"{name}: found in {fname} but the index maps it to {weight_map.get(name)}")
-            start, end = meta["data_offsets"]
-            index[name] = TensorEntry(fname, meta["dtype"], tuple(meta["shape"]),
-                                      (base + start, base + end))
-    if weight_map is not None:
-        missing = sorted(set(weight_map) - set(index))
-        if missing:
-            raise Exl3FormatError(
-                f"{missing[0]}: listed in {SAFETENSORS_INDEX} but in no shard "
-                f"({len(missing)} missing)")
-    return index
 
 
 def split_name(name: str) -> tuple[str, str]:

@@ -22,7 +22,8 @@ from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase,
 from .format import TILE, Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, Exl3Run, choose_exl3_kernel
 from .layout import Exl3Layout, Exl3LayoutError, Split, plan_linear, trellis_words
-from .padding import unpad_bias_loads
+from .load_ledger import LoadLedger
+from .padding import check_loaded, real_rows, shard_ids, unpad_bias_loads
 from .plans import layer_key
 from .warmup import resolve_runs, tune_run, warm_up_layer
 from .weights import OUT_INDEX, Exl3LayerWeights, direct_weight_loader
@@ -109,10 +110,12 @@ def _single_shard_loader(loader):
 
 @register_weight_loader_v2_supported_method
 class Exl3LinearMethod(LinearMethodBase):
-    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order."""
+    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order, `ledger` the
+    model's record of loaded tensors (load_ledger.py)."""
 
-    def __init__(self, specs: list[Exl3ModuleSpec]):
+    def __init__(self, specs: list[Exl3ModuleSpec], ledger: LoadLedger | None = None):
         self.specs = specs
+        self.ledger = ledger if ledger is not None else LoadLedger()
         self.layout: Exl3Layout
         self.weights: Exl3LayerWeights
         self.kernel: Exl3Kernel
@@ -143,12 +146,16 @@ class Exl3LinearMethod(LinearMethodBase):
             # A one-shard merged layer (Qwen3-Next's in_proj_qkvz): models load its single
             # checkpoint module without a shard id, which vLLM would split by its own offsets.
             loader = _single_shard_loader(loader)
-        self.weights = Exl3LayerWeights(self.layout, self.specs)
+        ids = shard_ids(layer)
+        real = [(layer.input_size, real_rows(layer, i)) for i in ids] if len(ids) == len(
+            self.specs) else None
+        self.weights = Exl3LayerWeights(self.layout, self.specs, self.ledger, real)
         self.weights.create(layer, loader)
         # The checkpoint's bias is n_pad long; vLLM's bias loader wants the real n.
-        unpad_bias_loads(layer)
+        unpad_bias_loads(layer, self.ledger)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        check_loaded(self.ledger, layer, ("bias",))
         self.weights.finish(layer)
         self.kernel = choose_exl3_kernel(
             Exl3KernelConfig(self.layout.prefix, layer.trellis.device, layer.params_dtype))

@@ -17,13 +17,15 @@ from .format import Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, choose_exl3_kernel
 from .layout import Exl3Layout, Exl3LayoutError, plan_lm_head
 from .linear import run_layout, warm_up
+from .load_ledger import LoadLedger
 from .weights import Exl3LayerWeights, direct_weight_loader
 
 
 class Exl3LMHeadMethod(QuantizeMethodBase):
-    def __init__(self, prefix: str, spec: Exl3ModuleSpec):
+    def __init__(self, prefix: str, spec: Exl3ModuleSpec, ledger: LoadLedger | None = None):
         self.prefix = prefix
         self.spec = spec
+        self.ledger = ledger if ledger is not None else LoadLedger()
         self.layout: Exl3Layout
         self.weights: Exl3LayerWeights
         self.kernel: Exl3Kernel
@@ -40,7 +42,8 @@ class Exl3LMHeadMethod(QuantizeMethodBase):
             hidden=input_size_per_partition,
             vocab_start=layer.shard_indices.padded_org_vocab_start_index,
             vocab_per_rank=output_partition_sizes[0], org_vocab=layer.org_vocab_size)
-        self.weights = Exl3LayerWeights(self.layout, [self.spec])
+        self.weights = Exl3LayerWeights(self.layout, [self.spec], self.ledger,
+                                        [(input_size_per_partition, layer.org_vocab_size)])
         self.weights.create(layer, direct_weight_loader)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

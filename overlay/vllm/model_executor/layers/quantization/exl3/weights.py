@@ -16,7 +16,8 @@ vLLM's loader styles (`AutoWeightsLoader` + `WeightsMapper` shard ids, and hand-
 `Exl3Parameter` overrides vLLM's four v2 load entry points and places each tensor by the layer's
 `Exl3Layout`, never by vLLM's offset arithmetic (which knows neither the 128-padding nor mixed
 bitrates). After loading, `finish` checks that every tensor the checkpoint has for these modules
-arrived and leaves exactly trellis + suh + svh as plain parameters.
+arrived (load_ledger.py: every tensor exactly once) and leaves exactly trellis + suh + svh as
+plain parameters. The values of `suh`/`svh` are checked as they arrive (checkpoint.py).
 """
 
 from collections.abc import Callable
@@ -26,9 +27,11 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.parameter import BasevLLMParameter
 
+from .checkpoint import check_scale_values
 from .format import (MCG_MARKER_VALUE, MUL1_MARKER_VALUE, TILE, Codebook, Exl3FormatError,
                      Exl3ModuleSpec, unpack_sign_bits)
 from .layout import Exl3Layout, Exl3LayoutError, ShardLayout, trellis_words
+from .load_ledger import LoadLedger
 
 logger = init_logger(__name__)
 
@@ -97,10 +100,16 @@ def _suffixes(spec: Exl3ModuleSpec) -> set[str]:
 class Exl3LayerWeights:
     """Creates, loads and finalises the EXL3 parameters of one layer on one rank."""
 
-    def __init__(self, layout: Exl3Layout, specs: list[Exl3ModuleSpec]):
+    def __init__(self, layout: Exl3Layout, specs: list[Exl3ModuleSpec],
+                 ledger: LoadLedger | None = None,
+                 real: list[tuple[int | None, int | None]] | None = None):
+        """`ledger`: the model's (a private one when None); `real`: per shard, the real
+        (unpadded) input and output features, for the value rule of suh/svh."""
         self.layout = layout
         self.expected = [_suffixes(spec) - set(LAYER_OWNED) for spec in specs]
         self.loaded: set[tuple[str, int]] = set()
+        self.ledger = ledger if ledger is not None else LoadLedger()
+        self.real = real if real is not None else [(None, None)] * len(specs)
         self._params: dict[str, Exl3Parameter] = {}
 
     def create(self, layer: torch.nn.Module, weight_loader: Callable) -> None:
@@ -150,6 +159,7 @@ class Exl3LayerWeights:
         if suffix not in self.expected[index]:
             raise self._fail(shard, suffix, "tensor not listed in the checkpoint's safetensors "
                              "headers for this module")
+        self.ledger.record(self, layout.prefix, f"{shard.name}.{suffix}")
         self.loaded.add((suffix, index))
         if suffix == "trellis":
             self._load_trellis(shard, index, loaded)
@@ -199,6 +209,10 @@ class Exl3LayerWeights:
         layout = self.layout
         if not checked:
             self._check(shard, suffix, loaded, torch.float16, self._scale_len(shard, suffix))
+            real = self.real[index][0 if suffix == "suh" else 1]
+            note = check_scale_values(f"{shard.name}.{suffix}", loaded, real)
+            if note:
+                logger.warning("EXL3 %s", note)
         param = self._params[suffix].data
         if suffix == "suh":
             dst = param[index]
@@ -222,18 +236,14 @@ class Exl3LayerWeights:
     def finish(self, layer: torch.nn.Module) -> None:
         """Check completeness and markers, then keep exactly trellis + suh + svh."""
         layout = self.layout
+        self.ledger.check(self, layout.prefix, [f"{shard.name}.{suffix}"
+                                                for i, shard in enumerate(layout.shards)
+                                                for suffix in sorted(self.expected[i])],
+                          rank=layout.tp_rank)
         if not self.loaded:
             # Nothing came from a checkpoint: load_format="dummy" (random-weight perf runs).
             logger.debug("EXL3 %s: no checkpoint tensors loaded (dummy weights)", layout.prefix)
         else:
-            missing = [f"{shard.name}.{suffix}"
-                       for i, shard in enumerate(layout.shards)
-                       for suffix in sorted(self.expected[i])
-                       if (suffix, i) not in self.loaded]
-            if missing:
-                raise Exl3LayoutError(
-                    f"EXL3 {layout.prefix} (rank {layout.tp_rank}): checkpoint tensors never "
-                    f"loaded: {', '.join(missing)}")
             for marker, (codebook, value) in MARKERS.items():
                 for i, shard in enumerate(layout.shards):
                     if marker not in self.expected[i]:

@@ -1,0 +1,695 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""One verdict on an EXL3 checkpoint directory, shared by vLLM's loader and the tools.
+
+`validate_checkpoint` runs before any weight is read: the files (checkpoint_files.py),
+the EXL3 modules (format.py), then config.json against the tensors (hidden size,
+vocabulary, the dims of every projection it implies, layer and expert counts, head
+presence and tying, biases), failing closed on the first problem with a message that
+starts with the tensor or file it is about. What the JSON files *declare* about bitrates
+and codebooks is compared too, but the tensors decide: those disagreements come back as
+warnings. `check_scale_values` is the value rule for `suh` and `svh`, applied wherever
+their data is read (the vLLM loader, `dequantize`, `inspect --values`).
+
+vLLM builds the model from config.json, so a config that claims more than the checkpoint
+holds would leave parameters unwritten (vLLM tracks unloaded parameters only for
+unquantized models); a config that claims less would fail inside a model's loader. Both
+are named here instead.
+
+Imports only the standard library and torch (through format.py), so the tools load it on
+its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .checkpoint_files import (
+    Exl3FormatError,
+    TensorEntry,
+    read_json_object,
+    read_safetensors_index,
+)
+from .format import (
+    EMBED_SIGNS_SUFFIX,
+    HADAMARD_SIZE,
+    Codebook,
+    Exl3ModuleSpec,
+    group_spec,
+    group_tensors,
+)
+
+CONFIG_FILE = "config.json"
+QUANT_CONFIG_FILE = "quantization_config.json"
+# config.json keys that name the number of routed experts, in the order models use them.
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+# config.json keys for extra (multi-token-prediction) layers stored after the main ones.
+MTP_LAYER_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+# config.json's `bits` has 2 decimals; a larger gap than the rounding is a mismatch.
+BITS_TOLERANCE = 0.0051
+CODEBOOK_NAMES = {
+    Codebook.THREE_INST: "3inst",
+    Codebook.MCG: "mcg",
+    Codebook.MUL1: "mul1",
+}
+# Names listed in a message before "and N more".
+LIST_LIMIT = 3
+# Model types whose q/k/v projections carry a bias without saying so in config.json.
+IMPLICIT_QKV_BIAS = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
+# Norms whose length is the hidden size: per decoder layer, and the final one.
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+FINAL_NORMS = ("model.norm", "model.language_model.norm", "language_model.model.norm")
+
+_LAYER = re.compile(r"^(?P<base>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
+_EXPERT = re.compile(r"^(?P<mlp>.+\.experts)\.(?P<index>\d+)\.")
+
+
+@dataclass
+class CheckpointDescription:
+    """What a validated checkpoint holds (headers and JSON only)."""
+
+    root: str
+    tensors: dict[str, TensorEntry]
+    config: dict | None  # config.json
+    quant_document: dict | None  # quantization_config.json
+    modules: dict[str, Exl3ModuleSpec]  # EXL3 linears by module key
+    unsupported: dict[str, str]  # EXL3 containers vLLM cannot load, with the reason
+    warnings: list[str] = field(
+        default_factory=list
+    )  # declared vs stored; the tensors win
+
+
+def listing(names: list[str], limit: int = LIST_LIMIT) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def more_problems(n: int) -> str:
+    return f"{n} more problem{'s' if n > 1 else ''}"
+
+
+def round_up(x: int, to: int = HADAMARD_SIZE) -> int:
+    return -(-x // to) * to
+
+
+# ---- reading
+# --------------------------------------------------------------------------------
+
+
+def read_documents(root: str) -> tuple[dict | None, dict | None]:
+    """config.json and quantization_config.json (None where absent), syntax errors
+    named."""
+    docs = []
+    for name in (CONFIG_FILE, QUANT_CONFIG_FILE):
+        path = os.path.join(root, name)
+        docs.append(read_json_object(path) if os.path.exists(path) else None)
+    return docs[0], docs[1]
+
+
+def find_modules(
+    tensors: Mapping[str, TensorEntry],
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
+    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module
+    key, in sorted order (so every reader meets the same first error)."""
+    specs: dict[str, Exl3ModuleSpec] = {}
+    unsupported: dict[str, str] = {}
+    for prefix, members in group_tensors(tensors).items():
+        if EMBED_SIGNS_SUFFIX in members:
+            unsupported[prefix] = (
+                f"{prefix} is a quantized token embedding (trellis + signs, "
+                "--embed_bits), which is not supported"
+            )
+        elif (spec := group_spec(prefix, members)) is not None:
+            specs[prefix] = spec
+    return specs, unsupported
+
+
+def validate_checkpoint(
+    ckpt_dir: str | os.PathLike, *, tied: bool | None = None
+) -> CheckpointDescription:
+    """Every structural rule, failing closed on the first problem (an Exl3FormatError).
+
+    `tied`: whether the model ties its output layer to the token embedding, when the
+    caller knows it better than config.json (vLLM resolves the model class's default).
+    """
+    root = os.fspath(ckpt_dir)
+    if not os.path.isdir(root):
+        raise Exl3FormatError(f"{root}: not a directory")
+    tensors = read_safetensors_index(root)
+    config, quant_document = read_documents(root)
+    specs, unsupported = find_modules(tensors)
+    if config is not None:
+        problems = config_problems(config, tensors, specs, tied=tied)
+        if problems:
+            more = (
+                f" (and {more_problems(len(problems) - 1)})"
+                if len(problems) > 1
+                else ""
+            )
+            raise Exl3FormatError(problems[0] + more)
+    warnings = declared_disagreements(config, quant_document, specs)
+    return CheckpointDescription(
+        root, tensors, config, quant_document, specs, unsupported, warnings
+    )
+
+
+# ---- config.json against the tensors
+# ---------------------------------------------------------
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The decoder's config: multimodal wrappers keep it under text_config."""
+    inner = config.get("text_config")
+    if isinstance(inner, Mapping) and "hidden_size" not in config:
+        return inner
+    return config
+
+
+def _int(cfg: Mapping[str, Any], key: str) -> int | None:
+    value = cfg.get(key)
+    return (
+        value
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0
+        else None
+    )
+
+
+def expert_count(cfg: Mapping[str, Any]) -> int | None:
+    """Routed experts per MoE layer as config.json declares them (None for a dense
+    model)."""
+    for key in EXPERT_COUNT_KEYS:
+        if (n := _int(cfg, key)) is not None:
+            return n
+    return None
+
+
+def expert_key(cfg: Mapping[str, Any]) -> str:
+    return next(
+        (k for k in EXPERT_COUNT_KEYS if _int(cfg, k) is not None), EXPERT_COUNT_KEYS[1]
+    )
+
+
+def expert_ids(names: Iterable[str]) -> dict[str, set[int]]:
+    """{experts container (e.g. model.layers.3.mlp.experts): expert indices stored}."""
+    out: dict[str, set[int]] = {}
+    for name in names:
+        m = _EXPERT.match(name)
+        if m:
+            out.setdefault(m.group("mlp"), set()).add(int(m.group("index")))
+    return out
+
+
+def _ranges(indices: Iterable[int]) -> str:
+    """0-3, 5, 7-9"""
+    parts, run = [], []
+    for i in sorted(indices):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [i]
+    if run:
+        parts.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(parts) or "none"
+
+
+def _intermediate(cfg: Mapping[str, Any], name: str) -> tuple[int | None, str]:
+    """The real intermediate width of an MLP projection and the config.json keys it
+    comes from."""
+    if ".slice." in name:
+        return None, ""  # ExLlamaV3 slices of a very wide dense MLP; widths are its own
+    if ".experts." in name:
+        return _int(cfg, "moe_intermediate_size"), "moe_intermediate_size"
+    if ".shared_expert." in name:
+        return _int(
+            cfg, "shared_expert_intermediate_size"
+        ), "shared_expert_intermediate_size"
+    if ".shared_experts." in name:
+        inter, shared = (
+            _int(cfg, "moe_intermediate_size"),
+            _int(cfg, "n_shared_experts"),
+        )
+        return (
+            (inter * shared if inter and shared else None),
+            "moe_intermediate_size x n_shared_experts",
+        )
+    return _int(cfg, "intermediate_size"), "intermediate_size"
+
+
+def implied_dims(cfg: Mapping[str, Any], name: str) -> tuple[int, int, str] | None:
+    """(real k, real n, which config.json keys say so) of a linear, from its name; None
+    when config.json does not determine it."""
+    hidden = _int(cfg, "hidden_size")
+    if hidden is None:
+        return None
+    leaf = name.rpartition(".")[2]
+    if leaf == "lm_head":
+        vocab = _int(cfg, "vocab_size")
+        return (hidden, vocab, "hidden_size, vocab_size") if vocab else None
+    if leaf in ("q_proj", "k_proj", "v_proj", "o_proj") and ".self_attn." in f".{name}":
+        if cfg.get("kv_lora_rank"):
+            # MLA: projections through the LoRA ranks, checked by the shape rules only.
+            return None
+        heads = _int(cfg, "num_attention_heads")
+        if heads is None:
+            return None
+        kv_heads = _int(cfg, "num_key_value_heads") or heads
+        head_dim = _int(cfg, "head_dim") or hidden // heads
+        q, kv = heads * head_dim, kv_heads * head_dim
+        keys = "hidden_size, num_attention_heads, num_key_value_heads, head_dim"
+        return {
+            "q_proj": (hidden, q),
+            "k_proj": (hidden, kv),
+            "v_proj": (hidden, kv),
+            "o_proj": (q, hidden),
+        }[leaf] + (keys,)
+    if leaf in ("gate_proj", "up_proj", "down_proj"):
+        inter, key = _intermediate(cfg, name)
+        if inter is None:
+            return None
+        keys = f"hidden_size, {key}"
+        return (inter, hidden, keys) if leaf == "down_proj" else (hidden, inter, keys)
+    return None
+
+
+def _dims_problem(
+    cfg: Mapping[str, Any],
+    module: str,
+    stored: tuple[int, int],
+    tensor: str,
+    exact_padded: bool,
+) -> str | None:
+    implied = implied_dims(cfg, module)
+    if implied is None:
+        return None
+    k, n, keys = implied
+    padded = (round_up(k), round_up(n))
+    if stored == padded or (not exact_padded and stored == (k, n)):
+        return None
+    return (
+        f"{tensor}: stored k x n = {stored[0]} x {stored[1]}, but config.json ({keys}) "
+        f"implies {k} x {n}, padded to {padded[0]} x {padded[1]} (is config.json from "
+        "another model?)"
+    )
+
+
+def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
+    """Decoder layer count, and every layer storing what its peers store."""
+    per_base: dict[str, dict[int, set[str]]] = {}
+    for name in names:
+        m = _LAYER.match(name)
+        if m:
+            per_base.setdefault(m.group("base"), {}).setdefault(
+                int(m.group("index")), set()
+            ).add(m.group("rest"))
+    layers_total = _int(cfg, "num_hidden_layers")
+    if not per_base or layers_total is None:
+        return []
+    base = max(per_base, key=lambda b: sum(len(v) for v in per_base[b].values()))
+    stored = per_base[base]
+    extra = sum(_int(cfg, k) or 0 for k in MTP_LAYER_KEYS)
+    problems = []
+    missing = [i for i in range(layers_total) if i not in stored]
+    if missing:
+        problems.append(
+            f"{base}.{missing[0]}: no tensors stored, but config.json "
+            f"num_hidden_layers = {layers_total} (the checkpoint stores layers "
+            f"{_ranges(stored)}; the model would be built with layers it cannot load)"
+        )
+    beyond = [i for i in stored if i >= layers_total + extra]
+    if beyond:
+        problems.append(
+            f"{base}.{min(beyond)}: stored, but config.json num_hidden_layers = "
+            f"{layers_total}"
+            + (f" (+ {extra} MTP)" if extra else "")
+            + f" (the checkpoint stores layers {_ranges(stored)}; is config.json from "
+            "another model?)"
+        )
+    # Layers of one kind (layer_types entry, MoE or dense) store the same tensors.
+    types = cfg.get("layer_types")
+    groups: dict[tuple, list[int]] = {}
+    for i in range(layers_total):
+        if i not in stored:
+            continue
+        kind = types[i] if isinstance(types, list) and i < len(types) else None
+        moe = any(_EXPERT.match(f"x.{r}") for r in stored[i])
+        groups.setdefault((kind, moe), []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        shapes = {
+            i: {_EXPERT.sub(r"\g<mlp>.*.", f"x.{r}")[2:] for r in stored[i]}
+            for i in members
+        }
+        for i in members:
+            others = [shapes[j] for j in members if j != i]
+            common = set.intersection(*others)
+            lacking = sorted(common - shapes[i])
+            if lacking:
+                modules = sorted({r.rpartition(".")[0] for r in lacking})
+                problems.append(
+                    f"{base}.{i}.{modules[0]}: missing from the checkpoint "
+                    f"({listing(lacking)} absent from {base}.{i}; every other layer of "
+                    "its kind stores them)"
+                )
+    return problems
+
+
+def _expert_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
+    count = expert_count(cfg)
+    stored = expert_ids(names)
+    problems = []
+    if count is None:
+        if stored:
+            container = min(stored)
+            problems.append(
+                f"{container}.{min(stored[container])}: expert tensors stored, but "
+                f"config.json declares no experts ({' / '.join(EXPERT_COUNT_KEYS)}; is "
+                "config.json from another model?)"
+            )
+        return problems
+    key = expert_key(cfg)
+    if not stored:
+        problems.append(
+            f"config.json: {key} = {count}, but the checkpoint stores no expert "
+            "tensors (is config.json from another model?)"
+        )
+    for container, ids in sorted(stored.items()):
+        missing = sorted(set(range(count)) - ids)
+        if missing:
+            problems.append(
+                f"{container}.{missing[0]}: missing ({len(missing)} of {count} experts "
+                f"absent; config.json {key} = {count}, the checkpoint stores experts "
+                f"{_ranges(ids)})"
+            )
+        beyond = sorted(i for i in ids if i >= count)
+        if beyond:
+            problems.append(
+                f"{container}.{beyond[0]}: stored, but config.json {key} = {count} (is "
+                "config.json from another model?)"
+            )
+    return problems
+
+
+def _head_problems(
+    cfg: Mapping[str, Any],
+    tensors: Mapping[str, TensorEntry],
+    specs: Mapping[str, Exl3ModuleSpec],
+    tied: bool | None,
+) -> list[str]:
+    if tied is None:
+        tied = cfg.get("tie_word_embeddings") is True
+    heads = sorted(
+        {
+            n.rpartition(".")[0]
+            for n in tensors
+            if n.rpartition(".")[0].rpartition(".")[2] == "lm_head"
+        }
+    )
+    if tied and heads:
+        head = heads[0]
+        stored = f"{head}.trellis" if head in specs else f"{head}.weight"
+        return [
+            f"{stored}: stored, but config.json tie_word_embeddings = true: vLLM would "
+            "tie the output layer to the token embedding and drop the stored head "
+            "(ExLlamaV3 writes an untied lm_head and sets tie_word_embeddings to "
+            "false); set it to false"
+        ]
+    if not tied and not heads:
+        return [
+            "lm_head: missing (no lm_head.trellis or lm_head.weight), and config.json "
+            "tie_word_embeddings is not true: the output layer would never be loaded "
+            "(ExLlamaV3 always writes an lm_head; incomplete download?)"
+        ]
+    return []
+
+
+def _bias_problems(
+    cfg: Mapping[str, Any],
+    tensors: Mapping[str, TensorEntry],
+    specs: Mapping[str, Exl3ModuleSpec],
+) -> list[str]:
+    """Bias presence against attention_bias / mlp_bias, for the projections they
+    govern."""
+    model_type = str(cfg.get("model_type", ""))
+    rules = []
+    if model_type in IMPLICIT_QKV_BIAS:
+        rules.append(
+            (("q_proj", "k_proj", "v_proj"), True, f"model_type = {model_type!r}")
+        )
+    elif isinstance(cfg.get("attention_bias"), bool):
+        value = cfg["attention_bias"]
+        rules.append(
+            (
+                ("q_proj", "k_proj", "v_proj"),
+                value,
+                f"attention_bias = {str(value).lower()}",
+            )
+        )
+    if isinstance(cfg.get("mlp_bias"), bool):
+        value = cfg["mlp_bias"]
+        rules.append(
+            (
+                ("gate_proj", "up_proj", "down_proj"),
+                value,
+                f"mlp_bias = {str(value).lower()}",
+            )
+        )
+    problems = []
+    for module in sorted(specs):
+        leaf = module.rpartition(".")[2]
+        for leaves, expected, why in rules:
+            if leaf not in leaves or ".experts." in module:
+                continue
+            has = specs[module].has_bias
+            if has and not expected:
+                problems.append(
+                    f"{module}.bias: stored, but config.json {why}: the model builds "
+                    f"{leaf} without a bias"
+                )
+            elif expected and not has:
+                problems.append(
+                    f"{module}.bias: missing, but config.json {why}: the model builds "
+                    f"{leaf} with a bias"
+                )
+    return problems
+
+
+def config_problems(
+    config: Mapping[str, Any],
+    tensors: Mapping[str, TensorEntry],
+    specs: Mapping[str, Exl3ModuleSpec],
+    *,
+    tied: bool | None = None,
+) -> list[str]:
+    """Every way config.json disagrees with the stored tensors, most basic first."""
+    cfg = text_config(config)
+    problems: list[str] = []
+    hidden, vocab = _int(cfg, "hidden_size"), _int(cfg, "vocab_size")
+    for name in sorted(tensors):
+        entry = tensors[name]
+        prefix, _, suffix = name.rpartition(".")
+        leaf = prefix.rpartition(".")[2]
+        if leaf == "embed_tokens" and suffix == "weight" and len(entry.shape) == 2:
+            rows, cols = entry.shape
+            if hidden and cols != hidden:
+                problems.append(
+                    f"{name}: shape {list(entry.shape)}, but config.json hidden_size = "
+                    f"{hidden} (is config.json from another model?)"
+                )
+            if vocab and rows != vocab:
+                problems.append(
+                    f"{name}: shape {list(entry.shape)}, but config.json vocab_size = "
+                    f"{vocab} (is config.json from another model?)"
+                )
+        elif (
+            suffix == "weight"
+            and hidden
+            and entry.shape != (hidden,)
+            and (prefix in FINAL_NORMS or (leaf in LAYER_NORMS and _LAYER.match(name)))
+        ):
+            problems.append(
+                f"{name}: shape {list(entry.shape)}, but config.json hidden_size = "
+                f"{hidden} (is config.json from another model?)"
+            )
+    names = sorted(tensors)
+    problems += _layer_problems(cfg, names)
+    problems += _expert_problems(cfg, names)
+    for module, spec in sorted(specs.items()):
+        found = _dims_problem(
+            cfg,
+            module,
+            (spec.in_features, spec.out_features),
+            f"{module}.trellis",
+            exact_padded=True,
+        )
+        if found:
+            problems.append(found)
+    for name in names:
+        prefix, _, suffix = name.rpartition(".")
+        entry = tensors[name]
+        if suffix == "weight" and len(entry.shape) == 2 and prefix not in specs:
+            n, k = entry.shape
+            found = _dims_problem(cfg, prefix, (k, n), name, exact_padded=False)
+            if found:
+                problems.append(found)
+    problems += _head_problems(cfg, tensors, specs, tied)
+    problems += _bias_problems(cfg, tensors, specs)
+    return problems
+
+
+# ---- what the JSON files declare (the tensors decide)
+# ----------------------------------------
+
+
+def storage_claims(storage: Mapping[str, Any]) -> dict[str, tuple[Any, Codebook]]:
+    """What tensor_storage says about each EXL3 module: (bits, codebook)."""
+    claims = {}
+    for key, entry in storage.items():
+        if not isinstance(entry, Mapping) or entry.get("quant_format") != "exl3":
+            continue
+        if "mul1_multiplier" in entry:
+            codebook = Codebook.MUL1
+        elif "mcg_multiplier" in entry:
+            codebook = Codebook.MCG
+        else:
+            codebook = Codebook.THREE_INST
+        claims[key] = (entry.get("bits_per_weight"), codebook)
+    return claims
+
+
+def declared_disagreements(
+    config: Mapping[str, Any] | None,
+    quant_document: Mapping[str, Any] | None,
+    specs: Mapping[str, Exl3ModuleSpec],
+) -> list[str]:
+    """Where config.json's quantization_config or quantization_config.json's
+    tensor_storage describe the EXL3 modules differently from their tensors; each names
+    the module."""
+    out: list[str] = []
+    block = text_config(config or {}).get("quantization_config") or (config or {}).get(
+        "quantization_config"
+    )
+    if isinstance(block, Mapping):
+        codebook = block.get("codebook")
+        if isinstance(codebook, str):
+            other = sorted(
+                m for m, s in specs.items() if CODEBOOK_NAMES[s.codebook] != codebook
+            )
+            if other:
+                found = sorted({CODEBOOK_NAMES[specs[m].codebook] for m in other})
+                out.append(
+                    f"{other[0]}: config.json quantization_config.codebook = "
+                    f"{codebook!r}, but its tensors are {'/'.join(found)} "
+                    f"({len(other)} modules: {listing(other)}); the tensors decide"
+                )
+        head = next((m for m in specs if m.rpartition(".")[2] == "lm_head"), None)
+        head_bits = block.get("head_bits")
+        if (
+            head is not None
+            and isinstance(head_bits, (int, float))
+            and float(head_bits) != float(specs[head].bits)
+        ):
+            out.append(
+                f"{head}: config.json quantization_config.head_bits = {head_bits}, but "
+                f"{head}.trellis holds {specs[head].bits} bits; the tensors decide"
+            )
+        body = [s for m, s in specs.items() if m.rpartition(".")[2] != "lm_head"]
+        bits = block.get("bits")
+        if body and isinstance(bits, (int, float)):
+            weights = sum(s.in_features * s.out_features for s in body)
+            average = (
+                sum(s.bits * s.in_features * s.out_features for s in body) / weights
+            )
+            if abs(average - float(bits)) > BITS_TOLERANCE and not math.isclose(
+                average, float(bits)
+            ):
+                out.append(
+                    f"config.json: quantization_config.bits = {bits}, but the EXL3 "
+                    f"linears (lm_head excluded) average {average:.4f} bits per "
+                    "weight; the tensors decide"
+                )
+    storage = (quant_document or {}).get("tensor_storage")
+    if isinstance(storage, Mapping):
+        claims = storage_claims(storage)
+        for key in sorted(set(claims) & set(specs)):
+            bits, codebook = claims[key]
+            spec = specs[key]
+            try:
+                same_bits = float(bits) == float(spec.bits)
+            except (TypeError, ValueError):
+                same_bits = False
+            if not same_bits or codebook != spec.codebook:
+                out.append(
+                    f"{key}: {QUANT_CONFIG_FILE} says {bits} bits, codebook "
+                    f"{CODEBOOK_NAMES[codebook]}; its tensors say {spec.bits} bits, "
+                    f"codebook {CODEBOOK_NAMES[spec.codebook]}; the tensors decide"
+                )
+        phantom = sorted(k for k in claims if k not in specs)
+        if phantom:
+            out.append(
+                f"{phantom[0]}: {QUANT_CONFIG_FILE} lists it as EXL3 but no trellis is "
+                f"stored ({len(phantom)} modules: {listing(phantom)}); the tensors "
+                "decide (not EXL3)"
+            )
+        unlisted = sorted(k for k in specs if k not in storage)
+        if unlisted:
+            out.append(
+                f"{unlisted[0]}: EXL3 in the tensors but missing from "
+                f"{QUANT_CONFIG_FILE}'s tensor_storage ({len(unlisted)} modules: "
+                f"{listing(unlisted)}); described from its tensors"
+            )
+    return out
+
+
+# ---- values
+# -----------------------------------------------------------------------------------
+
+
+def check_scale_values(name: str, values: torch.Tensor, real: int | None) -> str | None:
+    """The value rule for a `suh` or `svh` vector (`name` is the full tensor name;
+    `real` how many leading entries are real rows/columns, the rest being 128-padding,
+    None if unknown).
+
+    Raises for NaN or inf anywhere (one would turn every output of the layer into NaN)
+    and for a zero input scale on a real row (the quantizer never writes one: it drops
+    that input). Returns a note for zero output scales on real columns: the format
+    writes them for output channels whose weights are all zero, so they are legal, but
+    such a column always yields 0.
+    """
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().flatten()
+        first = int(bad[0])
+        value = float(values[first])
+        more = f" (and {len(bad) - 1} more non-finite values)" if len(bad) > 1 else ""
+        raise Exl3FormatError(
+            f"{name}: {value} at index {first}{more}: a non-finite scale makes every "
+            "output of the layer NaN (damaged checkpoint)"
+        )
+    span = values if real is None else values[:real]
+    zeros = (span == 0).nonzero().flatten()
+    if not len(zeros):
+        return None
+    first = int(zeros[0])
+    where = f"at index {first}" + (
+        f" and {len(zeros) - 1} more" if len(zeros) > 1 else ""
+    )
+    if name.endswith(".suh"):
+        raise Exl3FormatError(
+            f"{name}: 0 {where}, on real input rows (of {len(span)}): a zero input "
+            "scale drops that input, which the format never does (zeros belong only "
+            "to 128-padding rows; damaged checkpoint)"
+        )
+    return (
+        f"{name}: 0 {where}, on real output columns (of {len(span)}): those outputs "
+        "are always 0 (legal only for all-zero output channels)"
+    )
