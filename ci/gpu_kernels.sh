@@ -6,6 +6,7 @@
 # under $OUT (default ./gpu-kernels-out).
 #
 #   PY=python ARCH=9.0 OUT=/tmp/out bash ci/gpu_kernels.sh
+#   VLLM_EXL3_EXT=path/_exl3_C.abi3.so ... bash ci/gpu_kernels.sh   (skips the build)
 #
 # PY: a Python with torch 2.11 and vLLM 0.26 with this overlay applied (scripts/vllm-exl3 apply).
 set -uo pipefail
@@ -23,8 +24,14 @@ step() {
   tail -3 "$OUT/$name.log"
 }
 
-step build bash -c "cd scripts && $PY -m vllm_exl3.kernels_build --arch $ARCH --jobs $JOBS --out ../build/exl3"
-export VLLM_EXL3_EXT=$PWD/build/exl3/_exl3_C.abi3.so
+# VLLM_EXL3_EXT names an extension built beforehand (e.g. in the background while the host was
+# being prepared); otherwise build one now.
+if [ -n "${VLLM_EXL3_EXT:-}" ] && [ -f "$VLLM_EXL3_EXT" ]; then
+  echo "== build: using $VLLM_EXL3_EXT"
+else
+  step build bash -c "cd scripts && $PY -m vllm_exl3.kernels_build --arch $ARCH --jobs $JOBS --out ../build/exl3"
+  export VLLM_EXL3_EXT=$PWD/build/exl3/_exl3_C.abi3.so
+fi
 step gpu_tests $PY -m pytest -q -m gpu tests/gpu --junitxml "$OUT/gpu_tests.xml"
 step plan_log_a $PY tests/gpu/plan_log.py
 step plan_log_b $PY tests/gpu/plan_log.py
