@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 import moe_layers as ml  # noqa: E402
 from bench_linear import graph_time_us  # noqa: E402
-from verify_kernels import load_extension  # noqa: E402
+from exl3_oracle import load_extension  # noqa: E402
 
 # name: (hidden, expert width, experts, top-k)
 SHAPES = {

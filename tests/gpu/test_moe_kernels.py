@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 import moe_layers as ml  # noqa: E402
-import verify_kernels as vk  # noqa: E402
+import exl3_oracle as vk  # noqa: E402
 
 try:
     vk.load_extension()
