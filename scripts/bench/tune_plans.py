@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 timed = torch.ops._C.exl3_time_plans(
                     x, layer.trellis, layer.suh, layer.svh, None, list(widths), cb, header, ws)
                 rows = [timed[i:i + 9] for i in range(0, len(timed), 9)]
+                if not rows:
+                    raise SystemExit(f"tune_plans: {key} m<={m}: the op offered no candidate")
                 best = min(rows, key=lambda r: r[8])
                 entries[str(m)] = plans.entry_to_json(best[:8])
                 print(f"{key} m<={m}: {plans.describe(best[:8])} {best[8] / 1e3:.1f} us "

@@ -391,7 +391,8 @@ std::vector<Plan> plan_candidates(const Problem& pr, const Policy& pol) {
     add_reconstruct();
     return out;
   }
-  const int bucket = m_bucket(std::max(pr.m, 1));
+  // The smallest tier (16 rows) serves every bucket below it.
+  const int bucket = std::max(m_bucket(std::max(pr.m, 1)), kRowsPerTier);
   auto add_tier = [&](int mt, bool wg) {
     // wgmma's smallest tier serves any m it is asked for.
     const int largest = wg ? std::max(bucket, kRowsPerTier * kWgmmaTiers[0]) : bucket;
