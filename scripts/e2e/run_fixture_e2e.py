@@ -86,14 +86,15 @@ def log(msg: str) -> None:
 
 
 class Deadline:
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, costs: dict[str, float] | None = None) -> None:
         self.end = time.monotonic() + seconds
+        self.costs = STAGE_COST_S if costs is None else costs
 
     def remaining(self) -> float:
         return self.end - time.monotonic()
 
     def allows(self, stage: str) -> bool:
-        return self.remaining() >= STAGE_COST_S[stage]
+        return self.remaining() >= self.costs[stage]
 
 
 def recorded_perplexities() -> dict[str, dict]:
