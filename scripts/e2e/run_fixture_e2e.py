@@ -86,14 +86,15 @@ def log(msg: str) -> None:
 
 
 class Deadline:
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, costs: dict[str, float] | None = None) -> None:
         self.end = time.monotonic() + seconds
+        self.costs = STAGE_COST_S if costs is None else costs
 
     def remaining(self) -> float:
         return self.end - time.monotonic()
 
     def allows(self, stage: str) -> bool:
-        return self.remaining() >= STAGE_COST_S[stage]
+        return self.remaining() >= self.costs[stage]
 
 
 def recorded_perplexities() -> dict[str, dict]:
@@ -127,12 +128,14 @@ def assemble_checkpoint(name: str, work: Path) -> Path:
     return out
 
 
-def make_llm(model_dir: Path, *, eager: bool, tp: int):
+def make_llm(model_dir: Path, *, eager: bool, tp: int,
+             engine_args: dict | None = None):
+    """engine_args: further LLM keyword arguments (an attention backend, a speculative config)."""
     from vllm import LLM
 
     return LLM(model=str(model_dir), tensor_parallel_size=tp, enforce_eager=eager,
                gpu_memory_utilization=GPU_MEMORY_UTILIZATION, max_model_len=MAX_MODEL_LEN,
-               seed=0)
+               seed=0, **(engine_args or {}))
 
 
 def score_windows(llm, windows: list[list[int]]) -> list[list[float]]:
@@ -175,10 +178,10 @@ def offline_text(llm) -> str:
 
 
 def run_mode(name: str, model_dir: Path, windows: list[list[int]], *, eager: bool, tp: int,
-             full_ppl: bool) -> dict:
+             full_ppl: bool, engine_args: dict | None = None) -> dict:
     """One engine: (full perplexity,) the probe windows' logprobs, greedy continuations."""
     t0 = time.monotonic()
-    llm = make_llm(model_dir, eager=eager, tp=tp)
+    llm = make_llm(model_dir, eager=eager, tp=tp, engine_args=engine_args)
     out: dict = {"mode": "eager" if eager else "default", "tp": tp,
                  "start_s": round(time.monotonic() - t0, 1)}
     try:
@@ -220,15 +223,16 @@ def _http(url: str, payload: dict | None = None, timeout: float = 10) -> tuple[i
 
 
 def serve_once(name: str, model_dir: Path, tp: int, work: Path,
-               ready_timeout: float = SERVE_READY_TIMEOUT_S) -> dict:
+               ready_timeout: float = SERVE_READY_TIMEOUT_S,
+               extra_args: tuple[str, ...] = ()) -> dict:
     """`vllm serve` as a subprocess on 127.0.0.1: wait for /health, one /v1/completions, stop."""
     port = free_port()
-    logfile = work / f"serve-{name}.log"
+    logfile = work / f"serve-{name.replace('/', '-')}.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
            "--tensor-parallel-size", str(tp),
            "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
-           "--max-model-len", str(MAX_MODEL_LEN)]
+           "--max-model-len", str(MAX_MODEL_LEN), *extra_args]
     t0 = time.monotonic()
     result: dict = {"checkpoint": name, "command": " ".join(cmd), "log": str(logfile)}
     with open(logfile, "w") as logf:
@@ -280,10 +284,11 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def save_progress(out: Path | None, runs: dict, errors: dict, skipped: list) -> None:
+def save_progress(out: Path | None, runs: dict, errors: dict, skipped: list,
+                  name: str = "fixture_e2e") -> None:
     """The raw runs so far, so that a call stopped at its time limit still returns them."""
     if out is not None:
-        (out / "fixture_e2e.progress.json").write_text(
+        (out / f"{name}.progress.json").write_text(
             json.dumps({"runs": runs, "errors": errors, "skipped": skipped}))
 
 

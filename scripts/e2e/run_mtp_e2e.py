@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""MTP speculative decoding of an EXL3 checkpoint through vLLM, on a CUDA host where the built
+wheel (or the offline bundle) is installed; see scripts/e2e/README.md.
+
+Writes a synthetic DeepSeek-V3-layout EXL3 checkpoint with one MTP layer
+(`num_nextn_predict_layers: 1`: enorm, hnorm, EXL3 eh_proj, a whole MLA + MoE decoder layer,
+shared_head.norm; dims of the dsv3-tiny fixture, random weights) and its bf16 twin (the same
+weights dequantized, plus the MTP layer's embed_tokens and shared_head.head that ExLlamaV3 does
+not store and vLLM's strict bf16 loader wants). For each model, vLLM with its defaults
+(torch.compile + CUDA graphs) runs greedy continuations without and with MTP speculation
+(`speculative_config={"method": "mtp", "num_speculative_tokens": 1}`); the measure is how
+closely the speculative output agrees with the plain output of the same model. Pass: EXL3's
+agreement is at least bf16's minus MTP_SLACK, and speculation actually drafted tokens.
+
+Random weights make drafts mostly rejected; that does not matter, the measure is the output.
+Prints a compact table; writes mtp_e2e.json to --out (default $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run_fixture_e2e as fx  # noqa: E402
+from agreement import continuation_agreement  # noqa: E402
+from llm_teardown import free_llm  # noqa: E402
+from run_moe_e2e import DEEPSEEK_V3_ROUTING, dequantized_twin  # noqa: E402
+
+# The dsv3-tiny fixture's config (MLA dims vLLM's MLA kernels take, 16 experts top-4, one shared
+# expert, a dense first layer); the synthetic checkpoint keeps its dims.
+BASE_CONFIG = fx.REPO / "tests" / "fixtures" / "moe" / "dsv3-4.0bpw-mcg" / "config.json"
+LAYERS = 2  # one dense and one MoE decoder layer, then the MTP layer
+BITS, MTP_BITS, CODEBOOK = 4, 4, "mcg"
+SEED = 11
+SPEC_TOKENS = 1
+SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": SPEC_TOKENS}
+PROMPTS = 16
+PROMPT_TOKENS = 32
+GEN_TOKENS = 32
+# EXL3's matched fraction (mean share of each continuation before the first divergence) may
+# trail bf16's by this much: one early divergence in one of 16 continuations costs up to 1/16.
+MTP_SLACK = 0.1
+# An engine with a draft model compiles and captures graphs for both.
+STAGE_COST_S = {"plain": 75, "spec": 110}
+SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens")
+
+
+def mtp_config() -> dict:
+    cfg = json.loads(BASE_CONFIG.read_text())
+    cfg.pop("quantization_config", None)
+    cfg.update(DEEPSEEK_V3_ROUTING)
+    cfg["num_nextn_predict_layers"] = 1
+    return cfg
+
+
+def write_checkpoints(work: Path) -> tuple[Path, Path]:
+    """(EXL3 checkpoint, bf16 twin) under work/, rewritten every time (seconds)."""
+    sys.path.insert(0, str(fx.REPO / "tests"))
+    import synthetic_checkpoint as synth
+    from safetensors.torch import load_file, save_file
+
+    exl3, bf16 = work / "mtp-exl3", work / "mtp-bf16"
+    shutil.rmtree(exl3, ignore_errors=True)
+    synth.write_checkpoint(mtp_config(), exl3, bits=BITS, codebook=CODEBOOK, mtp_bits=MTP_BITS,
+                           layers=LAYERS, mtp=True, seed=SEED)
+    for f in (fx.FIXTURES / "tokenizer").iterdir():
+        shutil.copy2(f, exl3 / f.name)
+    dequantized_twin(exl3, bf16)
+    # vLLM's MTP layer owns an embedding and a head (shared with the target's in DeepSeek-V3's
+    # own checkpoints, stored per layer there); the twin gets copies of the model's.
+    weights = {}
+    for f in bf16.glob("*.safetensors"):
+        weights.update(load_file(f))
+    mtp = f"model.layers.{LAYERS}"
+    extra = {f"{mtp}.embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+             f"{mtp}.shared_head.head.weight": weights["lm_head.weight"].clone()}
+    save_file(extra, str(bf16 / "model-mtp-shared.safetensors"), metadata={"format": "pt"})
+    index = bf16 / "model.safetensors.index.json"
+    if index.is_file():
+        doc = json.loads(index.read_text())
+        doc["weight_map"].update({k: "model-mtp-shared.safetensors" for k in extra})
+        index.write_text(json.dumps(doc, indent=2))
+    return exl3, bf16
+
+
+def prompts() -> list[list[int]]:
+    windows = fx.validation_windows()
+    step = max(1, len(windows) // PROMPTS)
+    return [windows[i * step][:PROMPT_TOKENS] for i in range(PROMPTS)]
+
+
+def spec_metrics(llm) -> dict:
+    out = {}
+    try:
+        for m in llm.get_metrics():
+            if m.name in SPEC_METRICS:
+                out[m.name.split(":")[1]] = getattr(m, "value", None)
+    except Exception as e:  # noqa: BLE001 - reported; the agreement stands without it
+        out["error"] = repr(e)
+    return out
+
+
+def generate(model_dir: Path, batch: list[list[int]], *, speculative: bool,
+             attention_backend: str | None) -> dict:
+    """One engine (vLLM defaults): greedy continuations, with or without MTP speculation."""
+    from vllm import SamplingParams
+
+    engine: dict = {"disable_log_stats": False}  # the spec-decode counters need the stats
+    if speculative:
+        engine["speculative_config"] = dict(SPECULATIVE_CONFIG)
+    if attention_backend:
+        engine["attention_backend"] = attention_backend
+    t0 = time.monotonic()
+    llm = fx.make_llm(model_dir, eager=False, tp=1, engine_args=engine)
+    out: dict = {"speculative": speculative, "start_s": round(time.monotonic() - t0, 1)}
+    try:
+        params = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True,
+                                detokenize=False)
+        res = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
+        out["metrics"] = spec_metrics(llm)
+    finally:
+        free_llm(llm)
+    out["total_s"] = round(time.monotonic() - t0, 1)
+    fx.log(f"{model_dir.name} speculative={speculative}: start {out['start_s']} s, "
+           f"total {out['total_s']} s, {out['metrics']}")
+    return out
+
+
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions holding the same token (a position-wise count; after a divergence the
+    two runs condition on different text, so this is the looser of the two measures)."""
+    same = total = 0
+    for x, y in zip(a, b):
+        same += sum(1 for p, q in zip(x, y) if p == q)
+        total += max(len(x), len(y))
+    return same / total if total else 1.0
+
+
+def run(args: argparse.Namespace, batch: list[list[int]], models: dict[str, Path],
+        deadline: fx.Deadline) -> dict:
+    runs: dict[str, dict] = {}
+    skipped: list[str] = []
+    errors: dict[str, str] = {}
+    for kind, path in models.items():
+        for speculative, stage in ((False, "plain"), (True, "spec")):
+            key = f"{kind} {stage}"
+            if not deadline.allows(stage):
+                skipped.append(f"{key} (time budget)")
+                continue
+            got = fx.attempt(errors, key, generate, path, batch, speculative=speculative,
+                             attention_backend=args.attention_backend)
+            if got is not None:
+                runs.setdefault(kind, {})[stage] = got
+                fx.save_progress(getattr(args, "out", None), runs, errors, skipped,
+                                 name="mtp_e2e")
+    summary, checks = judge(runs)
+    return {"summary": summary, "checks": checks, "skipped": skipped, "errors": errors,
+            "runs": runs}
+
+
+def judge(runs: dict[str, dict]) -> tuple[dict, list]:
+    checks: list[dict] = []
+    summary: dict[str, dict] = {}
+    for kind, stages in runs.items():
+        if "plain" not in stages or "spec" not in stages:
+            continue
+        plain, spec = stages["plain"]["tokens"], stages["spec"]["tokens"]
+        s = {"continuations": continuation_agreement(plain, spec),
+             "token_agreement": token_agreement(plain, spec),
+             "spec_metrics": stages["spec"].get("metrics", {})}
+        drafts = s["spec_metrics"].get("spec_decode_num_drafts")
+        if drafts is not None:
+            fx.check(checks, f"{kind}: speculation drafted tokens", drafts, 1, drafts >= 1)
+        summary[kind] = s
+    if "exl3" in summary and "bf16" in summary:
+        mine = summary["exl3"]["continuations"]["matched_fraction"]
+        limit = summary["bf16"]["continuations"]["matched_fraction"] - MTP_SLACK
+        fx.check(checks, "exl3: speculative vs plain greedy matched fraction vs bf16's", mine,
+                 limit, mine >= limit)
+    return summary, checks
+
+
+def print_table(result: dict) -> None:
+    print()
+    for kind, s in result["summary"].items():
+        c, m = s["continuations"], s["spec_metrics"]
+        print(f"{kind:5s} speculative vs plain: identical {c['identical']}/{c['count']}, "
+              f"matched {c['matched_fraction']:.3f}, tokens {s['token_agreement']:.3f}; "
+              f"drafts {m.get('spec_decode_num_drafts')}, accepted "
+              f"{m.get('spec_decode_num_accepted_tokens')}")
+    for c in result["checks"]:
+        print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['value']:.6g} "
+              f"(limit {c['limit']:.6g})")
+    for s in result["skipped"]:
+        print(f"  SKIPPED {s}")
+    for stage, tb in result["errors"].items():
+        print(f"  ERROR {stage}: {tb.strip().splitlines()[-1]}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", fx.REPO / ".e2e" /
+                                                                    "results")),
+                    help="where the JSON goes (default $OUT, else .e2e/results)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/vx/e2e-mtp"),
+                    help="scratch: the synthetic checkpoints")
+    ap.add_argument("--models", default="exl3,bf16",
+                    help="which of exl3,bf16 to run, in order (default both)")
+    ap.add_argument("--attention-backend", default=None,
+                    help="vLLM attention backend for every engine (default: vLLM's choice)")
+    ap.add_argument("--budget-s", type=float, default=450,
+                    help="skip remaining stages that would not finish within this many seconds")
+    args = ap.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    if not args.models or set(args.models) - {"exl3", "bf16"}:
+        ap.error(f"--models {','.join(args.models)}: choose from exl3,bf16")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    for k, v in fx.HOST_ENV.items():
+        os.environ.setdefault(k, v)
+    deadline = fx.Deadline(args.budget_s, STAGE_COST_S)
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    env = fx.environment()
+    fx.log(f"environment: {env}")
+    exl3, bf16 = write_checkpoints(args.work)
+    fx.log(f"checkpoints written ({time.monotonic() - t0:.1f} s)")
+    paths = {"exl3": exl3, "bf16": bf16}
+    result = run(args, prompts(), {m: paths[m] for m in args.models}, deadline)
+    result = {"environment": env, "seconds": round(time.monotonic() - t0, 1),
+              "settings": {"config": mtp_config(), "layers": LAYERS, "bits": BITS,
+                           "mtp_bits": MTP_BITS, "codebook": CODEBOOK, "seed": SEED,
+                           "speculative_config": SPECULATIVE_CONFIG, "prompts": PROMPTS,
+                           "prompt_tokens": PROMPT_TOKENS, "gen_tokens": GEN_TOKENS,
+                           "slack": MTP_SLACK, "attention_backend": args.attention_backend,
+                           "gpu_memory_utilization": fx.GPU_MEMORY_UTILIZATION,
+                           "max_model_len": fx.MAX_MODEL_LEN, "host_env": fx.HOST_ENV},
+              **result}
+    text = json.dumps(result, indent=1)
+    (args.out / "mtp_e2e.json").write_text(text)
+    print_table(result)
+    fx.log(f"wrote {args.out / 'mtp_e2e.json'} ({result['seconds']} s)")
+    ok = all(c["pass"] for c in result["checks"]) and not result["skipped"] \
+        and not result["errors"] and len(result["summary"]) == len(args.models)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
