@@ -35,9 +35,12 @@ from agreement import continuation_agreement  # noqa: E402
 from llm_teardown import free_llm  # noqa: E402
 from run_moe_e2e import DEEPSEEK_V3_ROUTING, dequantized_twin  # noqa: E402
 
-# The dsv3-tiny fixture's config (MLA dims vLLM's MLA kernels take, 16 experts top-4, one shared
-# expert, a dense first layer); the synthetic checkpoint keeps its dims.
+# The dsv3-tiny fixture's config (16 experts top-4, one shared expert, a dense first layer),
+# with v_head_dim 128: vLLM 0.26's only MLA prefill backend on Hopper (FlashAttention) takes
+# (qk_nope, qk_rope, v) = (128, 64, 128), (192, 64, 256) or (64, 64, 128), not the fixture's
+# (64, 64, 64).
 BASE_CONFIG = fx.REPO / "tests" / "fixtures" / "moe" / "dsv3-4.0bpw-mcg" / "config.json"
+MLA_PREFILL_V_HEAD_DIM = 128
 LAYERS = 2  # one dense and one MoE decoder layer, then the MTP layer
 BITS, MTP_BITS, CODEBOOK = 4, 4, "mcg"
 SEED = 11
@@ -60,6 +63,7 @@ def mtp_config() -> dict:
     cfg.pop("quantization_config", None)
     cfg.update(DEEPSEEK_V3_ROUTING)
     cfg["num_nextn_predict_layers"] = 1
+    cfg["v_head_dim"] = MLA_PREFILL_V_HEAD_DIM
     return cfg
 
 
