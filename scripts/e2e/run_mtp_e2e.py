@@ -36,11 +36,13 @@ from llm_teardown import free_llm  # noqa: E402
 from run_moe_e2e import DEEPSEEK_V3_ROUTING, dequantized_twin  # noqa: E402
 
 # The dsv3-tiny fixture's config (16 experts top-4, one shared expert, a dense first layer),
-# with v_head_dim 128: vLLM 0.26's only MLA prefill backend on Hopper (FlashAttention) takes
-# (qk_nope, qk_rope, v) = (128, 64, 128), (192, 64, 256) or (64, 64, 128), not the fixture's
-# (64, 64, 64).
+# with DeepSeek-V3's MLA dims: vLLM 0.26's MLA kernels on Hopper take a 576-wide latent head
+# (kv_lora_rank 512 + qk_rope 64) and its only MLA prefill backend there (FlashAttention) takes
+# (qk_nope, qk_rope, v) = (128, 64, 128); the fixture's (64, 64, 64) with rank 128 runs on
+# neither.
 BASE_CONFIG = fx.REPO / "tests" / "fixtures" / "moe" / "dsv3-4.0bpw-mcg" / "config.json"
-MLA_PREFILL_V_HEAD_DIM = 128
+MLA_DIMS = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128}
 LAYERS = 2  # one dense and one MoE decoder layer, then the MTP layer
 BITS, MTP_BITS, CODEBOOK = 4, 4, "mcg"
 SEED = 11
@@ -63,7 +65,7 @@ def mtp_config() -> dict:
     cfg.pop("quantization_config", None)
     cfg.update(DEEPSEEK_V3_ROUTING)
     cfg["num_nextn_predict_layers"] = 1
-    cfg["v_head_dim"] = MLA_PREFILL_V_HEAD_DIM
+    cfg.update(MLA_DIMS)
     return cfg
 
 
