@@ -100,7 +100,7 @@ def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
         pytest.skip("nvcc not available")
     flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
     for k2 in (3, 7, 16):
-        src = kernels_build.SOURCES / f"exl3_moe_rate_k{k2}.cu"
+        src = kernels_build.SOURCES / f"exl3_rate_k{k2}.cu"
         r = subprocess.run(["nvcc", *flags, "-cubin", "-arch=sm_90a",
                             f"-I{kernels_build.SOURCES}", "-Xptxas", "-v", str(src), "-o",
                             str(tmp_path / f"moe{k2}.cubin")], capture_output=True, text=True)

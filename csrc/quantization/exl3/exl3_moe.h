@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host-side view of the EXL3 mixture-of-experts kernels: launch parameters and the per-bitrate
 // launcher table. The grouped GEMMs of one bitrate (every codebook, BM tier and stage) live in
-// one translation unit (exl3_moe_rate_k<K2>.cu), beside the dense kernels' own.
+// the translation unit of that bitrate (exl3_rate_k<K2>.cu), beside its dense kernels.
 //
 // Rows are "slots" of vLLM's moe_align_block_size: sorted_ids[slot] is the (token, k) pair
 // token * topk + k, or the padding sentinel pairs = M * topk; block b = slots [b * BM,

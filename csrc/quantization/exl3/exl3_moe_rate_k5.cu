@@ -1,5 +1,0 @@
-// SPDX-License-Identifier: Apache-2.0
-// Grouped MoE GEMMs of the 2.5-bit rate (K2 = 5): every codebook x BM tier x stage.
-#include "exl3_moe.cuh"
-
-EXL3_DEFINE_MOE_RATE(5)
