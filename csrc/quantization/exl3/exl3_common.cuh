@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// Constants and PTX wrappers shared by every EXL3 kernel. Only mma.sync.m16n8k16 (fp16 in, fp32
-// accumulate), ldmatrix and cp.async are used, so one source serves sm_90, sm_120 and sm_121.
-// The one exception is the GEMM's optional Hopper engine (exl3_wgmma.cuh), compiled only into
-// sm_90a images and chosen at run time only where the device runs one.
+// Constants and PTX wrappers shared by every EXL3 kernel. Only
+// mma.sync.m16n8k16 (fp16 in, fp32 accumulate), ldmatrix and cp.async are used,
+// so one source serves sm_90, sm_120 and sm_121. The one exception is the
+// GEMM's optional Hopper engine (exl3_wgmma.cuh), compiled only into sm_90a
+// images and chosen at run time only where the device runs one.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,7 +12,8 @@
 
 namespace vllm_exl3 {
 
-// Format (exl3-format.md §2, §3): Hadamard blocks are 128 wide, trellis tiles 16x16 = 256 weights.
+// Format (exl3-format.md §2, §3): Hadamard blocks are 128 wide, trellis tiles
+// 16x16 = 256 weights.
 constexpr int kHadamard = 128;
 constexpr int kTile = 16;
 constexpr int kTilePositions = kTile * kTile;
@@ -19,10 +21,12 @@ constexpr int kTilePositions = kTile * kTile;
 constexpr float kHadamardScale = 0.08838834764831845f;
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
-// Each lane of a warp owns 8 consecutive trellis positions = its two mma B fragments (§3.2).
+// Each lane of a warp owns 8 consecutive trellis positions = its two mma B
+// fragments (§3.2).
 constexpr int kPositionsPerLane = kTilePositions / kWarpSize;
-// The format allows k, n and shard widths only in whole Hadamard blocks; fused layers have at
-// most qkv/gate_up-style shards, so a small fixed table in the kernel parameters suffices.
+// The format allows k, n and shard widths only in whole Hadamard blocks; fused
+// layers have at most qkv/gate_up-style shards, so a small fixed table in the
+// kernel parameters suffices.
 constexpr int kMaxShards = 8;
 
 // Codebook ids (format.py Codebook) and their constants (§4).
@@ -31,11 +35,13 @@ constexpr uint32_t kThreeInstMult = 89226354u;
 constexpr uint32_t kThreeInstAdd = 64248484u;
 constexpr uint32_t kMcgMult = 0xCBAC1FEDu;
 constexpr uint32_t kMul1Mult = 0x83DCD12Du;
-// 3INST/MCG: keep each half's sign and low 12 bits, force its exponent into 0b011xx.
+// 3INST/MCG: keep each half's sign and low 12 bits, force its exponent into
+// 0b011xx.
 constexpr uint32_t kHalvesAnd = 0x8FFF8FFFu;
 constexpr uint32_t kHalvesXor = 0x3B603B60u;
-// MUL1: byte sum t added to the fp16 pattern of 1024 (0x6400) gives the number 1024 + t exactly,
-// in both halves of a half2; then one fp16 fma with these two constants.
+// MUL1: byte sum t added to the fp16 pattern of 1024 (0x6400) gives the number
+// 1024 + t exactly, in both halves of a half2; then one fp16 fma with these two
+// constants.
 constexpr uint32_t kMul1ByteOnes = 0x01010101u;
 constexpr uint32_t kMul1Base2 = 0x64006400u;
 constexpr uint16_t kMul1ScaleBits = 0x1EEE;
@@ -46,25 +52,31 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // 16-byte global->shared copy; src_bytes = 0 zero-fills (rows past m).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src,
+                                           int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(src), "r"(src_bytes));
 }
-// 8-byte copy (only the L1-allocating .ca form exists at this size); src_bytes = 0 zero-fills.
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes));
+// 8-byte copy (only the L1-allocating .ca form exists at this size); src_bytes
+// = 0 zero-fills.
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src,
+                                          int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst),
+               "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Programmatic dependent launch (sm_90+): a grid launched with programmatic stream
-// serialization may start while its predecessor runs; it must wait before reading what the
-// predecessor writes. The predecessor lets it be scheduled early. No-ops on older targets and
-// when the launch attribute is absent.
+// Programmatic dependent launch (sm_90+): a grid launched with programmatic
+// stream serialization may start while its predecessor runs; it must wait
+// before reading what the predecessor writes. The predecessor lets it be
+// scheduled early. No-ops on older targets and when the launch attribute is
+// absent.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -83,21 +95,23 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 }
 
 // D += A(16x16, row) * B(16x8, col), fp16 operands, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
+                                          uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+      "{%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Four fp32 added into global memory. sm_90 has a vector reduction (one L2 transaction for 16
-// bytes); older targets fall back to scalar reductions.
-__device__ __forceinline__ void red_add_f32x4(float* dst, float a, float b, float c, float d) {
+// Four fp32 added into global memory. sm_90 has a vector reduction (one L2
+// transaction for 16 bytes); older targets fall back to scalar reductions.
+__device__ __forceinline__ void red_add_f32x4(float* dst, float a, float b,
+                                              float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"l"(dst), "f"(a), "f"(b),
-               "f"(c), "f"(d)
+  asm volatile("red.global.add.v4.f32 [%0], {%1,%2,%3,%4};\n" ::"l"(dst),
+               "f"(a), "f"(b), "f"(c), "f"(d)
                : "memory");
 #else
   atomicAdd(dst + 0, a);
@@ -116,7 +130,9 @@ struct Fp16Like<__half> {
     __half2 a = __floats2half2_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&a);
   }
-  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
+  __device__ static __forceinline__ float to_float(__half v) {
+    return __half2float(v);
+  }
 };
 template <>
 struct Fp16Like<__nv_bfloat16> {
@@ -132,7 +148,8 @@ struct Fp16Like<__nv_bfloat16> {
 // Four fp32 rounded to T, as one 8-byte store's worth.
 template <typename T>
 __device__ __forceinline__ uint2 pack4(const float (&v)[4]) {
-  return make_uint2(Fp16Like<T>::pack2(v[0], v[1]), Fp16Like<T>::pack2(v[2], v[3]));
+  return make_uint2(Fp16Like<T>::pack2(v[0], v[1]),
+                    Fp16Like<T>::pack2(v[2], v[3]));
 }
 
 // Four consecutive 16-bit floats (8 bytes) to fp32.

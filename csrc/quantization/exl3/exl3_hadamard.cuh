@@ -1,17 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// 128-point Sylvester Hadamard (H[i][j] = (-1)^popcount(i & j), unnormalised) held by one warp,
-// four fp32 values per lane. H is symmetric, so x @ H = H @ x: one butterfly per index bit.
+// 128-point Sylvester Hadamard (H[i][j] = (-1)^popcount(i & j), unnormalised)
+// held by one warp, four fp32 values per lane. H is symmetric, so x @ H = H @
+// x: one butterfly per index bit.
 #pragma once
 
 #include "exl3_common.cuh"
 
 namespace vllm_exl3 {
 
-// Any assignment of the 7 index bits to (2 slot bits j, 5 lane bits) gives the same transform,
-// because popcount(i & j) does not change when i and j have their bits permuted alike. Callers
-// use e = 4 * lane + j (8-byte vector loads of 4 consecutive values) or e = lane + 32 * j
-// (conflict-free column walks through a padded shared-memory block).
-// The two index bits inside one lane's 4 consecutive values, in registers.
+// Any assignment of the 7 index bits to (2 slot bits j, 5 lane bits) gives the
+// same transform, because popcount(i & j) does not change when i and j have
+// their bits permuted alike. Callers use e = 4 * lane + j (8-byte vector loads
+// of 4 consecutive values) or e = lane + 32 * j (conflict-free column walks
+// through a padded shared-memory block). The two index bits inside one lane's 4
+// consecutive values, in registers.
 __device__ __forceinline__ void butterfly4(float (&v)[4]) {
   const float a0 = v[0] + v[1], a1 = v[0] - v[1];
   const float a2 = v[2] + v[3], a3 = v[2] - v[3];
@@ -21,8 +23,9 @@ __device__ __forceinline__ void butterfly4(float (&v)[4]) {
   v[3] = a1 - a3;
 }
 
-// The index bits held by lanes 1, 2, ... LANES / 2 of every group of LANES lanes: the partner
-// with the bit clear holds a, the one with it set holds b, and (a, b) -> (a + b, a - b).
+// The index bits held by lanes 1, 2, ... LANES / 2 of every group of LANES
+// lanes: the partner with the bit clear holds a, the one with it set holds b,
+// and (a, b) -> (a + b, a - b).
 template <int LANES, int R>
 __device__ __forceinline__ void lane_butterflies(float (&v)[R][4], int lane) {
 #pragma unroll
@@ -38,24 +41,27 @@ __device__ __forceinline__ void lane_butterflies(float (&v)[R][4], int lane) {
   }
 }
 
-// R rows at once (v[r]: one row's four values per lane): the rows' butterflies are independent,
-// so their shuffles overlap and a warp pays the shuffle latency once per group, not per row.
+// R rows at once (v[r]: one row's four values per lane): the rows' butterflies
+// are independent, so their shuffles overlap and a warp pays the shuffle
+// latency once per group, not per row.
 template <int R>
 __device__ __forceinline__ void hadamard128(float (&v)[R][4], int lane) {
 #pragma unroll
   for (int r = 0; r < R; ++r) butterfly4(v[r]);  // the two slot bits
-  lane_butterflies<kWarpSize>(v, lane);            // the five lane bits
+  lane_butterflies<kWarpSize>(v, lane);          // the five lane bits
 }
 
-// The same transform held by kQuadLanes lanes per row: lane part j = lane % 4 holds the eight
-// 4-column chunks at columns 16 i + 4 j (i < 8), v[i][q] = column 16 i + 4 j + q. Five of the
-// seven index bits (q, i) are then in registers and only the two of j cross lanes: 8 shuffles
-// per row against the 20 of hadamard128 (a warp's shuffle unit issues one per clock, which
-// bounded the BM 256 epilogue; design notes, "quad epilogue").
+// The same transform held by kQuadLanes lanes per row: lane part j = lane % 4
+// holds the eight 4-column chunks at columns 16 i + 4 j (i < 8), v[i][q] =
+// column 16 i + 4 j + q. Five of the seven index bits (q, i) are then in
+// registers and only the two of j cross lanes: 8 shuffles per row against the
+// 20 of hadamard128 (a warp's shuffle unit issues one per clock, which bounded
+// the BM 256 epilogue; design notes, "quad epilogue").
 constexpr int kQuadLanes = 4;
 constexpr int kQuadChunks = kHadamard / (4 * kQuadLanes);
 
-__device__ __forceinline__ void hadamard128_quad(float (&v)[kQuadChunks][4], int lane) {
+__device__ __forceinline__ void hadamard128_quad(float (&v)[kQuadChunks][4],
+                                                 int lane) {
 #pragma unroll
   for (int i = 0; i < kQuadChunks; ++i) butterfly4(v[i]);  // the two bits of q
 #pragma unroll
@@ -73,7 +79,7 @@ __device__ __forceinline__ void hadamard128_quad(float (&v)[kQuadChunks][4], int
 }
 
 __device__ __forceinline__ void hadamard128(float (&v)[4], int lane) {
-  hadamard128<1>(reinterpret_cast<float(&)[1][4]>(v), lane);
+  hadamard128<1>(reinterpret_cast<float (&)[1][4]>(v), lane);
 }
 
 }  // namespace vllm_exl3

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// The grouped trellis GEMM of an MoE layer: the dense GEMM's block (exl3_gemm.cuh: decode,
-// pipeline, mma.sync) run once per (row block, 128 columns) of vLLM's expert alignment, on the
-// trellis, svh and bitrate of that block's expert, with an epilogue that writes routed rows.
+// The grouped trellis GEMM of an MoE layer: the dense GEMM's block
+// (exl3_gemm.cuh: decode, pipeline, mma.sync) run once per (row block, 128
+// columns) of vLLM's expert alignment, on the trellis, svh and bitrate of that
+// block's expert, with an epilogue that writes routed rows.
 //
-// Each row block of BM slots belongs to one expert (exl3_moe.h), so a block is one dense tile:
-// its A rows are the block's slots of the routed-order activations, its weights one expert's.
-// Blocks past the live slot count, of experts not on this rank, or of another bitrate than the
-// launch's K2 return before touching memory.
+// Each row block of BM slots belongs to one expert (exl3_moe.h), so a block is
+// one dense tile: its A rows are the block's slots of the routed-order
+// activations, its weights one expert's. Blocks past the live slot count, of
+// experts not on this rank, or of another bitrate than the launch's K2 return
+// before touching memory.
 #pragma once
 
 #include "exl3_moe.h"
@@ -14,12 +16,13 @@
 
 namespace vllm_exl3 {
 
-// The stored rows of one block's tile, as store_tile does it for dense layers: warp w takes rows
-// w, w + kGemmWarps, ... in groups of Shape::kEpiRows, lane l columns 4l..4l+3 of the block.
-// Row transform: Ĥ, then * scale * svh (* the row's factor), then the stage's own store.
+// The stored rows of one block's tile, as store_tile does it for dense layers:
+// warp w takes rows w, w + kGemmWarps, ... in groups of Shape::kEpiRows, lane l
+// columns 4l..4l+3 of the block. Row transform: Ĥ, then * scale * svh (* the
+// row's factor), then the stage's own store.
 template <typename Shape, typename Row>
-__device__ __forceinline__ void moe_store_rows(const float* s_c, int rows, const __half* svh,
-                                               Row&& row) {
+__device__ __forceinline__ void moe_store_rows(const float* s_c, int rows,
+                                               const __half* svh, Row&& row) {
   constexpr int G = Shape::kEpiRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   float sv[4];
@@ -48,14 +51,16 @@ __device__ __forceinline__ void moe_store_rows(const float* s_c, int rows, const
   }
 }
 
-// Four values rounded to the output dtype (decided per launch; one k loop serves both).
+// Four values rounded to the output dtype (decided per launch; one k loop
+// serves both).
 __device__ __forceinline__ uint2 pack4_out(const float (&v)[4], bool bf16) {
   return bf16 ? pack4<__nv_bfloat16>(v) : pack4<__half>(v);
 }
 
-// Where a block of the grid works: its row block's first slot and expert, and its 128 columns
-// as (role, first column within the role). Recomputed by the epilogues from the kernel
-// parameters rather than carried in registers through the k loop.
+// Where a block of the grid works: its row block's first slot and expert, and
+// its 128 columns as (role, first column within the role). Recomputed by the
+// epilogues from the kernel parameters rather than carried in registers through
+// the k loop.
 struct MoeBlock {
   int row0, expert, role, n0;
 };
@@ -69,7 +74,8 @@ __device__ __forceinline__ MoeBlock moe_block(const MoeGemmParams& mp) {
   b.n0 = col - b.role * mp.n;
   return b;
 }
-__device__ __forceinline__ const __half* moe_svh(const MoeGemmParams& mp, const MoeBlock& b) {
+__device__ __forceinline__ const __half* moe_svh(const MoeGemmParams& mp,
+                                                 const MoeBlock& b) {
   return static_cast<const __half*>(mp.svh) +
          (static_cast<size_t>(b.expert) * mp.roles + b.role) * mp.n + b.n0;
 }
@@ -82,17 +88,19 @@ struct MoeGateUpEpilogue {
   __device__ __forceinline__ void store(const float* s_c, int rows) const {
     const MoeBlock b = moe_block<BM>(mp);
     uint16_t* y = static_cast<uint16_t*>(mp.out) +
-                  (static_cast<size_t>(b.role) * mp.slots + b.row0) * mp.n + b.n0;
-    moe_store_rows<Shape>(s_c, rows, moe_svh(mp, b), [&](int r, float(&v)[4], int lane) {
-      *reinterpret_cast<uint2*>(y + static_cast<size_t>(r) * mp.n + 4 * lane) =
-          pack4_out(v, mp.out_bf16);
-    });
+                  (static_cast<size_t>(b.role) * mp.slots + b.row0) * mp.n +
+                  b.n0;
+    moe_store_rows<Shape>(
+        s_c, rows, moe_svh(mp, b), [&](int r, float (&v)[4], int lane) {
+          *reinterpret_cast<uint2*>(y + static_cast<size_t>(r) * mp.n +
+                                    4 * lane) = pack4_out(v, mp.out_bf16);
+        });
   }
 };
 
-// Down: row r is slot row0 + r, i.e. pair sorted_ids[slot] (padding: nothing), scaled by its
-// routing weight, then either written as the pair's row (deterministic combine afterwards) or
-// added into its token's fp32 sum.
+// Down: row r is slot row0 + r, i.e. pair sorted_ids[slot] (padding: nothing),
+// scaled by its routing weight, then either written as the pair's row
+// (deterministic combine afterwards) or added into its token's fp32 sum.
 template <int BM>
 struct MoeDownEpilogue {
   const MoeGemmParams& mp;
@@ -102,51 +110,59 @@ struct MoeDownEpilogue {
     const MoeBlock b = moe_block<BM>(mp);
     const int32_t* ids = p.sorted_ids + b.row0;
     const int live = min(rows, p.sorted_len - b.row0);
-    moe_store_rows<Shape>(s_c, live, moe_svh(mp, b), [&](int r, float(&v)[4], int lane) {
-      const int pair = ids[r];
-      if (pair < 0 || pair >= p.pairs) return;
-      if (p.topk_weights != nullptr) {
-        const float w = p.topk_weights[pair];
+    moe_store_rows<Shape>(
+        s_c, live, moe_svh(mp, b), [&](int r, float (&v)[4], int lane) {
+          const int pair = ids[r];
+          if (pair < 0 || pair >= p.pairs) return;
+          if (p.topk_weights != nullptr) {
+            const float w = p.topk_weights[pair];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v[j] *= w;
-      }
-      const int col = b.n0 + 4 * lane;
-      if (p.accumulate) {
-        float* dst = static_cast<float*>(p.out) + static_cast<size_t>(pair / p.topk) * p.n + col;
-        red_add_f32x4(dst, v[0], v[1], v[2], v[3]);
-      } else {
-        *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) +
-                                  static_cast<size_t>(pair) * p.n + col) =
-            pack4_out(v, p.out_bf16);
-      }
-    });
+            for (int j = 0; j < 4; ++j) v[j] *= w;
+          }
+          const int col = b.n0 + 4 * lane;
+          if (p.accumulate) {
+            float* dst = static_cast<float*>(p.out) +
+                         static_cast<size_t>(pair / p.topk) * p.n + col;
+            red_add_f32x4(dst, v[0], v[1], v[2], v[3]);
+          } else {
+            *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) +
+                                      static_cast<size_t>(pair) * p.n + col) =
+                pack4_out(v, p.out_bf16);
+          }
+        });
   }
 };
 
-// Resident blocks the register cap aims for: the dense tiers' (GemmShape::kMinBlocks), except
-// that from 64 rows the routed epilogue's extra state did not fit the dense 64-row tier's 80
-// registers (ptxas spilled up to 64 bytes at 3.5 bits), so those tiers get 128.
+// Resident blocks the register cap aims for: the dense tiers'
+// (GemmShape::kMinBlocks), except that from 64 rows the routed epilogue's extra
+// state did not fit the dense 64-row tier's 80 registers (ptxas spilled up to
+// 64 bytes at 3.5 bits), so those tiers get 128.
 template <int K2, int MT>
-constexpr int kMoeMinBlocks = MT >= 4 ? 2 : GemmShape<K2, MT, false>::kMinBlocks;
+constexpr int kMoeMinBlocks =
+    MT >= 4 ? 2 : GemmShape<K2, MT, false>::kMinBlocks;
 
-// grid (row blocks, roles * n / 128). Launched once per distinct bitrate of the layer.
+// grid (row blocks, roles * n / 128). Launched once per distinct bitrate of the
+// layer.
 template <int K2, int CB, int MT, MoeStage STAGE>
 __global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
     exl3_moe_gemm_kernel(const __grid_constant__ MoeGemmParams mp) {
   constexpr int BM = MT * kTile;
   const MoeBlock b = moe_block<BM>(mp);
-  // Written by moe_align_block_size, which completed before the input transform started; this
-  // grid overlaps only the transform (programmatic launch), so these reads need no wait.
+  // Written by moe_align_block_size, which completed before the input transform
+  // started; this grid overlaps only the transform (programmatic launch), so
+  // these reads need no wait.
   if (b.row0 >= min(*mp.num_post_pad, mp.sorted_len)) return;
   if (b.expert < 0 || b.expert >= mp.experts) return;
-  const int64_t* meta = mp.meta + 2 * (static_cast<int64_t>(b.expert) * mp.roles + b.role);
+  const int64_t* meta =
+      mp.meta + 2 * (static_cast<int64_t>(b.expert) * mp.roles + b.role);
   if (meta[1] != K2) return;
   const int64_t offset = meta[0];
-  const int64_t size =
-      static_cast<int64_t>(mp.k / kTile) * (mp.n / kTile) * Rate<K2>::kTileBytes / 2;
-  // The host checked the table when the layer was set up; a table changed since would read
-  // another expert's or stray memory: stop loudly instead.
-  if (offset < 0 || offset % 8 != 0 || offset + size > mp.trellis_numel) __trap();
+  const int64_t size = static_cast<int64_t>(mp.k / kTile) * (mp.n / kTile) *
+                       Rate<K2>::kTileBytes / 2;
+  // The host checked the table when the layer was set up; a table changed since
+  // would read another expert's or stray memory: stop loudly instead.
+  if (offset < 0 || offset % 8 != 0 || offset + size > mp.trellis_numel)
+    __trap();
 
   GemmParams p{};
   p.xh = static_cast<const __half*>(mp.xh) +
@@ -177,7 +193,8 @@ void moe_gemm_launch_tier(const MoeGemmParams& p, cudaStream_t stream) {
   const dim3 grid(p.slots / Shape::kBM, p.roles * p.n / kBlockN);
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
-  programmatic_launch(cfg, attr, grid, dim3(kGemmThreads), Shape::kSmemBytes, stream);
+  programmatic_launch(cfg, attr, grid, dim3(kGemmThreads), Shape::kSmemBytes,
+                      stream);
   cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
@@ -205,7 +222,9 @@ const MoeRateKernels& make_moe_rate_kernels() {
 
 }  // namespace vllm_exl3
 
-#define EXL3_DEFINE_MOE_RATE(K2)                                                      \
-  namespace vllm_exl3 {                                                               \
-  const MoeRateKernels& moe_rate_kernels_k##K2() { return make_moe_rate_kernels<K2>(); } \
+#define EXL3_DEFINE_MOE_RATE(K2)                   \
+  namespace vllm_exl3 {                            \
+  const MoeRateKernels& moe_rate_kernels_k##K2() { \
+    return make_moe_rate_kernels<K2>();            \
+  }                                                \
   }

@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host-side view of the EXL3 mixture-of-experts kernels: launch parameters and the per-bitrate
-// launcher table. The grouped GEMMs of one bitrate (every codebook, BM tier and stage) live in
-// the translation unit of that bitrate (exl3_rate_k<K2>.cu), beside its dense kernels.
+// Host-side view of the EXL3 mixture-of-experts kernels: launch parameters and
+// the per-bitrate launcher table. The grouped GEMMs of one bitrate (every
+// codebook, BM tier and stage) live in the translation unit of that bitrate
+// (exl3_rate_k<K2>.cu), beside its dense kernels.
 //
-// Rows are "slots" of vLLM's moe_align_block_size: sorted_ids[slot] is the (token, k) pair
-// token * topk + k, or the padding sentinel pairs = M * topk; block b = slots [b * BM,
-// (b + 1) * BM) belongs to expert expert_ids[b] (local id; -1 or out of range: not here), and
-// only the first num_post_pad[0] slots are live.
+// Rows are "slots" of vLLM's moe_align_block_size: sorted_ids[slot] is the
+// (token, k) pair token * topk + k, or the padding sentinel pairs = M * topk;
+// block b = slots [b * BM, (b + 1) * BM) belongs to expert expert_ids[b] (local
+// id; -1 or out of range: not here), and only the first num_post_pad[0] slots
+// are live.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,39 +16,46 @@
 
 namespace vllm_exl3 {
 
-// BM tiers of the grouped GEMM (rows per block = moe_align_block_size's block size = 16 * mt),
-// the dense GEMM's tiers: a block decodes its expert's trellis columns once for all its rows, so
-// the caller picks the smallest tier that holds an expert's typical row count (16 for decode:
-// the fewest padded rows).
+// BM tiers of the grouped GEMM (rows per block = moe_align_block_size's block
+// size = 16 * mt), the dense GEMM's tiers: a block decodes its expert's trellis
+// columns once for all its rows, so the caller picks the smallest tier that
+// holds an expert's typical row count (16 for decode: the fewest padded rows).
 constexpr int kMoeTiers[] = {1, 2, 4, 8};
 constexpr int kNumMoeTiers = 4;
 
 // The two grouped GEMMs of an MoE layer.
 enum class MoeStage : int {
-  // xh13 [2][P][h] -> y13 [2][P][i]: gate (role 0) and up (role 1) as two column ranges of one
+  // xh13 [2][P][h] -> y13 [2][P][i]: gate (role 0) and up (role 1) as two
+  // column ranges of one
   // grid, each role's block with its own trellis and svh.
   kGateUp = 0,
-  // xh2 [P][i] -> the routed rows, scaled by svh and the routing weight, either written per
-  // (token, k) pair (deterministic combine afterwards) or added into an fp32 [M][h] sum.
+  // xh2 [P][i] -> the routed rows, scaled by svh and the routing weight, either
+  // written per
+  // (token, k) pair (deterministic combine afterwards) or added into an fp32
+  // [M][h] sum.
   kDown = 1,
 };
 
 struct MoeGemmParams {
-  const void* xh;               // fp16 [roles][P][k], the transformed routed rows
-  const void* trellis;          // int16, every expert's (and role's) trellis back to back
+  const void* xh;  // fp16 [roles][P][k], the transformed routed rows
+  const void*
+      trellis;  // int16, every expert's (and role's) trellis back to back
   const int64_t* meta;          // [E][roles][2]: (offset in int16 elements, k2)
   const void* svh;              // fp16 [E][roles * n]
   const int32_t* sorted_ids;    // [P]
   const int32_t* expert_ids;    // [P / BM]
   const int32_t* num_post_pad;  // [1]
-  const float* topk_weights;    // [pairs]; null: no routing weight at the output
-  void* out;  // kGateUp: T [roles][P][n]; kDown: T [pairs][n], or fp32 [M][n] if accumulate
-  int64_t trellis_numel;  // int16 elements: offsets past it trap instead of reading stray memory
+  const float* topk_weights;  // [pairs]; null: no routing weight at the output
+  void* out;  // kGateUp: T [roles][P][n]; kDown: T [pairs][n], or fp32 [M][n]
+              // if accumulate
+  int64_t trellis_numel;  // int16 elements: offsets past it trap instead of
+                          // reading stray memory
   int k, n;               // of one role
   int roles;
   int slots;       // rows of the routed-order buffers: row blocks * BM
-  int sorted_len;  // entries of sorted_ids (<= slots); live slots never reach past it
-  int pairs;  // M * topk, also the padding sentinel
+  int sorted_len;  // entries of sorted_ids (<= slots); live slots never reach
+                   // past it
+  int pairs;       // M * topk, also the padding sentinel
   int topk;
   int experts;  // local experts E
   bool out_bf16;
@@ -54,37 +63,43 @@ struct MoeGemmParams {
 };
 
 struct MoeRateKernels {
-  // Blocks whose (expert, role) has another bitrate exit at once: one launch per distinct k2 of
-  // the layer serves mixed-bitrate experts without a kernel per rate combination.
-  void (*gemm)(MoeStage stage, int cb, int mt, const MoeGemmParams& p, cudaStream_t stream);
+  // Blocks whose (expert, role) has another bitrate exit at once: one launch
+  // per distinct k2 of the layer serves mixed-bitrate experts without a kernel
+  // per rate combination.
+  void (*gemm)(MoeStage stage, int cb, int mt, const MoeGemmParams& p,
+               cudaStream_t stream);
 };
 
-// The launcher table of one bitrate; K2 must be a valid rate (2..16 even, or 3, 5, 7).
+// The launcher table of one bitrate; K2 must be a valid rate (2..16 even, or 3,
+// 5, 7).
 const MoeRateKernels& moe_rate_kernels(int k2);
 
-// Rate-independent kernels (exl3_moe_transforms.cu), all reading the live slot count on the
-// device.
-// xh13[r][slot] = fp16(Ĥ(x[token] * suh13[e][r] (* w[pair] if weight_on_input))) for both roles;
-// padding slots are zeroed, slots of blocks not on this rank are left alone. It also traps on a
-// routed expert whose bitrate (meta13 / meta2) is not in the launched set (bit k2 of the masks):
-// the GEMMs would skip it and leave its rows unwritten.
-void launch_moe_input_transform(const void* x, bool bf16, const float* topk_weights,
-                                const void* suh13, const int64_t* meta13, const int64_t* meta2,
-                                uint32_t rates13, uint32_t rates2, const int32_t* sorted_ids,
-                                const int32_t* expert_ids, const int32_t* num_post_pad,
-                                void* xh13, int h, int slots, int sorted_len, int block,
-                                int pairs, int topk, int experts, cudaStream_t stream);
+// Rate-independent kernels (exl3_moe_transforms.cu), all reading the live slot
+// count on the device. xh13[r][slot] = fp16(Ĥ(x[token] * suh13[e][r] (* w[pair]
+// if weight_on_input))) for both roles; padding slots are zeroed, slots of
+// blocks not on this rank are left alone. It also traps on a routed expert
+// whose bitrate (meta13 / meta2) is not in the launched set (bit k2 of the
+// masks): the GEMMs would skip it and leave its rows unwritten.
+void launch_moe_input_transform(
+    const void* x, bool bf16, const float* topk_weights, const void* suh13,
+    const int64_t* meta13, const int64_t* meta2, uint32_t rates13,
+    uint32_t rates2, const int32_t* sorted_ids, const int32_t* expert_ids,
+    const int32_t* num_post_pad, void* xh13, int h, int slots, int sorted_len,
+    int block, int pairs, int topk, int experts, cudaStream_t stream);
 // xh2[slot] = fp16(Ĥ(SiLU(y13[0][slot]) * y13[1][slot] * suh2[e])).
 void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
-                              const int32_t* sorted_ids, const int32_t* expert_ids,
-                              const int32_t* num_post_pad, void* xh2, int i, int slots,
-                              int sorted_len, int block, int pairs, int experts,
-                              cudaStream_t stream);
-// y[t] = sum over k in order of rows[t * topk + k] (fp32), for the pairs whose expert is local:
-// 0 <= topk_ids < global_experts and expert_map (if any) >= 0 there. ids: int32 or int64.
+                              const int32_t* sorted_ids,
+                              const int32_t* expert_ids,
+                              const int32_t* num_post_pad, void* xh2, int i,
+                              int slots, int sorted_len, int block, int pairs,
+                              int experts, cudaStream_t stream);
+// y[t] = sum over k in order of rows[t * topk + k] (fp32), for the pairs whose
+// expert is local: 0 <= topk_ids < global_experts and expert_map (if any) >= 0
+// there. ids: int32 or int64.
 void launch_moe_combine(const void* rows, const void* topk_ids, bool ids64,
-                        const int32_t* expert_map, int global_experts, int experts, void* y,
-                        bool bf16, int m, int h, int topk, cudaStream_t stream);
+                        const int32_t* expert_map, int global_experts,
+                        int experts, void* y, bool bf16, int m, int h, int topk,
+                        cudaStream_t stream);
 // y = the fp32 sum rounded to the output dtype.
 void launch_moe_finish_sum(const float* acc, void* y, bool bf16, int64_t count,
                            cudaStream_t stream);

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// torch.ops._C.exl3_moe: one EXL3 mixture-of-experts layer (routed experts) over vLLM's expert
-// alignment: input validation, the kernel sequence, registration. Stable ABI only, like
-// exl3_ops.cpp. Scratch comes from torch's caching allocator (new_empty), so the op is safe
-// under CUDA-graph capture; it never synchronises and never reads device data on the host.
+// torch.ops._C.exl3_moe: one EXL3 mixture-of-experts layer (routed experts)
+// over vLLM's expert alignment: input validation, the kernel sequence,
+// registration. Stable ABI only, like exl3_ops.cpp. Scratch comes from torch's
+// caching allocator (new_empty), so the op is safe under CUDA-graph capture; it
+// never synchronises and never reads device data on the host.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -24,7 +25,8 @@
 
 namespace vllm_exl3 {
 
-#define EXL3_MOE_RATES(X) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(14) X(16)
+#define EXL3_MOE_RATES(X) \
+  X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(14) X(16)
 #define EXL3_MOE_DECLARE(K2) const MoeRateKernels& moe_rate_kernels_k##K2();
 EXL3_MOE_RATES(EXL3_MOE_DECLARE)
 
@@ -35,7 +37,8 @@ const MoeRateKernels& moe_rate_kernels(int k2) {
     return moe_rate_kernels_k##K2();
     EXL3_MOE_RATES(EXL3_MOE_CASE)
     default:
-      throw std::runtime_error("exl3_moe: no kernels for 2*bits = " + std::to_string(k2));
+      throw std::runtime_error("exl3_moe: no kernels for 2*bits = " +
+                               std::to_string(k2));
   }
 }
 
@@ -45,75 +48,96 @@ using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
 constexpr const char* kOp = "exl3_moe";
-constexpr int64_t kHadamardBlock = 128;  // h and the expert width come in whole blocks
+constexpr int64_t kHadamardBlock =
+    128;  // h and the expert width come in whole blocks
 constexpr int64_t kTileEdge = 16;
-constexpr int64_t kMaxTopk = 64;          // a bound for the combine's loop, far above real models
-constexpr int64_t kMetaFields = 2;        // (offset, k2)
+constexpr int64_t kMaxTopk =
+    64;  // a bound for the combine's loop, far above real models
+constexpr int64_t kMetaFields = 2;  // (offset, k2)
 constexpr int64_t kGateUpRoles = 2;
-// 16-byte rows for cp.async and vector access; 8 bytes for 4-element vector loads.
+// 16-byte rows for cp.async and vector access; 8 bytes for 4-element vector
+// loads.
 constexpr uintptr_t kRowAlign = 16;
 constexpr uintptr_t kVectorAlign = 8;
 constexpr uintptr_t kWordAlign = 4;
 
 std::string shape_str(const Tensor& t) {
   std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  for (int64_t d = 0; d < t.dim(); ++d)
+    s += (d ? ", " : "") + std::to_string(t.size(d));
   return s + "]";
 }
 
 const char* dtype_str(ScalarType t) {
   switch (t) {
-    case ScalarType::Half: return "float16";
-    case ScalarType::BFloat16: return "bfloat16";
-    case ScalarType::Float: return "float32";
-    case ScalarType::Short: return "int16";
-    case ScalarType::Int: return "int32";
-    case ScalarType::Long: return "int64";
-    default: return "another dtype";
+    case ScalarType::Half:
+      return "float16";
+    case ScalarType::BFloat16:
+      return "bfloat16";
+    case ScalarType::Float:
+      return "float32";
+    case ScalarType::Short:
+      return "int16";
+    case ScalarType::Int:
+      return "int32";
+    case ScalarType::Long:
+      return "int64";
+    default:
+      return "another dtype";
   }
 }
 
-void check_tensor(const char* name, const Tensor& t, int64_t dim, int32_t device,
-                  uintptr_t align) {
+void check_tensor(const char* name, const Tensor& t, int64_t dim,
+                  int32_t device, uintptr_t align) {
   STD_TORCH_CHECK(t.is_cuda(), kOp, ": ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.get_device_index() == device, kOp, ": ", name, " is on cuda:",
-                  t.get_device_index(), " but x is on cuda:", device);
-  STD_TORCH_CHECK(dim < 0 || t.dim() == dim, kOp, ": ", name, " must have ", dim,
-                  " dimensions, got ", shape_str(t));
+  STD_TORCH_CHECK(t.get_device_index() == device, kOp, ": ", name,
+                  " is on cuda:", t.get_device_index(),
+                  " but x is on cuda:", device);
+  STD_TORCH_CHECK(dim < 0 || t.dim() == dim, kOp, ": ", name, " must have ",
+                  dim, " dimensions, got ", shape_str(t));
   STD_TORCH_CHECK(t.is_contiguous(), kOp, ": ", name, " must be contiguous");
-  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0, kOp, ": ", name,
-                  " must be ", align, "-byte aligned (a sliced view with an odd offset?)");
+  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0, kOp,
+                  ": ", name, " must be ", align,
+                  "-byte aligned (a sliced view with an odd offset?)");
 }
 
 void check_dtype(const char* name, const Tensor& t, ScalarType want) {
-  STD_TORCH_CHECK(t.scalar_type() == want, kOp, ": ", name, " must be ", dtype_str(want),
-                  ", got ", dtype_str(t.scalar_type()));
+  STD_TORCH_CHECK(t.scalar_type() == want, kOp, ": ", name, " must be ",
+                  dtype_str(want), ", got ", dtype_str(t.scalar_type()));
 }
 
 void check_shape(const char* name, const Tensor& t, std::vector<int64_t> want) {
   bool same = t.dim() == static_cast<int64_t>(want.size());
   for (size_t d = 0; same && d < want.size(); ++d) same = t.size(d) == want[d];
   std::string w = "[";
-  for (size_t d = 0; d < want.size(); ++d) w += (d ? ", " : "") + std::to_string(want[d]);
-  STD_TORCH_CHECK(same, kOp, ": ", name, " must be ", w, "], got ", shape_str(t));
+  for (size_t d = 0; d < want.size(); ++d)
+    w += (d ? ", " : "") + std::to_string(want[d]);
+  STD_TORCH_CHECK(same, kOp, ": ", name, " must be ", w, "], got ",
+                  shape_str(t));
 }
 
-bool valid_k2(int64_t k2) { return (k2 >= 2 && k2 <= 16 && k2 % 2 == 0) || k2 == 3 || k2 == 5 || k2 == 7; }
+bool valid_k2(int64_t k2) {
+  return (k2 >= 2 && k2 <= 16 && k2 % 2 == 0) || k2 == 3 || k2 == 5 || k2 == 7;
+}
 
-// The distinct bitrates a weight set's meta table holds (the caller's host copy): each a rate,
-// no repeats, half rates only with MUL1.
+// The distinct bitrates a weight set's meta table holds (the caller's host
+// copy): each a rate, no repeats, half rates only with MUL1.
 std::vector<int> check_rates(const char* name, const std::vector<int64_t>& k2s,
                              int64_t codebook) {
-  STD_TORCH_CHECK(!k2s.empty(), kOp, ": ", name, " (the distinct 2*bits of the experts) is empty");
+  STD_TORCH_CHECK(!k2s.empty(), kOp, ": ", name,
+                  " (the distinct 2*bits of the experts) is empty");
   std::vector<int> out;
   for (int64_t k2 : k2s) {
     STD_TORCH_CHECK(valid_k2(k2), kOp, ": ", name, " holds 2*bits = ", k2,
                     "; rates are 1..8 bits (2..16) or 1.5/2.5/3.5 (3, 5, 7)");
-    STD_TORCH_CHECK(k2 % 2 == 0 || codebook == 2, kOp, ": ", name, " holds the half rate ",
-                    k2, "/2 bits, which exists only with the MUL1 codebook (2), got codebook ",
-                    codebook);
-    STD_TORCH_CHECK(std::find(out.begin(), out.end(), static_cast<int>(k2)) == out.end(), kOp,
-                    ": ", name, " lists 2*bits = ", k2, " twice");
+    STD_TORCH_CHECK(
+        k2 % 2 == 0 || codebook == 2, kOp, ": ", name, " holds the half rate ",
+        k2,
+        "/2 bits, which exists only with the MUL1 codebook (2), got codebook ",
+        codebook);
+    STD_TORCH_CHECK(
+        std::find(out.begin(), out.end(), static_cast<int>(k2)) == out.end(),
+        kOp, ": ", name, " lists 2*bits = ", k2, " twice");
     out.push_back(static_cast<int>(k2));
   }
   return out;
@@ -127,27 +151,32 @@ cudaStream_t current_stream(int32_t device) {
 
 void check_launch(const char* what) {
   const cudaError_t e = cudaGetLastError();
-  STD_TORCH_CHECK(e == cudaSuccess, kOp, ": ", what, " launch failed: ", cudaGetErrorString(e));
+  STD_TORCH_CHECK(e == cudaSuccess, kOp, ": ", what,
+                  " launch failed: ", cudaGetErrorString(e));
 }
 
 }  // namespace
 
-Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_ids,
-                Tensor expert_ids, Tensor num_tokens_post_pad, std::optional<Tensor> expert_map,
-                Tensor w13_trellis, Tensor w13_meta, Tensor w13_suh, Tensor w13_svh,
-                Tensor w2_trellis, Tensor w2_meta, Tensor w2_suh, Tensor w2_svh,
-                int64_t block_size, std::vector<int64_t> w13_k2s, std::vector<int64_t> w2_k2s,
-                int64_t global_num_experts, int64_t codebook, bool apply_router_weight_on_input,
-                bool deterministic) {
+Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
+                Tensor sorted_ids, Tensor expert_ids,
+                Tensor num_tokens_post_pad, std::optional<Tensor> expert_map,
+                Tensor w13_trellis, Tensor w13_meta, Tensor w13_suh,
+                Tensor w13_svh, Tensor w2_trellis, Tensor w2_meta,
+                Tensor w2_suh, Tensor w2_svh, int64_t block_size,
+                std::vector<int64_t> w13_k2s, std::vector<int64_t> w2_k2s,
+                int64_t global_num_experts, int64_t codebook,
+                bool apply_router_weight_on_input, bool deterministic) {
   STD_TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const int32_t dev = x.get_device_index();
   check_tensor("x", x, 2, dev, kRowAlign);
   const ScalarType dtype = x.scalar_type();
-  STD_TORCH_CHECK(dtype == ScalarType::BFloat16 || dtype == ScalarType::Half, kOp,
-                  ": x must be bfloat16 or float16, got ", dtype_str(dtype));
+  STD_TORCH_CHECK(dtype == ScalarType::BFloat16 || dtype == ScalarType::Half,
+                  kOp, ": x must be bfloat16 or float16, got ",
+                  dtype_str(dtype));
   const int64_t m = x.size(0), h = x.size(1);
   STD_TORCH_CHECK(h > 0 && h % kHadamardBlock == 0, kOp, ": x ", shape_str(x),
-                  " has hidden size ", h, ", which must be a positive multiple of 128");
+                  " has hidden size ", h,
+                  ", which must be a positive multiple of 128");
 
   check_tensor("topk_ids", topk_ids, 2, dev, kWordAlign);
   STD_TORCH_CHECK(topk_ids.scalar_type() == ScalarType::Int ||
@@ -155,8 +184,8 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
                   kOp, ": topk_ids must be int32 or int64, got ",
                   dtype_str(topk_ids.scalar_type()));
   const int64_t topk = topk_ids.size(1);
-  STD_TORCH_CHECK(topk >= 1 && topk <= kMaxTopk, kOp, ": top-k = ", topk, " is outside 1..",
-                  kMaxTopk);
+  STD_TORCH_CHECK(topk >= 1 && topk <= kMaxTopk, kOp, ": top-k = ", topk,
+                  " is outside 1..", kMaxTopk);
   check_shape("topk_ids", topk_ids, {m, topk});
   check_tensor("topk_weights", topk_weights, 2, dev, kWordAlign);
   check_dtype("topk_weights", topk_weights, ScalarType::Float);
@@ -166,7 +195,8 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
   check_tensor("w13_meta", w13_meta, 3, dev, kVectorAlign);
   check_dtype("w13_meta", w13_meta, ScalarType::Long);
   const int64_t experts = w13_meta.size(0);
-  STD_TORCH_CHECK(experts >= 1, kOp, ": the layer has no local experts (w13_meta ",
+  STD_TORCH_CHECK(experts >= 1, kOp,
+                  ": the layer has no local experts (w13_meta ",
                   shape_str(w13_meta), ")");
   check_shape("w13_meta", w13_meta, {experts, kGateUpRoles, kMetaFields});
   check_tensor("w13_svh", w13_svh, 2, dev, kVectorAlign);
@@ -193,13 +223,15 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
   check_tensor("w2_trellis", w2_trellis, -1, dev, kRowAlign);
   check_dtype("w2_trellis", w2_trellis, ScalarType::Short);
   STD_TORCH_CHECK(codebook >= 0 && codebook <= 2, kOp,
-                  ": codebook must be 0 (3INST), 1 (MCG) or 2 (MUL1), got ", codebook);
+                  ": codebook must be 0 (3INST), 1 (MCG) or 2 (MUL1), got ",
+                  codebook);
   const std::vector<int> rates13 = check_rates("w13_k2s", w13_k2s, codebook);
   const std::vector<int> rates2 = check_rates("w2_k2s", w2_k2s, codebook);
 
   // Routing.
-  STD_TORCH_CHECK(global_num_experts >= experts, kOp, ": global_num_experts = ",
-                  global_num_experts, " is below the ", experts, " local experts");
+  STD_TORCH_CHECK(global_num_experts >= experts, kOp,
+                  ": global_num_experts = ", global_num_experts,
+                  " is below the ", experts, " local experts");
   const int32_t* map_ptr = nullptr;
   if (expert_map.has_value()) {
     check_tensor("expert_map", *expert_map, 1, dev, kWordAlign);
@@ -207,8 +239,9 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
     check_shape("expert_map", *expert_map, {global_num_experts});
     map_ptr = static_cast<const int32_t*>(expert_map->data_ptr());
   } else {
-    STD_TORCH_CHECK(global_num_experts == experts, kOp, ": without an expert_map the ",
-                    experts, " local experts must be all ", global_num_experts);
+    STD_TORCH_CHECK(global_num_experts == experts, kOp,
+                    ": without an expert_map the ", experts,
+                    " local experts must be all ", global_num_experts);
   }
   bool tier = false;
   std::string tiers;
@@ -230,9 +263,10 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
   check_shape("expert_ids", expert_ids, {row_blocks});
   const int64_t slots = row_blocks * block_size;
   const int64_t pairs = m * topk;
-  STD_TORCH_CHECK(pairs < (int64_t{1} << 31) && slots < (int64_t{1} << 31) &&
-                      slots * std::max(h, inter) * kGateUpRoles < (int64_t{1} << 40),
-                  kOp, ": problem too large (", pairs, " routed pairs, ", slots, " slots)");
+  STD_TORCH_CHECK(
+      pairs < (int64_t{1} << 31) && slots < (int64_t{1} << 31) &&
+          slots * std::max(h, inter) * kGateUpRoles < (int64_t{1} << 40),
+      kOp, ": problem too large (", pairs, " routed pairs, ", slots, " slots)");
   STD_TORCH_CHECK(w13_trellis.numel() < (int64_t{1} << 40) &&
                       w2_trellis.numel() < (int64_t{1} << 40),
                   kOp, ": trellis too large");
@@ -246,30 +280,34 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
   const float* weights = static_cast<const float*>(topk_weights.data_ptr());
   const auto* sorted = static_cast<const int32_t*>(sorted_ids.data_ptr());
   const auto* blocks = static_cast<const int32_t*>(expert_ids.data_ptr());
-  const auto* post_pad = static_cast<const int32_t*>(num_tokens_post_pad.data_ptr());
+  const auto* post_pad =
+      static_cast<const int32_t*>(num_tokens_post_pad.data_ptr());
 
-  // The fast combine adds the top-k rows into one fp32 sum per token (order unspecified); zero
-  // it first, before anything else is queued, so it never sits between two dependent grids.
+  // The fast combine adds the top-k rows into one fp32 sum per token (order
+  // unspecified); zero it first, before anything else is queued, so it never
+  // sits between two dependent grids.
   std::optional<Tensor> acc;
   if (!deterministic) {
     acc = torch::stable::new_empty(x, {m, h}, ScalarType::Float);
-    const cudaError_t e =
-        cudaMemsetAsync(acc->data_ptr(), 0, static_cast<size_t>(m * h) * sizeof(float), stream);
-    STD_TORCH_CHECK(e == cudaSuccess, kOp, ": zeroing the sum failed: ", cudaGetErrorString(e));
+    const cudaError_t e = cudaMemsetAsync(
+        acc->data_ptr(), 0, static_cast<size_t>(m * h) * sizeof(float), stream);
+    STD_TORCH_CHECK(e == cudaSuccess, kOp,
+                    ": zeroing the sum failed: ", cudaGetErrorString(e));
   }
 
-  Tensor xh13 = torch::stable::new_empty(x, {kGateUpRoles, slots, h}, ScalarType::Half);
+  Tensor xh13 =
+      torch::stable::new_empty(x, {kGateUpRoles, slots, h}, ScalarType::Half);
   uint32_t mask13 = 0, mask2 = 0;
   for (int k2 : rates13) mask13 |= 1u << k2;
   for (int k2 : rates2) mask2 |= 1u << k2;
-  launch_moe_input_transform(x.data_ptr(), bf16, apply_router_weight_on_input ? weights : nullptr,
-                             w13_suh.data_ptr(), static_cast<const int64_t*>(w13_meta.data_ptr()),
-                             static_cast<const int64_t*>(w2_meta.data_ptr()), mask13, mask2,
-                             sorted, blocks, post_pad, xh13.data_ptr(),
-                             static_cast<int>(h), static_cast<int>(slots),
-                             static_cast<int>(sorted_len), static_cast<int>(block_size),
-                             static_cast<int>(pairs), static_cast<int>(topk),
-                             static_cast<int>(experts), stream);
+  launch_moe_input_transform(
+      x.data_ptr(), bf16, apply_router_weight_on_input ? weights : nullptr,
+      w13_suh.data_ptr(), static_cast<const int64_t*>(w13_meta.data_ptr()),
+      static_cast<const int64_t*>(w2_meta.data_ptr()), mask13, mask2, sorted,
+      blocks, post_pad, xh13.data_ptr(), static_cast<int>(h),
+      static_cast<int>(slots), static_cast<int>(sorted_len),
+      static_cast<int>(block_size), static_cast<int>(pairs),
+      static_cast<int>(topk), static_cast<int>(experts), stream);
   check_launch("input transform");
 
   MoeGemmParams p{};
@@ -295,15 +333,17 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
   g.n = static_cast<int>(inter);
   g.roles = static_cast<int>(kGateUpRoles);
   for (int k2 : rates13) {
-    moe_rate_kernels(k2).gemm(MoeStage::kGateUp, static_cast<int>(codebook), mt, g, stream);
+    moe_rate_kernels(k2).gemm(MoeStage::kGateUp, static_cast<int>(codebook), mt,
+                              g, stream);
     check_launch("gate/up GEMM");
   }
 
   Tensor xh2 = torch::stable::new_empty(x, {slots, inter}, ScalarType::Half);
-  launch_moe_act_transform(y13.data_ptr(), bf16, w2_suh.data_ptr(), sorted, blocks, post_pad,
-                           xh2.data_ptr(), static_cast<int>(inter), static_cast<int>(slots),
-                           static_cast<int>(sorted_len), static_cast<int>(block_size),
-                           static_cast<int>(pairs), static_cast<int>(experts), stream);
+  launch_moe_act_transform(
+      y13.data_ptr(), bf16, w2_suh.data_ptr(), sorted, blocks, post_pad,
+      xh2.data_ptr(), static_cast<int>(inter), static_cast<int>(slots),
+      static_cast<int>(sorted_len), static_cast<int>(block_size),
+      static_cast<int>(pairs), static_cast<int>(experts), stream);
   check_launch("SwiGLU transform");
 
   std::optional<Tensor> rows;
@@ -321,20 +361,22 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
   d.n = static_cast<int>(h);
   d.roles = 1;
   for (int k2 : rates2) {
-    moe_rate_kernels(k2).gemm(MoeStage::kDown, static_cast<int>(codebook), mt, d, stream);
+    moe_rate_kernels(k2).gemm(MoeStage::kDown, static_cast<int>(codebook), mt,
+                              d, stream);
     check_launch("down GEMM");
   }
 
   if (deterministic) {
     launch_moe_combine(rows->data_ptr(), topk_ids.data_ptr(),
                        topk_ids.scalar_type() == ScalarType::Long, map_ptr,
-                       static_cast<int>(global_num_experts), static_cast<int>(experts),
-                       y.data_ptr(), bf16, static_cast<int>(m), static_cast<int>(h),
+                       static_cast<int>(global_num_experts),
+                       static_cast<int>(experts), y.data_ptr(), bf16,
+                       static_cast<int>(m), static_cast<int>(h),
                        static_cast<int>(topk), stream);
     check_launch("combine");
   } else {
-    launch_moe_finish_sum(static_cast<const float*>(acc->data_ptr()), y.data_ptr(), bf16, m * h,
-                          stream);
+    launch_moe_finish_sum(static_cast<const float*>(acc->data_ptr()),
+                          y.data_ptr(), bf16, m * h, stream);
     check_launch("sum rounding");
   }
   return y;
@@ -344,11 +386,16 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_id
 
 STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
   m.def(
-      "exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor sorted_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_pad, Tensor? expert_map, Tensor w13_trellis, "
-      "Tensor w13_meta, Tensor w13_suh, Tensor w13_svh, Tensor w2_trellis, Tensor w2_meta, "
-      "Tensor w2_suh, Tensor w2_svh, int block_size, int[] w13_k2s, int[] w2_k2s, "
-      "int global_num_experts, int codebook, bool apply_router_weight_on_input, "
+      "exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor "
+      "sorted_ids, "
+      "Tensor expert_ids, Tensor num_tokens_post_pad, Tensor? expert_map, "
+      "Tensor w13_trellis, "
+      "Tensor w13_meta, Tensor w13_suh, Tensor w13_svh, Tensor w2_trellis, "
+      "Tensor w2_meta, "
+      "Tensor w2_suh, Tensor w2_svh, int block_size, int[] w13_k2s, int[] "
+      "w2_k2s, "
+      "int global_num_experts, int codebook, bool "
+      "apply_router_weight_on_input, "
       "bool deterministic) -> Tensor");
 }
 

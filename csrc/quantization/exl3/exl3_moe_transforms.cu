@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// Rate-independent kernels of an MoE layer: the routed-row input transform, the SwiGLU
-// transform feeding the down projection, the deterministic top-k combine and the fp32 sum's
-// rounding. One warp per (slot or token, 128 columns), lane l holding columns 4l..4l+3, like the
-// dense input transform (exl3_transforms.cu).
+// Rate-independent kernels of an MoE layer: the routed-row input transform, the
+// SwiGLU transform feeding the down projection, the deterministic top-k combine
+// and the fp32 sum's rounding. One warp per (slot or token, 128 columns), lane
+// l holding columns 4l..4l+3, like the dense input transform
+// (exl3_transforms.cu).
 #include <type_traits>
 
 #include "exl3_hadamard.cuh"
@@ -24,21 +25,26 @@ struct SlotItem {
   int slot, col, expert, pair;
 };
 __device__ __forceinline__ bool slot_item(int cols, int sorted_len, int block,
-                                          const int32_t* num_post_pad, const int32_t* sorted_ids,
-                                          const int32_t* expert_ids, int experts,
-                                          SlotItem& it) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMoeRowWarps + (threadIdx.x >> 5);
+                                          const int32_t* num_post_pad,
+                                          const int32_t* sorted_ids,
+                                          const int32_t* expert_ids,
+                                          int experts, SlotItem& it) {
+  const int64_t item =
+      static_cast<int64_t>(blockIdx.x) * kMoeRowWarps + (threadIdx.x >> 5);
   const int per_row = cols / kHadamard;
   const int live = min(*num_post_pad, sorted_len);
   if (item >= static_cast<int64_t>(live) * per_row) return false;
   it.slot = static_cast<int>(item / per_row);
-  it.col = static_cast<int>(item % per_row) * kHadamard + 4 * (threadIdx.x & 31);
+  it.col =
+      static_cast<int>(item % per_row) * kHadamard + 4 * (threadIdx.x & 31);
   it.expert = expert_ids[it.slot / block];
   it.pair = sorted_ids[it.slot];
-  return it.expert >= 0 && it.expert < experts;  // other ranks' blocks: the GEMM skips them
+  return it.expert >= 0 &&
+         it.expert < experts;  // other ranks' blocks: the GEMM skips them
 }
 
-__device__ __forceinline__ void store_transformed(float (&v)[4], const float (&scale)[4],
+__device__ __forceinline__ void store_transformed(float (&v)[4],
+                                                  const float (&scale)[4],
                                                   __half* dst, int lane) {
 #pragma unroll
   for (int j = 0; j < 4; ++j) v[j] *= scale[j];
@@ -50,29 +56,36 @@ __device__ __forceinline__ void store_transformed(float (&v)[4], const float (&s
 
 template <typename T>
 __global__ void __launch_bounds__(kMoeRowThreads)
-    exl3_moe_input_transform_kernel(const T* __restrict__ x, const float* __restrict__ topk_w,
-                                    const __half* __restrict__ suh13,
-                                    const int64_t* __restrict__ meta13,
-                                    const int64_t* __restrict__ meta2, uint32_t rates13,
-                                    uint32_t rates2,
-                                    const int32_t* __restrict__ sorted_ids,
-                                    const int32_t* __restrict__ expert_ids,
-                                    const int32_t* __restrict__ num_post_pad,
-                                    __half* __restrict__ xh13, int h, int slots,
-                                    int sorted_len, int block, int pairs, int topk,
-                                    int experts) {
+    exl3_moe_input_transform_kernel(
+        const T* __restrict__ x, const float* __restrict__ topk_w,
+        const __half* __restrict__ suh13, const int64_t* __restrict__ meta13,
+        const int64_t* __restrict__ meta2, uint32_t rates13, uint32_t rates2,
+        const int32_t* __restrict__ sorted_ids,
+        const int32_t* __restrict__ expert_ids,
+        const int32_t* __restrict__ num_post_pad, __half* __restrict__ xh13,
+        int h, int slots, int sorted_len, int block, int pairs, int topk,
+        int experts) {
   SlotItem it;
-  if (!slot_item(h, sorted_len, block, num_post_pad, sorted_ids, expert_ids, experts, it)) return;
+  if (!slot_item(h, sorted_len, block, num_post_pad, sorted_ids, expert_ids,
+                 experts, it))
+    return;
   const int lane = threadIdx.x & 31;
   if (it.col < kHadamard) {  // once per slot
     const int64_t* m13 = meta13 + 4 * static_cast<int64_t>(it.expert);
-    const int64_t k_gate = m13[1], k_up = m13[3], k_down = meta2[2 * it.expert + 1];
-    auto listed = [](int64_t k2, uint32_t mask) { return k2 >= 0 && k2 < 32 && (mask >> k2) & 1u; };
-    if (!listed(k_gate, rates13) || !listed(k_up, rates13) || !listed(k_down, rates2)) __trap();
+    const int64_t k_gate = m13[1], k_up = m13[3],
+                  k_down = meta2[2 * it.expert + 1];
+    auto listed = [](int64_t k2, uint32_t mask) {
+      return k2 >= 0 && k2 < 32 && (mask >> k2) & 1u;
+    };
+    if (!listed(k_gate, rates13) || !listed(k_up, rates13) ||
+        !listed(k_down, rates2))
+      __trap();
   }
   __half* dst0 = xh13 + static_cast<size_t>(it.slot) * h + it.col;
   __half* dst1 = dst0 + static_cast<size_t>(slots) * h;
-  if (it.pair < 0 || it.pair >= pairs) {  // padding: zero rows, so the GEMM reads finite values
+  if (it.pair < 0 ||
+      it.pair >=
+          pairs) {  // padding: zero rows, so the GEMM reads finite values
     *reinterpret_cast<uint2*>(dst0) = make_uint2(0u, 0u);
     *reinterpret_cast<uint2*>(dst1) = make_uint2(0u, 0u);
     return;
@@ -96,14 +109,18 @@ __global__ void __launch_bounds__(kMoeRowThreads)
 
 template <typename T>
 __global__ void __launch_bounds__(kMoeRowThreads)
-    exl3_moe_act_transform_kernel(const T* __restrict__ y13, const __half* __restrict__ suh2,
+    exl3_moe_act_transform_kernel(const T* __restrict__ y13,
+                                  const __half* __restrict__ suh2,
                                   const int32_t* __restrict__ sorted_ids,
                                   const int32_t* __restrict__ expert_ids,
                                   const int32_t* __restrict__ num_post_pad,
-                                  __half* __restrict__ xh2, int i, int slots, int sorted_len,
-                                  int block, int pairs, int experts) {
+                                  __half* __restrict__ xh2, int i, int slots,
+                                  int sorted_len, int block, int pairs,
+                                  int experts) {
   SlotItem it;
-  if (!slot_item(i, sorted_len, block, num_post_pad, sorted_ids, expert_ids, experts, it)) return;
+  if (!slot_item(i, sorted_len, block, num_post_pad, sorted_ids, expert_ids,
+                 experts, it))
+    return;
   const int lane = threadIdx.x & 31;
   __half* dst = xh2 + static_cast<size_t>(it.slot) * i + it.col;
   if (it.pair < 0 || it.pair >= pairs) {
@@ -122,31 +139,38 @@ __global__ void __launch_bounds__(kMoeRowThreads)
 
 template <typename T, typename Id>
 __global__ void __launch_bounds__(kMoeRowThreads)
-    exl3_moe_combine_kernel(const T* __restrict__ rows, const Id* __restrict__ topk_ids,
-                            const int32_t* __restrict__ expert_map, int global_experts,
-                            int experts, T* __restrict__ y, int m, int h, int topk) {
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kMoeRowWarps + (threadIdx.x >> 5);
+    exl3_moe_combine_kernel(const T* __restrict__ rows,
+                            const Id* __restrict__ topk_ids,
+                            const int32_t* __restrict__ expert_map,
+                            int global_experts, int experts, T* __restrict__ y,
+                            int m, int h, int topk) {
+  const int64_t item =
+      static_cast<int64_t>(blockIdx.x) * kMoeRowWarps + (threadIdx.x >> 5);
   const int per_row = h / kHadamard;
   if (item >= static_cast<int64_t>(m) * per_row) return;
   const int token = static_cast<int>(item / per_row);
-  const int col = static_cast<int>(item % per_row) * kHadamard + 4 * (threadIdx.x & 31);
+  const int col =
+      static_cast<int>(item % per_row) * kHadamard + 4 * (threadIdx.x & 31);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int k = 0; k < topk; ++k) {
     const int64_t pair = static_cast<int64_t>(token) * topk + k;
     const int64_t e = static_cast<int64_t>(topk_ids[pair]);
     if (e < 0 || e >= global_experts) continue;
     const int64_t local = expert_map != nullptr ? expert_map[e] : e;
-    if (local < 0 || local >= experts) continue;  // not routed on this rank: no row written
+    if (local < 0 || local >= experts)
+      continue;  // not routed on this rank: no row written
     float v[4];
     load4_f32(rows + pair * h + col, v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[j] += v[j];
   }
-  *reinterpret_cast<uint2*>(y + static_cast<size_t>(token) * h + col) = pack4<T>(acc);
+  *reinterpret_cast<uint2*>(y + static_cast<size_t>(token) * h + col) =
+      pack4<T>(acc);
 }
 
 template <typename T>
-__global__ void exl3_moe_finish_sum_kernel(const float4* __restrict__ acc, uint2* __restrict__ y,
+__global__ void exl3_moe_finish_sum_kernel(const float4* __restrict__ acc,
+                                           uint2* __restrict__ y,
                                            int64_t quads) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= quads) return;
@@ -157,19 +181,20 @@ __global__ void exl3_moe_finish_sum_kernel(const float4* __restrict__ acc, uint2
 
 }  // namespace
 
-void launch_moe_input_transform(const void* x, bool bf16, const float* topk_weights,
-                                const void* suh13, const int64_t* meta13, const int64_t* meta2,
-                                uint32_t rates13, uint32_t rates2, const int32_t* sorted_ids,
-                                const int32_t* expert_ids, const int32_t* num_post_pad,
-                                void* xh13, int h, int slots, int sorted_len, int block,
-                                int pairs, int topk, int experts, cudaStream_t stream) {
-  const unsigned grid = grid_for(static_cast<int64_t>(sorted_len) * (h / kHadamard));
+void launch_moe_input_transform(
+    const void* x, bool bf16, const float* topk_weights, const void* suh13,
+    const int64_t* meta13, const int64_t* meta2, uint32_t rates13,
+    uint32_t rates2, const int32_t* sorted_ids, const int32_t* expert_ids,
+    const int32_t* num_post_pad, void* xh13, int h, int slots, int sorted_len,
+    int block, int pairs, int topk, int experts, cudaStream_t stream) {
+  const unsigned grid =
+      grid_for(static_cast<int64_t>(sorted_len) * (h / kHadamard));
   auto go = [&](auto* xt) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xt)>>;
     exl3_moe_input_transform_kernel<T><<<grid, kMoeRowThreads, 0, stream>>>(
-        xt, topk_weights, static_cast<const __half*>(suh13), meta13, meta2, rates13, rates2,
-        sorted_ids, expert_ids,
-        num_post_pad, static_cast<__half*>(xh13), h, slots, sorted_len, block, pairs, topk,
+        xt, topk_weights, static_cast<const __half*>(suh13), meta13, meta2,
+        rates13, rates2, sorted_ids, expert_ids, num_post_pad,
+        static_cast<__half*>(xh13), h, slots, sorted_len, block, pairs, topk,
         experts);
   };
   if (bf16)
@@ -179,16 +204,19 @@ void launch_moe_input_transform(const void* x, bool bf16, const float* topk_weig
 }
 
 void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
-                              const int32_t* sorted_ids, const int32_t* expert_ids,
-                              const int32_t* num_post_pad, void* xh2, int i, int slots,
-                              int sorted_len, int block, int pairs, int experts,
-                              cudaStream_t stream) {
-  const unsigned grid = grid_for(static_cast<int64_t>(sorted_len) * (i / kHadamard));
+                              const int32_t* sorted_ids,
+                              const int32_t* expert_ids,
+                              const int32_t* num_post_pad, void* xh2, int i,
+                              int slots, int sorted_len, int block, int pairs,
+                              int experts, cudaStream_t stream) {
+  const unsigned grid =
+      grid_for(static_cast<int64_t>(sorted_len) * (i / kHadamard));
   auto go = [&](auto* yt) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
     exl3_moe_act_transform_kernel<T><<<grid, kMoeRowThreads, 0, stream>>>(
-        yt, static_cast<const __half*>(suh2), sorted_ids, expert_ids, num_post_pad,
-        static_cast<__half*>(xh2), i, slots, sorted_len, block, pairs, experts);
+        yt, static_cast<const __half*>(suh2), sorted_ids, expert_ids,
+        num_post_pad, static_cast<__half*>(xh2), i, slots, sorted_len, block,
+        pairs, experts);
   };
   if (bf16)
     go(static_cast<const __nv_bfloat16*>(y13));
@@ -197,13 +225,15 @@ void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
 }
 
 void launch_moe_combine(const void* rows, const void* topk_ids, bool ids64,
-                        const int32_t* expert_map, int global_experts, int experts, void* y,
-                        bool bf16, int m, int h, int topk, cudaStream_t stream) {
+                        const int32_t* expert_map, int global_experts,
+                        int experts, void* y, bool bf16, int m, int h, int topk,
+                        cudaStream_t stream) {
   const unsigned grid = grid_for(static_cast<int64_t>(m) * (h / kHadamard));
   auto go = [&](auto* rt, auto* ids) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(rt)>>;
     exl3_moe_combine_kernel<<<grid, kMoeRowThreads, 0, stream>>>(
-        rt, ids, expert_map, global_experts, experts, static_cast<T*>(y), m, h, topk);
+        rt, ids, expert_map, global_experts, experts, static_cast<T*>(y), m, h,
+        topk);
   };
   auto with_ids = [&](auto* rt) {
     if (ids64)
@@ -220,7 +250,8 @@ void launch_moe_combine(const void* rows, const void* topk_ids, bool ids64,
 void launch_moe_finish_sum(const float* acc, void* y, bool bf16, int64_t count,
                            cudaStream_t stream) {
   const int64_t quads = count / 4;
-  const unsigned grid = static_cast<unsigned>((quads + kMoeRowThreads - 1) / kMoeRowThreads);
+  const unsigned grid =
+      static_cast<unsigned>((quads + kMoeRowThreads - 1) / kMoeRowThreads);
   const float4* a = reinterpret_cast<const float4*>(acc);
   if (bf16)
     exl3_moe_finish_sum_kernel<__nv_bfloat16>

@@ -18,7 +18,8 @@ const RateKernels& rate_kernels(int k2) {
     return rate_kernels_k##K2();
     EXL3_RATES(EXL3_CASE)
     default:
-      throw std::runtime_error("exl3: no kernels for 2*bits = " + std::to_string(k2));
+      throw std::runtime_error("exl3: no kernels for 2*bits = " +
+                               std::to_string(k2));
   }
 }
 

@@ -1,18 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 // Hopper's warpgroup MMA (sm_90a) for the trellis GEMM's token-wide tier.
 //
-// Why a second math engine: at m = 64..512 the mma.sync GEMM is bound by mma.sync itself
-// (636 TFLOP/s measured on the H200, against ~990 for wgmma) and by re-reading every activation
-// row through ldmatrix once per warp. wgmma reads the activations straight from the swizzled
-// shared-memory stage the cp.async pipeline already fills, and takes the decoded trellis tile
-// from registers as its A operand, so the decode stays exactly as it is.
+// Why a second math engine: at m = 64..512 the mma.sync GEMM is bound by
+// mma.sync itself (636 TFLOP/s measured on the H200, against ~990 for wgmma)
+// and by re-reading every activation row through ldmatrix once per warp. wgmma
+// reads the activations straight from the swizzled shared-memory stage the
+// cp.async pipeline already fills, and takes the decoded trellis tile from
+// registers as its A operand, so the decode stays exactly as it is.
 //
-// Roles are transposed against the mma.sync kernel: D (64 x N) = Ŵᵀ (64 output columns x 16 k,
-// registers) * xhᵀ (16 k x N tokens, shared memory). A warpgroup's warp w supplies rows
-// 16w..16w+15 of A, which is its own 16-column trellis tile: the two B fragments of the tile
-// (b0, b1: columns 0-7, b2, b3: columns 8-15; k rows 2q.. in b0/b2, 2q+8.. in b1/b3) are the A
-// fragment {b0, b2, b1, b3}. Only compiled for sm_90a; elsewhere the kernel traps and the host
-// never selects it (wgmma_supported, asked of the loaded image).
+// Roles are transposed against the mma.sync kernel: D (64 x N) = Ŵᵀ (64 output
+// columns x 16 k, registers) * xhᵀ (16 k x N tokens, shared memory). A
+// warpgroup's warp w supplies rows 16w..16w+15 of A, which is its own 16-column
+// trellis tile: the two B fragments of the tile (b0, b1: columns 0-7, b2, b3:
+// columns 8-15; k rows 2q.. in b0/b2, 2q+8.. in b1/b3) are the A fragment {b0,
+// b2, b1, b3}. Only compiled for sm_90a; elsewhere the kernel traps and the
+// host never selects it (wgmma_supported, asked of the loaded image).
 #pragma once
 
 #include <cstdint>
@@ -20,42 +22,48 @@
 #include "exl3_common.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define EXL3_WGMMA 1
-#include "exl3_wgmma_ops.h"
+  #define EXL3_WGMMA 1
+  #include "exl3_wgmma_ops.h"
 #else
-#define EXL3_WGMMA 0
+  #define EXL3_WGMMA 0
 #endif
 
 namespace vllm_exl3 {
 
 // Threads of one warpgroup: the unit that issues a wgmma together.
 constexpr int kWarpgroupThreads = 128;
-// 128-byte swizzle: rows of 128 bytes, 16-byte chunks XORed with (row & 7), repeating every
-// 8 rows (1024 bytes). The GEMM's A stage already uses exactly this layout; the hardware decodes
-// it from absolute address bits, so every stage must start on a 1024-byte boundary.
+// 128-byte swizzle: rows of 128 bytes, 16-byte chunks XORed with (row & 7),
+// repeating every 8 rows (1024 bytes). The GEMM's A stage already uses exactly
+// this layout; the hardware decodes it from absolute address bits, so every
+// stage must start on a 1024-byte boundary.
 constexpr int kSwizzleAtomBytes = 1024;
-// Shared-memory matrix descriptor fields (PTX ISA, "Matrix Descriptor Format"): addresses and
-// byte offsets are stored >> 4; 1 in bits 62-63 selects the 128-byte swizzle.
+// Shared-memory matrix descriptor fields (PTX ISA, "Matrix Descriptor Format"):
+// addresses and byte offsets are stored >> 4; 1 in bits 62-63 selects the
+// 128-byte swizzle.
 constexpr uint64_t kDescSwizzle128 = 1ull << 62;
 constexpr int kDescAddrBits = 14;
 
-// B operand descriptor of a K-major N x 64 fp16 tile at `addr` (N rows of 128 bytes). The
-// stride between 8-row groups is one swizzle atom; the leading offset is unused by K-major
-// swizzled layouts whose k16 step (32 bytes) stays inside a row, and is set to 1 by convention.
+// B operand descriptor of a K-major N x 64 fp16 tile at `addr` (N rows of 128
+// bytes). The stride between 8-row groups is one swizzle atom; the leading
+// offset is unused by K-major swizzled layouts whose k16 step (32 bytes) stays
+// inside a row, and is set to 1 by convention.
 __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t addr) {
   return static_cast<uint64_t>((addr >> 4) & ((1u << kDescAddrBits) - 1)) |
          (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) | kDescSwizzle128;
+         (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) |
+         kDescSwizzle128;
 }
-// The descriptor of the k16 step `kk` inside a 64-k stage row: 32 bytes further, in >> 4 units.
+// The descriptor of the k16 step `kk` inside a 64-k stage row: 32 bytes
+// further, in >> 4 units.
 constexpr uint64_t kDescK16Step = (16 * 2) >> 4;
-// wgmmas a warpgroup leaves in flight while it decodes the next step (each holds its own 4 A
-// registers until it completes). With A from cp.async, 2 and 3 measured the same as 1 and cost
-// registers. With A by TMA, which frees 54 registers at BM 256, 2 is 0-3.5 % faster than 1 at
-// BM 64-256 (design notes, "wgmma depth"); EXL3_WGMMA_IN_FLIGHT builds the other
-// depths to measure again.
+// wgmmas a warpgroup leaves in flight while it decodes the next step (each
+// holds its own 4 A registers until it completes). With A from cp.async, 2 and
+// 3 measured the same as 1 and cost registers. With A by TMA, which frees 54
+// registers at BM 256, 2 is 0-3.5 % faster than 1 at BM 64-256 (design notes,
+// "wgmma depth"); EXL3_WGMMA_IN_FLIGHT builds the other depths to measure
+// again.
 #ifndef EXL3_WGMMA_IN_FLIGHT
-#define EXL3_WGMMA_IN_FLIGHT 2
+  #define EXL3_WGMMA_IN_FLIGHT 2
 #endif
 constexpr int kWgmmaInFlight = EXL3_WGMMA_IN_FLIGHT;
 
@@ -75,40 +83,50 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 #endif
 }
-// cp.async writes shared memory through the generic proxy, wgmma reads it through the async
-// proxy: each thread orders its own landed copies before the barrier that publishes them.
+// cp.async writes shared memory through the generic proxy, wgmma reads it
+// through the async proxy: each thread orders its own landed copies before the
+// barrier that publishes them.
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #if EXL3_WGMMA
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
 
-// The activations' stages come from the tensor memory accelerator (TMA): one thread issues a
-// stage's whole A tile as one bulk tensor copy and arms that slot's mbarrier with its byte count;
-// every thread waits on the barrier's phase before the stage's wgmmas read the tile. Both the
-// copy and wgmma go through the async proxy, so no proxy fence sits between them.
+// The activations' stages come from the tensor memory accelerator (TMA): one
+// thread issues a stage's whole A tile as one bulk tensor copy and arms that
+// slot's mbarrier with its byte count; every thread waits on the barrier's
+// phase before the stage's wgmmas read the tile. Both the copy and wgmma go
+// through the async proxy, so no proxy fence sits between them.
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t arrivals) {
 #if EXL3_WGMMA
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar),
+               "r"(arrivals)
+               : "memory");
 #endif
 }
-// Makes the initialised barriers visible to the async proxy (the TMA unit completes on them).
+// Makes the initialised barriers visible to the async proxy (the TMA unit
+// completes on them).
 __device__ __forceinline__ void mbarrier_init_fence() {
 #if EXL3_WGMMA
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
 }
-// On `leader` only (a predicate, not a branch: no control flow among in-flight wgmmas): arm the
-// barrier for `bytes` and copy the box at (c0, c1, c2) of `map` into `dst`.
-__device__ __forceinline__ void tma_load_3d(bool leader, uint32_t dst, const void* map,
-                                            uint32_t bar, uint32_t bytes, int c0, int c1,
+// On `leader` only (a predicate, not a branch: no control flow among in-flight
+// wgmmas): arm the barrier for `bytes` and copy the box at (c0, c1, c2) of
+// `map` into `dst`.
+__device__ __forceinline__ void tma_load_3d(bool leader, uint32_t dst,
+                                            const void* map, uint32_t bar,
+                                            uint32_t bytes, int c0, int c1,
                                             int c2) {
 #if EXL3_WGMMA
   asm volatile(
       "{\n.reg .pred lead;\nsetp.ne.u32 lead, %0, 0;\n"
       "@lead mbarrier.arrive.expect_tx.shared::cta.b64 _, [%3], %4;\n"
-      "@lead cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%1], [%2, {%5, %6, %7}], [%3];\n}\n" ::"r"(static_cast<uint32_t>(leader)),
+      "@lead "
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_"
+      "tx::bytes"
+      " [%1], [%2, {%5, %6, %7}], [%3];\n}\n" ::"r"(
+          static_cast<uint32_t>(leader)),
       "r"(dst), "l"(map), "r"(bar), "r"(bytes), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 #endif
@@ -119,7 +137,8 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   do {
     asm volatile(
-        "{\n.reg .pred ready;\nmbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+        "{\n.reg .pred ready;\nmbarrier.try_wait.parity.shared::cta.b64 ready, "
+        "[%1], %2;\n"
         "selp.u32 %0, 1, 0, ready;\n}\n"
         : "=r"(done)
         : "r"(bar), "r"(parity)
@@ -128,8 +147,8 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
-// Keeps the accumulators' registers tied to the asynchronous MMA (no reordering of their reads
-// or writes across this point by the compiler).
+// Keeps the accumulators' registers tied to the asynchronous MMA (no reordering
+// of their reads or writes across this point by the compiler).
 template <int R>
 __device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
 #pragma unroll
