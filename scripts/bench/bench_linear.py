@@ -79,13 +79,18 @@ def copies_for(bytes_per_copy: int) -> int:
 
 def cold_bf16(gen: torch.Generator, k: int, n: int) -> list[torch.Tensor]:
     """Random bf16 [k][n] weights, enough copies that a pass over them reads HBM, not L2."""
-    return [torch.randn(k, n, generator=gen, device="cuda").bfloat16()
-            for _ in range(copies_for(2 * k * n))]
+    return [
+        torch.randn(k, n, generator=gen, device="cuda").bfloat16()
+        for _ in range(copies_for(2 * k * n))
+    ]
 
 
 def cold_layers(gen: torch.Generator, k: int, n: int, bits: float, cb: int) -> list:
     """Random EXL3 layers [k][n], enough copies that a pass reads the trellis from HBM."""
-    return [random_layer(gen, k, [n], bits, cb) for _ in range(copies_for(int(k * n * bits / 8)))]
+    return [
+        random_layer(gen, k, [n], bits, cb)
+        for _ in range(copies_for(int(k * n * bits / 8)))
+    ]
 
 
 def warm_capture(calls: list) -> torch.cuda.CUDAGraph:
@@ -159,9 +164,14 @@ def exl3_module(state: Path | None, wait_s: float, import_timeout_s: float):
         if state is not None:
             return exllamav3_anchor.load_linear_class(state, wait_s, import_timeout_s)
         from exllamav3.modules.quant.exl3 import LinearEXL3
+
         return LinearEXL3
     except Exception as e:  # noqa: BLE001 - the benchmark of our kernels goes on without it
-        print(f"ExLlamaV3 unavailable: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(
+            f"ExLlamaV3 unavailable: {type(e).__name__}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
 
 
@@ -172,14 +182,25 @@ def exl3_linears(cls, layers: list, k: int, n: int, cb: int) -> list:
         kw = {}
         if marker:
             kw[marker[0]] = torch.tensor(marker[1], dtype=torch.int32, device="cuda")
-        out.append(cls(None, k, n, suh=lay.suh[0], svh=lay.svh, trellis=lay.trellis,
-                       out_dtype=torch.half, **kw))
+        out.append(
+            cls(
+                None,
+                k,
+                n,
+                suh=lay.suh[0],
+                svh=lay.svh,
+                trellis=lay.trellis,
+                out_dtype=torch.half,
+                **kw,
+            )
+        )
     return out
 
 
 def exl3_kernels(lin, x) -> str:
     """Names of the CUDA kernels one ExLlamaV3 forward launched (which path ran)."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         lin.forward(x, {})
         torch.cuda.synchronize()
@@ -192,21 +213,43 @@ def exl3_kernels(lin, x) -> str:
     return "+".join(names)
 
 
-def write_results(out: Path, tag: str, meta: dict, rows: list[dict], paths: dict) -> str:
+def write_results(
+    out: Path, tag: str, meta: dict, rows: list[dict], paths: dict
+) -> str:
     """The machine-readable results (JSON with metadata and ExLlamaV3 paths, CSV of the rows)."""
     stamp = f"{tag}_{meta['date']}"
-    (out / f"{stamp}.json").write_text(json.dumps(
-        {"meta": meta, "exl3_paths": {f"{sh} {CB_NAMES[c]} {b:g}b m={m}": p
-                                      for (sh, c, b, m), p in paths.items()},
-         "rows": rows}, indent=1, default=str))
+    (out / f"{stamp}.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "exl3_paths": {
+                    f"{sh} {CB_NAMES[c]} {b:g}b m={m}": p
+                    for (sh, c, b, m), p in paths.items()
+                },
+                "rows": rows,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     write_csv(out / f"{stamp}.csv", rows)
     return stamp
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
     """The rows' comparable columns, one line per configuration."""
-    fields = ["k", "n", "bits", "codebook", "m", "ours_us", "exllamav3_us", "bf16_us",
-              "pct_sol", "exl3_path"]
+    fields = [
+        "k",
+        "n",
+        "bits",
+        "codebook",
+        "m",
+        "ours_us",
+        "exllamav3_us",
+        "bf16_us",
+        "pct_sol",
+        "exl3_path",
+    ]
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -220,7 +263,9 @@ def decode_s_per_weight(loop: dict | None, ceil: dict) -> float | None:
         return None
     per_weight = loop["per_weight"]
     weights_per_stage = loop["per_stage"] / per_weight
-    pipes = [loop.get("by_pipe", {}).get(p, 0.0) / weights_per_stage for p in ("alu", "fma")]
+    pipes = [
+        loop.get("by_pipe", {}).get(p, 0.0) / weights_per_stage for p in ("alu", "fma")
+    ]
     terms = [max(pipes) / ceil["int_instr_per_s"]]
     if ceil.get("issue_instr_per_s"):
         terms.append(per_weight / ceil["issue_instr_per_s"])
@@ -241,21 +286,37 @@ def sol_us(k: int, n: int, m: int, bits: float, ceil: dict, loop: dict | None) -
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ext", default=None)
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results")))
+    ap.add_argument(
+        "--out", type=Path, default=Path(os.environ.get("OUT", "bench-results"))
+    )
     ap.add_argument("--tag", default="bench_linear")
     ap.add_argument("--bits", type=float, nargs="+", default=[4, 6, 2, 3, 5])
     ap.add_argument("--codebooks", type=int, nargs="+", default=[1, 0, 2])
     ap.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
     ap.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES])
     ap.add_argument("--no-exl3", action="store_true")
-    ap.add_argument("--exl3-state", type=Path, default=None,
-                    help="folder of exllamav3_anchor.py's background build (site/, torch_ext/)")
-    ap.add_argument("--exl3-wait-s", type=float, default=300,
-                    help="how long to wait for that build to finish")
+    ap.add_argument(
+        "--exl3-state",
+        type=Path,
+        default=None,
+        help="folder of exllamav3_anchor.py's background build (site/, torch_ext/)",
+    )
+    ap.add_argument(
+        "--exl3-wait-s",
+        type=float,
+        default=300,
+        help="how long to wait for that build to finish",
+    )
     ap.add_argument("--exl3-import-timeout-s", type=float, default=120)
-    ap.add_argument("--sass-json", type=Path, default=None,
-                    help="instructions per weight from sass_loop.py")
-    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting configs after this")
+    ap.add_argument(
+        "--sass-json",
+        type=Path,
+        default=None,
+        help="instructions per weight from sass_loop.py",
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=1e9, help="stop starting configs after this"
+    )
     args = ap.parse_args(argv)
     t_start = time.monotonic()
     ext = load_extension(args.ext)
@@ -266,22 +327,35 @@ def main(argv: list[str] | None = None) -> int:
     loops = {}
     if args.sass_json and args.sass_json.is_file():
         loops = json.loads(args.sass_json.read_text())
-    exl3_cls = None if args.no_exl3 else exl3_module(args.exl3_state, args.exl3_wait_s,
-                                                    args.exl3_import_timeout_s)
+    exl3_cls = (
+        None
+        if args.no_exl3
+        else exl3_module(args.exl3_state, args.exl3_wait_s, args.exl3_import_timeout_s)
+    )
     # The caller's word first: on the device machine the tree's .git can be a stale copy (the
     # 2026-11-30 runs reported an older commit than the kernels they timed).
     commit = os.environ.get("EXL3_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(
+                ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
         except OSError:
             commit = ""
     commit = commit or "unknown"
-    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-            "commit": commit, "command": " ".join(["bench_linear.py", *(argv or sys.argv[1:])]),
-            "extension": ext, "ceilings": ceil, "pool_bytes": POOL_BYTES, "replays": REPLAYS,
-            "exllamav3": "1.6.5" if exl3_cls else "unavailable"}
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "command": " ".join(["bench_linear.py", *(argv or sys.argv[1:])]),
+        "extension": ext,
+        "ceilings": ceil,
+        "pool_bytes": POOL_BYTES,
+        "replays": REPLAYS,
+        "exllamav3": "1.6.5" if exl3_cls else "unavailable",
+    }
     print(json.dumps(meta, default=str), flush=True)
     rows, paths = [], {}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -300,16 +374,25 @@ def main(argv: list[str] | None = None) -> int:
                     print("time budget reached, stopping", flush=True)
                     break
                 layers = cold_layers(gen, k, n, bits, cb)
-                exl3_lins = exl3_linears(exl3_cls, layers, k, n, cb) if exl3_cls else None
+                exl3_lins = (
+                    exl3_linears(exl3_cls, layers, k, n, cb) if exl3_cls else None
+                )
                 for m in args.m:
                     x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-                    ours, mode = graph_time_us([lambda L=L: L.linear(x) for L in layers], m)
+                    ours, mode = graph_time_us(
+                        [lambda L=L: L.linear(x) for L in layers], m
+                    )
                     ex_us, ex_mode = None, None
                     if exl3_lins:
                         xh = x.half()
                         try:
                             ex_us, ex_mode = graph_time_us(
-                                [lambda lin=lin: lin.forward(xh, {}) for lin in exl3_lins], m)
+                                [
+                                    lambda lin=lin: lin.forward(xh, {})
+                                    for lin in exl3_lins
+                                ],
+                                m,
+                            )
                             # Which of its paths ran (kernel names), per shape, cb, bits, m.
                             key = (shape, cb, bits, m)
                             if key not in paths:
@@ -317,15 +400,24 @@ def main(argv: list[str] | None = None) -> int:
                         except Exception as e:  # noqa: BLE001
                             ex_mode = f"failed: {type(e).__name__}: {str(e)[:100]}"
                     sol = sol_us(k, n, m, bits, ceil, loops.get(f"{bits:g}:{cb}"))
-                    row = {"k": k, "n": n, "bits": bits, "codebook": CB_NAMES[cb], "m": m,
-                           "ours_us": round(ours, 2),
-                           "exllamav3_us": round(ex_us, 2) if ex_us else None,
-                           "bf16_us": round(bf16_us[m], 2),
-                           "ratio_bf16": round(ours / bf16_us[m], 3),
-                           "ratio_exl3": round(ours / ex_us, 3) if ex_us else None,
-                           "pct_sol": round(100 * sol / ours, 1), "sol_us": round(sol, 2),
-                           "copies": len(layers), "timing": mode, "exl3_timing": ex_mode,
-                           "exl3_path": paths.get((shape, cb, bits, m)) if ex_us else None}
+                    row = {
+                        "k": k,
+                        "n": n,
+                        "bits": bits,
+                        "codebook": CB_NAMES[cb],
+                        "m": m,
+                        "ours_us": round(ours, 2),
+                        "exllamav3_us": round(ex_us, 2) if ex_us else None,
+                        "bf16_us": round(bf16_us[m], 2),
+                        "ratio_bf16": round(ours / bf16_us[m], 3),
+                        "ratio_exl3": round(ours / ex_us, 3) if ex_us else None,
+                        "pct_sol": round(100 * sol / ours, 1),
+                        "sol_us": round(sol, 2),
+                        "copies": len(layers),
+                        "timing": mode,
+                        "exl3_timing": ex_mode,
+                        "exl3_path": paths.get((shape, cb, bits, m)) if ex_us else None,
+                    }
                     rows.append(row)
                     shape_rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -340,14 +432,18 @@ def main(argv: list[str] | None = None) -> int:
 
     stamp = write_results(args.out, args.tag, meta, rows, paths)
     print(f"\nwrote {args.out}/{stamp}.json/.csv ({time.monotonic() - t_start:.0f} s)")
-    print(f"{'shape':>12} {'b':>3} {'cb':>5} {'m':>5} {'ours':>8} {'exl3':>8} {'bf16':>8} "
-          f"{'/bf16':>6} {'/exl3':>6} {'%SOL':>5}")
+    print(
+        f"{'shape':>12} {'b':>3} {'cb':>5} {'m':>5} {'ours':>8} {'exl3':>8} {'bf16':>8} "
+        f"{'/bf16':>6} {'/exl3':>6} {'%SOL':>5}"
+    )
     for r in rows:
         if r["m"] in (1, 16, 64, 256, 1024, 4096):
-            print(f"{r['k']}x{r['n']:>6} {r['bits']:>3g} {r['codebook']:>5} {r['m']:>5} "
-                  f"{r['ours_us']:8.1f} {r['exllamav3_us'] or float('nan'):8.1f} "
-                  f"{r['bf16_us']:8.1f} {r['ratio_bf16']:6.2f} "
-                  f"{r['ratio_exl3'] or float('nan'):6.2f} {r['pct_sol']:5.0f}")
+            print(
+                f"{r['k']}x{r['n']:>6} {r['bits']:>3g} {r['codebook']:>5} {r['m']:>5} "
+                f"{r['ours_us']:8.1f} {r['exllamav3_us'] or float('nan'):8.1f} "
+                f"{r['bf16_us']:8.1f} {r['ratio_bf16']:6.2f} "
+                f"{r['ratio_exl3'] or float('nan'):6.2f} {r['pct_sol']:5.0f}"
+            )
     return 0
 
 

@@ -61,58 +61,97 @@ def routing(gen: torch.Generator, m: int, top_k: int, experts: int):
 
 def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic):
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
-        CudaExl3MoEKernel, Exl3MoEWeights)
+        CudaExl3MoEKernel,
+        Exl3MoEWeights,
+    )
+
     expert_bytes = int(3 * h * i * bits / 8)
-    layers = [ml.random_moe_layer(gen, e, h, i, [bits], codebook, gap=False)
-              for _ in range(copies_for(expert_bytes, top_k))]
+    layers = [
+        ml.random_moe_layer(gen, e, h, i, [bits], codebook, gap=False)
+        for _ in range(copies_for(expert_bytes, top_k))
+    ]
     kernel = CudaExl3MoEKernel()
-    weights = [Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
-               for lay in layers]
+    weights = [
+        Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
+        for lay in layers
+    ]
 
     def call(x, w, ids, j):
-        return kernel.apply(x, w, ids, weights[j], activation="silu",
-                            apply_router_weight_on_input=False, expert_map=None,
-                            global_num_experts=e, codebook=codebook,
-                            deterministic=deterministic)
+        return kernel.apply(
+            x,
+            w,
+            ids,
+            weights[j],
+            activation="silu",
+            apply_router_weight_on_input=False,
+            expert_map=None,
+            global_num_experts=e,
+            codebook=codebook,
+            deterministic=deterministic,
+        )
+
     return call, len(layers)
 
 
 def bf16_variant(gen, h, i, e, top_k):
     from vllm.model_executor.layers.fused_moe import fused_experts
+
     copies = copies_for(3 * h * i * 2, top_k)
 
     def weights(*shape):  # drawn in bf16: DeepSeek-V3's layer is 22.5 GB per copy
-        return torch.randn(shape, generator=gen, device="cuda",
-                           dtype=torch.bfloat16).mul_(WEIGHT_SCALE)
+        return torch.randn(
+            shape, generator=gen, device="cuda", dtype=torch.bfloat16
+        ).mul_(WEIGHT_SCALE)
+
     w1 = [weights(e, 2 * i, h) for _ in range(copies)]
     w2 = [weights(e, h, i) for _ in range(copies)]
 
     def call(x, w, ids, j):
         return fused_experts(x, w1[j], w2[j], w, ids)
+
     return call, copies
 
 
 def marlin_variant(gen, h, i, e, top_k):
     from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
     from vllm.scalar_type import scalar_types
+
     copies = copies_for(3 * h * i * MARLIN_BITS // 8, top_k)
-    pack = MARLIN_BITS // 2  # gptq_marlin_moe_repack's int32 words per 16 k-rows and column
+    pack = (
+        MARLIN_BITS // 2
+    )  # gptq_marlin_moe_repack's int32 words per 16 k-rows and column
 
     def words(*shape):
-        return torch.randint(-2**31, 2**31 - 1, shape, generator=gen, device="cuda",
-                             dtype=torch.int32)
+        return torch.randint(
+            -(2**31), 2**31 - 1, shape, generator=gen, device="cuda", dtype=torch.int32
+        )
 
     def scales(*shape):
-        return (torch.rand(shape, generator=gen, device="cuda") * WEIGHT_SCALE).bfloat16()
+        return (
+            torch.rand(shape, generator=gen, device="cuda") * WEIGHT_SCALE
+        ).bfloat16()
+
     w1 = [words(e, h // 16, 2 * i * pack) for _ in range(copies)]
     w2 = [words(e, i // 16, h * pack) for _ in range(copies)]
     s1 = [scales(e, h // MARLIN_GROUP, 2 * i) for _ in range(copies)]
     s2 = [scales(e, i // MARLIN_GROUP, h) for _ in range(copies)]
 
     def call(x, w, ids, j):
-        return fused_marlin_moe(x, w1[j], w2[j], None, None, s1[j], s2[j], w, ids,
-                                quant_type_id=scalar_types.uint4b8.id, global_num_experts=e,
-                                is_k_full=True)
+        return fused_marlin_moe(
+            x,
+            w1[j],
+            w2[j],
+            None,
+            None,
+            s1[j],
+            s2[j],
+            w,
+            ids,
+            quant_type_id=scalar_types.uint4b8.id,
+            global_num_experts=e,
+            is_k_full=True,
+        )
+
     return call, copies
 
 
@@ -134,7 +173,9 @@ def time_variant(make, gen, h, e, top_k, tokens):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--ext", default=None, help="path of _exl3_C.abi3.so (default: build/exl3)")
+    ap.add_argument(
+        "--ext", default=None, help="path of _exl3_C.abi3.so (default: build/exl3)"
+    )
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--bits", type=float, default=4.0)
@@ -145,58 +186,109 @@ def main(argv: list[str] | None = None) -> int:
 
     ext = load_extension(args.ext)
     from vllm.config import VllmConfig, set_current_vllm_config
+
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
     rows = []
     with set_current_vllm_config(VllmConfig()):
         for name in args.shapes:
             h, i, e, top_k = SHAPES[name]
-            print(f"{name}: hidden {h}, width {i}, {e} experts, top-{top_k}", flush=True)
-            variants = [("exl3", lambda: exl3_variant(gen, h, i, e, top_k, args.bits,
-                                                      args.codebook, args.deterministic))]
+            print(
+                f"{name}: hidden {h}, width {i}, {e} experts, top-{top_k}", flush=True
+            )
+            variants = [
+                (
+                    "exl3",
+                    lambda: exl3_variant(
+                        gen,
+                        h,
+                        i,
+                        e,
+                        top_k,
+                        args.bits,
+                        args.codebook,
+                        args.deterministic,
+                    ),
+                )
+            ]
             if not args.no_anchors:
-                variants += [("bf16_fused_experts", lambda: bf16_variant(gen, h, i, e, top_k)),
-                             ("marlin_int4_g128", lambda: marlin_variant(gen, h, i, e, top_k))]
+                variants += [
+                    ("bf16_fused_experts", lambda: bf16_variant(gen, h, i, e, top_k)),
+                    ("marlin_int4_g128", lambda: marlin_variant(gen, h, i, e, top_k)),
+                ]
             times = {}
             for vname, make in variants:
                 print(f"  {vname}", flush=True)
                 try:
-                    times[vname], copies = time_variant(make, gen, h, e, top_k, args.tokens)
+                    times[vname], copies = time_variant(
+                        make, gen, h, e, top_k, args.tokens
+                    )
                 except Exception as ex:  # noqa: BLE001 - an anchor that cannot run is recorded
                     print(f"    failed: {type(ex).__name__}: {ex}", flush=True)
-                    times[vname] = {m: (None, f"failed: {type(ex).__name__}: {ex}"[:300])
-                                    for m in args.tokens}
+                    times[vname] = {
+                        m: (None, f"failed: {type(ex).__name__}: {ex}"[:300])
+                        for m in args.tokens
+                    }
                     copies = 0
                     torch.cuda.empty_cache()
                 for m in args.tokens:
                     us, mode = times[vname][m]
-                    rows.append(dict(shape=name, hidden=h, width=i, experts=e, top_k=top_k,
-                                     tokens=m, variant=vname, us=us, mode=mode, copies=copies))
+                    rows.append(
+                        dict(
+                            shape=name,
+                            hidden=h,
+                            width=i,
+                            experts=e,
+                            top_k=top_k,
+                            tokens=m,
+                            variant=vname,
+                            us=us,
+                            mode=mode,
+                            copies=copies,
+                        )
+                    )
             for r in rows:
                 if r["shape"] == name and r["variant"] == "exl3":
-                    base = times.get("bf16_fused_experts", {}).get(r["tokens"], (None,))[0]
+                    base = times.get("bf16_fused_experts", {}).get(
+                        r["tokens"], (None,)
+                    )[0]
                     r["vs_bf16"] = (r["us"] / base) if (r["us"] and base) else None
 
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, extension=ext,
-                bits=args.bits, codebook=args.codebook, deterministic=args.deterministic,
-                pool_bytes=POOL_BYTES, timing="CUDA-graph replay median / calls per pass",
-                exllamav3="not measured by this script (no MoE anchor yet)")
-    (args.out / f"bench_moe_{stamp}.json").write_text(json.dumps(dict(meta=meta, rows=rows),
-                                                                 indent=1))
-    lines = ["| shape | tokens | exl3 us | bf16 us | marlin us | exl3/bf16 |",
-             "|---|---:|---:|---:|---:|---:|"]
+    meta = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        extension=ext,
+        bits=args.bits,
+        codebook=args.codebook,
+        deterministic=args.deterministic,
+        pool_bytes=POOL_BYTES,
+        timing="CUDA-graph replay median / calls per pass",
+        exllamav3="not measured by this script (no MoE anchor yet)",
+    )
+    (args.out / f"bench_moe_{stamp}.json").write_text(
+        json.dumps(dict(meta=meta, rows=rows), indent=1)
+    )
+    lines = [
+        "| shape | tokens | exl3 us | bf16 us | marlin us | exl3/bf16 |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name in args.shapes:
         for m in args.tokens:
-            get = {r["variant"]: r for r in rows if r["shape"] == name and r["tokens"] == m}
+            get = {
+                r["variant"]: r for r in rows if r["shape"] == name and r["tokens"] == m
+            }
 
             def fmt(v):
                 u = get.get(v, {}).get("us")
                 return f"{u:.1f}" if u else "-"
+
             ratio = get.get("exl3", {}).get("vs_bf16")
-            lines.append(f"| {name} | {m} | {fmt('exl3')} | {fmt('bf16_fused_experts')} | "
-                         f"{fmt('marlin_int4_g128')} | {f'{ratio:.2f}' if ratio else '-'} |")
+            lines.append(
+                f"| {name} | {m} | {fmt('exl3')} | {fmt('bf16_fused_experts')} | "
+                f"{fmt('marlin_int4_g128')} | {f'{ratio:.2f}' if ratio else '-'} |"
+            )
     table = "\n".join(lines)
     (args.out / f"bench_moe_{stamp}.md").write_text(table + "\n")
     print(table)

@@ -27,7 +27,9 @@ MATMUL_N = 8192
 MICRO_BLOCKS_PER_SM = 8
 MICRO_THREADS = 256
 INT_ITERS = 4096
-INT_CHAINS = 8  # independent IMAD+LOP3 chains per thread (2 instructions each per iteration)
+INT_CHAINS = (
+    8  # independent IMAD+LOP3 chains per thread (2 instructions each per iteration)
+)
 MMA_ITERS = 4096
 MMA_CHAINS = 4  # independent accumulators per warp
 MMA_FLOPS = 2 * 16 * 8 * 16
@@ -84,7 +86,10 @@ def median_ms(fn, reps: int = 10) -> float:
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a, b = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
         a.record()
         fn()
         b.record()
@@ -157,6 +162,7 @@ def issue_rate() -> float | None:
     bounded by max(total / issue_rate, per-pipe count / int_instr_per_s) (bench_linear.sol_us)."""
     try:
         import cupy
+
         clock_hz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"] * 1e3
     except (ImportError, KeyError):
         return None
@@ -165,9 +171,13 @@ def issue_rate() -> float | None:
 
 
 def measure() -> dict[str, float | None]:
-    return {"copy_bytes_per_s": copy_rate(), "bf16_flops": bf16_rate(),
-            "mma_flops": mma_rate(), "int_instr_per_s": int_rate(),
-            "issue_instr_per_s": issue_rate()}
+    return {
+        "copy_bytes_per_s": copy_rate(),
+        "bf16_flops": bf16_rate(),
+        "mma_flops": mma_rate(),
+        "int_instr_per_s": int_rate(),
+        "issue_instr_per_s": issue_rate(),
+    }
 
 
 if __name__ == "__main__":

@@ -38,16 +38,25 @@ class AnchorUnavailable(RuntimeError):
 
 
 def paths(state: Path) -> dict[str, Path]:
-    return {"site": state / "site", "ext": state / "torch_ext", "done": state / "build.done",
-            "log": state / "build.log", "started": state / "build.started"}
+    return {
+        "site": state / "site",
+        "ext": state / "torch_ext",
+        "done": state / "build.done",
+        "log": state / "build.log",
+        "started": state / "build.started",
+    }
 
 
 def env_for(state: Path, jobs: int | None = None) -> dict[str, str]:
     """Environment of both the builder and the importer (same flags, same build directory)."""
     p = paths(state)
-    env = {"TORCH_EXTENSIONS_DIR": str(p["ext"]), "TORCH_CUDA_ARCH_LIST": ARCH_LIST,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(p["site"]),
-                                                       os.environ.get("PYTHONPATH")]))}
+    env = {
+        "TORCH_EXTENSIONS_DIR": str(p["ext"]),
+        "TORCH_CUDA_ARCH_LIST": ARCH_LIST,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(p["site"]), os.environ.get("PYTHONPATH")])
+        ),
+    }
     if jobs:
         env["MAX_JOBS"] = str(jobs)
     return env
@@ -61,11 +70,18 @@ def start_build(state: Path, jobs: int) -> bool:
         return False
     p["started"].write_text(str(time.time()))
     env = {**os.environ, **env_for(state, jobs)}
-    script = (f"{sys.executable} -c 'import exllamav3.ext' > {p['log']} 2>&1; "
-              f"echo $? > {p['done']}.tmp && mv {p['done']}.tmp {p['done']}")
-    subprocess.Popen(["bash", "-c", script], env=env, start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL)
+    script = (
+        f"{sys.executable} -c 'import exllamav3.ext' > {p['log']} 2>&1; "
+        f"echo $? > {p['done']}.tmp && mv {p['done']}.tmp {p['done']}"
+    )
+    subprocess.Popen(
+        ["bash", "-c", script],
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return True
 
 
@@ -101,14 +117,17 @@ def load_linear_class(state: Path, wait_s: float, import_timeout_s: float):
         raise AnchorUnavailable(f"no ExLlamaV3 build was started under {state}")
     rc = wait_built(state, wait_s)
     if rc is None:
-        raise AnchorUnavailable(f"ExLlamaV3 build still running after {wait_s:.0f} s "
-                                f"(log {p['log']})")
+        raise AnchorUnavailable(
+            f"ExLlamaV3 build still running after {wait_s:.0f} s (log {p['log']})"
+        )
     if rc != 0:
         tail = p["log"].read_text(errors="replace")[-600:] if p["log"].exists() else ""
         raise AnchorUnavailable(f"ExLlamaV3 build failed (exit {rc}): {tail}")
     removed = remove_stale_locks(state)
     if removed:
-        print(f"removed stale torch build locks: {removed}", file=sys.stderr, flush=True)
+        print(
+            f"removed stale torch build locks: {removed}", file=sys.stderr, flush=True
+        )
     env = env_for(state)
     os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
     sys.path.insert(0, str(p["site"]))
@@ -117,7 +136,8 @@ def load_linear_class(state: Path, wait_s: float, import_timeout_s: float):
         raise AnchorUnavailable(
             f"import of ExLlamaV3 did not finish in {import_timeout_s:.0f} s although its build "
             f"exited 0: it is compiling again (build flags differ from the builder's: check "
-            f"TORCH_CUDA_ARCH_LIST={ARCH_LIST} and {p['ext']}) or waiting on a lock file")
+            f"TORCH_CUDA_ARCH_LIST={ARCH_LIST} and {p['ext']}) or waiting on a lock file"
+        )
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(max(1, int(import_timeout_s)))
@@ -127,27 +147,44 @@ def load_linear_class(state: Path, wait_s: float, import_timeout_s: float):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-    print(f"ExLlamaV3 imported in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(
+        f"ExLlamaV3 imported in {time.monotonic() - t0:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return LinearEXL3
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=("build", "wait"))
-    ap.add_argument("--state", type=Path, required=True, help="private folder for site/, the "
-                    "build directory and the done-file (wheels installed into <state>/site)")
+    ap.add_argument(
+        "--state",
+        type=Path,
+        required=True,
+        help="private folder for site/, the "
+        "build directory and the done-file (wheels installed into <state>/site)",
+    )
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args(argv)
     if args.action == "build":
         started = start_build(args.state, args.jobs)
-        print("ExLlamaV3 build " + ("started" if started else "already started"), flush=True)
+        print(
+            "ExLlamaV3 build " + ("started" if started else "already started"),
+            flush=True,
+        )
         return 0
     rc = wait_built(args.state, args.timeout)
     p = paths(args.state)
     log = p["log"]
-    status = (f"exit {rc}" if rc is not None else
-              "still running" if p["started"].exists() else "never started")
+    status = (
+        f"exit {rc}"
+        if rc is not None
+        else "still running"
+        if p["started"].exists()
+        else "never started"
+    )
     print(f"ExLlamaV3 build: {status}", flush=True)
     if log.exists():
         print(log.read_text(errors="replace")[-800:], flush=True)

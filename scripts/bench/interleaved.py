@@ -31,7 +31,9 @@ ROUNDS = 5
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ext", default=None)
-    ap.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in bench_linear.SHAPES])
+    ap.add_argument(
+        "--shapes", nargs="+", default=[f"{k}x{n}" for k, n in bench_linear.SHAPES]
+    )
     ap.add_argument("--m", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--bits", type=float, default=4.0)
     ap.add_argument("--codebook", type=int, default=1)
@@ -40,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     load_extension(args.ext)
     gen = torch.Generator(device="cuda").manual_seed(77)
     rows = []
-    print(f"{'shape':>11} {'m':>5} {'ours':>8} {'bf16':>8} {'ratio':>6}  per-round ratios")
+    print(
+        f"{'shape':>11} {'m':>5} {'ours':>8} {'bf16':>8} {'ratio':>6}  per-round ratios"
+    )
     for shape in args.shapes:
         k, n = (int(v) for v in shape.split("x"))
         w = bench_linear.cold_bf16(gen, k, n)
@@ -52,24 +56,49 @@ def main(argv: list[str] | None = None) -> int:
             g_ours = capture([lambda L=L: L.linear(x) for L in layers])
             ours, bf16 = [], []
             for _ in range(ROUNDS):
-                bf16.append(device_ceilings.median_ms(g_bf16.replay, bench_linear.REPLAYS)
-                            * 1e3 / len(w))
-                ours.append(device_ceilings.median_ms(g_ours.replay, bench_linear.REPLAYS)
-                            * 1e3 / len(layers))
+                bf16.append(
+                    device_ceilings.median_ms(g_bf16.replay, bench_linear.REPLAYS)
+                    * 1e3
+                    / len(w)
+                )
+                ours.append(
+                    device_ceilings.median_ms(g_ours.replay, bench_linear.REPLAYS)
+                    * 1e3
+                    / len(layers)
+                )
             ratios = [o / b for o, b in zip(ours, bf16)]
-            row = {"k": k, "n": n, "m": m, "bits": args.bits, "codebook": args.codebook,
-                   "ours_us": statistics.median(ours), "bf16_us": statistics.median(bf16),
-                   "ratio": statistics.median(ratios), "ours_rounds": ours,
-                   "bf16_rounds": bf16}
+            row = {
+                "k": k,
+                "n": n,
+                "m": m,
+                "bits": args.bits,
+                "codebook": args.codebook,
+                "ours_us": statistics.median(ours),
+                "bf16_us": statistics.median(bf16),
+                "ratio": statistics.median(ratios),
+                "ours_rounds": ours,
+                "bf16_rounds": bf16,
+            }
             rows.append(row)
-            print(f"{shape:>11} {m:5d} {row['ours_us']:8.1f} {row['bf16_us']:8.1f} "
-                  f"{row['ratio']:6.3f}  " + " ".join(f"{r:.3f}" for r in ratios), flush=True)
+            print(
+                f"{shape:>11} {m:5d} {row['ours_us']:8.1f} {row['bf16_us']:8.1f} "
+                f"{row['ratio']:6.3f}  " + " ".join(f"{r:.3f}" for r in ratios),
+                flush=True,
+            )
             del g_bf16, g_ours
         del w, layers
         torch.cuda.empty_cache()
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(),
-                                         "rounds": ROUNDS, "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "rounds": ROUNDS,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -53,10 +53,20 @@ class MoeLayer:
     meta2_host: list
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.w13_trellis, self.w13_meta, self.w13_suh, self.w13_svh, self.w2_trellis,
-                self.w2_meta, self.w2_suh, self.w2_svh]
+        return [
+            self.w13_trellis,
+            self.w13_meta,
+            self.w13_suh,
+            self.w13_svh,
+            self.w2_trellis,
+            self.w2_meta,
+            self.w2_suh,
+            self.w2_svh,
+        ]
 
-    def block(self, e: int, role: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def block(
+        self, e: int, role: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(trellis [k/16, n/16, 16K], suh [k], svh [n]) of expert e's gate (0), up (1) or
         down (2)."""
         h, i = self.hidden, self.width
@@ -64,15 +74,22 @@ class MoeLayer:
             (offset, k2), flat, rows, cols = self.meta2_host[e], self.w2_trellis, i, h
             suh, svh = self.w2_suh[e], self.w2_svh[e]
         else:
-            (offset, k2), flat, rows, cols = self.meta13_host[e][role], self.w13_trellis, h, i
-            suh, svh = self.w13_suh[e, role], self.w13_svh[e, role * i:(role + 1) * i]
+            (offset, k2), flat, rows, cols = (
+                self.meta13_host[e][role],
+                self.w13_trellis,
+                h,
+                i,
+            )
+            suh, svh = self.w13_suh[e, role], self.w13_svh[e, role * i : (role + 1) * i]
         words = 8 * k2
         size = (rows // TILE) * (cols // TILE) * words
-        t = flat[offset:offset + size].view(rows // TILE, cols // TILE, words)
+        t = flat[offset : offset + size].view(rows // TILE, cols // TILE, words)
         return t, suh, svh
 
 
-def signed_scales(gen: torch.Generator, shape: Sequence[int], device: str) -> torch.Tensor:
+def signed_scales(
+    gen: torch.Generator, shape: Sequence[int], device: str
+) -> torch.Tensor:
     mag = 0.5 + torch.rand(shape, generator=gen, device=device)
     sign = torch.where(torch.rand(shape, generator=gen, device=device) < 0.5, -1.0, 1.0)
     return (mag * sign).half()
@@ -83,9 +100,16 @@ def _pick(gen: torch.Generator, choices: Sequence[float], count: int) -> list[fl
     return [choices[j] for j in idx.tolist()]
 
 
-def random_moe_layer(gen: torch.Generator, experts: int, hidden: int, width: int,
-                     bits: Sequence[float], codebook: int, device: str = "cuda",
-                     gap: bool = True) -> MoeLayer:
+def random_moe_layer(
+    gen: torch.Generator,
+    experts: int,
+    hidden: int,
+    width: int,
+    bits: Sequence[float],
+    codebook: int,
+    device: str = "cuda",
+    gap: bool = True,
+) -> MoeLayer:
     """Every (expert, role) draws its bitrate from `bits`; `gap` leaves a few unused aligned
     words between blocks, so an offset taken from the wrong entry reads the wrong data."""
     roles13 = _pick(gen, bits, 2 * experts)
@@ -110,25 +134,40 @@ def random_moe_layer(gen: torch.Generator, experts: int, hidden: int, width: int
         t2 += -(-size(b, width, hidden) // OFFSET_ALIGN) * OFFSET_ALIGN + pad
 
     def words(n: int) -> torch.Tensor:
-        return torch.randint(-32768, 32768, (n,), generator=gen, device=device,
-                             dtype=torch.int32).to(torch.int16)
+        return torch.randint(
+            -32768, 32768, (n,), generator=gen, device=device, dtype=torch.int32
+        ).to(torch.int16)
 
     return MoeLayer(
-        w13_trellis=words(t13), w13_meta=meta13.to(device),
+        w13_trellis=words(t13),
+        w13_meta=meta13.to(device),
         w13_suh=signed_scales(gen, (experts, 2, hidden), device),
         w13_svh=signed_scales(gen, (experts, 2 * width), device),
-        w2_trellis=words(t2), w2_meta=meta2.to(device),
+        w2_trellis=words(t2),
+        w2_meta=meta2.to(device),
         w2_suh=signed_scales(gen, (experts, width), device),
         w2_svh=signed_scales(gen, (experts, hidden), device),
-        codebook=codebook, hidden=hidden, width=width,
-        k2s=(sorted(set(meta13[:, :, 1].flatten().tolist())),
-             sorted(set(meta2[:, 1].tolist()))),
-        meta13_host=meta13.tolist(), meta2_host=meta2.tolist())
+        codebook=codebook,
+        hidden=hidden,
+        width=width,
+        k2s=(
+            sorted(set(meta13[:, :, 1].flatten().tolist())),
+            sorted(set(meta2[:, 1].tolist())),
+        ),
+        meta13_host=meta13.tolist(),
+        meta2_host=meta2.tolist(),
+    )
 
 
-def random_routing(gen: torch.Generator, tokens: int, top_k: int, global_experts: int,
-                   device: str = "cuda", ids_dtype: torch.dtype = torch.int32,
-                   only: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def random_routing(
+    gen: torch.Generator,
+    tokens: int,
+    top_k: int,
+    global_experts: int,
+    device: str = "cuda",
+    ids_dtype: torch.dtype = torch.int32,
+    only: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights fp32 [M, k], topk_ids [M, k]): distinct experts per token, uniform (or all
     tokens to expert `only` in slot 0, the rest uniform)."""
     scores = torch.rand(tokens, global_experts, generator=gen, device=device)
@@ -140,9 +179,13 @@ def random_routing(gen: torch.Generator, tokens: int, top_k: int, global_experts
     return w.float(), ids.to(ids_dtype)
 
 
-def align(topk_ids: torch.Tensor, block: int, global_experts: int,
-          expert_map: torch.Tensor | None = None, drop_nonlocal: bool = True
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align(
+    topk_ids: torch.Tensor,
+    block: int,
+    global_experts: int,
+    expert_map: torch.Tensor | None = None,
+    drop_nonlocal: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_align_block_size's outputs in plain torch (same buffer sizes and sentinels).
 
     drop_nonlocal: like vLLM's ignore_invalid_experts=True (non-local pairs are not placed);
@@ -169,24 +212,36 @@ def align(topk_ids: torch.Tensor, block: int, global_experts: int,
         idx = torch.nonzero(key == e).flatten()
         if idx.numel() == 0:
             continue
-        sorted_ids[pos:pos + idx.numel()] = idx.to(torch.int32)
+        sorted_ids[pos : pos + idx.numel()] = idx.to(torch.int32)
         span = -(-idx.numel() // block) * block
         lid = e if drop_nonlocal else (int(emap[e]) if expert_map is not None else e)
-        blocks[pos // block:(pos + span) // block] = lid
+        blocks[pos // block : (pos + span) // block] = lid
         pos += span
-    return (sorted_ids.to(device), blocks.to(device),
-            torch.tensor([pos], dtype=torch.int32, device=device))
+    return (
+        sorted_ids.to(device),
+        blocks.to(device),
+        torch.tensor([pos], dtype=torch.int32, device=device),
+    )
 
 
-def reference_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  layer: MoeLayer, expert_map: torch.Tensor | None, global_experts: int,
-                  weight_on_input: bool = False) -> torch.Tensor:
+def reference_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer: MoeLayer,
+    expert_map: torch.Tensor | None,
+    global_experts: int,
+    weight_on_input: bool = False,
+) -> torch.Tensor:
     """float64 [M, h]: each token's sum over its local top-k of w * down(SiLU(gate) * up)."""
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < global_experts)
     if expert_map is not None:
-        local = torch.where(valid, expert_map.long()[ids.clamp(0, global_experts - 1)],
-                            torch.full_like(ids, -1))
+        local = torch.where(
+            valid,
+            expert_map.long()[ids.clamp(0, global_experts - 1)],
+            torch.full_like(ids, -1),
+        )
     else:
         local = torch.where(valid, ids, torch.full_like(ids, -1))
     out = torch.zeros(x.shape[0], layer.hidden, dtype=torch.float64, device=x.device)
@@ -195,8 +250,12 @@ def reference_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         if e < 0:
             continue
         rows, slots = torch.nonzero(local == e, as_tuple=True)
-        w = [reference.reconstruct(*layer.block(e, r), layer.codebook, dtype=torch.float64)
-             for r in (0, 1, 2)]
+        w = [
+            reference.reconstruct(
+                *layer.block(e, r), layer.codebook, dtype=torch.float64
+            )
+            for r in (0, 1, 2)
+        ]
         xe = xd[rows]
         rw = topk_weights[rows, slots].double()[:, None]
         if weight_on_input:
@@ -209,16 +268,37 @@ def reference_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     return out
 
 
-def run_op(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-           layer: MoeLayer, block: int, global_experts: int,
-           expert_map: torch.Tensor | None = None, deterministic: bool = True,
-           weight_on_input: bool = False,
-           aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-           ) -> torch.Tensor:
+def run_op(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer: MoeLayer,
+    block: int,
+    global_experts: int,
+    expert_map: torch.Tensor | None = None,
+    deterministic: bool = True,
+    weight_on_input: bool = False,
+    aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """torch.ops._C.exl3_moe with the plain-torch alignment (or the one given)."""
-    sorted_ids, expert_ids, post_pad = aligned or align(topk_ids, block, global_experts,
-                                                        expert_map)
+    sorted_ids, expert_ids, post_pad = aligned or align(
+        topk_ids, block, global_experts, expert_map
+    )
     k13, k2 = layer.k2s
-    return torch.ops._C.exl3_moe(x, topk_weights, topk_ids, sorted_ids, expert_ids, post_pad,
-                                 expert_map, *layer.tensors(), block, k13, k2, global_experts,
-                                 layer.codebook, weight_on_input, deterministic)
+    return torch.ops._C.exl3_moe(
+        x,
+        topk_weights,
+        topk_ids,
+        sorted_ids,
+        expert_ids,
+        post_pad,
+        expert_map,
+        *layer.tensors(),
+        block,
+        k13,
+        k2,
+        global_experts,
+        layer.codebook,
+        weight_on_input,
+        deterministic,
+    )

@@ -50,8 +50,12 @@ def checkpoint_shapes(path: Path) -> set[tuple[int, tuple[int, ...], float, int]
                 if name.endswith(".trellis"):
                     prefix = name.removesuffix(".trellis")
                     shape = st.get_slice(name).get_shape()
-                    modules[prefix] = (shape[0] * 16, shape[1] * 16, shape[2] / 16,
-                                       codebook_of(names, prefix))
+                    modules[prefix] = (
+                        shape[0] * 16,
+                        shape[1] * 16,
+                        shape[2] / 16,
+                        codebook_of(names, prefix),
+                    )
     shapes = set()
     for prefix, (k, n, bits, cb) in modules.items():
         shapes.add((k, (n,), bits, cb))
@@ -59,7 +63,9 @@ def checkpoint_shapes(path: Path) -> set[tuple[int, tuple[int, ...], float, int]
         for group in FUSED_GROUPS:
             if leaf == group[0]:
                 members = [modules.get(f"{parent}.{g}") for g in group]
-                if all(m is not None and m[0] == k and m[2:] == (bits, cb) for m in members):
+                if all(
+                    m is not None and m[0] == k and m[2:] == (bits, cb) for m in members
+                ):
                     shapes.add((k, tuple(m[1] for m in members), bits, cb))
     return shapes
 
@@ -67,8 +73,11 @@ def checkpoint_shapes(path: Path) -> set[tuple[int, tuple[int, ...], float, int]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoints", nargs="*", type=Path)
-    ap.add_argument("--bench-shapes", action="store_true",
-                    help="also the benchmark shapes (exl3_oracle.real_layers)")
+    ap.add_argument(
+        "--bench-shapes",
+        action="store_true",
+        help="also the benchmark shapes (exl3_oracle.real_layers)",
+    )
     ap.add_argument("--max-tokens", type=int, default=8192)
     ap.add_argument("--dtype", action="append", choices=("bfloat16", "float16"))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
@@ -91,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     # Modes and pins off: the table serves the default mode (the op drops entries that a mode
     # forbids, and VLLM_EXL3_PLAN bypasses the table).
     header = vk.header()
-    buckets = [1 << i for i in range(args.max_tokens.bit_length() + 1)
-               if (1 << (i - 1) if i else 0) < args.max_tokens]
+    buckets = [
+        1 << i
+        for i in range(args.max_tokens.bit_length() + 1)
+        if (1 << (i - 1) if i else 0) < args.max_tokens
+    ]
     start = time.perf_counter()
     for k, widths, bits, cb in sorted(shapes):
         layer = vk.random_layer(gen, k, widths, bits, cb)
@@ -103,21 +115,37 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
                 ws = vk.workspace(m * layer.n)
                 timed = torch.ops._C.exl3_time_plans(
-                    x, layer.trellis, layer.suh, layer.svh, None, list(widths), cb, header, ws)
-                rows = [timed[i:i + 9] for i in range(0, len(timed), 9)]
+                    x,
+                    layer.trellis,
+                    layer.suh,
+                    layer.svh,
+                    None,
+                    list(widths),
+                    cb,
+                    header,
+                    ws,
+                )
+                rows = [timed[i : i + 9] for i in range(0, len(timed), 9)]
                 if not rows:
-                    raise SystemExit(f"tune_plans: {key} m<={m}: the op offered no candidate")
+                    raise SystemExit(
+                        f"tune_plans: {key} m<={m}: the op offered no candidate"
+                    )
                 best = min(rows, key=lambda r: r[8])
                 entries[str(m)] = plans.entry_to_json(best[:8])
-                print(f"{key} m<={m}: {plans.describe(best[:8])} {best[8] / 1e3:.1f} us "
-                      f"({len(rows)} candidates)", flush=True)
+                print(
+                    f"{key} m<={m}: {plans.describe(best[:8])} {best[8] / 1e3:.1f} us "
+                    f"({len(rows)} candidates)",
+                    flush=True,
+                )
             table[key] = entries
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / name
     path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
     plans.load_table.cache_clear()
     plans.load_table(path)  # the loader accepts what was written
-    print(f"wrote {path}: {len(table)} layer shapes in {time.perf_counter() - start:.0f} s")
+    print(
+        f"wrote {path}: {len(table)} layer shapes in {time.perf_counter() - start:.0f} s"
+    )
     return 0
 
 

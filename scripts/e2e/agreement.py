@@ -17,7 +17,9 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def logprob_agreement(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> dict:
+def logprob_agreement(
+    a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]
+) -> dict:
     """Max and mean |a - b| over matching positions of equally long sequences."""
     if len(a) != len(b):
         raise ValueError(f"{len(a)} vs {len(b)} sequences")
@@ -28,17 +30,25 @@ def logprob_agreement(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]
         diffs += [abs(p - q) for p, q in zip(x, y)]
     if not diffs:
         raise ValueError("no positions to compare")
-    return {"max_abs": max(diffs), "mean_abs": sum(diffs) / len(diffs), "positions": len(diffs)}
+    return {
+        "max_abs": max(diffs),
+        "mean_abs": sum(diffs) / len(diffs),
+        "positions": len(diffs),
+    }
 
 
-def decode_logprob_agreement(a_tokens: Sequence[Sequence[int]],
-                             a_logprobs: Sequence[Sequence[float]],
-                             b_tokens: Sequence[Sequence[int]],
-                             b_logprobs: Sequence[Sequence[float]]) -> dict:
+def decode_logprob_agreement(
+    a_tokens: Sequence[Sequence[int]],
+    a_logprobs: Sequence[Sequence[float]],
+    b_tokens: Sequence[Sequence[int]],
+    b_logprobs: Sequence[Sequence[float]],
+) -> dict:
     """logprob_agreement of the sampled tokens' logprobs, over each pair of greedy continuations'
     common prefix only (after a divergence the two runs condition on different text)."""
     if not (len(a_tokens) == len(a_logprobs) == len(b_tokens) == len(b_logprobs)):
-        raise ValueError("token and logprob lists of both runs must have one entry per request")
+        raise ValueError(
+            "token and logprob lists of both runs must have one entry per request"
+        )
     xs, ys = [], []
     for ta, la, tb, lb in zip(a_tokens, a_logprobs, b_tokens, b_logprobs):
         if len(ta) != len(la) or len(tb) != len(lb):
@@ -49,16 +59,21 @@ def decode_logprob_agreement(a_tokens: Sequence[Sequence[int]],
     return logprob_agreement(xs, ys)
 
 
-def continuation_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict:
+def continuation_agreement(
+    a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]
+) -> dict:
     """Identical continuations and the mean fraction of tokens before the first divergence."""
     if len(a) != len(b) or not a:
-        raise ValueError(f"{len(a)} vs {len(b)} continuations (need the same, non-zero count)")
+        raise ValueError(
+            f"{len(a)} vs {len(b)} continuations (need the same, non-zero count)"
+        )
     prefixes = [common_prefix(x, y) for x, y in zip(a, b)]
     lengths = [max(len(x), len(y)) for x, y in zip(a, b)]
     identical = sum(1 for x, y in zip(a, b) if list(x) == list(y))
     return {
         "identical": identical,
         "count": len(a),
-        "matched_fraction": sum(p / n if n else 1.0 for p, n in zip(prefixes, lengths)) / len(a),
+        "matched_fraction": sum(p / n if n else 1.0 for p, n in zip(prefixes, lengths))
+        / len(a),
         "first_divergence": [p if p < n else None for p, n in zip(prefixes, lengths)],
     }

@@ -46,8 +46,15 @@ class Exl3OpLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = vk.exl3_op(x.reshape(-1, shape[-1]).contiguous(), self.trellis, self.suh,
-                       self.svh, None, [self.n], self.codebook)
+        y = vk.exl3_op(
+            x.reshape(-1, shape[-1]).contiguous(),
+            self.trellis,
+            self.suh,
+            self.svh,
+            None,
+            [self.n],
+            self.codebook,
+        )
         return y.view(*shape[:-1], self.n)
 
 
@@ -55,14 +62,16 @@ def perplexity(model: torch.nn.Module, windows: torch.Tensor) -> float:
     nll, scored = 0.0, 0
     with torch.inference_mode():
         for start in range(0, windows.shape[0], BATCH):
-            batch = windows[start:start + BATCH].cuda()
+            batch = windows[start : start + BATCH].cuda()
             logits = model(batch).logits[:, :-1].float()
             if not torch.isfinite(logits).all():
                 raise RuntimeError("non-finite logits")
             targets = batch[:, 1:]
             nll += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                reduction="sum").item()
+                logits.reshape(-1, logits.shape[-1]),
+                targets.reshape(-1),
+                reduction="sum",
+            ).item()
             scored += targets.numel()
     return math.exp(nll / scored)
 
@@ -77,7 +86,12 @@ def run(name: str, fmt, windows: torch.Tensor) -> dict:
     # Placeholders so the model builds; every one is replaced by the op module below.
     for p, w in weights.items():
         state[f"{p}.weight"] = torch.zeros(w.svh.numel(), w.suh.numel())
-    model = model_from_state_dict(ckpt / "config.json", state).to(torch.bfloat16).cuda().eval()
+    model = (
+        model_from_state_dict(ckpt / "config.json", state)
+        .to(torch.bfloat16)
+        .cuda()
+        .eval()
+    )
     for p, w in weights.items():
         parent, _, leaf = p.rpartition(".")
         setattr(model.get_submodule(parent), leaf, Exl3OpLinear(w))
@@ -88,15 +102,25 @@ def run(name: str, fmt, windows: torch.Tensor) -> dict:
     parts = [weights[f"{attn}.{x}_proj"] for x in "qkv"]
     x = torch.randn(37, parts[0].suh.numel(), device="cuda", dtype=torch.bfloat16)
     fused = vk.exl3_op(
-        x, torch.cat([p.trellis for p in parts], 1).cuda(),
-        torch.stack([p.suh for p in parts]).cuda(), torch.cat([p.svh for p in parts]).cuda(),
-        None, [p.svh.numel() for p in parts], int(parts[0].codebook))
+        x,
+        torch.cat([p.trellis for p in parts], 1).cuda(),
+        torch.stack([p.suh for p in parts]).cuda(),
+        torch.cat([p.svh for p in parts]).cuda(),
+        None,
+        [p.svh.numel() for p in parts],
+        int(parts[0].codebook),
+    )
     separate = torch.cat([Exl3OpLinear(p)(x) for p in parts], 1)
     fused_diff = (fused.float() - separate.float()).abs().max().item()
     rel = ppl / RECORDED[name] - 1
-    return {"checkpoint": name, "ppl_ours_cuda_bf16": round(ppl, 4),
-            "ppl_exllamav3": RECORDED[name], "rel_diff": round(rel, 6),
-            "fused_qkv_vs_separate_max_abs": fused_diff, "seconds": round(time.time() - t0, 1)}
+    return {
+        "checkpoint": name,
+        "ppl_ours_cuda_bf16": round(ppl, 4),
+        "ppl_exllamav3": RECORDED[name],
+        "rel_diff": round(rel, 6),
+        "fused_qkv_vs_separate_max_abs": fused_diff,
+        "seconds": round(time.time() - t0, 1),
+    }
 
 
 def main() -> int:
@@ -109,10 +133,14 @@ def main() -> int:
     windows = validation_windows()
     assert windows.shape[1] == WINDOW
     results = [run(name, fmt, windows) for name in RECORDED]
-    print(f"{'checkpoint':18} {'ours (CUDA op, bf16)':>21} {'ExLlamaV3':>10} {'diff':>8}")
+    print(
+        f"{'checkpoint':18} {'ours (CUDA op, bf16)':>21} {'ExLlamaV3':>10} {'diff':>8}"
+    )
     for r in results:
-        print(f"{r['checkpoint']:18} {r['ppl_ours_cuda_bf16']:21.4f} {r['ppl_exllamav3']:10.4f} "
-              f"{100 * r['rel_diff']:+7.3f}%  fused-qkv max|d|={r['fused_qkv_vs_separate_max_abs']:.2e}")
+        print(
+            f"{r['checkpoint']:18} {r['ppl_ours_cuda_bf16']:21.4f} {r['ppl_exllamav3']:10.4f} "
+            f"{100 * r['rel_diff']:+7.3f}%  fused-qkv max|d|={r['fused_qkv_vs_separate_max_abs']:.2e}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

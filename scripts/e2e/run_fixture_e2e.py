@@ -38,10 +38,18 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from agreement import (continuation_agreement, decode_logprob_agreement,  # noqa: E402
-                       logprob_agreement)
-from windows import (Perplexity, next_token_logprobs, perplexity,  # noqa: E402
-                     relative_difference, split_windows)
+from agreement import (  # noqa: E402
+    continuation_agreement,
+    decode_logprob_agreement,
+    logprob_agreement,
+)
+from windows import (  # noqa: E402
+    Perplexity,
+    next_token_logprobs,
+    perplexity,
+    relative_difference,
+    split_windows,
+)
 
 FIXTURES = REPO / "tests" / "fixtures" / "qwen3-tiny"
 RECORDED = FIXTURES / "ppl_exllamav3_dense.json"
@@ -64,7 +72,9 @@ CONTINUATION_SLACK = 0.1
 # The tiny model needs little memory; a small share keeps start-up (KV cache profiling) short.
 GPU_MEMORY_UTILIZATION = 0.3
 MAX_MODEL_LEN = 1024  # one 512-token window plus generation, with room
-PROBE_WINDOWS = 16  # windows whose prompt logprobs are compared between modes (8176 tokens)
+PROBE_WINDOWS = (
+    16  # windows whose prompt logprobs are compared between modes (8176 tokens)
+)
 PROMPTS = 32  # greedy continuations per run
 PROMPT_TOKENS = 32  # each continuation's prompt: the first tokens of a window
 GEN_TOKENS = 64
@@ -106,12 +116,16 @@ def validation_windows() -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(FIXTURES / "tokenizer" / "tokenizer.json"))
-    ids = tok.encode(FIXTURES.joinpath("val.txt").read_text(encoding="utf-8"),
-                     add_special_tokens=False).ids
+    ids = tok.encode(
+        FIXTURES.joinpath("val.txt").read_text(encoding="utf-8"),
+        add_special_tokens=False,
+    ).ids
     expected = recorded_perplexities()[REFERENCE]["n_tokens"]
     if len(ids) != expected:
-        raise SystemExit(f"val.txt tokenizes to {len(ids)} tokens, the recorded runs saw "
-                         f"{expected}: tokenizer or text differs from the fixtures'")
+        raise SystemExit(
+            f"val.txt tokenizes to {len(ids)} tokens, the recorded runs saw "
+            f"{expected}: tokenizer or text differs from the fixtures'"
+        )
     return split_windows(ids)
 
 
@@ -128,40 +142,65 @@ def assemble_checkpoint(name: str, work: Path) -> Path:
     return out
 
 
-def make_llm(model_dir: Path, *, eager: bool, tp: int,
-             engine_args: dict | None = None):
+def make_llm(model_dir: Path, *, eager: bool, tp: int, engine_args: dict | None = None):
     """engine_args: further LLM keyword arguments (an attention backend, a speculative config)."""
     from vllm import LLM
 
-    return LLM(model=str(model_dir), tensor_parallel_size=tp, enforce_eager=eager,
-               gpu_memory_utilization=GPU_MEMORY_UTILIZATION, max_model_len=MAX_MODEL_LEN,
-               seed=0, **(engine_args or {}))
+    return LLM(
+        model=str(model_dir),
+        tensor_parallel_size=tp,
+        enforce_eager=eager,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        **(engine_args or {}),
+    )
 
 
 def score_windows(llm, windows: list[list[int]]) -> list[list[float]]:
     from vllm import SamplingParams
 
     # Only the actual token's logprob (prompt_logprobs=0); no detokenizing of 184k positions.
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
-                            flat_logprobs=True)
-    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        prompt_logprobs=0,
+        detokenize=False,
+        flat_logprobs=True,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": w} for w in windows], params, use_tqdm=False
+    )
     return [next_token_logprobs(w, o.prompt_logprobs) for w, o in zip(windows, outs)]
 
 
-def greedy(llm, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+def greedy(
+    llm, prompts: list[list[int]], tokens: int
+) -> tuple[list[list[int]], list[list[float]]]:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, logprobs=0, ignore_eos=True,
-                            detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    params = SamplingParams(
+        max_tokens=tokens,
+        temperature=0.0,
+        logprobs=0,
+        ignore_eos=True,
+        detokenize=False,
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
     token_lists, logprob_lists = [], []
     for o in outs:
         c = o.outputs[0]
         toks = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(toks):
-            raise RuntimeError("vLLM returned no per-token logprobs for a greedy continuation")
+            raise RuntimeError(
+                "vLLM returned no per-token logprobs for a greedy continuation"
+            )
         token_lists.append(toks)
-        logprob_lists.append([float(c.logprobs[i][t].logprob) for i, t in enumerate(toks)])
+        logprob_lists.append(
+            [float(c.logprobs[i][t].logprob) for i, t in enumerate(toks)]
+        )
     return token_lists, logprob_lists
 
 
@@ -177,31 +216,50 @@ def offline_text(llm) -> str:
     return llm.generate([SERVE_PROMPT], params, use_tqdm=False)[0].outputs[0].text
 
 
-def run_mode(name: str, model_dir: Path, windows: list[list[int]], *, eager: bool, tp: int,
-             full_ppl: bool, engine_args: dict | None = None) -> dict:
+def run_mode(
+    name: str,
+    model_dir: Path,
+    windows: list[list[int]],
+    *,
+    eager: bool,
+    tp: int,
+    full_ppl: bool,
+    engine_args: dict | None = None,
+) -> dict:
     """One engine: (full perplexity,) the probe windows' logprobs, greedy continuations."""
     t0 = time.monotonic()
     llm = make_llm(model_dir, eager=eager, tp=tp, engine_args=engine_args)
-    out: dict = {"mode": "eager" if eager else "default", "tp": tp,
-                 "start_s": round(time.monotonic() - t0, 1)}
+    out: dict = {
+        "mode": "eager" if eager else "default",
+        "tp": tp,
+        "start_s": round(time.monotonic() - t0, 1),
+    }
     try:
         t1 = time.monotonic()
         if full_ppl:
             scored = score_windows(llm, windows)
             ppl: Perplexity = perplexity(scored)
-            out.update(ppl=ppl.ppl, mean_nll=ppl.mean_nll, scored=ppl.scored,
-                       windows=ppl.windows, ppl_s=round(time.monotonic() - t1, 1))
+            out.update(
+                ppl=ppl.ppl,
+                mean_nll=ppl.mean_nll,
+                scored=ppl.scored,
+                windows=ppl.windows,
+                ppl_s=round(time.monotonic() - t1, 1),
+            )
         # The probe runs as its own batch in every mode so that batch composition (and with it
         # the kernels' tiling choices) is the same on both sides of a comparison.
         out["probe_logprobs"] = score_windows(llm, windows[:PROBE_WINDOWS])
-        out["greedy_tokens"], out["greedy_logprobs"] = greedy(llm, greedy_prompts(windows),
-                                                              GEN_TOKENS)
+        out["greedy_tokens"], out["greedy_logprobs"] = greedy(
+            llm, greedy_prompts(windows), GEN_TOKENS
+        )
         out["offline_text"] = offline_text(llm)
     finally:
         free_llm(llm)
     out["total_s"] = round(time.monotonic() - t0, 1)
-    log(f"{name} {out['mode']} tp={tp}: start {out['start_s']} s, total {out['total_s']} s"
-        + (f", ppl {out['ppl']:.4f}" if "ppl" in out else ""))
+    log(
+        f"{name} {out['mode']} tp={tp}: start {out['start_s']} s, total {out['total_s']} s"
+        + (f", ppl {out['ppl']:.4f}" if "ppl" in out else "")
+    )
     return out
 
 
@@ -211,10 +269,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _http(url: str, payload: dict | None = None, timeout: float = 10) -> tuple[int, str]:
+def _http(
+    url: str, payload: dict | None = None, timeout: float = 10
+) -> tuple[int, str]:
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"} if data else {}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
@@ -222,31 +283,56 @@ def _http(url: str, payload: dict | None = None, timeout: float = 10) -> tuple[i
         return e.code, e.read().decode(errors="replace")
 
 
-def serve_once(name: str, model_dir: Path, tp: int, work: Path,
-               ready_timeout: float = SERVE_READY_TIMEOUT_S,
-               extra_args: tuple[str, ...] = ()) -> dict:
+def serve_once(
+    name: str,
+    model_dir: Path,
+    tp: int,
+    work: Path,
+    ready_timeout: float = SERVE_READY_TIMEOUT_S,
+    extra_args: tuple[str, ...] = (),
+) -> dict:
     """`vllm serve` as a subprocess on 127.0.0.1: wait for /health, one /v1/completions, stop."""
     port = free_port()
     logfile = work / f"serve-{name.replace('/', '-')}.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", name,
-           "--tensor-parallel-size", str(tp),
-           "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
-           "--max-model-len", str(MAX_MODEL_LEN), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        name,
+        "--tensor-parallel-size",
+        str(tp),
+        "--gpu-memory-utilization",
+        str(GPU_MEMORY_UTILIZATION),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        *extra_args,
+    ]
     t0 = time.monotonic()
     result: dict = {"checkpoint": name, "command": " ".join(cmd), "log": str(logfile)}
     with open(logfile, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was "
-                                       f"ready; log tail:\n{_tail(logfile)}")
+                    raise RuntimeError(
+                        f"vllm serve exited with {proc.returncode} before it was "
+                        f"ready; log tail:\n{_tail(logfile)}"
+                    )
                 if time.monotonic() - t0 > ready_timeout:
-                    raise RuntimeError(f"vllm serve not healthy after {ready_timeout:.0f} s; "
-                                       f"log tail:\n{_tail(logfile)}")
+                    raise RuntimeError(
+                        f"vllm serve not healthy after {ready_timeout:.0f} s; "
+                        f"log tail:\n{_tail(logfile)}"
+                    )
                 try:
                     if _http(base + "/health", timeout=2)[0] == 200:
                         break
@@ -254,9 +340,16 @@ def serve_once(name: str, model_dir: Path, tp: int, work: Path,
                     pass
                 time.sleep(1)
             result["ready_s"] = round(time.monotonic() - t0, 1)
-            status, body = _http(base + "/v1/completions",
-                                 {"model": name, "prompt": SERVE_PROMPT,
-                                  "max_tokens": SERVE_TOKENS, "temperature": 0.0}, timeout=60)
+            status, body = _http(
+                base + "/v1/completions",
+                {
+                    "model": name,
+                    "prompt": SERVE_PROMPT,
+                    "max_tokens": SERVE_TOKENS,
+                    "temperature": 0.0,
+                },
+                timeout=60,
+            )
             result["status"] = status
             if status != 200:
                 raise RuntimeError(f"/v1/completions answered {status}: {body[:2000]}")
@@ -276,7 +369,9 @@ def _tail(path: Path, lines: int = 40) -> str:
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is not None:
         return
-    os.killpg(proc.pid, signal.SIGTERM)  # the server's own process group (start_new_session)
+    os.killpg(
+        proc.pid, signal.SIGTERM
+    )  # the server's own process group (start_new_session)
     try:
         proc.wait(SERVE_STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -284,12 +379,14 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def save_progress(out: Path | None, runs: dict, errors: dict, skipped: list,
-                  name: str = "fixture_e2e") -> None:
+def save_progress(
+    out: Path | None, runs: dict, errors: dict, skipped: list, name: str = "fixture_e2e"
+) -> None:
     """The raw runs so far, so that a call stopped at its time limit still returns them."""
     if out is not None:
         (out / f"{name}.progress.json").write_text(
-            json.dumps({"runs": runs, "errors": errors, "skipped": skipped}))
+            json.dumps({"runs": runs, "errors": errors, "skipped": skipped})
+        )
 
 
 def attempt(errors: dict[str, str], stage: str, fn, *args, **kwargs):
@@ -310,14 +407,21 @@ def check(checks: list[dict], name: str, value: float, limit: float, ok: bool) -
 def eager_agreement(default: dict, eager: dict) -> dict:
     return {
         "prompt": logprob_agreement(default["probe_logprobs"], eager["probe_logprobs"]),
-        "decode": decode_logprob_agreement(default["greedy_tokens"], default["greedy_logprobs"],
-                                           eager["greedy_tokens"], eager["greedy_logprobs"]),
-        "continuations": continuation_agreement(default["greedy_tokens"],
-                                                eager["greedy_tokens"]),
+        "decode": decode_logprob_agreement(
+            default["greedy_tokens"],
+            default["greedy_logprobs"],
+            eager["greedy_tokens"],
+            eager["greedy_logprobs"],
+        ),
+        "continuations": continuation_agreement(
+            default["greedy_tokens"], eager["greedy_tokens"]
+        ),
     }
 
 
-def run_tp1(args: argparse.Namespace, windows: list[list[int]], deadline: Deadline) -> dict:
+def run_tp1(
+    args: argparse.Namespace, windows: list[list[int]], deadline: Deadline
+) -> dict:
     recorded = recorded_perplexities()
     runs: dict[str, dict] = {}
     skipped: list[str] = []
@@ -327,16 +431,34 @@ def run_tp1(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
         if not deadline.allows("default"):
             skipped.append(f"{name} default (time budget)")
             continue
-        default = attempt(errors, f"{name} default", run_mode, name, model_dir, windows,
-                          eager=False, tp=1, full_ppl=True)
+        default = attempt(
+            errors,
+            f"{name} default",
+            run_mode,
+            name,
+            model_dir,
+            windows,
+            eager=False,
+            tp=1,
+            full_ppl=True,
+        )
         if default is None:
             continue
         runs[name] = {"default": default}
         save_progress(getattr(args, "out", None), runs, errors, skipped)
         if name in args.eager_for:
             if deadline.allows("eager"):
-                eager = attempt(errors, f"{name} eager", run_mode, name, model_dir, windows,
-                                eager=True, tp=1, full_ppl=False)
+                eager = attempt(
+                    errors,
+                    f"{name} eager",
+                    run_mode,
+                    name,
+                    model_dir,
+                    windows,
+                    eager=True,
+                    tp=1,
+                    full_ppl=False,
+                )
                 if eager is not None:
                     runs[name]["eager"] = eager
                     save_progress(getattr(args, "out", None), runs, errors, skipped)
@@ -347,9 +469,16 @@ def run_tp1(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
         if args.serve not in runs:
             skipped.append(f"serve {args.serve} (its offline run did not happen)")
         elif deadline.allows("serve"):
-            serve = attempt(errors, f"serve {args.serve}", serve_once, args.serve,
-                            args.work / "models" / args.serve, 1, args.work,
-                            min(SERVE_READY_TIMEOUT_S, deadline.remaining() - SERVE_TAIL_S))
+            serve = attempt(
+                errors,
+                f"serve {args.serve}",
+                serve_once,
+                args.serve,
+                args.work / "models" / args.serve,
+                1,
+                args.work,
+                min(SERVE_READY_TIMEOUT_S, deadline.remaining() - SERVE_TAIL_S),
+            )
         else:
             skipped.append(f"serve {args.serve} (time budget)")
 
@@ -358,13 +487,28 @@ def run_tp1(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
     for name, modes in runs.items():
         d = modes["default"]
         rec = recorded[name]["ppl"]
-        s = {"ppl": d["ppl"], "exllamav3_ppl": rec, "rel": relative_difference(d["ppl"], rec),
-             "scored": d["scored"], "expected_scored": recorded[name]["scored_tokens"]}
+        s = {
+            "ppl": d["ppl"],
+            "exllamav3_ppl": rec,
+            "rel": relative_difference(d["ppl"], rec),
+            "scored": d["scored"],
+            "expected_scored": recorded[name]["scored_tokens"],
+        }
         if name in EXL3:
-            check(checks, f"{name}: ppl vs ExLlamaV3", s["rel"], PPL_TOLERANCE,
-                  abs(s["rel"]) <= PPL_TOLERANCE)
-        check(checks, f"{name}: scored tokens", d["scored"], recorded[name]["scored_tokens"],
-              d["scored"] == recorded[name]["scored_tokens"])
+            check(
+                checks,
+                f"{name}: ppl vs ExLlamaV3",
+                s["rel"],
+                PPL_TOLERANCE,
+                abs(s["rel"]) <= PPL_TOLERANCE,
+            )
+        check(
+            checks,
+            f"{name}: scored tokens",
+            d["scored"],
+            recorded[name]["scored_tokens"],
+            d["scored"] == recorded[name]["scored_tokens"],
+        )
         if "eager" in modes:
             s["eager_vs_default"] = eager_agreement(d, modes["eager"])
         summary[name] = s
@@ -375,25 +519,40 @@ def run_tp1(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
             continue
         for kind in ("prompt", "decode"):
             limit = max(AGREEMENT_FACTOR * ref[kind]["mean_abs"], AGREEMENT_FLOOR)
-            check(checks, f"{name}: eager vs default mean |dlogprob| ({kind}) vs bf16's",
-                  mine[kind]["mean_abs"], limit, mine[kind]["mean_abs"] <= limit)
+            check(
+                checks,
+                f"{name}: eager vs default mean |dlogprob| ({kind}) vs bf16's",
+                mine[kind]["mean_abs"],
+                limit,
+                mine[kind]["mean_abs"] <= limit,
+            )
     if serve is not None:
         ok = "text" in serve and bool(serve["text"].strip())
         check(checks, f"serve {args.serve}: completions answered", float(ok), 1.0, ok)
         if ok and args.serve in runs:
             serve["offline_text"] = runs[args.serve]["default"]["offline_text"]
             serve["matches_offline"] = serve["text"] == serve["offline_text"]
-    return {"summary": summary, "serve": serve, "checks": checks, "skipped": skipped,
-            "errors": errors, "runs": runs}
+    return {
+        "summary": summary,
+        "serve": serve,
+        "checks": checks,
+        "skipped": skipped,
+        "errors": errors,
+        "runs": runs,
+    }
 
 
-def run_tp2(args: argparse.Namespace, windows: list[list[int]], deadline: Deadline) -> dict:
+def run_tp2(
+    args: argparse.Namespace, windows: list[list[int]], deadline: Deadline
+) -> dict:
     baseline: dict[str, dict] = {}
     errors: dict[str, str] = {}
     if args.baseline:
         prior = json.loads(Path(args.baseline).read_text())
         if prior.get("settings", {}).get("greedy") != greedy_settings():
-            raise SystemExit(f"{args.baseline}: its greedy settings differ from this script's")
+            raise SystemExit(
+                f"{args.baseline}: its greedy settings differ from this script's"
+            )
         baseline = {n: m["default"] for n, m in prior["runs"].items()}
     runs: dict[str, dict] = {}
     skipped: list[str] = []
@@ -403,16 +562,34 @@ def run_tp2(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
             if not deadline.allows("default"):
                 skipped.append(f"{name} tp=1 (time budget)")
                 continue
-            one = attempt(errors, f"{name} tp=1", run_mode, name, model_dir, windows,
-                          eager=False, tp=1, full_ppl=True)
+            one = attempt(
+                errors,
+                f"{name} tp=1",
+                run_mode,
+                name,
+                model_dir,
+                windows,
+                eager=False,
+                tp=1,
+                full_ppl=True,
+            )
             if one is None:
                 continue
             baseline[name] = one
         if not deadline.allows("default"):
             skipped.append(f"{name} tp={args.tp} (time budget)")
             continue
-        many = attempt(errors, f"{name} tp={args.tp}", run_mode, name, model_dir, windows,
-                       eager=False, tp=args.tp, full_ppl=True)
+        many = attempt(
+            errors,
+            f"{name} tp={args.tp}",
+            run_mode,
+            name,
+            model_dir,
+            windows,
+            eager=False,
+            tp=args.tp,
+            full_ppl=True,
+        )
         if many is not None:
             runs[name] = {"tp1": baseline[name], f"tp{args.tp}": many}
             save_progress(getattr(args, "out", None), runs, errors, skipped)
@@ -420,36 +597,67 @@ def run_tp2(args: argparse.Namespace, windows: list[list[int]], deadline: Deadli
     summary: dict[str, dict] = {}
     for name, modes in runs.items():
         one, many = modes["tp1"], modes[f"tp{args.tp}"]
-        s = {"ppl_tp1": one["ppl"], f"ppl_tp{args.tp}": many["ppl"],
-             "rel": relative_difference(many["ppl"], one["ppl"]),
-             "continuations": continuation_agreement(one["greedy_tokens"],
-                                                     many["greedy_tokens"])}
-        check(checks, f"{name}: ppl tp{args.tp} vs tp1", s["rel"], TP_PPL_TOLERANCE,
-              abs(s["rel"]) <= TP_PPL_TOLERANCE)
+        s = {
+            "ppl_tp1": one["ppl"],
+            f"ppl_tp{args.tp}": many["ppl"],
+            "rel": relative_difference(many["ppl"], one["ppl"]),
+            "continuations": continuation_agreement(
+                one["greedy_tokens"], many["greedy_tokens"]
+            ),
+        }
+        check(
+            checks,
+            f"{name}: ppl tp{args.tp} vs tp1",
+            s["rel"],
+            TP_PPL_TOLERANCE,
+            abs(s["rel"]) <= TP_PPL_TOLERANCE,
+        )
         summary[name] = s
     ref = summary.get(REFERENCE)
     for name in EXL3:
         if name in summary and ref is not None:
             mine = summary[name]["continuations"]["matched_fraction"]
             limit = ref["continuations"]["matched_fraction"] - CONTINUATION_SLACK
-            check(checks, f"{name}: greedy tp{args.tp} vs tp1 matched fraction vs bf16's",
-                  mine, limit, mine >= limit)
-    return {"summary": summary, "checks": checks, "skipped": skipped, "errors": errors,
-            "runs": runs}
+            check(
+                checks,
+                f"{name}: greedy tp{args.tp} vs tp1 matched fraction vs bf16's",
+                mine,
+                limit,
+                mine >= limit,
+            )
+    return {
+        "summary": summary,
+        "checks": checks,
+        "skipped": skipped,
+        "errors": errors,
+        "runs": runs,
+    }
 
 
 def greedy_settings() -> dict:
-    return {"prompts": PROMPTS, "prompt_tokens": PROMPT_TOKENS, "gen_tokens": GEN_TOKENS}
+    return {
+        "prompts": PROMPTS,
+        "prompt_tokens": PROMPT_TOKENS,
+        "gen_tokens": GEN_TOKENS,
+    }
 
 
 def environment() -> dict:
     import torch
     import vllm
 
-    env = {"vllm": vllm.__version__, "torch": torch.__version__, "python": sys.version.split()[0]}
+    env = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
     try:
-        env["gpus"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=30).stdout.split("\n")
+        env["gpus"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split("\n")
         env["gpus"] = [g for g in env["gpus"] if g]
     except (OSError, subprocess.TimeoutExpired) as e:
         env["gpus"] = f"nvidia-smi failed: {e}"
@@ -464,29 +672,43 @@ def print_table(result: dict) -> None:
     print()
     for name, s in result["summary"].items():
         if "exllamav3_ppl" in s:
-            line = (f"{name:16s} ppl {s['ppl']:.4f}  ExLlamaV3 {s['exllamav3_ppl']:.4f}  "
-                    f"rel {100 * s['rel']:+.3f}%  scored {s['scored']}")
+            line = (
+                f"{name:16s} ppl {s['ppl']:.4f}  ExLlamaV3 {s['exllamav3_ppl']:.4f}  "
+                f"rel {100 * s['rel']:+.3f}%  scored {s['scored']}"
+            )
             a = s.get("eager_vs_default")
             if a:
-                line += (f"  | eager-vs-default |dlp| prompt max {a['prompt']['max_abs']:.2e} "
-                         f"mean {a['prompt']['mean_abs']:.2e}, decode max "
-                         f"{a['decode']['max_abs']:.2e} mean {a['decode']['mean_abs']:.2e}, "
-                         f"greedy identical {a['continuations']['identical']}/"
-                         f"{a['continuations']['count']}")
+                line += (
+                    f"  | eager-vs-default |dlp| prompt max {a['prompt']['max_abs']:.2e} "
+                    f"mean {a['prompt']['mean_abs']:.2e}, decode max "
+                    f"{a['decode']['max_abs']:.2e} mean {a['decode']['mean_abs']:.2e}, "
+                    f"greedy identical {a['continuations']['identical']}/"
+                    f"{a['continuations']['count']}"
+                )
         else:
             c = s["continuations"]
-            line = (f"{name:16s} ppl tp1 {s['ppl_tp1']:.4f}  rel {100 * s['rel']:+.4f}%  "
-                    f"greedy identical {c['identical']}/{c['count']} matched "
-                    f"{c['matched_fraction']:.3f}")
+            line = (
+                f"{name:16s} ppl tp1 {s['ppl_tp1']:.4f}  rel {100 * s['rel']:+.4f}%  "
+                f"greedy identical {c['identical']}/{c['count']} matched "
+                f"{c['matched_fraction']:.3f}"
+            )
         print(line)
     serve = result.get("serve")
     if serve:
-        print(f"serve {serve['checkpoint']}: "
-              + (f"ready {serve.get('ready_s')} s, text {serve.get('text')!r}, matches offline "
-                 f"{serve.get('matches_offline')}" if "text" in serve else serve.get("error", "")))
+        print(
+            f"serve {serve['checkpoint']}: "
+            + (
+                f"ready {serve.get('ready_s')} s, text {serve.get('text')!r}, matches offline "
+                f"{serve.get('matches_offline')}"
+                if "text" in serve
+                else serve.get("error", "")
+            )
+        )
     for c in result["checks"]:
-        print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['value']:.6g} "
-              f"(limit {c['limit']:.6g})")
+        print(
+            f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['value']:.6g} "
+            f"(limit {c['limit']:.6g})"
+        )
     for s in result["skipped"]:
         print(f"  SKIPPED {s}")
     for stage, tb in result["errors"].items():
@@ -495,27 +717,49 @@ def print_table(result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / ".e2e" /
-                                                                    "results")),
-                    help="where the JSON goes (default $OUT, else .e2e/results)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/vx/e2e"),
-                    help="scratch: assembled model dirs, server logs, a copy of the JSON")
-    ap.add_argument("--checkpoints", default=",".join(CHECKPOINTS),
-                    help=f"comma-separated, in run order (default {','.join(CHECKPOINTS)})")
-    ap.add_argument("--eager-for", default="exl3-4.0bpw,bf16",
-                    help="checkpoints also run with enforce_eager=True (TP=1)")
-    ap.add_argument("--serve", default="exl3-4.0bpw",
-                    help="checkpoint for the `vllm serve` check, or 'none' (TP=1)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", REPO / ".e2e" / "results")),
+        help="where the JSON goes (default $OUT, else .e2e/results)",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/vx/e2e"),
+        help="scratch: assembled model dirs, server logs, a copy of the JSON",
+    )
+    ap.add_argument(
+        "--checkpoints",
+        default=",".join(CHECKPOINTS),
+        help=f"comma-separated, in run order (default {','.join(CHECKPOINTS)})",
+    )
+    ap.add_argument(
+        "--eager-for",
+        default="exl3-4.0bpw,bf16",
+        help="checkpoints also run with enforce_eager=True (TP=1)",
+    )
+    ap.add_argument(
+        "--serve",
+        default="exl3-4.0bpw",
+        help="checkpoint for the `vllm serve` check, or 'none' (TP=1)",
+    )
     ap.add_argument("--tp", type=int, default=1, choices=(1, 2))
     ap.add_argument("--baseline", help="TP=1 JSON of an earlier run (with --tp 2)")
-    ap.add_argument("--budget-s", type=float, default=450,
-                    help="skip remaining stages that would not finish within this many seconds")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=450,
+        help="skip remaining stages that would not finish within this many seconds",
+    )
     args = ap.parse_args(argv)
     args.checkpoints = [c for c in args.checkpoints.split(",") if c]
     args.eager_for = {c for c in args.eager_for.split(",") if c}
     unknown = set(args.checkpoints) - set(CHECKPOINTS)
     if unknown:
-        ap.error(f"unknown checkpoints {sorted(unknown)}; known: {', '.join(CHECKPOINTS)}")
+        ap.error(
+            f"unknown checkpoints {sorted(unknown)}; known: {', '.join(CHECKPOINTS)}"
+        )
     for k, v in HOST_ENV.items():
         os.environ.setdefault(k, v)
     deadline = Deadline(args.budget_s)
@@ -525,20 +769,34 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     log(f"environment: {env}")
     windows = validation_windows()
-    result = run_tp1(args, windows, deadline) if args.tp == 1 else run_tp2(args, windows,
-                                                                            deadline)
-    result = {"environment": env, "seconds": round(time.monotonic() - t0, 1),
-              "settings": {"gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
-                           "max_model_len": MAX_MODEL_LEN, "probe_windows": PROBE_WINDOWS,
-                           "greedy": greedy_settings(), "host_env": HOST_ENV}, **result}
+    result = (
+        run_tp1(args, windows, deadline)
+        if args.tp == 1
+        else run_tp2(args, windows, deadline)
+    )
+    result = {
+        "environment": env,
+        "seconds": round(time.monotonic() - t0, 1),
+        "settings": {
+            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+            "max_model_len": MAX_MODEL_LEN,
+            "probe_windows": PROBE_WINDOWS,
+            "greedy": greedy_settings(),
+            "host_env": HOST_ENV,
+        },
+        **result,
+    }
     name = "fixture_e2e.json" if args.tp == 1 else f"fixture_e2e_tp{args.tp}.json"
     text = json.dumps(result, indent=1)
     (args.out / name).write_text(text)
     (args.work / name).write_text(text)
     print_table(result)
     log(f"wrote {args.out / name} ({result['seconds']} s)")
-    ok = all(c["pass"] for c in result["checks"]) and not result["skipped"] \
+    ok = (
+        all(c["pass"] for c in result["checks"])
+        and not result["skipped"]
         and not result["errors"]
+    )
     return 0 if ok else 1
 
 

@@ -39,16 +39,23 @@ import run_fixture_e2e as fx  # noqa: E402
 
 @dataclass(frozen=True)
 class MoEModel:
-    record: str  # ExLlamaV3's perplexity record, as the fixture set names it under logs/
+    record: (
+        str  # ExLlamaV3's perplexity record, as the fixture set names it under logs/
+    )
     conversions: tuple[str, ...]
     # The conversion dequantized to bf16 when the original is not at hand: the highest rate.
     twin_source: str
 
 
 MODELS = {
-    "qwen3moe-e16-tiny": MoEModel("ppl_exllamav3_moe_e16.json",
-                                  ("exl3-3.0bpw-mcg", "exl3-5.0bpw-mul1"), "exl3-5.0bpw-mul1"),
-    "dsv3-tiny": MoEModel("ppl_exllamav3_dsv3.json", ("exl3-4.0bpw-mcg",), "exl3-4.0bpw-mcg"),
+    "qwen3moe-e16-tiny": MoEModel(
+        "ppl_exllamav3_moe_e16.json",
+        ("exl3-3.0bpw-mcg", "exl3-5.0bpw-mul1"),
+        "exl3-5.0bpw-mul1",
+    ),
+    "dsv3-tiny": MoEModel(
+        "ppl_exllamav3_dsv3.json", ("exl3-4.0bpw-mcg",), "exl3-4.0bpw-mcg"
+    ),
 }
 ORIGINAL = "bf16"  # the original checkpoint's directory name in the fixture set
 DEQUANTIZED = "bf16-dequantized"
@@ -122,8 +129,10 @@ def assemble(src: Path, out: Path) -> list[str]:
         if missing:
             cfg.update(missing)
             cfg_path.write_text(json.dumps(cfg, indent=4))
-            notes.append("config.json: added " + ", ".join(f"{k}={v!r}"
-                                                           for k, v in missing.items()))
+            notes.append(
+                "config.json: added "
+                + ", ".join(f"{k}={v!r}" for k, v in missing.items())
+            )
     return notes
 
 
@@ -135,11 +144,22 @@ def dequantized_twin(src: Path, out: Path) -> None:
     from vllm_exl3.dequantize import dequantize
 
     shutil.rmtree(out, ignore_errors=True)
-    dequantize(src, out, dtype="bfloat16",
-               device="cuda" if torch.cuda.is_available() else "cpu", progress=False)
-    for f in src.iterdir():  # tokenizer and generation files, whatever dequantize left out
-        if f.is_file() and not (out / f.name).exists() and f.suffix != ".safetensors" \
-                and f.name != "quantization_config.json":
+    dequantize(
+        src,
+        out,
+        dtype="bfloat16",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        progress=False,
+    )
+    for (
+        f
+    ) in src.iterdir():  # tokenizer and generation files, whatever dequantize left out
+        if (
+            f.is_file()
+            and not (out / f.name).exists()
+            and f.suffix != ".safetensors"
+            and f.name != "quantization_config.json"
+        ):
             shutil.copy2(f, out / f.name)
 
 
@@ -148,12 +168,16 @@ class Checkpoint:
     label: str
     path: Path
     exl3: bool
-    recorded: dict | None  # ExLlamaV3's record this checkpoint's perplexity is set against
+    recorded: (
+        dict | None
+    )  # ExLlamaV3's record this checkpoint's perplexity is set against
     notes: list[str]
     twin_of: Path | None = None  # the EXL3 working copy a dequantized twin is made from
 
 
-def prepare(args: argparse.Namespace, model: str) -> tuple[list[Checkpoint], Checkpoint | None]:
+def prepare(
+    args: argparse.Namespace, model: str
+) -> tuple[list[Checkpoint], Checkpoint | None]:
     """The model's EXL3 working copies and its bf16 reference (None when not wanted); a
     dequantized reference is only planned here and made by `make_reference`."""
     spec = MODELS[model]
@@ -162,20 +186,35 @@ def prepare(args: argparse.Namespace, model: str) -> tuple[list[Checkpoint], Che
     for conv in spec.conversions:
         dst = args.work / "models" / model / conv
         notes = assemble(args.moe_dir / model / conv, dst)
-        convs.append(Checkpoint(label(model, conv), dst, True, recorded.get(conv), notes))
+        convs.append(
+            Checkpoint(label(model, conv), dst, True, recorded.get(conv), notes)
+        )
     if args.reference == "none":
         return convs, None
     original = args.moe_dir / model / ORIGINAL
     if (original / "config.json").is_file():
         dst = args.work / "models" / model / ORIGINAL
-        return convs, Checkpoint(label(model, ORIGINAL), dst, False, recorded.get(ORIGINAL),
-                                 assemble(original, dst))
+        return convs, Checkpoint(
+            label(model, ORIGINAL),
+            dst,
+            False,
+            recorded.get(ORIGINAL),
+            assemble(original, dst),
+        )
     dst = args.work / "models" / model / DEQUANTIZED
     source = next(c for c in convs if c.label == label(model, spec.twin_source))
     # Its perplexity is set against the source conversion's record (reported, not judged).
-    return convs, Checkpoint(label(model, DEQUANTIZED), dst, False, source.recorded,
-                             [f"dequantized from {spec.twin_source} (the original bf16 "
-                              f"checkpoint was not staged)"], twin_of=source.path)
+    return convs, Checkpoint(
+        label(model, DEQUANTIZED),
+        dst,
+        False,
+        source.recorded,
+        [
+            f"dequantized from {spec.twin_source} (the original bf16 "
+            f"checkpoint was not staged)"
+        ],
+        twin_of=source.path,
+    )
 
 
 def make_reference(ref: Checkpoint) -> bool:
@@ -186,8 +225,14 @@ def make_reference(ref: Checkpoint) -> bool:
     return True
 
 
-def run(args: argparse.Namespace, windows: list[list[int]], deadline: fx.Deadline) -> dict:
-    engine = {"attention_backend": args.attention_backend} if args.attention_backend else None
+def run(
+    args: argparse.Namespace, windows: list[list[int]], deadline: fx.Deadline
+) -> dict:
+    engine = (
+        {"attention_backend": args.attention_backend}
+        if args.attention_backend
+        else None
+    )
     runs: dict[str, dict] = {}
     skipped: list[str] = []
     errors: dict[str, str] = {}
@@ -195,15 +240,26 @@ def run(args: argparse.Namespace, windows: list[list[int]], deadline: fx.Deadlin
     reference_of: dict[str, str] = {}  # EXL3 label -> its model's bf16 reference label
 
     def progress() -> None:
-        fx.save_progress(getattr(args, "out", None), runs, errors, skipped, name="moe_e2e")
+        fx.save_progress(
+            getattr(args, "out", None), runs, errors, skipped, name="moe_e2e"
+        )
 
     def one(ckpt: Checkpoint) -> None:
         if not deadline.allows("default"):
             skipped.append(f"{ckpt.label} default (time budget)")
             return
-        default = fx.attempt(errors, f"{ckpt.label} default", fx.run_mode, ckpt.label,
-                             ckpt.path, windows, eager=False, tp=1, full_ppl=True,
-                             engine_args=engine)
+        default = fx.attempt(
+            errors,
+            f"{ckpt.label} default",
+            fx.run_mode,
+            ckpt.label,
+            ckpt.path,
+            windows,
+            eager=False,
+            tp=1,
+            full_ppl=True,
+            engine_args=engine,
+        )
         if default is None:
             return
         runs[ckpt.label] = {"default": default}
@@ -213,8 +269,18 @@ def run(args: argparse.Namespace, windows: list[list[int]], deadline: fx.Deadlin
         if not deadline.allows("eager"):
             skipped.append(f"{ckpt.label} eager (time budget)")
             return
-        eager = fx.attempt(errors, f"{ckpt.label} eager", fx.run_mode, ckpt.label, ckpt.path,
-                           windows, eager=True, tp=1, full_ppl=False, engine_args=engine)
+        eager = fx.attempt(
+            errors,
+            f"{ckpt.label} eager",
+            fx.run_mode,
+            ckpt.label,
+            ckpt.path,
+            windows,
+            eager=True,
+            tp=1,
+            full_ppl=False,
+            engine_args=engine,
+        )
         if eager is not None:
             runs[ckpt.label]["eager"] = eager
             progress()
@@ -234,17 +300,29 @@ def run(args: argparse.Namespace, windows: list[list[int]], deadline: fx.Deadlin
     serve = None
     serve_label = args.serve
     if serve_label == "auto":
-        serve_label = next((lb for lb, c in checkpoints.items() if c.exl3 and lb in runs), None)
+        serve_label = next(
+            (lb for lb, c in checkpoints.items() if c.exl3 and lb in runs), None
+        )
     if serve_label not in (None, "none"):
         if serve_label not in runs:
             skipped.append(f"serve {serve_label} (its offline run did not happen)")
         elif deadline.allows("serve"):
-            extra = ("--attention-backend", args.attention_backend) \
-                if args.attention_backend else ()
-            serve = fx.attempt(errors, f"serve {serve_label}", fx.serve_once, serve_label,
-                               checkpoints[serve_label].path, 1, args.work,
-                               min(fx.SERVE_READY_TIMEOUT_S,
-                                   deadline.remaining() - fx.SERVE_TAIL_S), extra)
+            extra = (
+                ("--attention-backend", args.attention_backend)
+                if args.attention_backend
+                else ()
+            )
+            serve = fx.attempt(
+                errors,
+                f"serve {serve_label}",
+                fx.serve_once,
+                serve_label,
+                checkpoints[serve_label].path,
+                1,
+                args.work,
+                min(fx.SERVE_READY_TIMEOUT_S, deadline.remaining() - fx.SERVE_TAIL_S),
+                extra,
+            )
         else:
             skipped.append(f"serve {serve_label} (time budget)")
     elif serve_label is None:
@@ -253,17 +331,29 @@ def run(args: argparse.Namespace, windows: list[list[int]], deadline: fx.Deadlin
     summary, checks = judge(runs, checkpoints, reference_of)
     if serve is not None:
         ok = "text" in serve and bool(serve["text"].strip())
-        fx.check(checks, f"serve {serve_label}: completions answered", float(ok), 1.0, ok)
+        fx.check(
+            checks, f"serve {serve_label}: completions answered", float(ok), 1.0, ok
+        )
         if ok:
             serve["offline_text"] = runs[serve_label]["default"]["offline_text"]
             serve["matches_offline"] = serve["text"] == serve["offline_text"]
     notes = {lb: c.notes for lb, c in checkpoints.items() if c.notes}
-    return {"summary": summary, "serve": serve, "checks": checks, "skipped": skipped,
-            "errors": errors, "notes": notes, "runs": runs}
+    return {
+        "summary": summary,
+        "serve": serve,
+        "checks": checks,
+        "skipped": skipped,
+        "errors": errors,
+        "notes": notes,
+        "runs": runs,
+    }
 
 
-def judge(runs: dict[str, dict], checkpoints: dict[str, Checkpoint],
-          reference_of: dict[str, str]) -> tuple[dict, list]:
+def judge(
+    runs: dict[str, dict],
+    checkpoints: dict[str, Checkpoint],
+    reference_of: dict[str, str],
+) -> tuple[dict, list]:
     checks: list[dict] = []
     summary: dict[str, dict] = {}
     for name, modes in runs.items():
@@ -271,13 +361,26 @@ def judge(runs: dict[str, dict], checkpoints: dict[str, Checkpoint],
         s: dict = {"ppl": d["ppl"], "scored": d["scored"]}
         if ckpt.recorded is not None:
             rec = ckpt.recorded
-            s.update(exllamav3_ppl=rec["ppl"], rel=fx.relative_difference(d["ppl"], rec["ppl"]),
-                     expected_scored=rec["scored_tokens"])
+            s.update(
+                exllamav3_ppl=rec["ppl"],
+                rel=fx.relative_difference(d["ppl"], rec["ppl"]),
+                expected_scored=rec["scored_tokens"],
+            )
             if ckpt.exl3:
-                fx.check(checks, f"{name}: ppl vs ExLlamaV3", s["rel"], fx.PPL_TOLERANCE,
-                         abs(s["rel"]) <= fx.PPL_TOLERANCE)
-            fx.check(checks, f"{name}: scored tokens", d["scored"], rec["scored_tokens"],
-                     d["scored"] == rec["scored_tokens"])
+                fx.check(
+                    checks,
+                    f"{name}: ppl vs ExLlamaV3",
+                    s["rel"],
+                    fx.PPL_TOLERANCE,
+                    abs(s["rel"]) <= fx.PPL_TOLERANCE,
+                )
+            fx.check(
+                checks,
+                f"{name}: scored tokens",
+                d["scored"],
+                rec["scored_tokens"],
+                d["scored"] == rec["scored_tokens"],
+            )
         elif ckpt.exl3:
             fx.check(checks, f"{name}: ExLlamaV3 record present", 0.0, 1.0, False)
         if "eager" in modes:
@@ -290,9 +393,14 @@ def judge(runs: dict[str, dict], checkpoints: dict[str, Checkpoint],
             continue
         for kind in ("prompt", "decode"):
             limit = max(fx.AGREEMENT_FACTOR * ref[kind]["mean_abs"], fx.AGREEMENT_FLOOR)
-            fx.check(checks, f"{name}: eager vs default mean |dlogprob| ({kind}) vs "
-                     f"{ref_name.split('/')[1]}'s", mine[kind]["mean_abs"], limit,
-                     mine[kind]["mean_abs"] <= limit)
+            fx.check(
+                checks,
+                f"{name}: eager vs default mean |dlogprob| ({kind}) vs "
+                f"{ref_name.split('/')[1]}'s",
+                mine[kind]["mean_abs"],
+                limit,
+                mine[kind]["mean_abs"] <= limit,
+            )
     return summary, checks
 
 
@@ -305,27 +413,59 @@ def print_table(result: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--moe-dir", type=Path, required=True,
-                    help="the staged MoE conversions (scripts/e2e/stage_fixtures.sh DEST)")
-    ap.add_argument("--models", default=",".join(MODELS),
-                    help=f"comma-separated, in run order (default {','.join(MODELS)})")
-    ap.add_argument("--reference", choices=("auto", "none"), default="auto",
-                    help="auto: each model's bf16 original when staged, else its dequantized "
-                         "twin; none: EXL3 runs only (eager agreement reported, not judged)")
-    ap.add_argument("--no-eager", dest="eager", action="store_false",
-                    help="skip the enforce_eager runs")
-    ap.add_argument("--serve", default="auto",
-                    help="MODEL/CHECKPOINT for the `vllm serve` check, 'auto' (the first EXL3 "
-                         "conversion run) or 'none'")
-    ap.add_argument("--attention-backend", default=None,
-                    help="vLLM attention backend for every engine (default: vLLM's choice)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", fx.REPO / ".e2e" /
-                                                                    "results")),
-                    help="where the JSON goes (default $OUT, else .e2e/results)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/vx/e2e-moe"),
-                    help="scratch: working copies, dequantized twins, server logs")
-    ap.add_argument("--budget-s", type=float, default=450,
-                    help="skip remaining stages that would not finish within this many seconds")
+    ap.add_argument(
+        "--moe-dir",
+        type=Path,
+        required=True,
+        help="the staged MoE conversions (scripts/e2e/stage_fixtures.sh DEST)",
+    )
+    ap.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated, in run order (default {','.join(MODELS)})",
+    )
+    ap.add_argument(
+        "--reference",
+        choices=("auto", "none"),
+        default="auto",
+        help="auto: each model's bf16 original when staged, else its dequantized "
+        "twin; none: EXL3 runs only (eager agreement reported, not judged)",
+    )
+    ap.add_argument(
+        "--no-eager",
+        dest="eager",
+        action="store_false",
+        help="skip the enforce_eager runs",
+    )
+    ap.add_argument(
+        "--serve",
+        default="auto",
+        help="MODEL/CHECKPOINT for the `vllm serve` check, 'auto' (the first EXL3 "
+        "conversion run) or 'none'",
+    )
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="vLLM attention backend for every engine (default: vLLM's choice)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", fx.REPO / ".e2e" / "results")),
+        help="where the JSON goes (default $OUT, else .e2e/results)",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/vx/e2e-moe"),
+        help="scratch: working copies, dequantized twins, server logs",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=450,
+        help="skip remaining stages that would not finish within this many seconds",
+    )
     args = ap.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
@@ -333,8 +473,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown models {unknown}; known: {', '.join(MODELS)}")
     known = {label(m, c) for m in args.models for c in MODELS[m].conversions}
     if args.serve not in ("auto", "none") and args.serve not in known:
-        ap.error(f"--serve {args.serve}: not an EXL3 conversion of --models "
-                 f"({', '.join(sorted(known))})")
+        ap.error(
+            f"--serve {args.serve}: not an EXL3 conversion of --models "
+            f"({', '.join(sorted(known))})"
+        )
     if not args.moe_dir.is_dir():
         ap.error(f"--moe-dir {args.moe_dir}: not a directory")
     return args
@@ -359,21 +501,31 @@ def main(argv: list[str] | None = None) -> int:
     fx.log(f"environment: {env}; staged files verified: {staged}")
     windows = fx.validation_windows()
     result = run(args, windows, deadline)
-    result = {"environment": env, "seconds": round(time.monotonic() - t0, 1),
-              "staged": staged,
-              "settings": {"gpu_memory_utilization": fx.GPU_MEMORY_UTILIZATION,
-                           "max_model_len": fx.MAX_MODEL_LEN,
-                           "probe_windows": fx.PROBE_WINDOWS, "greedy": fx.greedy_settings(),
-                           "attention_backend": args.attention_backend,
-                           "host_env": fx.HOST_ENV}, **result}
+    result = {
+        "environment": env,
+        "seconds": round(time.monotonic() - t0, 1),
+        "staged": staged,
+        "settings": {
+            "gpu_memory_utilization": fx.GPU_MEMORY_UTILIZATION,
+            "max_model_len": fx.MAX_MODEL_LEN,
+            "probe_windows": fx.PROBE_WINDOWS,
+            "greedy": fx.greedy_settings(),
+            "attention_backend": args.attention_backend,
+            "host_env": fx.HOST_ENV,
+        },
+        **result,
+    }
     name = result_name(args.models)
     text = json.dumps(result, indent=1)
     (args.out / name).write_text(text)
     (args.work / name).write_text(text)
     print_table(result)
     fx.log(f"wrote {args.out / name} ({result['seconds']} s)")
-    ok = all(c["pass"] for c in result["checks"]) and not result["skipped"] \
+    ok = (
+        all(c["pass"] for c in result["checks"])
+        and not result["skipped"]
         and not result["errors"]
+    )
     return 0 if ok else 1
 
 

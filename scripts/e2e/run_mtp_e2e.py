@@ -41,8 +41,12 @@ from run_moe_e2e import DEEPSEEK_V3_ROUTING, dequantized_twin  # noqa: E402
 # (qk_nope, qk_rope, v) = (128, 64, 128); the fixture's (64, 64, 64) with rank 128 runs on
 # neither.
 BASE_CONFIG = fx.REPO / "tests" / "fixtures" / "moe" / "dsv3-4.0bpw-mcg" / "config.json"
-MLA_DIMS = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-            "v_head_dim": 128}
+MLA_DIMS = {
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
 LAYERS = 2  # one dense and one MoE decoder layer, then the MTP layer
 BITS, MTP_BITS, CODEBOOK = 4, 4, "mcg"
 SEED = 11
@@ -56,8 +60,11 @@ GEN_TOKENS = 32
 MTP_SLACK = 0.1
 # An engine with a draft model compiles and captures graphs for both.
 STAGE_COST_S = {"plain": 75, "spec": 110}
-SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                "vllm:spec_decode_num_accepted_tokens")
+SPEC_METRICS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
 
 
 def mtp_config() -> dict:
@@ -77,8 +84,16 @@ def write_checkpoints(work: Path) -> tuple[Path, Path]:
 
     exl3, bf16 = work / "mtp-exl3", work / "mtp-bf16"
     shutil.rmtree(exl3, ignore_errors=True)
-    synth.write_checkpoint(mtp_config(), exl3, bits=BITS, codebook=CODEBOOK, mtp_bits=MTP_BITS,
-                           layers=LAYERS, mtp=True, seed=SEED)
+    synth.write_checkpoint(
+        mtp_config(),
+        exl3,
+        bits=BITS,
+        codebook=CODEBOOK,
+        mtp_bits=MTP_BITS,
+        layers=LAYERS,
+        mtp=True,
+        seed=SEED,
+    )
     for f in (fx.FIXTURES / "tokenizer").iterdir():
         shutil.copy2(f, exl3 / f.name)
     dequantized_twin(exl3, bf16)
@@ -88,9 +103,13 @@ def write_checkpoints(work: Path) -> tuple[Path, Path]:
     for f in bf16.glob("*.safetensors"):
         weights.update(load_file(f))
     mtp = f"model.layers.{LAYERS}"
-    extra = {f"{mtp}.embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
-             f"{mtp}.shared_head.head.weight": weights["lm_head.weight"].clone()}
-    save_file(extra, str(bf16 / "model-mtp-shared.safetensors"), metadata={"format": "pt"})
+    extra = {
+        f"{mtp}.embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+        f"{mtp}.shared_head.head.weight": weights["lm_head.weight"].clone(),
+    }
+    save_file(
+        extra, str(bf16 / "model-mtp-shared.safetensors"), metadata={"format": "pt"}
+    )
     index = bf16 / "model.safetensors.index.json"
     if index.is_file():
         doc = json.loads(index.read_text())
@@ -116,12 +135,19 @@ def spec_metrics(llm) -> dict:
     return out
 
 
-def generate(model_dir: Path, batch: list[list[int]], *, speculative: bool,
-             attention_backend: str | None) -> dict:
+def generate(
+    model_dir: Path,
+    batch: list[list[int]],
+    *,
+    speculative: bool,
+    attention_backend: str | None,
+) -> dict:
     """One engine (vLLM defaults): greedy continuations, with or without MTP speculation."""
     from vllm import SamplingParams
 
-    engine: dict = {"disable_log_stats": False}  # the spec-decode counters need the stats
+    engine: dict = {
+        "disable_log_stats": False
+    }  # the spec-decode counters need the stats
     if speculative:
         engine["speculative_config"] = dict(SPECULATIVE_CONFIG)
     if attention_backend:
@@ -130,16 +156,21 @@ def generate(model_dir: Path, batch: list[list[int]], *, speculative: bool,
     llm = fx.make_llm(model_dir, eager=False, tp=1, engine_args=engine)
     out: dict = {"speculative": speculative, "start_s": round(time.monotonic() - t0, 1)}
     try:
-        params = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True,
-                                detokenize=False)
-        res = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        params = SamplingParams(
+            max_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False
+        )
+        res = llm.generate(
+            [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False
+        )
         out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
         out["metrics"] = spec_metrics(llm)
     finally:
         free_llm(llm)
     out["total_s"] = round(time.monotonic() - t0, 1)
-    fx.log(f"{model_dir.name} speculative={speculative}: start {out['start_s']} s, "
-           f"total {out['total_s']} s, {out['metrics']}")
+    fx.log(
+        f"{model_dir.name} speculative={speculative}: start {out['start_s']} s, "
+        f"total {out['total_s']} s, {out['metrics']}"
+    )
     return out
 
 
@@ -153,8 +184,12 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / total if total else 1.0
 
 
-def run(args: argparse.Namespace, batch: list[list[int]], models: dict[str, Path],
-        deadline: fx.Deadline) -> dict:
+def run(
+    args: argparse.Namespace,
+    batch: list[list[int]],
+    models: dict[str, Path],
+    deadline: fx.Deadline,
+) -> dict:
     runs: dict[str, dict] = {}
     skipped: list[str] = []
     errors: dict[str, str] = {}
@@ -164,15 +199,28 @@ def run(args: argparse.Namespace, batch: list[list[int]], models: dict[str, Path
             if not deadline.allows(stage):
                 skipped.append(f"{key} (time budget)")
                 continue
-            got = fx.attempt(errors, key, generate, path, batch, speculative=speculative,
-                             attention_backend=args.attention_backend)
+            got = fx.attempt(
+                errors,
+                key,
+                generate,
+                path,
+                batch,
+                speculative=speculative,
+                attention_backend=args.attention_backend,
+            )
             if got is not None:
                 runs.setdefault(kind, {})[stage] = got
-                fx.save_progress(getattr(args, "out", None), runs, errors, skipped,
-                                 name="mtp_e2e")
+                fx.save_progress(
+                    getattr(args, "out", None), runs, errors, skipped, name="mtp_e2e"
+                )
     summary, checks = judge(runs)
-    return {"summary": summary, "checks": checks, "skipped": skipped, "errors": errors,
-            "runs": runs}
+    return {
+        "summary": summary,
+        "checks": checks,
+        "skipped": skipped,
+        "errors": errors,
+        "runs": runs,
+    }
 
 
 def judge(runs: dict[str, dict]) -> tuple[dict, list]:
@@ -182,18 +230,27 @@ def judge(runs: dict[str, dict]) -> tuple[dict, list]:
         if "plain" not in stages or "spec" not in stages:
             continue
         plain, spec = stages["plain"]["tokens"], stages["spec"]["tokens"]
-        s = {"continuations": continuation_agreement(plain, spec),
-             "token_agreement": token_agreement(plain, spec),
-             "spec_metrics": stages["spec"].get("metrics", {})}
+        s = {
+            "continuations": continuation_agreement(plain, spec),
+            "token_agreement": token_agreement(plain, spec),
+            "spec_metrics": stages["spec"].get("metrics", {}),
+        }
         drafts = s["spec_metrics"].get("spec_decode_num_drafts")
         if drafts is not None:
-            fx.check(checks, f"{kind}: speculation drafted tokens", drafts, 1, drafts >= 1)
+            fx.check(
+                checks, f"{kind}: speculation drafted tokens", drafts, 1, drafts >= 1
+            )
         summary[kind] = s
     if "exl3" in summary and "bf16" in summary:
         mine = summary["exl3"]["continuations"]["matched_fraction"]
         limit = summary["bf16"]["continuations"]["matched_fraction"] - MTP_SLACK
-        fx.check(checks, "exl3: speculative vs plain greedy matched fraction vs bf16's", mine,
-                 limit, mine >= limit)
+        fx.check(
+            checks,
+            "exl3: speculative vs plain greedy matched fraction vs bf16's",
+            mine,
+            limit,
+            mine >= limit,
+        )
     return summary, checks
 
 
@@ -201,13 +258,17 @@ def print_table(result: dict) -> None:
     print()
     for kind, s in result["summary"].items():
         c, m = s["continuations"], s["spec_metrics"]
-        print(f"{kind:5s} speculative vs plain: identical {c['identical']}/{c['count']}, "
-              f"matched {c['matched_fraction']:.3f}, tokens {s['token_agreement']:.3f}; "
-              f"drafts {m.get('spec_decode_num_drafts')}, accepted "
-              f"{m.get('spec_decode_num_accepted_tokens')}")
+        print(
+            f"{kind:5s} speculative vs plain: identical {c['identical']}/{c['count']}, "
+            f"matched {c['matched_fraction']:.3f}, tokens {s['token_agreement']:.3f}; "
+            f"drafts {m.get('spec_decode_num_drafts')}, accepted "
+            f"{m.get('spec_decode_num_accepted_tokens')}"
+        )
     for c in result["checks"]:
-        print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['value']:.6g} "
-              f"(limit {c['limit']:.6g})")
+        print(
+            f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['value']:.6g} "
+            f"(limit {c['limit']:.6g})"
+        )
     for s in result["skipped"]:
         print(f"  SKIPPED {s}")
     for stage, tb in result["errors"].items():
@@ -216,17 +277,34 @@ def print_table(result: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", fx.REPO / ".e2e" /
-                                                                    "results")),
-                    help="where the JSON goes (default $OUT, else .e2e/results)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/vx/e2e-mtp"),
-                    help="scratch: the synthetic checkpoints")
-    ap.add_argument("--models", default="exl3,bf16",
-                    help="which of exl3,bf16 to run, in order (default both)")
-    ap.add_argument("--attention-backend", default=None,
-                    help="vLLM attention backend for every engine (default: vLLM's choice)")
-    ap.add_argument("--budget-s", type=float, default=450,
-                    help="skip remaining stages that would not finish within this many seconds")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", fx.REPO / ".e2e" / "results")),
+        help="where the JSON goes (default $OUT, else .e2e/results)",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/vx/e2e-mtp"),
+        help="scratch: the synthetic checkpoints",
+    )
+    ap.add_argument(
+        "--models",
+        default="exl3,bf16",
+        help="which of exl3,bf16 to run, in order (default both)",
+    )
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="vLLM attention backend for every engine (default: vLLM's choice)",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=450,
+        help="skip remaining stages that would not finish within this many seconds",
+    )
     args = ap.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     if not args.models or set(args.models) - {"exl3", "bf16"}:
@@ -248,21 +326,38 @@ def main(argv: list[str] | None = None) -> int:
     fx.log(f"checkpoints written ({time.monotonic() - t0:.1f} s)")
     paths = {"exl3": exl3, "bf16": bf16}
     result = run(args, prompts(), {m: paths[m] for m in args.models}, deadline)
-    result = {"environment": env, "seconds": round(time.monotonic() - t0, 1),
-              "settings": {"config": mtp_config(), "layers": LAYERS, "bits": BITS,
-                           "mtp_bits": MTP_BITS, "codebook": CODEBOOK, "seed": SEED,
-                           "speculative_config": SPECULATIVE_CONFIG, "prompts": PROMPTS,
-                           "prompt_tokens": PROMPT_TOKENS, "gen_tokens": GEN_TOKENS,
-                           "slack": MTP_SLACK, "attention_backend": args.attention_backend,
-                           "gpu_memory_utilization": fx.GPU_MEMORY_UTILIZATION,
-                           "max_model_len": fx.MAX_MODEL_LEN, "host_env": fx.HOST_ENV},
-              **result}
+    result = {
+        "environment": env,
+        "seconds": round(time.monotonic() - t0, 1),
+        "settings": {
+            "config": mtp_config(),
+            "layers": LAYERS,
+            "bits": BITS,
+            "mtp_bits": MTP_BITS,
+            "codebook": CODEBOOK,
+            "seed": SEED,
+            "speculative_config": SPECULATIVE_CONFIG,
+            "prompts": PROMPTS,
+            "prompt_tokens": PROMPT_TOKENS,
+            "gen_tokens": GEN_TOKENS,
+            "slack": MTP_SLACK,
+            "attention_backend": args.attention_backend,
+            "gpu_memory_utilization": fx.GPU_MEMORY_UTILIZATION,
+            "max_model_len": fx.MAX_MODEL_LEN,
+            "host_env": fx.HOST_ENV,
+        },
+        **result,
+    }
     text = json.dumps(result, indent=1)
     (args.out / "mtp_e2e.json").write_text(text)
     print_table(result)
     fx.log(f"wrote {args.out / 'mtp_e2e.json'} ({result['seconds']} s)")
-    ok = all(c["pass"] for c in result["checks"]) and not result["skipped"] \
-        and not result["errors"] and len(result["summary"]) == len(args.models)
+    ok = (
+        all(c["pass"] for c in result["checks"])
+        and not result["skipped"]
+        and not result["errors"]
+        and len(result["summary"]) == len(args.models)
+    )
     return 0 if ok else 1
 
 

@@ -34,7 +34,9 @@ INPUT_LEN = 512
 OUTPUT_LEN = 256
 # An 8B model at bf16 is 16 GB; half the H200 leaves ample KV cache for 64 x 768 tokens.
 GPU_MEMORY_UTILIZATION = 0.5
-WARMUP_TOKENS = 8  # one short request per engine first: lazy initialisation stays out of timings
+WARMUP_TOKENS = (
+    8  # one short request per engine first: lazy initialisation stays out of timings
+)
 # Seconds assumed for one engine (start-up with compile + graph capture of an 8B model, plus the
 # passes) when deciding whether the next one still fits the budget.
 ENGINE_COST_S = 180
@@ -60,7 +62,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def ensure_checkpoint(target: Path, layers: int | None, bits: float, codebook: str) -> Path:
+def ensure_checkpoint(
+    target: Path, layers: int | None, bits: float, codebook: str
+) -> Path:
     """The synthetic checkpoint at `target`: reuse it, wait for a writer already at work on it
     (a background --write-only), or write it (into target.partial, renamed when complete)."""
     partial = target.with_name(target.name + ".partial")
@@ -102,49 +106,80 @@ def bf16_dir(exl3_dir: Path, work: Path) -> Path:
 def make_llm(model_dir: Path, *, dummy: bool, max_len: int, max_seqs: int):
     from vllm import LLM
 
-    return LLM(model=str(model_dir), skip_tokenizer_init=True,
-               load_format="dummy" if dummy else "auto", max_model_len=max_len,
-               max_num_seqs=max_seqs, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-               enable_prefix_caching=False, disable_log_stats=False, seed=0)
+    return LLM(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        load_format="dummy" if dummy else "auto",
+        max_model_len=max_len,
+        max_num_seqs=max_seqs,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        seed=0,
+    )
 
 
 def prompts(rng: random.Random, count: int, length: int, vocab: int) -> list[dict]:
-    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]}
-            for _ in range(count)]
+    return [
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]}
+        for _ in range(count)
+    ]
 
 
 def measure(llm, batch: list[dict], output_len: int) -> dict:
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True,
-                            temperature=0.0, detokenize=False)
+    params = SamplingParams(
+        max_tokens=output_len,
+        min_tokens=output_len,
+        ignore_eos=True,
+        temperature=0.0,
+        detokenize=False,
+    )
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     if tokens != output_len * len(batch):
-        raise RuntimeError(f"generated {tokens} tokens, expected {output_len} x {len(batch)}")
+        raise RuntimeError(
+            f"generated {tokens} tokens, expected {output_len} x {len(batch)}"
+        )
     tpots, ttfts = [], []
     for o in outs:
         m = o.metrics
-        if m is not None and getattr(m, "last_token_ts", 0) and m.num_generation_tokens > 1:
-            tpots.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+        if (
+            m is not None
+            and getattr(m, "last_token_ts", 0)
+            and m.num_generation_tokens > 1
+        ):
+            tpots.append(
+                (m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1)
+            )
             ttfts.append(m.first_token_latency)
-    out = {"concurrency": len(batch), "elapsed_s": elapsed, "output_tokens": tokens,
-           "output_tok_s": tokens / elapsed,
-           # Upper bound of TPOT when vLLM gives no per-request timestamps (includes prefill).
-           "wall_ms_per_step": 1e3 * elapsed / output_len}
+    out = {
+        "concurrency": len(batch),
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / elapsed,
+        # Upper bound of TPOT when vLLM gives no per-request timestamps (includes prefill).
+        "wall_ms_per_step": 1e3 * elapsed / output_len,
+    }
     if tpots:
         out["tpot_ms"] = 1e3 * sum(tpots) / len(tpots)
         out["ttft_ms"] = 1e3 * sum(ttfts) / len(ttfts)
     return out
 
 
-def run_model(label: str, model_dir: Path, *, dummy: bool, args: argparse.Namespace,
-              vocab: int) -> dict:
+def run_model(
+    label: str, model_dir: Path, *, dummy: bool, args: argparse.Namespace, vocab: int
+) -> dict:
     t0 = time.monotonic()
-    llm = make_llm(model_dir, dummy=dummy, max_len=args.input_len + args.output_len + 16,
-                   max_seqs=max(args.concurrency))
+    llm = make_llm(
+        model_dir,
+        dummy=dummy,
+        max_len=args.input_len + args.output_len + 16,
+        max_seqs=max(args.concurrency),
+    )
     result: dict = {"start_s": round(time.monotonic() - t0, 1), "runs": []}
     try:
         rng = random.Random(0)
@@ -153,11 +188,15 @@ def run_model(label: str, model_dir: Path, *, dummy: bool, args: argparse.Namesp
             # Repeats follow each other in the same engine, so a one-time cost (the first batch
             # of a new size) shows as the first repeat alone being slow.
             for rep in range(args.repeat):
-                r = measure(llm, prompts(rng, c, args.input_len, vocab), args.output_len)
+                r = measure(
+                    llm, prompts(rng, c, args.input_len, vocab), args.output_len
+                )
                 r["repeat"] = rep
-                log(f"{label} c={c} #{rep}: {r['output_tok_s']:.0f} tok/s, TPOT "
+                log(
+                    f"{label} c={c} #{rep}: {r['output_tok_s']:.0f} tok/s, TPOT "
                     f"{r.get('tpot_ms', float('nan')):.2f} ms, TTFT "
-                    f"{r.get('ttft_ms', float('nan')):.1f} ms")
+                    f"{r.get('ttft_ms', float('nan')):.1f} ms"
+                )
                 result["runs"].append(r)
     finally:
         free_llm(llm)
@@ -166,11 +205,15 @@ def run_model(label: str, model_dir: Path, *, dummy: bool, args: argparse.Namesp
 
 
 def print_table(models: dict[str, dict]) -> None:
-    print(f"\n{'model':8s} {'conc':>5s} {'out tok/s':>10s} {'TPOT ms':>8s} {'TTFT ms':>8s}")
+    print(
+        f"\n{'model':8s} {'conc':>5s} {'out tok/s':>10s} {'TPOT ms':>8s} {'TTFT ms':>8s}"
+    )
     for label, m in models.items():
         for r in m.get("runs", []):
-            print(f"{label:8s} {r['concurrency']:5d} {r['output_tok_s']:10.0f} "
-                  f"{r.get('tpot_ms', float('nan')):8.2f} {r.get('ttft_ms', float('nan')):8.1f}")
+            print(
+                f"{label:8s} {r['concurrency']:5d} {r['output_tok_s']:10.0f} "
+                f"{r.get('tpot_ms', float('nan')):8.2f} {r.get('ttft_ms', float('nan')):8.1f}"
+            )
     if "exl3" in models and "bf16" in models:
         for a, b in zip(models["exl3"]["runs"], models["bf16"]["runs"]):
             ratio = a["output_tok_s"] / b["output_tok_s"]
@@ -179,25 +222,53 @@ def print_table(models: dict[str, dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / ".e2e" /
-                                                                    "results")))
-    ap.add_argument("--work", type=Path, default=Path("/tmp/vx/throughput"),
-                    help="where the synthetic checkpoint and the bf16 config are written")
-    ap.add_argument("--layers", type=int, default=None,
-                    help=f"decoder layers (default: all of {PRESET}'s 36); fewer to fit a budget")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", REPO / ".e2e" / "results")),
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/vx/throughput"),
+        help="where the synthetic checkpoint and the bf16 config are written",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"decoder layers (default: all of {PRESET}'s 36); fewer to fit a budget",
+    )
     ap.add_argument("--bits", type=float, default=4.0)
-    ap.add_argument("--codebook", default="mul1", choices=("3inst", "mcg", "mul1"),
-                    help="mul1: ExLlamaV3 1.6.5's default")
+    ap.add_argument(
+        "--codebook",
+        default="mul1",
+        choices=("3inst", "mcg", "mul1"),
+        help="mul1: ExLlamaV3 1.6.5's default",
+    )
     ap.add_argument("--input-len", type=int, default=INPUT_LEN)
     ap.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="measure each concurrency this many times in a row (same engine)")
-    ap.add_argument("--models", default="exl3,bf16", help="which of exl3,bf16 to run, in order")
-    ap.add_argument("--write-only", action="store_true",
-                    help="write the synthetic checkpoint and exit (no vLLM needed)")
-    ap.add_argument("--budget-s", type=float, default=540,
-                    help="skip an engine that would not finish within this many seconds")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure each concurrency this many times in a row (same engine)",
+    )
+    ap.add_argument(
+        "--models", default="exl3,bf16", help="which of exl3,bf16 to run, in order"
+    )
+    ap.add_argument(
+        "--write-only",
+        action="store_true",
+        help="write the synthetic checkpoint and exit (no vLLM needed)",
+    )
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=540,
+        help="skip an engine that would not finish within this many seconds",
+    )
     args = ap.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
     if args.repeat < 1:
@@ -208,8 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     end = time.monotonic() + args.budget_s
     t0 = time.monotonic()
     args.work.mkdir(parents=True, exist_ok=True)
-    exl3 = ensure_checkpoint(checkpoint_dir(args.work, args.layers, args.bits, args.codebook),
-                             args.layers, args.bits, args.codebook)
+    exl3 = ensure_checkpoint(
+        checkpoint_dir(args.work, args.layers, args.bits, args.codebook),
+        args.layers,
+        args.bits,
+        args.codebook,
+    )
     if args.write_only:
         return 0
     for k, v in HOST_ENV.items():
@@ -227,11 +302,20 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import vllm
 
-    record = {"preset": PRESET, "layers": args.layers or "all", "bits": args.bits,
-              "codebook": args.codebook, "input_len": args.input_len,
-              "output_len": args.output_len, "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
-              "vllm": vllm.__version__, "torch": torch.__version__, "models": results,
-              "skipped": skipped, "seconds": round(time.monotonic() - t0, 1)}
+    record = {
+        "preset": PRESET,
+        "layers": args.layers or "all",
+        "bits": args.bits,
+        "codebook": args.codebook,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "models": results,
+        "skipped": skipped,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "throughput.json").write_text(json.dumps(record, indent=1))
     print_table(results)

@@ -22,11 +22,13 @@ WINDOW = 512
 def split_windows(ids: Sequence[int], window: int = WINDOW) -> list[list[int]]:
     """Non-overlapping windows of `window` ids; the last partial window is dropped."""
     if window < 2:
-        raise ValueError(f"window must hold a context token and a scored token, got {window}")
+        raise ValueError(
+            f"window must hold a context token and a scored token, got {window}"
+        )
     count = len(ids) // window
     if count == 0:
         raise ValueError(f"{len(ids)} tokens do not fill one {window}-token window")
-    return [list(ids[i * window:(i + 1) * window]) for i in range(count)]
+    return [list(ids[i * window : (i + 1) * window]) for i in range(count)]
 
 
 def _logprob_value(entry: Any) -> float:
@@ -34,20 +36,25 @@ def _logprob_value(entry: Any) -> float:
     return float(entry.logprob if hasattr(entry, "logprob") else entry)
 
 
-def next_token_logprobs(window: Sequence[int],
-                        prompt_logprobs: Sequence[Mapping[int, Any] | None]) -> list[float]:
+def next_token_logprobs(
+    window: Sequence[int], prompt_logprobs: Sequence[Mapping[int, Any] | None]
+) -> list[float]:
     """The logprob of the actual token at positions 1..len-1 of `window` (position 0 is context
     only). `prompt_logprobs[p]` maps token id -> logprob of position p given tokens < p, as vLLM
     returns them (None at position 0)."""
     if len(prompt_logprobs) != len(window):
-        raise ValueError(f"{len(prompt_logprobs)} prompt logprob positions for a "
-                         f"{len(window)}-token window (expected one per token)")
+        raise ValueError(
+            f"{len(prompt_logprobs)} prompt logprob positions for a "
+            f"{len(window)}-token window (expected one per token)"
+        )
     out = []
     for pos in range(1, len(window)):
         entry, token = prompt_logprobs[pos], window[pos]
         if entry is None or token not in entry:
-            raise ValueError(f"position {pos}: no logprob for the actual token {token} "
-                             f"(have {None if entry is None else sorted(entry)[:8]})")
+            raise ValueError(
+                f"position {pos}: no logprob for the actual token {token} "
+                f"(have {None if entry is None else sorted(entry)[:8]})"
+            )
         value = _logprob_value(entry[token])
         if not math.isfinite(value):
             raise ValueError(f"position {pos}: logprob of token {token} is {value}")

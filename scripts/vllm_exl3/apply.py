@@ -33,22 +33,32 @@ def _print_report(tree: TargetTree, series: Series, plan: Plan) -> None:
     print(f"tree: {tree.describe}")
     print(f"series: {series.root}")
     added = sum(1 for w in plan.writes if w.origin.startswith(("overlay/", "csrc/")))
-    print(f"overlay + csrc: {added} file(s) to add, {len(plan.identical)} already identical")
+    print(
+        f"overlay + csrc: {added} file(s) to add, {len(plan.identical)} already identical"
+    )
     for s in plan.skipped_sources:
         print(f"  skipped {s}")
     if not plan.patches:
         print("patches: none in the series")
     for v in plan.patches:
-        state = "applies" if v.applies else ("ALREADY APPLIED" if v.already_applied else "FAILS")
+        state = (
+            "applies"
+            if v.applies
+            else ("ALREADY APPLIED" if v.already_applied else "FAILS")
+        )
         print(f"patch {v.name}: {state}  ({v.subject})")
         for fv in v.files:
             if fv.skipped:
                 print(f"    {fv.path}: skipped ({fv.skipped})")
                 continue
-            print(f"    {fv.path}: " + ("applies" if fv.applies else
-                                        "MISSING" if fv.missing else "FAILS"))
+            print(
+                f"    {fv.path}: "
+                + ("applies" if fv.applies else "MISSING" if fv.missing else "FAILS")
+            )
             for i, h in enumerate(fv.hunks, 1):
-                where = h.header.split(" @@", 1)[0] + " @@"  # drop git's function context
+                where = (
+                    h.header.split(" @@", 1)[0] + " @@"
+                )  # drop git's function context
                 print(f"      hunk {i} {where}: {'applies' if h.applies else 'FAILS'}")
 
 
@@ -69,8 +79,15 @@ def apply_onto(root: Path, series: Series) -> tuple[TargetTree, Plan]:
     reasons = tree.problems + plan.problems
     if reasons:
         raise _refuse(tree, reasons)
-    record_and_write(tree.root, plan, series.fingerprint(tree.kind), tree.kind, tree.version,
-                     f"{series.root} @ {git_label(series.root) or 'no git'}", current)
+    record_and_write(
+        tree.root,
+        plan,
+        series.fingerprint(tree.kind),
+        tree.kind,
+        tree.version,
+        f"{series.root} @ {git_label(series.root) or 'no git'}",
+        current,
+    )
     return tree, plan
 
 
@@ -103,14 +120,18 @@ def _run_locked(args: argparse.Namespace) -> int:
 
     if args.revert:
         if state is None:
-            print(f"{tree.root}: no vllm-exl3 application recorded ({STATE_DIR}/ absent); "
-                  "nothing to revert")
+            print(
+                f"{tree.root}: no vllm-exl3 application recorded ({STATE_DIR}/ absent); "
+                "nothing to revert"
+            )
             return 0
         notes = state.revert(force=args.force)
         for n in notes:
             print(f"  note: {n}")
-        print(f"reverted {len(state.entries)} file(s) in {tree.root}; the tree is as before "
-              f"the application of {state.applied_at}")
+        print(
+            f"reverted {len(state.entries)} file(s) in {tree.root}; the tree is as before "
+            f"the application of {state.applied_at}"
+        )
         return 0
 
     current = reader_for(tree.root)
@@ -118,12 +139,17 @@ def _run_locked(args: argparse.Namespace) -> int:
     if state is not None:
         changed = state.changed_since()
         if state.series == fp and not changed:
-            print(f"{tree.root}: this series is already applied ({len(state.entries)} files, "
-                  f"{state.applied_at}); nothing to do")
+            print(
+                f"{tree.root}: this series is already applied ({len(state.entries)} files, "
+                f"{state.applied_at}); nothing to do"
+            )
             return 0
         if not args.replace and not args.check:
-            why = (f"files written by it were changed since: {'; '.join(changed)}" if changed
-                   else "it is a different series (overlay, csrc or patches changed)")
+            why = (
+                f"files written by it were changed since: {'; '.join(changed)}"
+                if changed
+                else "it is a different series (overlay, csrc or patches changed)"
+            )
             raise ToolError(
                 f"{tree.root} holds an earlier vllm-exl3 application ({state.source}, "
                 f"{state.applied_at}); {why}. Use --replace to revert it and apply this one, "
@@ -141,14 +167,18 @@ def _run_locked(args: argparse.Namespace) -> int:
     if args.check:
         _print_report(tree, series, plan)
         if state is not None:
-            print(f"note: {tree.root} holds an earlier application ({state.applied_at}); this "
-                  "check is against the tree as it was before it (what --replace would do)")
+            print(
+                f"note: {tree.root} holds an earlier application ({state.applied_at}); this "
+                "check is against the tree as it was before it (what --replace would do)"
+            )
         if reasons:
             print(f"\nthe series does NOT apply: {len(reasons)} problem(s):")
             for r in reasons:
                 print(f"  - {r}")
             return 1
-        print(f"\nthe series applies cleanly: {len(plan.writes)} file(s) would be written")
+        print(
+            f"\nthe series applies cleanly: {len(plan.writes)} file(s) would be written"
+        )
         _print_writes(plan)
         return 0
     if reasons:
@@ -156,7 +186,9 @@ def _run_locked(args: argparse.Namespace) -> int:
 
     if state is not None:
         state.revert(force=args.force)
-        print(f"reverted the earlier application ({state.applied_at}, {len(state.entries)} files)")
+        print(
+            f"reverted the earlier application ({state.applied_at}, {len(state.entries)} files)"
+        )
     for s in plan.skipped_sources:
         print(f"skipped {s}")
     for v in plan.patches:
@@ -164,11 +196,20 @@ def _run_locked(args: argparse.Namespace) -> int:
             if fv.skipped:
                 print(f"skipped {v.name}: {fv.path} ({fv.skipped})")
     label = git_label(series.root) or "no git"
-    record_and_write(tree.root, plan, fp, tree.kind, tree.version,
-                     f"{series.root} @ {label}", current)
+    record_and_write(
+        tree.root,
+        plan,
+        fp,
+        tree.kind,
+        tree.version,
+        f"{series.root} @ {label}",
+        current,
+    )
     _print_writes(plan)
-    print(f"applied onto {tree.describe}: {len(plan.writes)} file(s) written, "
-          f"{len(plan.patches)} patch(es); record in {tree.root / STATE_DIR}")
+    print(
+        f"applied onto {tree.describe}: {len(plan.writes)} file(s) written, "
+        f"{len(plan.patches)} patch(es); record in {tree.root / STATE_DIR}"
+    )
     return 0
 
 
@@ -187,17 +228,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("tree", type=Path, help="vLLM tree: unpacked sdist or site-packages")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true",
-                      help="dry run: report per patch, file and hunk whether it applies")
-    mode.add_argument("--revert", action="store_true",
-                      help="undo a recorded application (refuses if files we wrote were "
-                      "changed since, unless --force)")
-    mode.add_argument("--replace", action="store_true",
-                      help="revert an earlier application (possibly of another series), then "
-                      "apply this one")
-    p.add_argument("--force", action="store_true",
-                   help="with --revert/--replace: restore even files changed since we wrote them")
-    p.add_argument("--series", type=Path, default=ROOT,
-                   help="repository root holding overlay/, csrc/, patches/ "
-                   "(default: this checkout)")
+    mode.add_argument(
+        "--check",
+        action="store_true",
+        help="dry run: report per patch, file and hunk whether it applies",
+    )
+    mode.add_argument(
+        "--revert",
+        action="store_true",
+        help="undo a recorded application (refuses if files we wrote were "
+        "changed since, unless --force)",
+    )
+    mode.add_argument(
+        "--replace",
+        action="store_true",
+        help="revert an earlier application (possibly of another series), then "
+        "apply this one",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --revert/--replace: restore even files changed since we wrote them",
+    )
+    p.add_argument(
+        "--series",
+        type=Path,
+        default=ROOT,
+        help="repository root holding overlay/, csrc/, patches/ "
+        "(default: this checkout)",
+    )
     p.set_defaults(func=run)

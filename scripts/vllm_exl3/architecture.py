@@ -49,9 +49,13 @@ class LinearSlot:
     tp: str  # COLUMN / ROW / REPLICATED / VOCAB
     fused: str  # the vLLM module it is loaded into (itself when not fused)
     quantized: bool = True  # False: stored as fp16 `.weight` (routers, kv_b_proj, ...)
-    bits_key: str = "bits"  # which quantization_config rate applies: bits / head_bits / mtp_bits
+    bits_key: str = (
+        "bits"  # which quantization_config rate applies: bits / head_bits / mtp_bits
+    )
     has_bias: bool = False
-    heads: int | None = None  # head count a column split must divide (attention projections)
+    heads: int | None = (
+        None  # head count a column split must divide (attention projections)
+    )
     kv_heads: int | None = None  # for k/v: vLLM replicates kv heads when tp > kv_heads
 
     @property
@@ -80,8 +84,9 @@ class ModelPlan:
         self.linears.append(slot)
         self.modules.append(slot.name)
 
-    def add_plain(self, name: str, shape: tuple[int, ...], kind: str,
-                  module: str | None = None) -> None:
+    def add_plain(
+        self, name: str, shape: tuple[int, ...], kind: str, module: str | None = None
+    ) -> None:
         module = module or name.rpartition(".")[0]
         self.plain.append(PlainTensor(name, tuple(shape), module, kind))
         if module not in self.modules:
@@ -99,10 +104,15 @@ GATED_DELTA_NET_TYPES = ("qwen3_next",)
 # width = intermediate_size.
 MIXTRAL_TYPES = ("mixtral",)
 
-_EXPERT = re.compile(r"^(?P<mlp>.+)\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_EXPERT = re.compile(
+    r"^(?P<mlp>.+)\.experts\.\d+\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$"
+)
 _FUSED_SIBLINGS = {
-    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
 }
 
 
@@ -115,9 +125,13 @@ def linear_role(name: str, config: dict | None = None) -> tuple[str, str]:
     m = _EXPERT.match(name)
     if m:
         proj = m.group("proj")
-        return (ROW if proj in ("down_proj", "w2") else COLUMN), f"{m.group('mlp')}.experts"
+        return (
+            ROW if proj in ("down_proj", "w2") else COLUMN
+        ), f"{m.group('mlp')}.experts"
     parent, _, leaf = name.rpartition(".")
-    if leaf.isdigit() and parent.endswith(".slice"):  # ExLlamaV3 slices of a huge dense MLP
+    if leaf.isdigit() and parent.endswith(
+        ".slice"
+    ):  # ExLlamaV3 slices of a huge dense MLP
         parent, _, leaf = parent[: -len(".slice")].rpartition(".")
     if name == "lm_head" or leaf == "lm_head":
         return VOCAB, name
@@ -145,38 +159,105 @@ def _mlp(plan: ModelPlan, prefix: str, hidden: int, inter: int, bits_key: str) -
     for width, sfx in zip(widths, names):
         for proj in ("gate_proj", "up_proj"):
             name = f"{prefix}.{proj}{sfx}"
-            plan.add_linear(LinearSlot(name, hidden, width, COLUMN, linear_role(name)[1],
-                                       bits_key=bits_key))
+            plan.add_linear(
+                LinearSlot(
+                    name, hidden, width, COLUMN, linear_role(name)[1], bits_key=bits_key
+                )
+            )
     for width, sfx in zip(widths, names):
-        plan.add_linear(LinearSlot(f"{prefix}.down_proj{sfx}", width, hidden, ROW,
-                                   f"{prefix}.down_proj{sfx}", bits_key=bits_key))
+        plan.add_linear(
+            LinearSlot(
+                f"{prefix}.down_proj{sfx}",
+                width,
+                hidden,
+                ROW,
+                f"{prefix}.down_proj{sfx}",
+                bits_key=bits_key,
+            )
+        )
 
 
-def _attention(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str) -> None:
+def _attention(
+    plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str
+) -> None:
     heads = cfg["num_attention_heads"]
     model_type = cfg.get("model_type", "")
     if cfg.get("kv_lora_rank"):
         nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
-        v_dim, kv_rank, q_rank = cfg["v_head_dim"], cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+        v_dim, kv_rank, q_rank = (
+            cfg["v_head_dim"],
+            cfg["kv_lora_rank"],
+            cfg.get("q_lora_rank"),
+        )
         qa_fused = f"{prefix}.fused_qkv_a_proj" if q_rank else None
         if q_rank:
-            plan.add_linear(LinearSlot(f"{prefix}.q_a_proj", hidden, q_rank, REPLICATED,
-                                       qa_fused, bits_key=bits_key))
+            plan.add_linear(
+                LinearSlot(
+                    f"{prefix}.q_a_proj",
+                    hidden,
+                    q_rank,
+                    REPLICATED,
+                    qa_fused,
+                    bits_key=bits_key,
+                )
+            )
             plan.add_plain(f"{prefix}.q_a_layernorm.weight", (q_rank,), "norm")
-            plan.add_linear(LinearSlot(f"{prefix}.q_b_proj", q_rank, heads * (nope + rope), COLUMN,
-                                       f"{prefix}.q_b_proj", bits_key=bits_key, heads=heads))
+            plan.add_linear(
+                LinearSlot(
+                    f"{prefix}.q_b_proj",
+                    q_rank,
+                    heads * (nope + rope),
+                    COLUMN,
+                    f"{prefix}.q_b_proj",
+                    bits_key=bits_key,
+                    heads=heads,
+                )
+            )
         else:
-            plan.add_linear(LinearSlot(f"{prefix}.q_proj", hidden, heads * (nope + rope), COLUMN,
-                                       f"{prefix}.q_proj", bits_key=bits_key, heads=heads))
-        plan.add_linear(LinearSlot(f"{prefix}.kv_a_proj_with_mqa", hidden, kv_rank + rope,
-                                   REPLICATED, qa_fused or f"{prefix}.kv_a_proj_with_mqa",
-                                   bits_key=bits_key))
+            plan.add_linear(
+                LinearSlot(
+                    f"{prefix}.q_proj",
+                    hidden,
+                    heads * (nope + rope),
+                    COLUMN,
+                    f"{prefix}.q_proj",
+                    bits_key=bits_key,
+                    heads=heads,
+                )
+            )
+        plan.add_linear(
+            LinearSlot(
+                f"{prefix}.kv_a_proj_with_mqa",
+                hidden,
+                kv_rank + rope,
+                REPLICATED,
+                qa_fused or f"{prefix}.kv_a_proj_with_mqa",
+                bits_key=bits_key,
+            )
+        )
         plan.add_plain(f"{prefix}.kv_a_layernorm.weight", (kv_rank,), "norm")
         # ExLlamaV3 keeps kv_b_proj unquantized (it folds it into the attention), stored fp16.
-        plan.add_linear(LinearSlot(f"{prefix}.kv_b_proj", kv_rank, heads * (nope + v_dim), COLUMN,
-                                   f"{prefix}.kv_b_proj", quantized=False, heads=heads))
-        plan.add_linear(LinearSlot(f"{prefix}.o_proj", heads * v_dim, hidden, ROW,
-                                   f"{prefix}.o_proj", bits_key=bits_key))
+        plan.add_linear(
+            LinearSlot(
+                f"{prefix}.kv_b_proj",
+                kv_rank,
+                heads * (nope + v_dim),
+                COLUMN,
+                f"{prefix}.kv_b_proj",
+                quantized=False,
+                heads=heads,
+            )
+        )
+        plan.add_linear(
+            LinearSlot(
+                f"{prefix}.o_proj",
+                heads * v_dim,
+                hidden,
+                ROW,
+                f"{prefix}.o_proj",
+                bits_key=bits_key,
+            )
+        )
         return
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -185,14 +266,43 @@ def _attention(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: s
     qkv_bias = model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias"))
     o_bias = bool(cfg.get("attention_bias")) and model_type not in QKV_ONLY_BIAS
     fused = f"{prefix}.qkv_proj"
-    plan.add_linear(LinearSlot(f"{prefix}.q_proj", hidden, q_width, COLUMN, fused,
-                               bits_key=bits_key, has_bias=qkv_bias, heads=heads))
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.q_proj",
+            hidden,
+            q_width,
+            COLUMN,
+            fused,
+            bits_key=bits_key,
+            has_bias=qkv_bias,
+            heads=heads,
+        )
+    )
     for proj in ("k_proj", "v_proj"):
-        plan.add_linear(LinearSlot(f"{prefix}.{proj}", hidden, kv_heads * head_dim, COLUMN, fused,
-                                   bits_key=bits_key, has_bias=qkv_bias, heads=kv_heads,
-                                   kv_heads=kv_heads))
-    plan.add_linear(LinearSlot(f"{prefix}.o_proj", heads * head_dim, hidden, ROW,
-                               f"{prefix}.o_proj", bits_key=bits_key, has_bias=o_bias))
+        plan.add_linear(
+            LinearSlot(
+                f"{prefix}.{proj}",
+                hidden,
+                kv_heads * head_dim,
+                COLUMN,
+                fused,
+                bits_key=bits_key,
+                has_bias=qkv_bias,
+                heads=kv_heads,
+                kv_heads=kv_heads,
+            )
+        )
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.o_proj",
+            heads * head_dim,
+            hidden,
+            ROW,
+            f"{prefix}.o_proj",
+            bits_key=bits_key,
+            has_bias=o_bias,
+        )
+    )
     if model_type.startswith("qwen3") or cfg.get("use_qk_norm"):
         plan.add_plain(f"{prefix}.q_norm.weight", (head_dim,), "norm")
         plan.add_plain(f"{prefix}.k_norm.weight", (head_dim,), "norm")
@@ -221,45 +331,114 @@ def _moe(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str) ->
     experts = _num_experts(cfg)
     mixtral = cfg.get("model_type") in MIXTRAL_TYPES
     inter = cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]
-    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    plan.add_linear(LinearSlot(f"{prefix}.gate", hidden, experts, REPLICATED, f"{prefix}.gate",
-                               quantized=False))
+    gate, up, down = (
+        ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    )
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.gate",
+            hidden,
+            experts,
+            REPLICATED,
+            f"{prefix}.gate",
+            quantized=False,
+        )
+    )
     if cfg.get("n_routed_experts") and cfg.get("topk_method", "noaux_tc") == "noaux_tc":
-        plan.add_plain(f"{prefix}.gate.e_score_correction_bias", (experts,), "router_bias",
-                       module=f"{prefix}.gate")
+        plan.add_plain(
+            f"{prefix}.gate.e_score_correction_bias",
+            (experts,),
+            "router_bias",
+            module=f"{prefix}.gate",
+        )
     for e in range(experts):
         for proj in (gate, up, down):
             name = f"{prefix}.experts.{e}.{proj}"
             k, n = (inter, hidden) if proj == down else (hidden, inter)
-            plan.add_linear(LinearSlot(name, k, n, ROW if proj == down else COLUMN,
-                                       f"{prefix}.experts", bits_key=bits_key))
+            plan.add_linear(
+                LinearSlot(
+                    name,
+                    k,
+                    n,
+                    ROW if proj == down else COLUMN,
+                    f"{prefix}.experts",
+                    bits_key=bits_key,
+                )
+            )
     if cfg.get("n_shared_experts"):
-        _mlp(plan, f"{prefix}.shared_experts", hidden, inter * cfg["n_shared_experts"], bits_key)
+        _mlp(
+            plan,
+            f"{prefix}.shared_experts",
+            hidden,
+            inter * cfg["n_shared_experts"],
+            bits_key,
+        )
     if cfg.get("shared_expert_intermediate_size"):
-        _mlp(plan, f"{prefix}.shared_expert", hidden, cfg["shared_expert_intermediate_size"],
-             bits_key)
-        plan.add_linear(LinearSlot(f"{prefix}.shared_expert_gate", hidden, 1, REPLICATED,
-                                   f"{prefix}.shared_expert_gate", quantized=False))
+        _mlp(
+            plan,
+            f"{prefix}.shared_expert",
+            hidden,
+            cfg["shared_expert_intermediate_size"],
+            bits_key,
+        )
+        plan.add_linear(
+            LinearSlot(
+                f"{prefix}.shared_expert_gate",
+                hidden,
+                1,
+                REPLICATED,
+                f"{prefix}.shared_expert_gate",
+                quantized=False,
+            )
+        )
 
 
-def _gated_delta_net(plan: ModelPlan, cfg: dict, prefix: str, hidden: int,
-                     bits_key: str) -> None:
+def _gated_delta_net(
+    plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str
+) -> None:
     """Qwen3-Next's linear attention as ExLlamaV3 stores it: in_proj_qkvz and out_proj EXL3,
     in_proj_ba unquantized (pad_to=1), the conv, decay and norm tensors as stored."""
     key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     value_dim = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
     v_heads = cfg["linear_num_value_heads"]
-    plan.add_linear(LinearSlot(f"{prefix}.in_proj_qkvz", hidden, 2 * key_dim + 2 * value_dim,
-                               COLUMN, f"{prefix}.in_proj_qkvz", bits_key=bits_key))
-    plan.add_linear(LinearSlot(f"{prefix}.in_proj_ba", hidden, 2 * v_heads, COLUMN,
-                               f"{prefix}.in_proj_ba", quantized=False))
-    plan.add_plain(f"{prefix}.conv1d.weight",
-                   (2 * key_dim + value_dim, 1, cfg["linear_conv_kernel_dim"]), "conv")
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.in_proj_qkvz",
+            hidden,
+            2 * key_dim + 2 * value_dim,
+            COLUMN,
+            f"{prefix}.in_proj_qkvz",
+            bits_key=bits_key,
+        )
+    )
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.in_proj_ba",
+            hidden,
+            2 * v_heads,
+            COLUMN,
+            f"{prefix}.in_proj_ba",
+            quantized=False,
+        )
+    )
+    plan.add_plain(
+        f"{prefix}.conv1d.weight",
+        (2 * key_dim + value_dim, 1, cfg["linear_conv_kernel_dim"]),
+        "conv",
+    )
     plan.add_plain(f"{prefix}.A_log", (v_heads,), "decay", module=prefix)
     plan.add_plain(f"{prefix}.dt_bias", (v_heads,), "decay", module=prefix)
     plan.add_plain(f"{prefix}.norm.weight", (cfg["linear_value_head_dim"],), "norm")
-    plan.add_linear(LinearSlot(f"{prefix}.out_proj", value_dim, hidden, ROW,
-                               f"{prefix}.out_proj", bits_key=bits_key))
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.out_proj",
+            value_dim,
+            hidden,
+            ROW,
+            f"{prefix}.out_proj",
+            bits_key=bits_key,
+        )
+    )
 
 
 def _is_linear_attention_layer(cfg: dict, idx: int) -> bool:
@@ -287,7 +466,9 @@ def _decoder_layer(plan: ModelPlan, cfg: dict, idx: int, bits_key: str) -> None:
 
 
 _UNSUPPORTED_KEYS = {
-    "layer_types": lambda v: any(t not in ("full_attention", "sliding_attention") for t in v or []),
+    "layer_types": lambda v: any(
+        t not in ("full_attention", "sliding_attention") for t in v or []
+    ),
     "mtp_num_hidden_layers": bool,
     "vision_config": bool,
 }
@@ -295,26 +476,42 @@ _UNSUPPORTED_KEYS = {
 
 def plan_model(cfg: dict) -> ModelPlan:
     """The plan of a (text-only) decoder config; raises PlanError for what it does not know."""
-    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_hidden_layers",
+        "vocab_size",
+    ):
         if key not in cfg:
-            raise PlanError(f"config.json: missing {key!r} (not a decoder-only text model?)")
+            raise PlanError(
+                f"config.json: missing {key!r} (not a decoder-only text model?)"
+            )
     for key, bad in _UNSUPPORTED_KEYS.items():
         if key == "layer_types" and cfg.get("model_type") in GATED_DELTA_NET_TYPES:
             continue  # linear-attention layers, placed by full_attention_interval
         if key in cfg and bad(cfg[key]):
-            raise PlanError(f"config.json: {key}={cfg[key]!r} is not supported by the planner")
-    if (cfg.get("num_local_experts") and not cfg.get("moe_intermediate_size")
-            and cfg.get("model_type") not in MIXTRAL_TYPES):
-        raise PlanError(f"config.json: model type {cfg.get('model_type')!r} has "
-                        f"num_local_experts but no moe_intermediate_size (only Mixtral's w1/w2/w3 "
-                        f"layout is known)")
+            raise PlanError(
+                f"config.json: {key}={cfg[key]!r} is not supported by the planner"
+            )
+    if (
+        cfg.get("num_local_experts")
+        and not cfg.get("moe_intermediate_size")
+        and cfg.get("model_type") not in MIXTRAL_TYPES
+    ):
+        raise PlanError(
+            f"config.json: model type {cfg.get('model_type')!r} has "
+            f"num_local_experts but no moe_intermediate_size (only Mixtral's w1/w2/w3 "
+            f"layout is known)"
+        )
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     plan = ModelPlan()
     plan.add_plain("model.embed_tokens.weight", (vocab, hidden), "embed")
     for idx in range(cfg["num_hidden_layers"]):
         _decoder_layer(plan, cfg, idx, "bits")
     plan.add_plain("model.norm.weight", (hidden,), "norm")
-    plan.add_linear(LinearSlot("lm_head", hidden, vocab, VOCAB, "lm_head", bits_key="head_bits"))
+    plan.add_linear(
+        LinearSlot("lm_head", hidden, vocab, VOCAB, "lm_head", bits_key="head_bits")
+    )
     n_mtp = cfg.get("num_nextn_predict_layers") or 0
     first = cfg["num_hidden_layers"]
     if n_mtp:
@@ -323,10 +520,21 @@ def plan_model(cfg: dict) -> ModelPlan:
         prefix = f"model.layers.{first}"
         plan.add_plain(f"{prefix}.enorm.weight", (hidden,), "norm")
         plan.add_plain(f"{prefix}.hnorm.weight", (hidden,), "norm")
-        plan.add_linear(LinearSlot(f"{prefix}.eh_proj", 2 * hidden, hidden, REPLICATED,
-                                   f"{prefix}.eh_proj", bits_key="mtp_bits"))
+        plan.add_linear(
+            LinearSlot(
+                f"{prefix}.eh_proj",
+                2 * hidden,
+                hidden,
+                REPLICATED,
+                f"{prefix}.eh_proj",
+                bits_key="mtp_bits",
+            )
+        )
         for i in range(n_mtp):
             _decoder_layer(plan, cfg, first + i, "mtp_bits")
-        plan.add_plain(f"model.layers.{first + n_mtp - 1}.shared_head.norm.weight", (hidden,),
-                       "norm")
+        plan.add_plain(
+            f"model.layers.{first + n_mtp - 1}.shared_head.norm.weight",
+            (hidden,),
+            "norm",
+        )
     return plan

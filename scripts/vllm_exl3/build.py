@@ -20,8 +20,9 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from . import pins
 from .apply import apply_onto
@@ -71,20 +72,26 @@ def _archs(spec: str) -> list[str]:
     return archs
 
 
-def _run_with_heartbeat(cmd: list[str], what: str, env: dict[str, str] | None = None,
-                        capture: bool = False) -> subprocess.CompletedProcess:
+def _run_with_heartbeat(
+    cmd: list[str], what: str, env: dict[str, str] | None = None, capture: bool = False
+) -> subprocess.CompletedProcess:
     """Run a long step, printing elapsed time every _HEARTBEAT_S so a log shows it is alive."""
     t0 = time.monotonic()
     done = threading.Event()
 
     def beat() -> None:
         while not done.wait(_HEARTBEAT_S):
-            print(f"  {what}: {time.monotonic() - t0:.0f}s ...", file=sys.stderr, flush=True)
+            print(
+                f"  {what}: {time.monotonic() - t0:.0f}s ...",
+                file=sys.stderr,
+                flush=True,
+            )
 
     threading.Thread(target=beat, daemon=True).start()
     try:
-        return subprocess.run(cmd, env=env, text=True,
-                              stdout=subprocess.PIPE if capture else None)
+        return subprocess.run(
+            cmd, env=env, text=True, stdout=subprocess.PIPE if capture else None
+        )
     finally:
         done.set()
         print(f"  {what}: finished in {time.monotonic() - t0:.0f}s", file=sys.stderr)
@@ -107,29 +114,47 @@ def build_kernels(python: Path, archs: list[str], jobs: int) -> Path:
             "the kernel build (scripts/vllm_exl3/kernels_build.py) is missing from this "
             "checkout; use --no-kernels for a Python-only wheel"
         )
-    print(f"build: compiling the EXL3 kernels for {';'.join(archs)} with {jobs} job(s) "
-          f"({python})")
-    snippet = _KERNEL_SNIPPET.format(scripts=str(Path(__file__).resolve().parents[1]),
-                                     out=str(KERNEL_BUILD_DIR), archs=archs, jobs=jobs)
-    r = _run_with_heartbeat([str(python), "-c", snippet], "compiling kernels", capture=True)
+    print(
+        f"build: compiling the EXL3 kernels for {';'.join(archs)} with {jobs} job(s) "
+        f"({python})"
+    )
+    snippet = _KERNEL_SNIPPET.format(
+        scripts=str(Path(__file__).resolve().parents[1]),
+        out=str(KERNEL_BUILD_DIR),
+        archs=archs,
+        jobs=jobs,
+    )
+    r = _run_with_heartbeat(
+        [str(python), "-c", snippet], "compiling kernels", capture=True
+    )
     if r.returncode != 0:
         raise ToolError("the kernel build failed (see the compiler output above)")
     return Path(json.loads(r.stdout.strip().splitlines()[-1]))
 
 
-def quick_build(wheel: Path, series: Series, dist: Path, work: Path, kernels: Path | None,
-                label: str) -> Path:
+def quick_build(
+    wheel: Path,
+    series: Series,
+    dist: Path,
+    work: Path,
+    kernels: Path | None,
+    label: str,
+) -> Path:
     """The official wheel + series (wheel-tree mode) + optional kernel module -> dist/."""
     name = WheelName.parse(wheel.name)
     if name.version != pins.VLLM_VERSION:
-        raise ToolError(f"{wheel.name} is vLLM {name.version}; the series is for "
-                        f"{pins.VLLM_VERSION}")
+        raise ToolError(
+            f"{wheel.name} is vLLM {name.version}; the series is for "
+            f"{pins.VLLM_VERSION}"
+        )
     tree = work / "wheel-tree"
     shutil.rmtree(tree, ignore_errors=True)
     tree.mkdir(parents=True)
     unpack(wheel, tree)
     _, plan = apply_onto(tree, series)
-    shutil.rmtree(tree / STATE_DIR)  # the record describes this staging tree, not an install
+    shutil.rmtree(
+        tree / STATE_DIR
+    )  # the record describes this staging tree, not an install
     print(f"build: applied the series ({len(plan.writes)} files)")
     if kernels is not None:
         shutil.copyfile(kernels, tree / KERNEL_MODULE)
@@ -167,7 +192,9 @@ def _cuda_toolkit() -> Path | None:
         candidates.append(Path(nvcc).resolve().parent.parent)
     candidates.append(Path("/usr/local/cuda"))
     for root in candidates:
-        if (root / "bin" / "nvcc").is_file() and (root / "include" / "cuda_runtime.h").is_file():
+        if (root / "bin" / "nvcc").is_file() and (
+            root / "include" / "cuda_runtime.h"
+        ).is_file():
             return root
     return None
 
@@ -178,43 +205,66 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
     problems = []
     cuda_home = _cuda_toolkit()
     if cuda_home is None:
-        problems.append("no CUDA 13 toolkit (bin/nvcc and include/cuda_runtime.h) at $CUDA_HOME, "
-                        "next to the nvcc on PATH, or at /usr/local/cuda; set CUDA_HOME")
+        problems.append(
+            "no CUDA 13 toolkit (bin/nvcc and include/cuda_runtime.h) at $CUDA_HOME, "
+            "next to the nvcc on PATH, or at /usr/local/cuda; set CUDA_HOME"
+        )
     # --no-build-isolation builds with what --python has: check it against the sdist's own
     # [build-system] requirements.
     with open(src / "pyproject.toml", "rb") as f:
         requires = tomllib.load(f)["build-system"]["requires"]
-    probe = subprocess.run([str(python), "-c", _REQUIREMENTS_PROBE, json.dumps(requires)],
-                           capture_output=True, text=True)
+    probe = subprocess.run(
+        [str(python), "-c", _REQUIREMENTS_PROBE, json.dumps(requires)],
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode != 0:
-        problems.append(f"{python} cannot check build requirements: {probe.stderr.strip()}")
+        problems.append(
+            f"{python} cannot check build requirements: {probe.stderr.strip()}"
+        )
     else:
         problems += [f"{python}: {p}" for p in json.loads(probe.stdout)]
     if problems:
-        raise ToolError("cannot build from source (vLLM's build requirements):\n  "
-                        + "\n  ".join(problems))
+        raise ToolError(
+            "cannot build from source (vLLM's build requirements):\n  "
+            + "\n  ".join(problems)
+        )
     tree = args.work_dir / f"vllm-{pins.VLLM_VERSION}-src"
     shutil.rmtree(tree, ignore_errors=True)
     tree.parent.mkdir(parents=True, exist_ok=True)
     copy_sdist_tree(src, tree)
     apply_onto(tree, series)
     shutil.rmtree(tree / STATE_DIR)
-    env = {**os.environ,
-           # CMake's CUDA detection starts from the nvcc it finds; a wrapper script on PATH
-           # (e.g. /usr/local/bin/nvcc) hides the toolkit's include/ and lib64/.
-           "CUDA_HOME": str(cuda_home),
-           "PATH": f"{cuda_home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-           "VLLM_TARGET_DEVICE": "cuda",
-           "TORCH_CUDA_ARCH_LIST": " ".join(_archs(args.archs)),
-           "MAX_JOBS": str(args.jobs)}
+    env = {
+        **os.environ,
+        # CMake's CUDA detection starts from the nvcc it finds; a wrapper script on PATH
+        # (e.g. /usr/local/bin/nvcc) hides the toolkit's include/ and lib64/.
+        "CUDA_HOME": str(cuda_home),
+        "PATH": f"{cuda_home / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        "VLLM_TARGET_DEVICE": "cuda",
+        "TORCH_CUDA_ARCH_LIST": " ".join(_archs(args.archs)),
+        "MAX_JOBS": str(args.jobs),
+    }
     # Precompiled mode would replace _C_stable_libtorch, and with it our kernels.
     for var in ("VLLM_USE_PRECOMPILED", "VLLM_PRECOMPILED_WHEEL_LOCATION"):
         env.pop(var, None)
-    print(f"build: vLLM's full build of {tree} (CMake fetches 8 repositories unless their "
-          "*_SRC_DIR variables point at local copies; hours on a small machine)")
+    print(
+        f"build: vLLM's full build of {tree} (CMake fetches 8 repositories unless their "
+        "*_SRC_DIR variables point at local copies; hours on a small machine)"
+    )
     args.dist_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(python), "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v",
-           "-w", str(args.dist_dir), str(tree)]
+    cmd = [
+        str(python),
+        "-m",
+        "pip",
+        "wheel",
+        "--no-build-isolation",
+        "--no-deps",
+        "-v",
+        "-w",
+        str(args.dist_dir),
+        str(tree),
+    ]
     r = _run_with_heartbeat(cmd, "vLLM build", env=env)
     if r.returncode != 0:
         raise ToolError(
@@ -236,7 +286,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         machine = _machine()
         if machine not in pins.WHEELS:
-            raise ToolError(f"no pinned vLLM wheel for {machine}; known: {', '.join(pins.WHEELS)}")
+            raise ToolError(
+                f"no pinned vLLM wheel for {machine}; known: {', '.join(pins.WHEELS)}"
+            )
         filename, sha = pins.WHEELS[machine]
         wheel = ensure_pinned(filename, sha, wheels_dir(args.cache_dir), args.offline)
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -252,13 +304,20 @@ def run(args: argparse.Namespace) -> int:
     label = (git_label(series.root) or series.fingerprint("wheel")[:8]) + suffix
     out = quick_build(wheel, series, args.dist_dir, args.work_dir, kernels, label)
     print(f"{out}")
-    print(f"build: {out.stat().st_size / 1e6:.0f} MB in {time.monotonic() - t0:.0f}s"
-          + ("" if kernels else " (no EXL3 kernels: the overlay falls back to the reference "
-                               "path)"))
+    print(
+        f"build: {out.stat().st_size / 1e6:.0f} MB in {time.monotonic() - t0:.0f}s"
+        + (
+            ""
+            if kernels
+            else " (no EXL3 kernels: the overlay falls back to the reference path)"
+        )
+    )
     # A plain install: the wheel's metadata is vLLM 0.26.0's, so pip brings torch 2.11.0 and
     # every dependency at vLLM's pins (--no-deps would leave an environment that cannot start).
-    print(f"install: pip install {out}  (Python 3.10-3.13; for an offline host: "
-          "scripts/vllm-exl3 bundle)")
+    print(
+        f"install: pip install {out}  (Python 3.10-3.13; for an offline host: "
+        "scripts/vllm-exl3 bundle)"
+    )
     return 0
 
 
@@ -279,28 +338,64 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "the repositories its CMake fetches, and hours on a small machine."
         ),
     )
-    p.add_argument("--archs", default=DEFAULT_ARCHS,
-                   help=f"CUDA architectures, ';'-separated (default {DEFAULT_ARCHS})")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="parallel compile jobs (default: all CPUs)")
+    p.add_argument(
+        "--archs",
+        default=DEFAULT_ARCHS,
+        help=f"CUDA architectures, ';'-separated (default {DEFAULT_ARCHS})",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="parallel compile jobs (default: all CPUs)",
+    )
     kernels = p.add_mutually_exclusive_group()
-    kernels.add_argument("--no-kernels", action="store_true",
-                         help="a Python-only wheel (the EXL3 method then runs the reference path)")
-    kernels.add_argument("--kernels-so", type=Path,
-                         help="use this already built _exl3_C.abi3.so instead of compiling")
-    kernels.add_argument("--from-source", action="store_true",
-                         help="vLLM's full build with our kernels in _C_stable_libtorch")
-    p.add_argument("--wheel", type=Path,
-                   help="start from this vLLM 0.26.0 wheel instead of the pinned official one")
-    p.add_argument("--python", type=Path,
-                   help="interpreter with torch 2.11.0 for compiling (default: the pinned venv)")
-    p.add_argument("--dist-dir", type=Path, default=ROOT / "dist", help="output directory")
-    p.add_argument("--work-dir", type=Path, default=ROOT / "build" / "wheel",
-                   help="scratch directory for the wheel (kernel objects go to build/exl3/)")
-    p.add_argument("--series", type=Path, default=ROOT,
-                   help="repository root holding overlay/, csrc/, patches/ "
-                   "(default: this checkout)")
-    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
-                   help="cache directory (default: $VLLM_EXL3_CACHE or ~/.cache/vllm-exl3)")
+    kernels.add_argument(
+        "--no-kernels",
+        action="store_true",
+        help="a Python-only wheel (the EXL3 method then runs the reference path)",
+    )
+    kernels.add_argument(
+        "--kernels-so",
+        type=Path,
+        help="use this already built _exl3_C.abi3.so instead of compiling",
+    )
+    kernels.add_argument(
+        "--from-source",
+        action="store_true",
+        help="vLLM's full build with our kernels in _C_stable_libtorch",
+    )
+    p.add_argument(
+        "--wheel",
+        type=Path,
+        help="start from this vLLM 0.26.0 wheel instead of the pinned official one",
+    )
+    p.add_argument(
+        "--python",
+        type=Path,
+        help="interpreter with torch 2.11.0 for compiling (default: the pinned venv)",
+    )
+    p.add_argument(
+        "--dist-dir", type=Path, default=ROOT / "dist", help="output directory"
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=ROOT / "build" / "wheel",
+        help="scratch directory for the wheel (kernel objects go to build/exl3/)",
+    )
+    p.add_argument(
+        "--series",
+        type=Path,
+        default=ROOT,
+        help="repository root holding overlay/, csrc/, patches/ "
+        "(default: this checkout)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
+        help="cache directory (default: $VLLM_EXL3_CACHE or ~/.cache/vllm-exl3)",
+    )
     p.add_argument("--offline", action="store_true", help="never touch the network")
     p.set_defaults(func=run)

@@ -28,7 +28,9 @@ from .repo import ROOT, default_cache_dir
 from .tree import BUILD_LABEL_PREFIX
 from .wheelfile import WheelName, unpack, write
 
-DEFAULT_PART_SIZE = "60MB"  # under a ~64 MB per-transfer limit, with room for install.sh
+DEFAULT_PART_SIZE = (
+    "60MB"  # under a ~64 MB per-transfer limit, with room for install.sh
+)
 DEFAULT_PYTHON = "3.12"  # the GPU host's interpreter
 REQUIREMENTS = Path(__file__).with_name("bundle_requirements.txt")
 PART_STEM = "vllm-exl3-bundle.part"
@@ -39,27 +41,50 @@ HOST_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 # Pieces of the release wheel a dense or MoE model on Hopper/Blackwell does not need; together
 # ~190 MB compressed. fa3 (vllm_flash_attn/_vllm_fa3_C) is the flash-attention build serving uses.
 _DROPPED = (
-    (re.compile(r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"), "FlashAttention-2 build"),
+    (
+        re.compile(r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"),
+        "FlashAttention-2 build",
+    ),
     (re.compile(r"^vllm/vllm-rs$"), "Rust frontend binary"),
-    (re.compile(r"^vllm/third_party/.*/include/"), "C++ headers of JIT-compiled kernels"),
+    (
+        re.compile(r"^vllm/third_party/.*/include/"),
+        "C++ headers of JIT-compiled kernels",
+    ),
 )
 _MOE = re.compile(r"^vllm/_moe_C_stable_libtorch\.abi3\.so$")
 _VERSIONED_EXT = re.compile(r"\.cpython-(\d+)-[^/]*\.so$")
 # Without these vLLM does not start on a CUDA host: platform detection imports pynvml (else it
 # falls back to an unspecified platform and fails later), the CUDA platform imports
 # _C_stable_libtorch, and model code imports the flash-attention wrapper and its extension.
-_REQUIRED = ("vllm/_C_stable_libtorch.abi3.so", "vllm/third_party/pynvml.py",
-             "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so", "vllm/vllm_flash_attn/__init__.py")
+_REQUIRED = (
+    "vllm/_C_stable_libtorch.abi3.so",
+    "vllm/third_party/pynvml.py",
+    "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+    "vllm/vllm_flash_attn/__init__.py",
+)
 KERNELS = "vllm/_exl3_C.abi3.so"
 
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
-          "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 60MB, 64MiB, 1000000)")
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (e.g. 60MB, 64MiB, 1000000)"
+        )
     size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if size < 1:
         raise argparse.ArgumentTypeError(f"part size must be positive: {text!r}")
@@ -87,17 +112,23 @@ def trim_wheel(wheel: Path, out_dir: Path, pyver: str, with_moe: bool) -> Path:
     members = {i.filename for i in infos}
     missing = [r for r in _REQUIRED if r not in members]
     if missing:
-        raise ToolError(f"{wheel.name} lacks {', '.join(missing)}; not a vLLM release-based build")
+        raise ToolError(
+            f"{wheel.name} lacks {', '.join(missing)}; not a vLLM release-based build"
+        )
     if KERNELS not in members:
-        print(f"bundle: WARNING: {wheel.name} has no {KERNELS} (built with --no-kernels?); EXL3 "
-              "layers will run the slow reference path")
+        print(
+            f"bundle: WARNING: {wheel.name} has no {KERNELS} (built with --no-kernels?); EXL3 "
+            "layers will run the slow reference path"
+        )
     dropped: dict[str, list[int]] = {}
     for i in infos:
         why = drop_reason(i.filename, pyver, with_moe)
         if why:
             dropped.setdefault(why, []).append(i.file_size)
     for why, sizes in dropped.items():
-        print(f"bundle: leaving out {why}: {len(sizes)} file(s), {sum(sizes) / 1e6:.1f} MB")
+        print(
+            f"bundle: leaving out {why}: {len(sizes)} file(s), {sum(sizes) / 1e6:.1f} MB"
+        )
     with tempfile.TemporaryDirectory(prefix="vllm-exl3-trim-", dir=out_dir) as tmp:
         tree = Path(tmp) / "tree"
         unpack(wheel, tree, keep=lambda p: drop_reason(p, pyver, with_moe) is None)
@@ -109,14 +140,18 @@ def trim_wheel(wheel: Path, out_dir: Path, pyver: str, with_moe: bool) -> Path:
 def _platforms(machine: str) -> list[str]:
     # pip does not widen manylinux_2_28 to older glibc tags by itself; wheels built for any glibc
     # up to the release wheel's own (2.28) run on the host.
-    return [f"manylinux_2_{v}_{machine}" for v in range(28, 16, -1)] + [f"manylinux2014_{machine}"]
+    return [f"manylinux_2_{v}_{machine}" for v in range(28, 16, -1)] + [
+        f"manylinux2014_{machine}"
+    ]
 
 
 def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "_", name).lower()
 
 
-def download_deps(requirements: Path, dest: Path, pyver: str, machine: str) -> list[Path]:
+def download_deps(
+    requirements: Path, dest: Path, pyver: str, machine: str
+) -> list[Path]:
     """pip download (binary wheels only, no dependency resolution: the list is the closure)."""
     wanted = {}
     for line in requirements.read_text().splitlines():
@@ -124,19 +159,40 @@ def download_deps(requirements: Path, dest: Path, pyver: str, machine: str) -> l
         if line:
             name, sep, version = line.partition("==")
             if not sep:
-                raise ToolError(f"{requirements}: {line!r} is not pinned as name==version")
+                raise ToolError(
+                    f"{requirements}: {line!r} is not pinned as name==version"
+                )
             wanted[_normalize(name)] = version.strip()
     dest.mkdir(parents=True, exist_ok=True)
     abi = "cp" + pyver.replace(".", "")
-    cmd = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-deps",
-           "--python-version", pyver, "--implementation", "cp", "--abi", abi,
-           *[a for p in _platforms(machine) for a in ("--platform", p)],
-           "-d", str(dest), "-r", str(requirements)]
-    print(f"bundle: downloading {len(wanted)} dependency wheels for {abi} {machine} into {dest}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--only-binary=:all:",
+        "--no-deps",
+        "--python-version",
+        pyver,
+        "--implementation",
+        "cp",
+        "--abi",
+        abi,
+        *[a for p in _platforms(machine) for a in ("--platform", p)],
+        "-d",
+        str(dest),
+        "-r",
+        str(requirements),
+    ]
+    print(
+        f"bundle: downloading {len(wanted)} dependency wheels for {abi} {machine} into {dest}"
+    )
     r = subprocess.run(cmd, text=True, capture_output=True)
     if r.returncode != 0:
-        raise ToolError(f"pip download failed (offline? a pin without a {abi} wheel?):\n"
-                        + (r.stderr or r.stdout)[-3000:])
+        raise ToolError(
+            f"pip download failed (offline? a pin without a {abi} wheel?):\n"
+            + (r.stderr or r.stdout)[-3000:]
+        )
     found = {}
     for whl in dest.glob("*.whl"):
         w = WheelName.parse(whl.name)
@@ -161,8 +217,9 @@ def split(payload: Path, out_dir: Path, part_size: int) -> list[tuple[str, str, 
     return parts
 
 
-def installer(label: str, pyver: str, payload_sha: str,
-              parts: list[tuple[str, str, int]]) -> str:
+def installer(
+    label: str, pyver: str, payload_sha: str, parts: list[tuple[str, str, int]]
+) -> str:
     """install.sh for these parts (bundle_install.sh with its @PLACEHOLDERS@ filled)."""
     text = INSTALLER.read_text()
     for key, value in {
@@ -170,22 +227,37 @@ def installer(label: str, pyver: str, payload_sha: str,
         "@PYVER@": pyver,
         "@PAYLOAD_SHA256@": payload_sha,
         "@PARTS@": "\n".join(f"  '{n} {s} {z}'" for n, s, z in parts),
-        "@ENV_LINES@": "\n".join(f"  echo 'export {k}={v}'" for k, v in HOST_ENV.items()),
+        "@ENV_LINES@": "\n".join(
+            f"  echo 'export {k}={v}'" for k, v in HOST_ENV.items()
+        ),
     }.items():
         text = text.replace(key, value)
     return text
 
 
-def make_bundle(wheel: Path, out_dir: Path, part_size: int, pyver: str, with_moe: bool,
-                deps: list[Path]) -> list[tuple[str, str, int]]:
+def make_bundle(
+    wheel: Path,
+    out_dir: Path,
+    part_size: int,
+    pyver: str,
+    with_moe: bool,
+    deps: list[Path],
+) -> list[tuple[str, str, int]]:
     if out_dir.exists():
-        ours = [p for p in out_dir.iterdir()
-                if p.name.startswith(PART_STEM) or p.name == "install.sh"]
+        ours = [
+            p
+            for p in out_dir.iterdir()
+            if p.name.startswith(PART_STEM) or p.name == "install.sh"
+        ]
         if len(ours) != len(list(out_dir.iterdir())):
-            raise ToolError(f"{out_dir} holds files that are not a bundle's; choose another --out")
+            raise ToolError(
+                f"{out_dir} holds files that are not a bundle's; choose another --out"
+            )
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    with tempfile.TemporaryDirectory(prefix="vllm-exl3-bundle-", dir=out_dir.parent) as tmp:
+    with tempfile.TemporaryDirectory(
+        prefix="vllm-exl3-bundle-", dir=out_dir.parent
+    ) as tmp:
         work = Path(tmp)
         trimmed = trim_wheel(wheel, work, pyver, with_moe)
         payload = work / "payload.tar"
@@ -198,17 +270,23 @@ def make_bundle(wheel: Path, out_dir: Path, part_size: int, pyver: str, with_moe
         parts = split(payload, out_dir, part_size)
         payload_sha = sha256_file(payload)
     script = out_dir / "install.sh"
-    script.write_text(installer(WheelName.parse(wheel.name).version, pyver, payload_sha, parts))
+    script.write_text(
+        installer(WheelName.parse(wheel.name).version, pyver, payload_sha, parts)
+    )
     script.chmod(0o755)
     return parts
 
 
 def _default_wheel(dist: Path) -> Path:
-    built = sorted(dist.glob(f"vllm-{pins.VLLM_VERSION}+{BUILD_LABEL_PREFIX}*.whl"),
-                   key=lambda p: p.stat().st_mtime)
+    built = sorted(
+        dist.glob(f"vllm-{pins.VLLM_VERSION}+{BUILD_LABEL_PREFIX}*.whl"),
+        key=lambda p: p.stat().st_mtime,
+    )
     if not built:
-        raise ToolError(f"no built wheel in {dist}; run `scripts/vllm-exl3 build` first "
-                        "(or pass --wheel)")
+        raise ToolError(
+            f"no built wheel in {dist}; run `scripts/vllm-exl3 build` first "
+            "(or pass --wheel)"
+        )
     return built[-1]
 
 
@@ -218,18 +296,27 @@ def run(args: argparse.Namespace) -> int:
     deps: list[Path] = []
     if not args.without_deps:
         pytag = "cp" + args.python_version.replace(".", "")
-        deps = download_deps(args.requirements,
-                             args.cache_dir / "bundle-deps" / f"{pytag}-{machine}",
-                             args.python_version, machine)
+        deps = download_deps(
+            args.requirements,
+            args.cache_dir / "bundle-deps" / f"{pytag}-{machine}",
+            args.python_version,
+            machine,
+        )
     out = args.out or args.dist_dir / f"bundle-{WheelName.parse(wheel.name).version}"
-    parts = make_bundle(wheel, out, args.part_size, args.python_version, args.with_moe, deps)
+    parts = make_bundle(
+        wheel, out, args.part_size, args.python_version, args.with_moe, deps
+    )
     total = sum(z for _, _, z in parts)
-    print(f"{out}: install.sh + {len(parts)} part(s), {total / 1e6:.1f} MB "
-          f"({wheel.name} trimmed + {len(deps)} dependency wheels, Python {args.python_version})")
+    print(
+        f"{out}: install.sh + {len(parts)} part(s), {total / 1e6:.1f} MB "
+        f"({wheel.name} trimmed + {len(deps)} dependency wheels, Python {args.python_version})"
+    )
     for i, (name, _, size) in enumerate(parts, 1):
         extra = " + install.sh" if i == 1 else ""
         print(f"  transfer {i}: {name} ({size / 1e6:.1f} MB){extra}")
-    print("on the host, with all parts and install.sh in one directory: bash install.sh [DIR]")
+    print(
+        "on the host, with all parts and install.sh in one directory: bash install.sh [DIR]"
+    )
     return 0
 
 
@@ -246,20 +333,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "`pip install --no-index --no-deps --target DIR`, then prints the environment to set."
         ),
     )
-    p.add_argument("--wheel", type=Path,
-                   help="the wheel to bundle (default: the newest build in dist/)")
-    p.add_argument("--part-size", type=parse_size, default=parse_size(DEFAULT_PART_SIZE),
-                   help=f"largest part, e.g. 60MB, 64MiB (default {DEFAULT_PART_SIZE})")
-    p.add_argument("--python-version", default=DEFAULT_PYTHON,
-                   help=f"the host's Python (default {DEFAULT_PYTHON})")
-    p.add_argument("--with-moe", action="store_true",
-                   help="include _moe_C_stable_libtorch (needed for MoE models, +40 MB)")
-    p.add_argument("--without-deps", action="store_true",
-                   help="only the vLLM wheel (the host has the dependencies)")
-    p.add_argument("--requirements", type=Path, default=REQUIREMENTS,
-                   help="pinned dependency list (default: bundle_requirements.txt)")
-    p.add_argument("--out", type=Path, help="output directory (default dist/bundle-<version>)")
-    p.add_argument("--dist-dir", type=Path, default=ROOT / "dist", help="where built wheels are")
-    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
-                   help="cache directory; dependency wheels are kept in <cache>/bundle-deps")
+    p.add_argument(
+        "--wheel",
+        type=Path,
+        help="the wheel to bundle (default: the newest build in dist/)",
+    )
+    p.add_argument(
+        "--part-size",
+        type=parse_size,
+        default=parse_size(DEFAULT_PART_SIZE),
+        help=f"largest part, e.g. 60MB, 64MiB (default {DEFAULT_PART_SIZE})",
+    )
+    p.add_argument(
+        "--python-version",
+        default=DEFAULT_PYTHON,
+        help=f"the host's Python (default {DEFAULT_PYTHON})",
+    )
+    p.add_argument(
+        "--with-moe",
+        action="store_true",
+        help="include _moe_C_stable_libtorch (needed for MoE models, +40 MB)",
+    )
+    p.add_argument(
+        "--without-deps",
+        action="store_true",
+        help="only the vLLM wheel (the host has the dependencies)",
+    )
+    p.add_argument(
+        "--requirements",
+        type=Path,
+        default=REQUIREMENTS,
+        help="pinned dependency list (default: bundle_requirements.txt)",
+    )
+    p.add_argument(
+        "--out", type=Path, help="output directory (default dist/bundle-<version>)"
+    )
+    p.add_argument(
+        "--dist-dir", type=Path, default=ROOT / "dist", help="where built wheels are"
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
+        help="cache directory; dependency wheels are kept in <cache>/bundle-deps",
+    )
     p.set_defaults(func=run)

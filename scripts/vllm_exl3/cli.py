@@ -41,14 +41,19 @@ def _unavailable(name: str, error: BaseException):
     return run
 
 
-def build_parser(modules: tuple[str, ...] = SUBCOMMAND_MODULES) -> argparse.ArgumentParser:
+def build_parser(
+    modules: tuple[str, ...] = SUBCOMMAND_MODULES,
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-exl3",
         description="EXL3 for vLLM 0.26.0: fetch the pinned vLLM, apply or revert the patch "
         "series and overlay, build a wheel, bundle it for an offline host, inspect checkpoints.",
     )
-    parser.add_argument("--debug", action="store_true",
-                        help="on an error, show the Python traceback too (anywhere on the line)")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, show the Python traceback too (anywhere on the line)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in modules:
         qualified = f"{__package__}.{name}"

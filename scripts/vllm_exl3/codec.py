@@ -18,8 +18,15 @@ from pathlib import Path
 from types import ModuleType
 
 # scripts/vllm_exl3/codec.py -> repository root is two directories above this package.
-EXL3_DIR = (Path(__file__).resolve().parents[2]
-            / "overlay" / "vllm" / "model_executor" / "layers" / "quantization" / "exl3")
+EXL3_DIR = (
+    Path(__file__).resolve().parents[2]
+    / "overlay"
+    / "vllm"
+    / "model_executor"
+    / "layers"
+    / "quantization"
+    / "exl3"
+)
 # A name no real package uses, so the overlay copy never collides with vllm's own module.
 PRIVATE_PACKAGE = "_vllm_exl3_overlay_codec"
 
@@ -30,9 +37,12 @@ def _load_package() -> ModuleType:
         return package
     init = EXL3_DIR / "__init__.py"
     if not init.is_file():
-        raise ImportError(f"EXL3 codec sources not found at {EXL3_DIR} (incomplete checkout?)")
+        raise ImportError(
+            f"EXL3 codec sources not found at {EXL3_DIR} (incomplete checkout?)"
+        )
     spec = importlib.util.spec_from_file_location(
-        PRIVATE_PACKAGE, init, submodule_search_locations=[str(EXL3_DIR)])
+        PRIVATE_PACKAGE, init, submodule_search_locations=[str(EXL3_DIR)]
+    )
     assert spec is not None and spec.loader is not None
     package = importlib.util.module_from_spec(spec)
     sys.modules[PRIVATE_PACKAGE] = package
@@ -50,7 +60,8 @@ def _submodule(name: str) -> ModuleType:
         return importlib.import_module(f"{PRIVATE_PACKAGE}.{name}")
     except ImportError as e:
         raise ImportError(
-            f"cannot import the EXL3 codec ({name}.py): {e} (is torch installed?)") from e
+            f"cannot import the EXL3 codec ({name}.py): {e} (is torch installed?)"
+        ) from e
 
 
 exl3_format = _submodule("format")

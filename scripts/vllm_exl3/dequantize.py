@@ -21,9 +21,8 @@ import time
 from pathlib import Path
 
 from .architecture import PlanError, plan_model, round_up
-from .codec import checkpoint
+from .codec import checkpoint, reference
 from .codec import exl3_format as fmt
-from .codec import reference
 from .errors import ToolError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -36,13 +35,21 @@ NOT_COPIED = {"config.json", "quantization_config.json", fmt.SAFETENSORS_INDEX}
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "dequantize", help="write a plain HF checkpoint with the reconstructed weights",
-        description=__doc__.split("\n\n", 1)[1])
+        "dequantize",
+        help="write a plain HF checkpoint with the reconstructed weights",
+        description=__doc__.split("\n\n", 1)[1],
+    )
     p.add_argument("checkpoint", help="EXL3 checkpoint directory")
     p.add_argument("out", help="output directory (created; must be empty if it exists)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="output weight dtype")
-    p.add_argument("--device", default="cpu", help="where to decode (cpu, cuda, cuda:1, ...)")
-    p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_MIB, help="shard cap in MiB")
+    p.add_argument(
+        "--dtype", choices=DTYPES, default="bfloat16", help="output weight dtype"
+    )
+    p.add_argument(
+        "--device", default="cpu", help="where to decode (cpu, cuda, cuda:1, ...)"
+    )
+    p.add_argument(
+        "--shard-size", type=int, default=DEFAULT_SHARD_MIB, help="shard cap in MiB"
+    )
     p.add_argument("--quiet", action="store_true", help="no per-tensor progress lines")
     p.set_defaults(func=run)
 
@@ -57,20 +64,26 @@ def _real_dims(config: dict) -> tuple[dict[str, tuple[int, int]], list[str]]:
         return {}, [str(e)]
 
 
-def _trim(name: str, k_pad: int, n_pad: int, dims: dict, config: dict,
-          warnings: list[str]) -> tuple[int, int]:
+def _trim(
+    name: str, k_pad: int, n_pad: int, dims: dict, config: dict, warnings: list[str]
+) -> tuple[int, int]:
     if name in dims:
         return dims[name]
     hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
     k = hidden if hidden and round_up(hidden) == k_pad else k_pad
-    n = vocab if name == "lm_head" and vocab else (
-        hidden if hidden and round_up(hidden) == n_pad else n_pad)
+    n = (
+        vocab
+        if name == "lm_head" and vocab
+        else (hidden if hidden and round_up(hidden) == n_pad else n_pad)
+    )
     if (k, n) == (k_pad, n_pad) and name != "lm_head":
         warnings.append(f"{name}: real dims unknown, kept the stored {k_pad} x {n_pad}")
     return k, n
 
 
-def _check_scales(src: Path, index: dict, specs: dict, dims: dict, config: dict) -> list[str]:
+def _check_scales(
+    src: Path, index: dict, specs: dict, dims: dict, config: dict
+) -> list[str]:
     """The value rule of every suh/svh (checkpoint.check_scale_values), before decoding."""
     notes = []
     for prefix, spec in specs.items():
@@ -85,9 +98,14 @@ def _check_scales(src: Path, index: dict, specs: dict, dims: dict, config: dict)
     return notes
 
 
-def dequantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfloat16",
-               device: str = "cpu", shard_mib: int = DEFAULT_SHARD_MIB,
-               progress: bool = True) -> dict:
+def dequantize(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    shard_mib: int = DEFAULT_SHARD_MIB,
+    progress: bool = True,
+) -> dict:
     """Write the dequantized checkpoint; returns a summary (tensors written, warnings)."""
     import torch
     from safetensors.torch import save_file
@@ -96,7 +114,9 @@ def dequantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfl
     if not (src / "config.json").is_file():
         raise ToolError(f"{src}: no config.json (not a checkpoint directory?)")
     if dst.resolve() == src.resolve():
-        raise ToolError("the output directory must differ from the checkpoint directory")
+        raise ToolError(
+            "the output directory must differ from the checkpoint directory"
+        )
     if dst.exists() and any(dst.iterdir()):
         raise ToolError(f"{dst}: exists and is not empty")
     # The verdict vLLM's loader gives on the same directory, before any weight is read.
@@ -139,24 +159,36 @@ def dequantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfl
     try:
         for i, (prefix, spec) in enumerate(specs.items()):
             weights = fmt.load_module(src, spec, device=device, index=index)
-            w = reference.reconstruct(weights.trellis, weights.suh, weights.svh,
-                                      weights.codebook, weights.bits)
-            k, n = _trim(prefix, spec.in_features, spec.out_features, dims, config, warnings)
+            w = reference.reconstruct(
+                weights.trellis,
+                weights.suh,
+                weights.svh,
+                weights.codebook,
+                weights.bits,
+            )
+            k, n = _trim(
+                prefix, spec.in_features, spec.out_features, dims, config, warnings
+            )
             put(f"{prefix}.weight", w[:k, :n].t().to(out_dtype))
             if weights.bias is not None:
                 put(f"{prefix}.bias", weights.bias[:n].to(out_dtype))
             if progress:
-                print(f"[{i + 1}/{total}] {prefix}: {spec.bits} bits "
-                      f"{spec.codebook.name.lower()}, {spec.in_features}x{spec.out_features} -> "
-                      f"weight [{n}, {k}] ({time.monotonic() - t0:.1f}s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{i + 1}/{total}] {prefix}: {spec.bits} bits "
+                    f"{spec.codebook.name.lower()}, {spec.in_features}x{spec.out_features} -> "
+                    f"weight [{n}, {k}] ({time.monotonic() - t0:.1f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     except fmt.Exl3FormatError as e:
         raise ToolError(str(e)) from e
     for name in plain:
         t = fmt.read_tensor(src, name, index[name])
         prefix, suffix = fmt.split_name(name)
         if prefix in dims and suffix in ("weight", "bias") and t.dim() in (1, 2):
-            k, n = dims[prefix]  # padded unquantized linear (e.g. lm_head at head_bits 16)
+            k, n = dims[
+                prefix
+            ]  # padded unquantized linear (e.g. lm_head at head_bits 16)
             t = t[:n, :k] if t.dim() == 2 else t[:n]
         put(name, t)
 
@@ -164,13 +196,23 @@ def dequantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfl
     count = len(shards)
     weight_map = {}
     for i, shard in enumerate(shards):
-        fname = "model.safetensors" if count == 1 else f"model-{i + 1:05}-of-{count:05}.safetensors"
+        fname = (
+            "model.safetensors"
+            if count == 1
+            else f"model-{i + 1:05}-of-{count:05}.safetensors"
+        )
         save_file(shard, str(dst / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in names_in_shards[i]})
     if count > 1:
         with open(dst / fmt.SAFETENSORS_INDEX, "w") as f:
-            json.dump({"metadata": {"total_size": sum(shard_bytes)}, "weight_map": weight_map},
-                      f, indent=2)
+            json.dump(
+                {
+                    "metadata": {"total_size": sum(shard_bytes)},
+                    "weight_map": weight_map,
+                },
+                f,
+                indent=2,
+            )
 
     config.pop("quantization_config", None)
     for key in ("torch_dtype", "dtype"):
@@ -182,20 +224,36 @@ def dequantize(src: str | os.PathLike, dst: str | os.PathLike, dtype: str = "bfl
         json.dump(config, f, indent=2)
     copied = []
     for item in sorted(src.iterdir()):
-        if (item.is_file() and item.name not in NOT_COPIED
-                and not item.name.endswith(WEIGHT_SUFFIXES)):
+        if (
+            item.is_file()
+            and item.name not in NOT_COPIED
+            and not item.name.endswith(WEIGHT_SUFFIXES)
+        ):
             shutil.copy2(item, dst / item.name)
             copied.append(item.name)
-    for w in warnings[len(description.warnings):]:
+    for w in warnings[len(description.warnings) :]:
         print(f"warning: {w}", file=sys.stderr)
-    return {"exl3_modules": total, "tensors": sum(len(s) for s in names_in_shards),
-            "shards": count, "copied": copied, "warnings": warnings}
+    return {
+        "exl3_modules": total,
+        "tensors": sum(len(s) for s in names_in_shards),
+        "shards": count,
+        "copied": copied,
+        "warnings": warnings,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = dequantize(args.checkpoint, args.out, args.dtype, args.device, args.shard_size,
-                         progress=not args.quiet)
-    print(f"dequantized {summary['exl3_modules']} EXL3 linears; wrote {summary['tensors']} "
-          f"tensors in {summary['shards']} shard(s) to {args.out}; copied "
-          f"{', '.join(summary['copied']) or 'no other files'}")
+    summary = dequantize(
+        args.checkpoint,
+        args.out,
+        args.dtype,
+        args.device,
+        args.shard_size,
+        progress=not args.quiet,
+    )
+    print(
+        f"dequantized {summary['exl3_modules']} EXL3 linears; wrote {summary['tensors']} "
+        f"tensors in {summary['shards']} shard(s) to {args.out}; copied "
+        f"{', '.join(summary['copied']) or 'no other files'}"
+    )
     return 0

@@ -35,7 +35,9 @@ def ensure_pinned(filename: str, sha256: str, dest_dir: Path, offline: bool) -> 
     if path.is_file():
         if sha256_file(path) == sha256:
             return path
-        print(f"fetch: cached {path} does not match its pinned sha256; fetching it again")
+        print(
+            f"fetch: cached {path} does not match its pinned sha256; fetching it again"
+        )
         if offline:
             raise ToolError(
                 f"{path} is corrupt (sha256 mismatch) and --offline forbids fetching it again"
@@ -51,7 +53,9 @@ def ensure_pinned(filename: str, sha256: str, dest_dir: Path, offline: bool) -> 
         print(f"fetch: {filename} from {link.index}")
         download(link, path, sha256)
     except IndexUnreachable as e:
-        raise ToolError(f"offline: the package index is unreachable ({e}), and {cold}") from e
+        raise ToolError(
+            f"offline: the package index is unreachable ({e}), and {cold}"
+        ) from e
     return path
 
 
@@ -64,7 +68,9 @@ def _unpack(archive: Path, dest: Path) -> None:
         prog = Progress(f"unpacking {archive.name}", len(members), unit="files")
         for m in members:
             if m.name.startswith("/") or ".." in Path(m.name).parts:
-                raise ToolError(f"{archive}: refusing member {m.name!r} (outside the tree)")
+                raise ToolError(
+                    f"{archive}: refusing member {m.name!r} (outside the tree)"
+                )
             # Where available, the "data" filter also rejects links out of the tree and devices.
             tar.extract(m, tmp, **_SAFE_EXTRACT)
             prog.advance(1)
@@ -82,7 +88,9 @@ def ensure_sdist_tree(cache: Path, offline: bool = False) -> Path:
     marker = tree / _UNPACKED_MARKER
     if marker.is_file() and marker.read_text().strip() == pins.SDIST_SHA256:
         return tree
-    archive = ensure_pinned(pins.SDIST_NAME, pins.SDIST_SHA256, cache / "sdist", offline)
+    archive = ensure_pinned(
+        pins.SDIST_NAME, pins.SDIST_SHA256, cache / "sdist", offline
+    )
     _unpack(archive, tree)
     return tree
 
@@ -98,7 +106,9 @@ def pristine_files(tree: Path) -> list[str]:
 
 def copy_sdist_tree(src: Path, dest: Path) -> None:
     """A working copy of the pristine tree without our unpack marker."""
-    shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns(_UNPACKED_MARKER))
+    shutil.copytree(
+        src, dest, symlinks=True, ignore=shutil.ignore_patterns(_UNPACKED_MARKER)
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,7 +128,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "--cache-dir", type=Path, default=default_cache_dir(),
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
         help="cache directory (default: $VLLM_EXL3_CACHE or ~/.cache/vllm-exl3)",
     )
     p.add_argument("--offline", action="store_true", help="never touch the network")

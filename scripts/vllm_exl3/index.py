@@ -84,7 +84,11 @@ def configured_indexes() -> list[str]:
 
 def _ssl_context() -> ssl.SSLContext:
     cert = _pip_setting("cert")
-    return ssl.create_default_context(cafile=cert) if cert else ssl.create_default_context()
+    return (
+        ssl.create_default_context(cafile=cert)
+        if cert
+        else ssl.create_default_context()
+    )
 
 
 def _open(url: str, accept: str | None = None):
@@ -120,7 +124,11 @@ def _project_files(index: str, project: str) -> list[tuple[str, str, str | None]
     if "json" in ctype:
         data = json.loads(body)
         return [
-            (f["filename"], urllib.parse.urljoin(base, f["url"]), f.get("hashes", {}).get("sha256"))
+            (
+                f["filename"],
+                urllib.parse.urljoin(base, f["url"]),
+                f.get("hashes", {}).get("sha256"),
+            )
             for f in data.get("files", [])
         ]
     parser = _AnchorParser()
@@ -141,7 +149,9 @@ def find_file(project: str, filename: str) -> FileLink:
         try:
             files = _project_files(index, project)
         except urllib.error.HTTPError as e:
-            if e.code == 404:  # reachable, project not there (typical for a local extra index)
+            if (
+                e.code == 404
+            ):  # reachable, project not there (typical for a local extra index)
                 reached.append(index)
                 continue
             errors.append(f"{index}: HTTP {e.code} {e.reason}")
@@ -193,7 +203,9 @@ def download(link: FileLink, dest: Path, sha256: str) -> None:
             prog.finish()
     except (urllib.error.URLError, OSError) as e:
         part.unlink(missing_ok=True)
-        raise IndexUnreachable(f"downloading {link.url}: {getattr(e, 'reason', e)}") from e
+        raise IndexUnreachable(
+            f"downloading {link.url}: {getattr(e, 'reason', e)}"
+        ) from e
     if h.hexdigest() != sha256:
         part.unlink(missing_ok=True)
         raise ToolError(

@@ -52,7 +52,9 @@ def normalize_arch(arch: str) -> str:
         major, minor = a.split(".", 1)
         a = major + minor
     if not a.isdigit():
-        raise BuildError(f"unrecognised CUDA architecture {arch!r} (use e.g. 9.0, 12.0, sm_121)")
+        raise BuildError(
+            f"unrecognised CUDA architecture {arch!r} (use e.g. 9.0, 12.0, sm_121)"
+        )
     return a
 
 
@@ -102,7 +104,9 @@ def find_toolchain() -> Toolchain:
     wheel_include = _nvidia_dir("include")
     if not (cuda_home / "include" / "cublas_v2.h").exists():
         if wheel_include is None:
-            raise BuildError("cublas_v2.h found neither in the CUDA toolkit nor in nvidia/cu13")
+            raise BuildError(
+                "cublas_v2.h found neither in the CUDA toolkit nor in nvidia/cu13"
+            )
         cuda_include.append(str(wheel_include))
     candidates = [cuda_home / "lib64" / "libcublas.so"]
     wheel_lib = _nvidia_dir("lib")
@@ -110,19 +114,28 @@ def find_toolchain() -> Toolchain:
         candidates.append(wheel_lib / "libcublas.so.13")
     cublas = next((c for c in candidates if c.exists()), None)
     if cublas is None:
-        raise BuildError("libcublas not found (looked in %s)" % ", ".join(map(str, candidates)))
+        raise BuildError(
+            "libcublas not found (looked in %s)" % ", ".join(map(str, candidates))
+        )
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.origin:
         raise BuildError("torch is not importable from this Python")
     torch_dir = Path(spec.origin).parent
-    return Toolchain(nvcc=nvcc, cxx=os.environ.get("CXX", "g++"), cuda_include=cuda_include,
-                     torch_include=torch_dir / "include", torch_lib=torch_dir / "lib",
-                     python_include=sysconfig.get_paths()["include"], cublas_lib=cublas)
+    return Toolchain(
+        nvcc=nvcc,
+        cxx=os.environ.get("CXX", "g++"),
+        cuda_include=cuda_include,
+        torch_include=torch_dir / "include",
+        torch_lib=torch_dir / "lib",
+        python_include=sysconfig.get_paths()["include"],
+        cublas_lib=cublas,
+    )
 
 
 def _includes(tc: Toolchain) -> list[str]:
-    return ([f"-I{SOURCES}", f"-I{tc.torch_include}", f"-I{tc.python_include}"]
-            + [f"-I{d}" for d in tc.cuda_include])
+    return [f"-I{SOURCES}", f"-I{tc.torch_include}", f"-I{tc.python_include}"] + [
+        f"-I{d}" for d in tc.cuda_include
+    ]
 
 
 def _stale(obj: Path, src: Path) -> bool:
@@ -130,23 +143,46 @@ def _stale(obj: Path, src: Path) -> bool:
         return True
     # Any header of the directory may be included by any source, and this file holds the
     # flags: rebuild when either is newer.
-    newest = max([p.stat().st_mtime for p in SOURCES.iterdir() if p.is_file()]
-                 + [Path(__file__).stat().st_mtime])
+    newest = max(
+        [p.stat().st_mtime for p in SOURCES.iterdir() if p.is_file()]
+        + [Path(__file__).stat().st_mtime]
+    )
     return obj.stat().st_mtime < max(newest, src.stat().st_mtime)
 
 
-def _compile_commands(tc: Toolchain, archs: list[str], obj_dir: Path,
-                      with_standalone: bool) -> list[tuple[Path, Path, list[str]]]:
+def _compile_commands(
+    tc: Toolchain, archs: list[str], obj_dir: Path, with_standalone: bool
+) -> list[tuple[Path, Path, list[str]]]:
     jobs = []
     for src in sorted(SOURCES.iterdir()):
-        if src.suffix not in (".cu", ".cpp") or (src.name == STANDALONE and not with_standalone):
+        if src.suffix not in (".cu", ".cpp") or (
+            src.name == STANDALONE and not with_standalone
+        ):
             continue
         obj = obj_dir / (src.name + ".o")
         if src.suffix == ".cu":
-            cmd = [tc.nvcc, *NVCC_FLAGS, *gencode_flags(archs), *DEFINES, *_includes(tc), "-c",
-                   str(src), "-o", str(obj)]
+            cmd = [
+                tc.nvcc,
+                *NVCC_FLAGS,
+                *gencode_flags(archs),
+                *DEFINES,
+                *_includes(tc),
+                "-c",
+                str(src),
+                "-o",
+                str(obj),
+            ]
         else:
-            cmd = [tc.cxx, *CXX_FLAGS, *DEFINES, *_includes(tc), "-c", str(src), "-o", str(obj)]
+            cmd = [
+                tc.cxx,
+                *CXX_FLAGS,
+                *DEFINES,
+                *_includes(tc),
+                "-c",
+                str(src),
+                "-o",
+                str(obj),
+            ]
         jobs.append((src, obj, cmd))
     return jobs
 
@@ -159,8 +195,13 @@ def _run(cmd: list[str], what: str) -> float:
     return time.monotonic() - t0
 
 
-def build_extension(out_dir: Path, archs: list[str], jobs: int, compile_only: bool = False,
-                    verbose: bool = False) -> Path:
+def build_extension(
+    out_dir: Path,
+    archs: list[str],
+    jobs: int,
+    compile_only: bool = False,
+    verbose: bool = False,
+) -> Path:
     """Build `_exl3_C.abi3.so` into out_dir (returned), or only its objects if compile_only
     (then the object directory is returned). Unchanged objects are reused."""
     archs = sorted({normalize_arch(a) for a in archs}, key=int)
@@ -170,12 +211,17 @@ def build_extension(out_dir: Path, archs: list[str], jobs: int, compile_only: bo
     out_dir = Path(out_dir).resolve()
     obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
     obj_dir.mkdir(parents=True, exist_ok=True)
-    work = [(s, o, c) for s, o, c in _compile_commands(tc, archs, obj_dir, not compile_only)
-            if _stale(o, s)]
+    work = [
+        (s, o, c)
+        for s, o, c in _compile_commands(tc, archs, obj_dir, not compile_only)
+        if _stale(o, s)
+    ]
     # Largest translation units first, so the long ones don't start last.
     work.sort(key=lambda w: (w[0].suffix != ".cu", -w[0].stat().st_size))
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {pool.submit(_run, cmd, f"compiling {src.name}"): src for src, _, cmd in work}
+        futures = {
+            pool.submit(_run, cmd, f"compiling {src.name}"): src for src, _, cmd in work
+        }
         for fut in concurrent.futures.as_completed(futures):
             seconds = fut.result()
             if verbose:
@@ -184,11 +230,26 @@ def build_extension(out_dir: Path, archs: list[str], jobs: int, compile_only: bo
         return obj_dir
     objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, True)]
     target = out_dir / EXTENSION
-    link = [tc.nvcc, "-shared", "-cudart", "shared", *gencode_flags(archs), "-o", str(target),
-            *map(str, objects), f"-L{tc.torch_lib}", "-ltorch", "-ltorch_cpu", "-ltorch_cuda",
-            "-lc10", f"-L{tc.cublas_lib.parent}", f"-l:{tc.cublas_lib.name}",
-            # Installed as vllm/_exl3_C.abi3.so: torch and the CUDA wheels sit beside vllm/.
-            "-Xlinker", "-rpath=$ORIGIN/../torch/lib:$ORIGIN/../nvidia/cu13/lib"]
+    link = [
+        tc.nvcc,
+        "-shared",
+        "-cudart",
+        "shared",
+        *gencode_flags(archs),
+        "-o",
+        str(target),
+        *map(str, objects),
+        f"-L{tc.torch_lib}",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-ltorch_cuda",
+        "-lc10",
+        f"-L{tc.cublas_lib.parent}",
+        f"-l:{tc.cublas_lib.name}",
+        # Installed as vllm/_exl3_C.abi3.so: torch and the CUDA wheels sit beside vllm/.
+        "-Xlinker",
+        "-rpath=$ORIGIN/../torch/lib:$ORIGIN/../nvidia/cu13/lib",
+    ]
     _run(link, "linking " + EXTENSION)
     return target
 
@@ -196,15 +257,20 @@ def build_extension(out_dir: Path, archs: list[str], jobs: int, compile_only: bo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--arch", action="append", default=None,
-                    help="CUDA architecture (repeatable): 9.0, 12.0, 12.1 (default 9.0)")
+    ap.add_argument(
+        "--arch",
+        action="append",
+        default=None,
+        help="CUDA architecture (repeatable): 9.0, 12.0, 12.1 (default 9.0)",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     try:
-        path = build_extension(args.out, args.arch or ["9.0"], args.jobs, args.compile_only,
-                               verbose=True)
+        path = build_extension(
+            args.out, args.arch or ["9.0"], args.jobs, args.compile_only, verbose=True
+        )
     except BuildError as e:
         print(f"kernels_build: {e}", file=sys.stderr)
         return 1

@@ -24,8 +24,15 @@ _IDENTITY = ["-c", "user.name=vllm-exl3", "-c", "user.email=vllm-exl3@localhost"
 # format-patch settings that make a re-export byte-identical when nothing changed: no commit
 # ids, no version signature, no diffstat, full blob ids (abbreviations grow with the repository),
 # no "[PATCH n/m]" numbering (it would rewrite every subject when a patch is added).
-EXPORT_FLAGS = ["--no-signature", "--zero-commit", "--no-stat", "--full-index", "--no-numbered",
-                "--no-renames", "--no-binary"]
+EXPORT_FLAGS = [
+    "--no-signature",
+    "--zero-commit",
+    "--no-stat",
+    "--full-index",
+    "--no-numbered",
+    "--no-renames",
+    "--no-binary",
+]
 
 
 def _git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -33,8 +40,9 @@ def _git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
     # Personal and system git settings (diff.noprefix, format.signature, autocrlf...) would change
     # what format-patch writes; dev trees use git's defaults only.
     env.update(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
-    r = subprocess.run(["git", *_IDENTITY, *args], cwd=tree, env=env,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["git", *_IDENTITY, *args], cwd=tree, env=env, capture_output=True, text=True
+    )
     if check and r.returncode != 0:
         raise ToolError(f"git {' '.join(args)} in {tree} failed:\n{r.stdout}{r.stderr}")
     return r
@@ -67,21 +75,33 @@ def make_dev_tree(base: Path, dest: Path, patches: list[Path], label: str) -> in
     return len(patches)
 
 
-def export_series(dev: Path, patches_dir: Path) -> tuple[list[str], list[str], list[str]]:
+def export_series(
+    dev: Path, patches_dir: Path
+) -> tuple[list[str], list[str], list[str]]:
     """Replace `patches_dir/*.patch` with the dev tree's commits after the base; returns (added,
     changed, removed) file names."""
-    if not (dev / ".git").exists() or _git(dev, "rev-parse", "-q", "--verify", BASE_TAG,
-                                           check=False).returncode:
-        raise ToolError(f"{dev} is not a dev tree made by `vllm-exl3 dev-tree` (no {BASE_TAG} tag)")
+    if (
+        not (dev / ".git").exists()
+        or _git(dev, "rev-parse", "-q", "--verify", BASE_TAG, check=False).returncode
+    ):
+        raise ToolError(
+            f"{dev} is not a dev tree made by `vllm-exl3 dev-tree` (no {BASE_TAG} tag)"
+        )
     if (dev / ".git" / "rebase-apply").exists():
-        raise ToolError(f"{dev}: a git am is in progress; finish it (git am --continue) first")
+        raise ToolError(
+            f"{dev}: a git am is in progress; finish it (git am --continue) first"
+        )
     dirty = _git(dev, "status", "--porcelain", "--untracked-files=no").stdout.strip()
     if dirty:
-        raise ToolError(f"{dev} has uncommitted changes; commit them (one commit per patch):\n"
-                        + dirty)
+        raise ToolError(
+            f"{dev} has uncommitted changes; commit them (one commit per patch):\n"
+            + dirty
+        )
     merges = _git(dev, "rev-list", "--merges", f"{BASE_TAG}..HEAD").stdout.split()
     if merges:
-        raise ToolError(f"{dev}: the history after {BASE_TAG} has merge commits; keep it linear")
+        raise ToolError(
+            f"{dev}: the history after {BASE_TAG} has merge commits; keep it linear"
+        )
     patches_dir.mkdir(parents=True, exist_ok=True)
     old = {p.name: p.read_bytes() for p in patches_dir.glob("*.patch")}
     with tempfile.TemporaryDirectory(prefix="vllm-exl3-export-") as tmp:
@@ -102,7 +122,9 @@ def run_dev_tree(args: argparse.Namespace) -> int:
     base = args.base or ensure_sdist_tree(args.cache_dir, offline=args.offline)
     label = args.label or f"vllm {pins.VLLM_VERSION}"
     n = make_dev_tree(base, args.dir, list(series.patches), label)
-    print(f"{args.dir}: git checkout of {label} ({BASE_TAG}) with {n} patch(es) as commits")
+    print(
+        f"{args.dir}: git checkout of {label} ({BASE_TAG}) with {n} patch(es) as commits"
+    )
     print("edit, commit (one commit per patch; message: why, upstream intent), then:")
     print(f"  scripts/vllm-exl3 export-patches {args.dir}")
     return 0
@@ -112,8 +134,10 @@ def run_export(args: argparse.Namespace) -> int:
     patches_dir = Series.load(args.series).root / "patches"
     added, changed, removed = export_series(args.dir, patches_dir)
     total = len(list(patches_dir.glob("*.patch")))
-    print(f"{patches_dir}: {total} patch(es); added {len(added)}, changed {len(changed)}, "
-          f"removed {len(removed)}")
+    print(
+        f"{patches_dir}: {total} patch(es); added {len(added)}, changed {len(changed)}, "
+        f"removed {len(removed)}"
+    )
     for label, names in (("added", added), ("changed", changed), ("removed", removed)):
         for name in names:
             print(f"  {label}: {name}")
@@ -131,15 +155,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "then run export-patches. See patches/README.md."
         ),
     )
-    p.add_argument("dir", type=Path, help="where to create the checkout (absent or empty)")
-    p.add_argument("--base", type=Path,
-                   help="start from this pristine tree instead of the pinned sdist (e.g. a new "
-                   "vLLM release when porting the series)")
-    p.add_argument("--label", help=f"name of the base in its commit (default: vllm "
-                   f"{pins.VLLM_VERSION})")
-    p.add_argument("--series", type=Path, default=ROOT, help="repository root holding patches/")
-    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
-                   help="cache directory (default: $VLLM_EXL3_CACHE or ~/.cache/vllm-exl3)")
+    p.add_argument(
+        "dir", type=Path, help="where to create the checkout (absent or empty)"
+    )
+    p.add_argument(
+        "--base",
+        type=Path,
+        help="start from this pristine tree instead of the pinned sdist (e.g. a new "
+        "vLLM release when porting the series)",
+    )
+    p.add_argument(
+        "--label",
+        help=f"name of the base in its commit (default: vllm {pins.VLLM_VERSION})",
+    )
+    p.add_argument(
+        "--series", type=Path, default=ROOT, help="repository root holding patches/"
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=default_cache_dir(),
+        help="cache directory (default: $VLLM_EXL3_CACHE or ~/.cache/vllm-exl3)",
+    )
     p.add_argument("--offline", action="store_true", help="never touch the network")
     p.set_defaults(func=run_dev_tree)
 
@@ -152,5 +189,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     e.add_argument("dir", type=Path, help="a checkout made by dev-tree")
-    e.add_argument("--series", type=Path, default=ROOT, help="repository root holding patches/")
+    e.add_argument(
+        "--series", type=Path, default=ROOT, help="repository root holding patches/"
+    )
     e.set_defaults(func=run_export)

@@ -53,10 +53,14 @@ def _parse_file(lines: list[str], i: int, where: str) -> tuple[FileDiff, int]:
             new = _strip_prefix(lines[i][4:])
         i += 1
     header = "".join(lines[start:i])
-    if old is None and new is None:  # binary or mode-only: names only on the diff --git line
+    if (
+        old is None and new is None
+    ):  # binary or mode-only: names only on the diff --git line
         m = re.match(r"diff --git a/(\S+) b/(\S+)", lines[start])
         if not m:
-            raise ValueError(f"{where}: cannot read the file names in {lines[start].strip()!r}")
+            raise ValueError(
+                f"{where}: cannot read the file names in {lines[start].strip()!r}"
+            )
         new = m.group(2)
     hunks = []
     while i < len(lines) and lines[i].startswith("@@"):
@@ -80,7 +84,9 @@ def _parse_file(lines: list[str], i: int, where: str) -> tuple[FileDiff, int]:
             i += 1
         if old_left or new_left:
             raise ValueError(f"{where}: hunk {lines[h_start].strip()!r} is truncated")
-        if i < len(lines) and lines[i].startswith("\\"):  # "\ No newline at end of file"
+        if i < len(lines) and lines[i].startswith(
+            "\\"
+        ):  # "\ No newline at end of file"
             i += 1
         hunks.append(Hunk(lines[h_start].rstrip("\n"), "".join(lines[h_start:i])))
     # Anything after the last hunk up to the next file (e.g. a mail signature) is not diff.
@@ -94,9 +100,11 @@ def parse_patch(path: Path) -> Patch:
     lines = text.splitlines(keepends=True)
     subject_lines: list[str] = []
     i = 0
-    while i < len(lines) and lines[i].strip():  # mail headers end at the first blank line
+    while (
+        i < len(lines) and lines[i].strip()
+    ):  # mail headers end at the first blank line
         if lines[i].startswith("Subject:"):
-            subject_lines = [lines[i][len("Subject:"):].strip()]
+            subject_lines = [lines[i][len("Subject:") :].strip()]
             j = i + 1
             while j < len(lines) and lines[j][:1] in (" ", "\t"):
                 subject_lines.append(lines[j].strip())

@@ -15,8 +15,15 @@ _REDRAW_S = 0.2
 
 
 class Progress:
-    def __init__(self, label: str, total: int, unit: str = "MB", scale: float = 1e6) -> None:
-        self.label, self.total, self.unit, self.scale = label, max(total, 1), unit, scale
+    def __init__(
+        self, label: str, total: int, unit: str = "MB", scale: float = 1e6
+    ) -> None:
+        self.label, self.total, self.unit, self.scale = (
+            label,
+            max(total, 1),
+            unit,
+            scale,
+        )
         self.done = 0
         self._tty = sys.stderr.isatty()
         self._next_log = PROGRESS_LOG_STEP
@@ -39,7 +46,9 @@ class Progress:
 
     def finish(self) -> None:
         if self._tty:
-            sys.stderr.write(f"\r{self._line()}  ({time.monotonic() - self._t0:.0f}s)\n")
+            sys.stderr.write(
+                f"\r{self._line()}  ({time.monotonic() - self._t0:.0f}s)\n"
+            )
             sys.stderr.flush()
 
     def _line(self) -> str:

@@ -74,8 +74,11 @@ class Series:
     def load(cls, root: Path = ROOT) -> Series:
         root = root.resolve()
         overlay = tuple(
-            SourceFile(p, p.relative_to(root).as_posix(),
-                       p.relative_to(root / "overlay").as_posix())
+            SourceFile(
+                p,
+                p.relative_to(root).as_posix(),
+                p.relative_to(root / "overlay").as_posix(),
+            )
             for p in _files_under(root / "overlay")
         )
         csrc = tuple(
@@ -107,11 +110,25 @@ def git_label(root: Path = ROOT) -> str | None:
     try:
         sha = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=8", "HEAD"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--", "overlay", "csrc", "patches"],
-            capture_output=True, text=True, check=True,
+            [
+                "git",
+                "-C",
+                str(root),
+                "status",
+                "--porcelain",
+                "--",
+                "overlay",
+                "csrc",
+                "patches",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -39,7 +39,9 @@ class HunkVerdict:
 @dataclass
 class FileVerdict:
     path: str
-    skipped: str | None = None  # why this file's diff is not applied to this kind of tree
+    skipped: str | None = (
+        None  # why this file's diff is not applied to this kind of tree
+    )
     applies: bool = True
     missing: bool = False  # the file to patch is not in the tree
     hunks: list[HunkVerdict] = field(default_factory=list)
@@ -87,12 +89,15 @@ def _git(args: list[str], cwd: Path, stdin: str) -> subprocess.CompletedProcess:
     # Never let git discover a repository above the scratch directory: inside one, `git apply`
     # silently skips paths outside the current directory.
     env["GIT_CEILING_DIRECTORIES"] = str(cwd.parent)
-    return subprocess.run(["git", *args], cwd=cwd, input=stdin, env=env,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        ["git", *args], cwd=cwd, input=stdin, env=env, capture_output=True, text=True
+    )
 
 
 def _applies(scratch: Path, diff: str, reverse: bool = False) -> tuple[bool, str]:
-    args = ["apply", "--check", "--whitespace=nowarn"] + (["--reverse"] if reverse else [])
+    args = ["apply", "--check", "--whitespace=nowarn"] + (
+        ["--reverse"] if reverse else []
+    )
     r = _git(args, scratch, diff)
     return r.returncode == 0, r.stderr.strip()
 
@@ -104,7 +109,9 @@ def _judge_file(scratch: Path, fd: FileDiff) -> FileVerdict:
     for h in fd.hunks:
         fv.hunks.append(HunkVerdict(h.header, _applies(scratch, fd.header + h.text)[0]))
     # A diff without hunks (mode change, binary) is judged whole.
-    fv.applies = all(h.applies for h in fv.hunks) if fd.hunks else _applies(scratch, fd.text)[0]
+    fv.applies = (
+        all(h.applies for h in fv.hunks) if fd.hunks else _applies(scratch, fd.text)[0]
+    )
     return fv
 
 
@@ -113,7 +120,9 @@ def make_plan(series: Series, kind: Kind, read: Reader, per_hunk: bool = False) 
     even when the whole patch applies (for --check); otherwise only failing patches are broken
     down."""
     if shutil.which("git") is None:
-        raise ToolError("git is required (patches are applied with `git apply`); install git")
+        raise ToolError(
+            "git is required (patches are applied with `git apply`); install git"
+        )
     plan = Plan([], [], [], [], [])
     sources = _plan_sources(series, kind, read, plan)
     _plan_patches(series, kind, read, per_hunk, {sf.dest for sf in sources}, plan)
@@ -122,16 +131,21 @@ def make_plan(series: Series, kind: Kind, read: Reader, per_hunk: bool = False) 
     return plan
 
 
-def _plan_sources(series: Series, kind: Kind, read: Reader, plan: Plan) -> list[SourceFile]:
+def _plan_sources(
+    series: Series, kind: Kind, read: Reader, plan: Plan
+) -> list[SourceFile]:
     """Overlay and csrc files: new ones to write, identical ones to leave, conflicts."""
     if kind != "sdist" and series.csrc:
         plan.skipped_sources.append(
-            f"csrc/ ({len(series.csrc)} files): a wheel tree has no sources")
+            f"csrc/ ({len(series.csrc)} files): a wheel tree has no sources"
+        )
     candidates = list(series.overlay) + (list(series.csrc) if kind == "sdist" else [])
     sources = []
     for sf in candidates:
         if not in_scope(kind, sf.dest):
-            plan.skipped_sources.append(f"{sf.origin}: outside the installed vllm/ package")
+            plan.skipped_sources.append(
+                f"{sf.origin}: outside the installed vllm/ package"
+            )
             continue
         sources.append(sf)
         data = sf.source.read_bytes()
@@ -149,8 +163,14 @@ def _plan_sources(series: Series, kind: Kind, read: Reader, plan: Plan) -> list[
     return sources
 
 
-def _plan_patches(series: Series, kind: Kind, read: Reader, per_hunk: bool,
-                  source_dests: set[str], plan: Plan) -> None:
+def _plan_patches(
+    series: Series,
+    kind: Kind,
+    read: Reader,
+    per_hunk: bool,
+    source_dests: set[str],
+    plan: Plan,
+) -> None:
     """The patches applied in order to scratch copies of the files they touch."""
     patches = [parse_patch(p) for p in series.patches]
     touched: dict[str, list[str]] = {}
@@ -171,22 +191,27 @@ def _plan_patches(series: Series, kind: Kind, read: Reader, per_hunk: bool,
             plan.patches.append(_apply_one(scratch, patch, kind, per_hunk, touched))
         for path, origin in touched.items():
             if path in source_dests:
-                raise ToolError(f"series error: {path} is both a new file and patched ({origin})")
+                raise ToolError(
+                    f"series error: {path} is both a new file and patched ({origin})"
+                )
             before = originals.get(path)
             p = scratch / path
             after = (p.read_bytes(), p.stat().st_mode & 0o777) if p.exists() else None
             if after != before:
                 mode = after[1] if after else (before[1] if before else _NEW_FILE_MODE)
                 plan.writes.append(
-                    Write(path, after[0] if after else None, mode, ", ".join(origin)))
+                    Write(path, after[0] if after else None, mode, ", ".join(origin))
+                )
 
 
 def _patch_problems(v: PatchVerdict) -> list[str]:
     if v.applies:
         return []
     if v.already_applied:
-        return [f"patch {v.name}: already applied to this tree, but not by vllm-exl3 (no "
-                ".vllm-exl3/ record); start from a pristine tree"]
+        return [
+            f"patch {v.name}: already applied to this tree, but not by vllm-exl3 (no "
+            ".vllm-exl3/ record); start from a pristine tree"
+        ]
     problems = []
     for fv in v.files:
         if fv.skipped or fv.applies:
@@ -194,9 +219,12 @@ def _patch_problems(v: PatchVerdict) -> list[str]:
         if fv.missing:
             problems.append(f"patch {v.name}: {fv.path} is missing from the tree")
             continue
-        bad = [f"hunk {i} ({h.header})" for i, h in enumerate(fv.hunks, 1) if not h.applies]
+        bad = [
+            f"hunk {i} ({h.header})" for i, h in enumerate(fv.hunks, 1) if not h.applies
+        ]
         problems.append(
-            f"patch {v.name}: {fv.path}: " + (", ".join(bad) if bad else "the file diff")
+            f"patch {v.name}: {fv.path}: "
+            + (", ".join(bad) if bad else "the file diff")
             + " does not apply (the file was modified locally or is from another version)"
         )
     if not problems:  # each file applies alone, the combination does not
@@ -204,15 +232,22 @@ def _patch_problems(v: PatchVerdict) -> list[str]:
     return problems
 
 
-def _apply_one(scratch: Path, patch: Patch, kind: Kind, per_hunk: bool,
-               touched: dict[str, list[str]]) -> PatchVerdict:
+def _apply_one(
+    scratch: Path,
+    patch: Patch,
+    kind: Kind,
+    per_hunk: bool,
+    touched: dict[str, list[str]],
+) -> PatchVerdict:
     kept = [fd for fd in patch.files if in_scope(kind, fd.path)]
     verdict = PatchVerdict(patch.name, patch.subject, applies=True)
     diff = "".join(fd.text for fd in kept)
     ok, err = _applies(scratch, diff) if kept else (True, "")
     for fd in patch.files:
         if not in_scope(kind, fd.path):
-            verdict.files.append(FileVerdict(fd.path, skipped="not part of an installed wheel"))
+            verdict.files.append(
+                FileVerdict(fd.path, skipped="not part of an installed wheel")
+            )
         elif per_hunk or not ok:
             verdict.files.append(_judge_file(scratch, fd))
     if not ok:
@@ -223,7 +258,9 @@ def _apply_one(scratch: Path, patch: Patch, kind: Kind, per_hunk: bool,
         if kept:
             r = _git(["apply", "--whitespace=nowarn"], scratch, diff)
             if r.returncode != 0:  # --check passed, so this is an environment problem
-                raise ToolError(f"git apply of {patch.name} failed after its check: {r.stderr}")
+                raise ToolError(
+                    f"git apply of {patch.name} failed after its check: {r.stderr}"
+                )
         for fd in kept:
             touched.setdefault(fd.path, []).append(patch.name)
     return verdict

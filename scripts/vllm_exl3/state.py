@@ -67,10 +67,20 @@ class State:
             if raw.get("format") != _FORMAT:
                 raise ValueError(f"unknown manifest format {raw.get('format')!r}")
             entries = [Entry(**e) for e in raw["entries"]]
-            return cls(tree, raw["series"], raw["kind"], raw["vllm_version"], raw["source"],
-                       raw["applied_at"], entries, raw["dirs_created"])
+            return cls(
+                tree,
+                raw["series"],
+                raw["kind"],
+                raw["vllm_version"],
+                raw["source"],
+                raw["applied_at"],
+                entries,
+                raw["dirs_created"],
+            )
         except (ValueError, KeyError, TypeError) as e:
-            raise ToolError(f"{manifest} is unreadable ({e}); cannot tell what was applied") from e
+            raise ToolError(
+                f"{manifest} is unreadable ({e}); cannot tell what was applied"
+            ) from e
 
     def _pristine(self, path: str) -> Path:
         return self.dir / _PRISTINE / path
@@ -97,8 +107,10 @@ class State:
                 continue
             p = self._pristine(e.path)
             if not p.is_file() or _sha(p.read_bytes()) != e.sha256_before:
-                out.append(f"{e.path}: its pristine copy in {STATE_DIR}/{_PRISTINE} is missing "
-                           "or damaged")
+                out.append(
+                    f"{e.path}: its pristine copy in {STATE_DIR}/{_PRISTINE} is missing "
+                    "or damaged"
+                )
         return out
 
     def pristine_reader(self, current: Reader) -> Reader:
@@ -154,12 +166,25 @@ class State:
         return notes
 
 
-def record_and_write(tree: Path, plan: Plan, series_fp: str, kind: str, version: str | None,
-                     source: str, read: Reader) -> State:
+def record_and_write(
+    tree: Path,
+    plan: Plan,
+    series_fp: str,
+    kind: str,
+    version: str | None,
+    source: str,
+    read: Reader,
+) -> State:
     """Save pristine copies and the manifest first, then write the plan's files, so even an
     interrupted application can be reverted (with --force)."""
-    state = State(tree, series_fp, kind, version, source,
-                  datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    state = State(
+        tree,
+        series_fp,
+        kind,
+        version,
+        source,
+        datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
     created: set[str] = set()
     for w in plan.writes:
         before = read(w.path)
@@ -174,12 +199,16 @@ def record_and_write(tree: Path, plan: Plan, series_fp: str, kind: str, version:
             dst = state._pristine(w.path)
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(before[0])
-        state.entries.append(Entry(
-            w.path, action, w.origin,
-            _sha(before[0]) if before else None,
-            _sha(w.content) if w.content is not None else None,
-            before[1] if before else None,
-        ))
+        state.entries.append(
+            Entry(
+                w.path,
+                action,
+                w.origin,
+                _sha(before[0]) if before else None,
+                _sha(w.content) if w.content is not None else None,
+                before[1] if before else None,
+            )
+        )
     state.dirs_created = sorted(created)
     state.dir.mkdir(parents=True, exist_ok=True)
     manifest = {"format": _FORMAT, "tool": "vllm-exl3", **asdict(state)}

@@ -19,8 +19,9 @@ BUILD_LABEL_PREFIX = "exl3"
 
 
 def _metadata(path: Path) -> dict[str, str]:
-    msg = email.parser.Parser().parsestr(path.read_text(encoding="utf-8", errors="replace"),
-                                         headersonly=True)
+    msg = email.parser.Parser().parsestr(
+        path.read_text(encoding="utf-8", errors="replace"), headersonly=True
+    )
     return {k: str(v) for k, v in msg.items()}
 
 
@@ -34,7 +35,9 @@ class TargetTree:
 
     @property
     def describe(self) -> str:
-        return f"{self.root} ({self.kind} tree, vLLM {self.version or 'unknown version'})"
+        return (
+            f"{self.root} ({self.kind} tree, vLLM {self.version or 'unknown version'})"
+        )
 
 
 def identify(root: Path) -> TargetTree:
@@ -53,13 +56,16 @@ def identify(root: Path) -> TargetTree:
             problems.append(f"PKG-INFO names project {meta.get('Name')!r}, not vllm")
         for needed in ("CMakeLists.txt", "csrc/libtorch_stable"):
             if not (root / needed).exists():
-                problems.append(f"sdist tree lacks {needed} (not a vLLM 0.26 source layout)")
+                problems.append(
+                    f"sdist tree lacks {needed} (not a vLLM 0.26 source layout)"
+                )
     else:
         infos = sorted(root.glob("vllm-*.dist-info"))
         kind = "wheel" if infos or not (root / "CMakeLists.txt").exists() else "sdist"
         if len(infos) > 1:
             problems.append(
-                "several vLLM installations' metadata: " + ", ".join(p.name for p in infos)
+                "several vLLM installations' metadata: "
+                + ", ".join(p.name for p in infos)
             )
         elif infos and (infos[0] / "METADATA").is_file():
             version = _metadata(infos[0] / "METADATA").get("Version")

@@ -48,14 +48,18 @@ class WheelName:
         return f"{self.name}-{self.version}.dist-info"
 
 
-def unpack(wheel: Path, dest: Path, keep: Callable[[str], bool] = lambda _p: True) -> None:
+def unpack(
+    wheel: Path, dest: Path, keep: Callable[[str], bool] = lambda _p: True
+) -> None:
     """Extract the members `keep` accepts, keeping the executable bits recorded in the archive."""
     with zipfile.ZipFile(wheel) as zf:
         infos = [i for i in zf.infolist() if keep(i.filename)]
         prog = Progress(f"unpacking {wheel.name}", sum(i.file_size for i in infos))
         for info in infos:
             if info.filename.startswith("/") or ".." in Path(info.filename).parts:
-                raise ToolError(f"{wheel}: refusing member {info.filename!r} (outside the tree)")
+                raise ToolError(
+                    f"{wheel}: refusing member {info.filename!r} (outside the tree)"
+                )
             target = dest / info.filename
             if info.is_dir():
                 target.mkdir(parents=True, exist_ok=True)
@@ -94,23 +98,32 @@ def _record_hash(path: Path) -> tuple[str, int]:
     return f"sha256={digest}", path.stat().st_size
 
 
-def write(tree: Path, name: WheelName, out: Path,
-          keep: Callable[[str], bool] = lambda _p: True) -> list[str]:
+def write(
+    tree: Path,
+    name: WheelName,
+    out: Path,
+    keep: Callable[[str], bool] = lambda _p: True,
+) -> list[str]:
     """Zip `tree` as wheel `name` into `out` (a file path), members filtered by `keep`, with a
     regenerated RECORD; the dist-info directory goes last, RECORD last of all. Returns the
     member paths written."""
     record_path = f"{name.dist_info}/RECORD"
     files = sorted(
-        p.relative_to(tree).as_posix() for p in tree.rglob("*")
+        p.relative_to(tree).as_posix()
+        for p in tree.rglob("*")
         if p.is_file() and not p.is_symlink()
     )
     files = [f for f in files if f != record_path and keep(f)]
     if not any(f.startswith(name.dist_info + "/") for f in files):
-        raise ToolError(f"{tree} has no {name.dist_info}/; cannot write {name.filename}")
+        raise ToolError(
+            f"{tree} has no {name.dist_info}/; cannot write {name.filename}"
+        )
     files.sort(key=lambda f: (f.startswith(name.dist_info + "/"), f))
     record = io.StringIO()
     rows = csv.writer(record, lineterminator="\n")
-    prog = Progress(f"writing {out.name}", sum((tree / f).stat().st_size for f in files))
+    prog = Progress(
+        f"writing {out.name}", sum((tree / f).stat().st_size for f in files)
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as zf:

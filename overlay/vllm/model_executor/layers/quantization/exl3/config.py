@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
 from vllm.logger import init_logger
-from vllm.model_executor.layers.quantization.base_config import (QuantizationConfig,
-                                                                 QuantizeMethodBase)
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
 
 from .checkpoint import storage_claims, validate_checkpoint
 from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
@@ -43,15 +44,21 @@ TORCH_TO_SAFETENSORS_DTYPE = {
 # Names listed in warnings before "and N more".
 LIST_LIMIT = 5
 
-TensorShapes = dict[str, tuple[tuple[int, ...], str]]  # suffix -> (shape, safetensors dtype)
+TensorShapes = dict[
+    str, tuple[tuple[int, ...], str]
+]  # suffix -> (shape, safetensors dtype)
 
 
 def _listing(names: list[str]) -> str:
     shown = ", ".join(names[:LIST_LIMIT])
-    return shown + (f" and {len(names) - LIST_LIMIT} more" if len(names) > LIST_LIMIT else "")
+    return shown + (
+        f" and {len(names) - LIST_LIMIT} more" if len(names) > LIST_LIMIT else ""
+    )
 
 
-def _group(tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, TensorShapes]:
+def _group(
+    tensors: Mapping[str, tuple[tuple[int, ...], str]],
+) -> dict[str, TensorShapes]:
     groups: dict[str, TensorShapes] = {}
     for name, info in tensors.items():
         prefix, _, suffix = name.rpartition(".")
@@ -59,13 +66,20 @@ def _group(tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> dict[str, Tens
     return groups
 
 
-def header_tensors(metadata: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+def header_tensors(
+    metadata: Mapping[str, Any],
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """vLLM's safetensors metadata ({name: {"dtype", "shape", ...}}) as name -> (shape, dtype)."""
-    return {name: (tuple(info["shape"]), info["dtype"]) for name, info in metadata.items()
-            if isinstance(info, Mapping) and "dtype" in info}
+    return {
+        name: (tuple(info["shape"]), info["dtype"])
+        for name, info in metadata.items()
+        if isinstance(info, Mapping) and "dtype" in info
+    }
 
 
-def storage_tensors(storage: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
+def storage_tensors(
+    storage: Mapping[str, Any],
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """quantization_config.json's tensor_storage as name -> (shape, safetensors dtype)."""
     out = {}
     for entry in storage.values():
@@ -75,56 +89,87 @@ def storage_tensors(storage: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ..
     return out
 
 
-def find_modules(tensors: Mapping[str, tuple[tuple[int, ...], str]]
-                 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
+def find_modules(
+    tensors: Mapping[str, tuple[tuple[int, ...], str]],
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
     """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module key."""
     specs: dict[str, Exl3ModuleSpec] = {}
     unsupported: dict[str, str] = {}
     for prefix, members in sorted(_group(tensors).items()):
         if EMBED_SIGNS_SUFFIX in members:
-            unsupported[prefix] = (f"{prefix} is a quantized token embedding (trellis + signs, "
-                                   f"--embed_bits), which is not supported")
+            unsupported[prefix] = (
+                f"{prefix} is a quantized token embedding (trellis + signs, "
+                f"--embed_bits), which is not supported"
+            )
         elif (spec := group_spec(prefix, members)) is not None:
             specs[prefix] = spec
     return specs, unsupported
 
 
-def describe_checkpoint(headers: Mapping[str, tuple[tuple[int, ...], str]],
-                        storage: Mapping[str, Any] | None,
-                        source: str) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
+def describe_checkpoint(
+    headers: Mapping[str, tuple[tuple[int, ...], str]],
+    storage: Mapping[str, Any] | None,
+    source: str,
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
     """Reconcile the safetensors headers (authoritative) with tensor_storage."""
     if not headers:
         if not storage:
             raise ValueError(
                 f"EXL3 checkpoint {source}: neither the safetensors headers nor "
                 f"{QUANT_CONFIG_FILE}'s tensor_storage could be read; cannot tell which modules "
-                f"are EXL3")
-        logger.warning("EXL3 checkpoint %s: safetensors headers not readable; describing the "
-                       "modules from %s's tensor_storage", source, QUANT_CONFIG_FILE)
+                f"are EXL3"
+            )
+        logger.warning(
+            "EXL3 checkpoint %s: safetensors headers not readable; describing the "
+            "modules from %s's tensor_storage",
+            source,
+            QUANT_CONFIG_FILE,
+        )
         return find_modules(storage_tensors(storage))
     specs, unsupported = find_modules(headers)
     if storage is None:
-        logger.info("EXL3 checkpoint %s: no %s tensor_storage; %d EXL3 modules found in the "
-                    "safetensors headers", source, QUANT_CONFIG_FILE, len(specs))
+        logger.info(
+            "EXL3 checkpoint %s: no %s tensor_storage; %d EXL3 modules found in the "
+            "safetensors headers",
+            source,
+            QUANT_CONFIG_FILE,
+            len(specs),
+        )
         return specs, unsupported
     claims = storage_claims(storage)
     phantom = sorted(k for k in claims if k not in specs)
     if phantom:
-        logger.warning("EXL3 checkpoint %s: %s lists %s as EXL3 but the safetensors hold no "
-                       "trellis for them; the tensors win (not EXL3)", source,
-                       QUANT_CONFIG_FILE, _listing(phantom))
+        logger.warning(
+            "EXL3 checkpoint %s: %s lists %s as EXL3 but the safetensors hold no "
+            "trellis for them; the tensors win (not EXL3)",
+            source,
+            QUANT_CONFIG_FILE,
+            _listing(phantom),
+        )
     for key in sorted(set(claims) & set(specs)):
         bits, codebook = claims[key]
         spec = specs[key]
         if (bits, codebook) != (spec.bits, spec.codebook):
-            logger.warning("EXL3 %s: %s says %s bits, codebook %s; the tensors say %s bits, "
-                           "codebook %s; using the tensors", key, QUANT_CONFIG_FILE, bits,
-                           codebook.name, spec.bits, spec.codebook.name)
+            logger.warning(
+                "EXL3 %s: %s says %s bits, codebook %s; the tensors say %s bits, "
+                "codebook %s; using the tensors",
+                key,
+                QUANT_CONFIG_FILE,
+                bits,
+                codebook.name,
+                spec.bits,
+                spec.codebook.name,
+            )
     recovered = sorted(k for k in specs if k not in claims)
     if recovered:
-        logger.info("EXL3 checkpoint %s: %d EXL3 modules missing from %s recovered from the "
-                    "safetensors headers: %s", source, len(recovered), QUANT_CONFIG_FILE,
-                    _listing(recovered))
+        logger.info(
+            "EXL3 checkpoint %s: %d EXL3 modules missing from %s recovered from the "
+            "safetensors headers: %s",
+            source,
+            len(recovered),
+            QUANT_CONFIG_FILE,
+            _listing(recovered),
+        )
     return specs, unsupported
 
 
@@ -136,7 +181,9 @@ class Exl3Config(QuantizationConfig):
         adopt_deprecated_env_names()
         block = dict(quant_block)
         # Present when the block came from quantization_config.json itself.
-        self.tensor_storage: Mapping[str, Any] | None = block.pop("tensor_storage", None)
+        self.tensor_storage: Mapping[str, Any] | None = block.pop(
+            "tensor_storage", None
+        )
         self.quant_block = block
         self.modules: dict[str, Exl3ModuleSpec] | None = None
         self.unsupported: dict[str, str] = {}
@@ -148,7 +195,9 @@ class Exl3Config(QuantizationConfig):
         self.ledger = LoadLedger()
 
     def __repr__(self) -> str:
-        described = "undescribed" if self.modules is None else f"{len(self.modules)} modules"
+        described = (
+            "undescribed" if self.modules is None else f"{len(self.modules)} modules"
+        )
         return f"Exl3Config({self.quant_block}, {described})"
 
     @classmethod
@@ -172,8 +221,9 @@ class Exl3Config(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> "Exl3Config":
         return cls(config)
 
-    def maybe_update_config(self, model_name: str, hf_config: Any = None,
-                            revision: str | None = None) -> None:
+    def maybe_update_config(
+        self, model_name: str, hf_config: Any = None, revision: str | None = None
+    ) -> None:
         from vllm.transformers_utils.config import get_safetensors_params_metadata
         from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
@@ -188,12 +238,15 @@ class Exl3Config(QuantizationConfig):
             kwargs = {} if revision is None else {"revision": revision}
             document = get_hf_file_to_dict(QUANT_CONFIG_FILE, model_name, **kwargs)
             storage = document.get("tensor_storage") if document else None
-        headers = header_tensors(get_safetensors_params_metadata(model_name, revision=revision))
+        headers = header_tensors(
+            get_safetensors_params_metadata(model_name, revision=revision)
+        )
         self.claims = storage_claims(storage) if storage else {}
         self.set_checkpoint(*describe_checkpoint(headers, storage, str(model_name)))
 
-    def set_checkpoint(self, modules: dict[str, Exl3ModuleSpec],
-                       unsupported: dict[str, str]) -> None:
+    def set_checkpoint(
+        self, modules: dict[str, Exl3ModuleSpec], unsupported: dict[str, str]
+    ) -> None:
         self.modules = modules
         self.unsupported = unsupported
         self.resolver = ModuleNameResolver([*modules, *unsupported])
@@ -222,7 +275,8 @@ class Exl3Config(QuantizationConfig):
             if num_shards != 1:
                 raise Exl3LayoutError(
                     f"EXL3 {prefix}: the checkpoint stores this {num_shards}-shard layer fused "
-                    f"as {direct}; EXL3 stores every projection separately")
+                    f"as {direct}; EXL3 stores every projection separately"
+                )
             return [self.modules[direct]]
         names = shard_names(prefix, self.packed_modules_mapping)
         if names == [prefix]:
@@ -234,22 +288,28 @@ class Exl3Config(QuantizationConfig):
             found = ", ".join(f"{n} -> {k or 'not EXL3'}" for n, k in zip(names, keys))
             raise Exl3LayoutError(
                 f"EXL3 {prefix}: fused layer mixes EXL3 and non-EXL3 shards ({found}); set "
-                f"VLLM_EXL3_DEBUG_NAMES=1 to see how names resolve")
+                f"VLLM_EXL3_DEBUG_NAMES=1 to see how names resolve"
+            )
         if len(keys) != num_shards:
             raise Exl3LayoutError(
-                f"EXL3 {prefix}: {len(keys)} checkpoint modules for {num_shards} output shards")
+                f"EXL3 {prefix}: {len(keys)} checkpoint modules for {num_shards} output shards"
+            )
         return [self.modules[k] for k in keys]
 
-    def get_quant_method(self, layer: torch.nn.Module,
-                         prefix: str) -> QuantizeMethodBase | None:
+    def get_quant_method(
+        self, layer: torch.nn.Module, prefix: str
+    ) -> QuantizeMethodBase | None:
         from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
-                                                                         VocabParallelEmbedding)
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            VocabParallelEmbedding,
+        )
 
         if self.modules is None:
             raise ValueError(
                 "Exl3Config.get_quant_method called before maybe_update_config described the "
-                "checkpoint's modules")
+                "checkpoint's modules"
+            )
         if isinstance(layer, LinearBase):
             specs = self.linear_specs(prefix, len(layer.output_partition_sizes))
             if specs is None:
@@ -278,14 +338,18 @@ class Exl3Config(QuantizationConfig):
             return self._moe_method(layer, prefix)
         return None
 
-    def _moe_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+    def _moe_method(
+        self, layer: torch.nn.Module, prefix: str
+    ) -> QuantizeMethodBase | None:
         """Exl3MoEMethod when the layer's experts are EXL3 modules; None (vLLM's unquantized
         experts) when the checkpoint has no EXL3 module under the prefix."""
         assert self.resolver is not None and self.modules is not None
         under = self.resolver.modules_under(prefix)
         for key in under:
             if key in self.unsupported:
-                raise NotImplementedError(f"EXL3: {self.unsupported[key]} (layer {prefix})")
+                raise NotImplementedError(
+                    f"EXL3: {self.unsupported[key]} (layer {prefix})"
+                )
         inside = [k for k in under if k in self.modules]
         if not inside:
             return None
@@ -293,10 +357,19 @@ class Exl3Config(QuantizationConfig):
 
         moe = layer.moe_config
         experts = plan_experts(
-            prefix, inside, self.modules,
-            (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name),
-            moe.num_logical_experts, moe.hidden_dim_unpadded or moe.hidden_dim,
-            moe.intermediate_size, self.claims)
+            prefix,
+            inside,
+            self.modules,
+            (
+                layer.ckpt_gate_proj_name,
+                layer.ckpt_up_proj_name,
+                layer.ckpt_down_proj_name,
+            ),
+            moe.num_logical_experts,
+            moe.hidden_dim_unpadded or moe.hidden_dim,
+            moe.intermediate_size,
+            self.claims,
+        )
         return Exl3MoEMethod(moe, prefix, experts)
 
 
@@ -305,7 +378,8 @@ def _holds_weights(model_name: str) -> bool:
     directory for load_format="dummy")."""
     return os.path.isdir(model_name) and any(
         name.endswith(SAFETENSORS_SUFFIX) or name == SAFETENSORS_INDEX
-        for name in os.listdir(model_name))
+        for name in os.listdir(model_name)
+    )
 
 
 def _tied(hf_config: Any) -> bool | None:
@@ -313,7 +387,11 @@ def _tied(hf_config: Any) -> bool | None:
     included, which config.json may leave out)."""
     if hf_config is None:
         return None
-    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    text = (
+        hf_config.get_text_config()
+        if hasattr(hf_config, "get_text_config")
+        else hf_config
+    )
     tied = getattr(text, "tie_word_embeddings", None)
     return tied if isinstance(tied, bool) else None
 

@@ -10,9 +10,10 @@ layer's own rank slice, and from then on is vLLM's unquantized linear.
 """
 
 import torch
-
-from vllm.model_executor.layers.linear import (UnquantizedLinearMethod,
-                                               register_weight_loader_v2_supported_method)
+from vllm.model_executor.layers.linear import (
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
 
 from .format import Exl3ModuleSpec
 from .linear import Exl3LinearMethod
@@ -30,11 +31,25 @@ class Exl3DequantizedLinearMethod(UnquantizedLinearMethod):
         super().__init__()
         self.exl3 = Exl3LinearMethod(specs)
 
-    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
-                       output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
-        self.exl3.create_weights(layer, input_size_per_partition, output_partition_sizes,
-                                 input_size, output_size, params_dtype, **extra_weight_attrs)
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        self.exl3.create_weights(
+            layer,
+            input_size_per_partition,
+            output_partition_sizes,
+            input_size,
+            output_size,
+            params_dtype,
+            **extra_weight_attrs,
+        )
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
@@ -48,5 +63,7 @@ class Exl3DequantizedLinearMethod(UnquantizedLinearMethod):
             delattr(layer, name)
         if hasattr(layer, OUT_INDEX):
             delattr(layer, OUT_INDEX)
-        layer.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+        layer.register_parameter(
+            "weight", torch.nn.Parameter(weight, requires_grad=False)
+        )
         super().process_weights_after_loading(layer)

@@ -56,7 +56,9 @@ def _knob_value(name: str, value: str) -> str:
     return value
 
 
-def adopt_deprecated_env_names(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+def adopt_deprecated_env_names(
+    environ: MutableMapping[str, str] = os.environ,
+) -> list[str]:
     """Resolve the deprecated names into `environ`; returns the new names filled in."""
     adopted = []
     for name in (*EXL3_ENV_NAMES, *PLAN_KNOBS):
@@ -67,22 +69,38 @@ def adopt_deprecated_env_names(environ: MutableMapping[str, str] = os.environ) -
             if environ[name] != environ[old]:
                 logger.warning(
                     "%s=%r is ignored: %s=%r is set and takes precedence (%s is deprecated)",
-                    old, environ[old], name, environ[name], old)
+                    old,
+                    environ[old],
+                    name,
+                    environ[name],
+                    old,
+                )
             continue
-        logger.warning("%s is deprecated; use %s (taking its value %r)", old, name,
-                       environ[old])
+        logger.warning(
+            "%s is deprecated; use %s (taking its value %r)", old, name, environ[old]
+        )
         environ[name] = environ[old]
         adopted.append(name)
     knobs = [(name, PLAN_KNOBS[name]) for name in PLAN_KNOBS if environ.get(name)]
     if knobs:
-        items = ",".join(f"{key}={_knob_value(name, environ[name])}" for name, key in knobs)
+        items = ",".join(
+            f"{key}={_knob_value(name, environ[name])}" for name, key in knobs
+        )
         names = ", ".join(name for name, _ in knobs)
         if environ.get(PLAN_SETTING):
-            logger.warning("%s are deprecated and ignored: %s=%r is set", names, PLAN_SETTING,
-                           environ[PLAN_SETTING])
+            logger.warning(
+                "%s are deprecated and ignored: %s=%r is set",
+                names,
+                PLAN_SETTING,
+                environ[PLAN_SETTING],
+            )
         else:
-            logger.warning("%s are deprecated; use %s=%r (taken from them)", names,
-                           PLAN_SETTING, items)
+            logger.warning(
+                "%s are deprecated; use %s=%r (taken from them)",
+                names,
+                PLAN_SETTING,
+                items,
+            )
             environ[PLAN_SETTING] = items
             adopted.append(PLAN_SETTING)
         for name, _ in knobs:

@@ -67,7 +67,10 @@ EXL3_ONLY_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
 # Optional quantized token embedding container (--embed_bits); a different codec, not supported.
 EMBED_SIGNS_SUFFIX = "signs"
 
-_MARKERS = {"mcg": (Codebook.MCG, MCG_MARKER_VALUE), "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE)}
+_MARKERS = {
+    "mcg": (Codebook.MCG, MCG_MARKER_VALUE),
+    "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE),
+}
 
 # safetensors dtype strings -> torch dtypes (the subset a checkpoint of ours can hold).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -96,7 +99,8 @@ def bits_from_trellis_width(width: int, where: str) -> float:
         raise Exl3FormatError(
             f"{where}: trellis width {width} gives {width}/16 = {width / WORDS_PER_BIT:g} bits per "
             f"weight; valid rates are {', '.join(str(b) for b in VALID_BITS)} "
-            f"(width 16*K)")
+            f"(width 16*K)"
+        )
     return bits
 
 
@@ -124,52 +128,70 @@ class Exl3Weights:
     bits: float
 
 
-def _expect(prefix: str, suffix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]],
-            dtypes: tuple[str, ...], shape: tuple[int, ...]) -> None:
+def _expect(
+    prefix: str,
+    suffix: str,
+    tensors: Mapping[str, tuple[tuple[int, ...], str]],
+    dtypes: tuple[str, ...],
+    shape: tuple[int, ...],
+) -> None:
     got_shape, got_dtype = tensors[suffix]
     name = f"{prefix}.{suffix}"
     if got_dtype not in dtypes:
         raise Exl3FormatError(
-            f"{name}: dtype {got_dtype}, expected {' or '.join(dtypes)} (wrong dtype)")
+            f"{name}: dtype {got_dtype}, expected {' or '.join(dtypes)} (wrong dtype)"
+        )
     if tuple(got_shape) != shape:
         raise Exl3FormatError(
-            f"{name}: shape {list(got_shape)}, expected {list(shape)} (wrong shape)")
+            f"{name}: shape {list(got_shape)}, expected {list(shape)} (wrong shape)"
+        )
 
 
-def module_spec(prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]]) -> Exl3ModuleSpec:
+def module_spec(
+    prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]]
+) -> Exl3ModuleSpec:
     """Validate the tensors of one EXL3 linear. `tensors` maps suffix -> (shape, dtype string)."""
     for suffix in tensors:
         if suffix == EMBED_SIGNS_SUFFIX:
             raise Exl3FormatError(
                 f"{prefix}.{suffix}: quantized token embedding container (trellis + signs, "
-                f"--embed_bits) is not supported (unexpected tensor)")
+                f"--embed_bits) is not supported (unexpected tensor)"
+            )
         if suffix not in EXL3_SUFFIXES:
             raise Exl3FormatError(
                 f"{prefix}.{suffix}: unexpected tensor in an EXL3 module (allowed suffixes: "
-                f"{', '.join(EXL3_SUFFIXES)})")
+                f"{', '.join(EXL3_SUFFIXES)})"
+            )
     if "trellis" not in tensors:
-        raise Exl3FormatError(f"{prefix}.trellis: missing tensor (required for an EXL3 module)")
+        raise Exl3FormatError(
+            f"{prefix}.trellis: missing tensor (required for an EXL3 module)"
+        )
     t_shape, t_dtype = tensors["trellis"]
     t_name = f"{prefix}.trellis"
     if t_dtype != "I16":
         raise Exl3FormatError(f"{t_name}: dtype {t_dtype}, expected I16 (wrong dtype)")
     if len(t_shape) != 3:
         raise Exl3FormatError(
-            f"{t_name}: shape {list(t_shape)}, expected 3 dims [k/16, n/16, 16*bits] (wrong shape)")
+            f"{t_name}: shape {list(t_shape)}, expected 3 dims [k/16, n/16, 16*bits] (wrong shape)"
+        )
     k, n = t_shape[0] * TILE, t_shape[1] * TILE
     if k <= 0 or n <= 0:
-        raise Exl3FormatError(f"{t_name}: shape {list(t_shape)} has an empty dim (wrong shape)")
+        raise Exl3FormatError(
+            f"{t_name}: shape {list(t_shape)} has an empty dim (wrong shape)"
+        )
     for dim_name, dim in (("in_features k", k), ("out_features n", n)):
         if dim % HADAMARD_SIZE:
             raise Exl3FormatError(
                 f"{t_name}: {dim_name} = {dim} is not a multiple of {HADAMARD_SIZE} "
-                f"(dims must be padded to the Hadamard block)")
+                f"(dims must be padded to the Hadamard block)"
+            )
     bits = bits_from_trellis_width(t_shape[2], t_name)
 
     markers = [m for m in _MARKERS if m in tensors]
     if len(markers) > 1:
         raise Exl3FormatError(
-            f"{prefix}.mcg / {prefix}.mul1: both codebook markers present (at most one allowed)")
+            f"{prefix}.mcg / {prefix}.mul1: both codebook markers present (at most one allowed)"
+        )
     codebook = Codebook.THREE_INST
     for marker in markers:
         _expect(prefix, marker, tensors, ("I32",), ())
@@ -177,7 +199,8 @@ def module_spec(prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]])
     if bits in HALF_BITS and codebook != Codebook.MUL1:
         raise Exl3FormatError(
             f"{t_name}: half-integer rate {bits} needs the mul1 codebook, found "
-            f"{codebook.name} (half rates are MUL1 only)")
+            f"{codebook.name} (half rates are MUL1 only)"
+        )
 
     legacy = False
     for side, full, dim in (("input", "suh", k), ("output", "svh", n)):
@@ -186,21 +209,29 @@ def module_spec(prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]])
             _expect(prefix, full, tensors, ("F16",), (dim,))
             if packed in tensors:
                 _expect(prefix, packed, tensors, ("I16",), (dim // TILE,))
-                logger.warning("%s.%s is ignored: %s.%s is present and takes precedence",
-                               prefix, packed, prefix, full)
+                logger.warning(
+                    "%s.%s is ignored: %s.%s is present and takes precedence",
+                    prefix,
+                    packed,
+                    prefix,
+                    full,
+                )
         elif packed in tensors:
             _expect(prefix, packed, tensors, ("I16",), (dim // TILE,))
             legacy = True
         else:
             raise Exl3FormatError(
                 f"{prefix}.{full}: missing tensor ({side} scales: {full} or the legacy {packed} "
-                f"bitfield is required)")
+                f"bitfield is required)"
+            )
     if "bias" in tensors:
         _expect(prefix, "bias", tensors, BIAS_DTYPES, (n,))
     if "scale" in tensors:
         logger.warning(
             "%s.scale is present but not applied: ExLlamaV3 1.6.5 ignores legacy scale tensors "
-            "(exl3-format.md, Open points)", prefix)
+            "(exl3-format.md, Open points)",
+            prefix,
+        )
     return Exl3ModuleSpec(
         prefix=prefix,
         in_features=k,
@@ -219,7 +250,8 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def group_tensors(
-        index: Mapping[str, TensorEntry]) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    index: Mapping[str, TensorEntry],
+) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
     """Tensors grouped by module prefix: {prefix: {suffix: (shape, dtype)}}, prefixes sorted."""
     groups: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
     for name, entry in index.items():
@@ -228,8 +260,9 @@ def group_tensors(
     return {p: groups[p] for p in sorted(groups)}
 
 
-def group_spec(prefix: str,
-               members: Mapping[str, tuple[tuple[int, ...], str]]) -> Exl3ModuleSpec | None:
+def group_spec(
+    prefix: str, members: Mapping[str, tuple[tuple[int, ...], str]]
+) -> Exl3ModuleSpec | None:
     """The spec of one tensor group if it is an EXL3 module, None if it is not one at all."""
     if "trellis" in members:
         return module_spec(prefix, members)
@@ -237,7 +270,8 @@ def group_spec(prefix: str,
     if orphans:
         raise Exl3FormatError(
             f"{prefix}.trellis: missing tensor ({prefix}.{orphans[0]} is an EXL3 tensor "
-            f"but the module has no trellis)")
+            f"but the module has no trellis)"
+        )
     return None
 
 
@@ -251,8 +285,12 @@ def find_exl3_modules(index: Mapping[str, TensorEntry]) -> dict[str, Exl3ModuleS
     return specs
 
 
-def read_tensor(ckpt_dir: str | os.PathLike, name: str, entry: TensorEntry,
-                device: str | torch.device = "cpu") -> torch.Tensor:
+def read_tensor(
+    ckpt_dir: str | os.PathLike,
+    name: str,
+    entry: TensorEntry,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
     """Read one tensor's bytes from its shard (little-endian, as safetensors stores them)."""
     dtype = SAFETENSORS_DTYPES.get(entry.dtype)
     if dtype is None:
@@ -265,7 +303,8 @@ def read_tensor(ckpt_dir: str | os.PathLike, name: str, entry: TensorEntry,
     if end - start != nbytes:
         raise Exl3FormatError(
             f"{name}: {end - start} bytes stored for shape {list(entry.shape)} {entry.dtype} "
-            f"(expected {nbytes}; corrupt header)")
+            f"(expected {nbytes}; corrupt header)"
+        )
     with open(os.path.join(os.fspath(ckpt_dir), entry.file), "rb") as f:
         f.seek(start)
         buf = bytearray(f.read(nbytes))
@@ -293,12 +332,16 @@ def check_marker(name: str, value: int) -> None:
     expected = _MARKERS[split_name(name)[1]][1]
     if value != expected:
         raise Exl3FormatError(
-            f"{name}: marker value {value}, expected {expected} (wrong codebook marker value)")
+            f"{name}: marker value {value}, expected {expected} (wrong codebook marker value)"
+        )
 
 
-def load_module(ckpt_dir: str | os.PathLike, spec: Exl3ModuleSpec,
-                device: str | torch.device = "cpu",
-                index: Mapping[str, TensorEntry] | None = None) -> Exl3Weights:
+def load_module(
+    ckpt_dir: str | os.PathLike,
+    spec: Exl3ModuleSpec,
+    device: str | torch.device = "cpu",
+    index: Mapping[str, TensorEntry] | None = None,
+) -> Exl3Weights:
     """Load one validated module; checks marker values and expands legacy sign bitfields."""
     if index is None:
         index = read_safetensors_index(ckpt_dir)
@@ -308,7 +351,9 @@ def load_module(ckpt_dir: str | os.PathLike, spec: Exl3ModuleSpec,
         if name not in spec.tensor_names:
             return None
         if name not in index:
-            raise Exl3FormatError(f"{name}: missing tensor (in the module spec, not on disk)")
+            raise Exl3FormatError(
+                f"{name}: missing tensor (in the module spec, not on disk)"
+            )
         return read_tensor(ckpt_dir, name, index[name], device)
 
     for marker in _MARKERS:
@@ -327,5 +372,11 @@ def load_module(ckpt_dir: str | os.PathLike, spec: Exl3ModuleSpec,
     trellis = get("trellis")
     if trellis is None:
         raise Exl3FormatError(f"{spec.prefix}.trellis: missing tensor")
-    return Exl3Weights(trellis=trellis, suh=suh, svh=svh, bias=bias, codebook=spec.codebook,
-                       bits=spec.bits)
+    return Exl3Weights(
+        trellis=trellis,
+        suh=suh,
+        svh=svh,
+        bias=bias,
+        codebook=spec.codebook,
+        bits=spec.bits,
+    )

@@ -12,7 +12,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-
 import vllm.envs as envs
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -33,6 +32,7 @@ class Exl3KernelConfig:
 @dataclass(frozen=True)
 class Exl3Run:
     """One kernel call of a layer: a run of equal-bitrate shards (layout.py)."""
+
     key: str  # plans.layer_key
     trellis: torch.Tensor
     suh: torch.Tensor
@@ -54,9 +54,17 @@ class Exl3Kernel(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def apply(self, x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-              bias: torch.Tensor | None, shard_widths: list[int], codebook: int,
-              run: int) -> torch.Tensor:
+    def apply(
+        self,
+        x: torch.Tensor,
+        trellis: torch.Tensor,
+        suh: torch.Tensor,
+        svh: torch.Tensor,
+        bias: torch.Tensor | None,
+        shard_widths: list[int],
+        codebook: int,
+        run: int,
+    ) -> torch.Tensor:
         """y [m, n] in x.dtype for contiguous x [m, k]: the layer's run number `run` (the
         arguments of `_C::exl3_linear` but its plans and workspace)."""
         raise NotImplementedError
@@ -87,16 +95,31 @@ class CudaExl3Kernel(Exl3Kernel):
             return False, f"weights are on {c.device}, not a CUDA device"
         capability = current_platform.get_device_capability()
         if capability is None or capability.to_int() < cls.MIN_CAPABILITY:
-            return False, f"needs compute capability {cls.MIN_CAPABILITY}, have {capability}"
+            return (
+                False,
+                f"needs compute capability {cls.MIN_CAPABILITY}, have {capability}",
+            )
         if c.act_dtype not in cls.ACT_DTYPES:
-            return False, f"activations are {c.act_dtype}; the kernel takes fp16 or bf16"
+            return (
+                False,
+                f"activations are {c.act_dtype}; the kernel takes fp16 or bf16",
+            )
         return ops.load_exl3_ops()
 
     def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook, run):
         if self.workspace is None:
             raise RuntimeError("EXL3: CudaExl3Kernel.apply before prepare()")
-        return ops.exl3_linear(x, trellis, suh, svh, bias, shard_widths, codebook,
-                               self.run_plans[run], self.workspace.tensor)
+        return ops.exl3_linear(
+            x,
+            trellis,
+            suh,
+            svh,
+            bias,
+            shard_widths,
+            codebook,
+            self.run_plans[run],
+            self.workspace.tensor,
+        )
 
 
 class ReferenceExl3Kernel(Exl3Kernel):
@@ -105,13 +128,16 @@ class ReferenceExl3Kernel(Exl3Kernel):
     @classmethod
     def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:
         if c.device.type != "cpu":
-            return False, (f"weights are on {c.device}: the reference would decode a dense "
-                           f"weight on every call (VLLM_EXL3_FORCE_REFERENCE=1 allows it)")
+            return False, (
+                f"weights are on {c.device}: the reference would decode a dense "
+                f"weight on every call (VLLM_EXL3_FORCE_REFERENCE=1 allows it)"
+            )
         return True, None
 
     def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook, run):
-        y = reference.forward(x, trellis, suh, svh, codebook, shard_widths, bias,
-                              dtype=torch.float32)
+        y = reference.forward(
+            x, trellis, suh, svh, codebook, shard_widths, bias, dtype=torch.float32
+        )
         return y.to(x.dtype)
 
 
@@ -129,4 +155,6 @@ def choose_exl3_kernel(c: Exl3KernelConfig) -> Exl3Kernel:
             logger.debug("EXL3 %s: %s", c.prefix, kernel.__name__)
             return kernel()
         reasons.append(f"{kernel.__name__}: {why_not}")
-    raise ValueError(f"EXL3 {c.prefix}: no kernel can run this layer: " + "; ".join(reasons))
+    raise ValueError(
+        f"EXL3 {c.prefix}: no kernel can run this layer: " + "; ".join(reasons)
+    )

@@ -22,8 +22,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from .format import HADAMARD_SIZE, TILE, WORDS_PER_BIT, Codebook, Exl3FormatError, Exl3ModuleSpec
-from .tp_rules import ColumnWindow, column_window, rank_column_window, round_up, row_split_error
+from .format import (
+    HADAMARD_SIZE,
+    TILE,
+    WORDS_PER_BIT,
+    Codebook,
+    Exl3FormatError,
+    Exl3ModuleSpec,
+)
+from .tp_rules import (
+    ColumnWindow,
+    column_window,
+    rank_column_window,
+    round_up,
+    row_split_error,
+)
 
 
 class Exl3LayoutError(Exl3FormatError):
@@ -55,7 +68,9 @@ class ShardLayout:
     alloc: int  # columns computed for this shard (a multiple of 128)
     keep: int  # offset of the columns vLLM receives inside the shard's allocation
     width: int  # columns vLLM receives for this shard: [keep, keep + width)
-    real_cols: int  # checkpoint columns that are real outputs; svh is forced to 0 from here on
+    real_cols: (
+        int  # checkpoint columns that are real outputs; svh is forced to 0 from here on
+    )
 
     @property
     def copy_cols(self) -> int:
@@ -118,7 +133,11 @@ class Exl3Layout:
         shard, in shard order); None when the output is returned as computed."""
         if self.identity_output:
             return None
-        return [c for s in self.shards for c in range(s.col + s.keep, s.col + s.keep + s.width)]
+        return [
+            c
+            for s in self.shards
+            for c in range(s.col + s.keep, s.col + s.keep + s.width)
+        ]
 
     def copy_rows(self, shard: ShardLayout) -> int:
         """Checkpoint input rows that exist inside this rank's allocation."""
@@ -136,39 +155,77 @@ def _runs(k_alloc: int, shards: Sequence[ShardLayout]) -> tuple[KernelRun, ...]:
     first, words = 0, 0
     for i in range(1, len(shards) + 1):
         if i < len(shards) and (shards[i].bits, shards[i].codebook) == (
-                shards[first].bits, shards[first].codebook):
+            shards[first].bits,
+            shards[first].codebook,
+        ):
             continue
         group = shards[first:i]
         cols = sum(s.alloc for s in group)
         size = (k_alloc // TILE) * (cols // TILE) * trellis_words(group[0].bits)
-        runs.append(KernelRun(first, i, group[0].col, cols, group[0].bits, group[0].codebook,
-                              words, words + size, tuple(s.alloc for s in group)))
+        runs.append(
+            KernelRun(
+                first,
+                i,
+                group[0].col,
+                cols,
+                group[0].bits,
+                group[0].codebook,
+                words,
+                words + size,
+                tuple(s.alloc for s in group),
+            )
+        )
         first, words = i, words + size
     return tuple(r for r in runs if r.cols)
 
 
-def _shard(spec: Exl3ModuleSpec, window: ColumnWindow, col: int, real_cols: int) -> ShardLayout:
-    return ShardLayout(spec.prefix, spec.bits, spec.codebook, spec.in_features, spec.out_features,
-                       window.first, col, window.alloc, window.keep, window.width, real_cols)
+def _shard(
+    spec: Exl3ModuleSpec, window: ColumnWindow, col: int, real_cols: int
+) -> ShardLayout:
+    return ShardLayout(
+        spec.prefix,
+        spec.bits,
+        spec.codebook,
+        spec.in_features,
+        spec.out_features,
+        window.first,
+        col,
+        window.alloc,
+        window.keep,
+        window.width,
+        real_cols,
+    )
 
 
-def _check_fits(prefix: str, what: str, ckpt: int, vllm_total: int, rank: int, name: str) -> None:
+def _check_fits(
+    prefix: str, what: str, ckpt: int, vllm_total: int, rank: int, name: str
+) -> None:
     """The checkpoint's (padded) dim against the layer's: the layer may be wider by whole blocks
     (vLLM padding) or narrower by less than one block (the format's own padding)."""
     if round_up(vllm_total, HADAMARD_SIZE) < ckpt:
         raise Exl3LayoutError(
             f"EXL3 {prefix} (rank {rank}): checkpoint {name} has {ckpt} {what} but the layer "
-            f"has {vllm_total}; the checkpoint does not belong to this model configuration")
+            f"has {vllm_total}; the checkpoint does not belong to this model configuration"
+        )
     if vllm_total > ckpt and (vllm_total - ckpt) % HADAMARD_SIZE:
         raise Exl3LayoutError(
             f"EXL3 {prefix} (rank {rank}): the layer pads {name}'s {ckpt} {what} to "
             f"{vllm_total}; padding must be whole {HADAMARD_SIZE}-wide blocks after the "
-            f"checkpoint's last block (got {vllm_total - ckpt})")
+            f"checkpoint's last block (got {vllm_total - ckpt})"
+        )
 
 
-def plan_linear(prefix: str, specs: Sequence[Exl3ModuleSpec], *, split: Split, tp_rank: int,
-                tp_size: int, k_width: int, widths: Sequence[int],
-                kv_replicas: Sequence[int] | None = None) -> Exl3Layout:
+def plan_linear(
+    prefix: str,
+    specs: Sequence[Exl3ModuleSpec],
+    *,
+    split: Split,
+    tp_rank: int,
+    tp_size: int,
+    k_width: int,
+    widths: Sequence[int],
+    kv_replicas: Sequence[int] | None = None,
+) -> Exl3Layout:
     """Layout of a (fused) linear on one rank.
 
     `k_width`/`widths` are vLLM's per-rank input features and per-shard output features;
@@ -177,16 +234,20 @@ def plan_linear(prefix: str, specs: Sequence[Exl3ModuleSpec], *, split: Split, t
     if len(specs) != len(widths):
         raise Exl3LayoutError(
             f"EXL3 {prefix}: the layer has {len(widths)} output shards but {len(specs)} "
-            f"checkpoint modules resolved to it ({', '.join(s.prefix for s in specs)})")
+            f"checkpoint modules resolved to it ({', '.join(s.prefix for s in specs)})"
+        )
     if split is Split.ROW and len(specs) != 1:
-        raise Exl3LayoutError(f"EXL3 {prefix}: a row-parallel layer must have one shard")
+        raise Exl3LayoutError(
+            f"EXL3 {prefix}: a row-parallel layer must have one shard"
+        )
     replicas = list(kv_replicas) if kv_replicas is not None else [1] * len(specs)
     k_ckpt = specs[0].in_features
     for spec in specs[1:]:
         if spec.in_features != k_ckpt:
             raise Exl3LayoutError(
                 f"EXL3 {prefix}: fused shards have different input sizes "
-                f"({specs[0].prefix}: k={k_ckpt}, {spec.prefix}: k={spec.in_features})")
+                f"({specs[0].prefix}: k={k_ckpt}, {spec.prefix}: k={spec.in_features})"
+            )
 
     if split is Split.ROW:
         why = row_split_error(k_width, tp_size)
@@ -204,18 +265,39 @@ def plan_linear(prefix: str, specs: Sequence[Exl3ModuleSpec], *, split: Split, t
             slices = tp_size // replicas[s]
         else:
             window, slices = column_window(0, width), 1
-        _check_fits(prefix, "output features", spec.out_features, width * slices, tp_rank,
-                    spec.prefix)
+        _check_fits(
+            prefix,
+            "output features",
+            spec.out_features,
+            width * slices,
+            tp_rank,
+            spec.prefix,
+        )
         shards.append(_shard(spec, window, col, spec.out_features))
         col += window.alloc
 
     k_alloc = round_up(k_width, HADAMARD_SIZE)
-    return Exl3Layout(prefix, tp_rank, k_width, k_alloc, src_row, tuple(shards),
-                      _runs(k_alloc, shards))
+    return Exl3Layout(
+        prefix,
+        tp_rank,
+        k_width,
+        k_alloc,
+        src_row,
+        tuple(shards),
+        _runs(k_alloc, shards),
+    )
 
 
-def plan_lm_head(prefix: str, spec: Exl3ModuleSpec, *, tp_rank: int, hidden: int,
-                 vocab_start: int, vocab_per_rank: int, org_vocab: int) -> Exl3Layout:
+def plan_lm_head(
+    prefix: str,
+    spec: Exl3ModuleSpec,
+    *,
+    tp_rank: int,
+    hidden: int,
+    vocab_start: int,
+    vocab_per_rank: int,
+    org_vocab: int,
+) -> Exl3Layout:
     """Layout of a vocab-parallel lm_head on one rank.
 
     The vocab is the trellis' n. vLLM gives each rank `vocab_per_rank` columns starting at
@@ -227,8 +309,13 @@ def plan_lm_head(prefix: str, spec: Exl3ModuleSpec, *, tp_rank: int, hidden: int
         raise Exl3LayoutError(
             f"EXL3 {prefix} (rank {tp_rank}): checkpoint {spec.prefix} has "
             f"{spec.out_features} vocab columns, expected the model's vocab {org_vocab} padded "
-            f"to {round_up(org_vocab, HADAMARD_SIZE)}")
-    _check_fits(prefix, "input features", spec.in_features, hidden, tp_rank, spec.prefix)
+            f"to {round_up(org_vocab, HADAMARD_SIZE)}"
+        )
+    _check_fits(
+        prefix, "input features", spec.in_features, hidden, tp_rank, spec.prefix
+    )
     shard = _shard(spec, column_window(vocab_start, vocab_per_rank), 0, org_vocab)
     k_alloc = round_up(hidden, HADAMARD_SIZE)
-    return Exl3Layout(prefix, tp_rank, hidden, k_alloc, 0, (shard,), _runs(k_alloc, [shard]))
+    return Exl3Layout(
+        prefix, tp_rank, hidden, k_alloc, 0, (shard,), _runs(k_alloc, [shard])
+    )

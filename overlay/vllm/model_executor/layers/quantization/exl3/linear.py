@@ -10,14 +10,17 @@ reference codec on CPU).
 
 import torch
 import torch.nn.functional as F
-
 import vllm.envs as envs
-
-from vllm.model_executor.layers.linear import (ColumnParallelLinear, LinearBase,
-                                               LinearMethodBase, MergedColumnParallelLinear,
-                                               QKVParallelLinear,
-                                               ReplicatedLinear, RowParallelLinear,
-                                               register_weight_loader_v2_supported_method)
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    LinearMethodBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    register_weight_loader_v2_supported_method,
+)
 
 from .format import TILE, Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, Exl3Run, choose_exl3_kernel
@@ -36,12 +39,18 @@ def linear_split(layer: LinearBase) -> Split:
         return Split.COLUMN
     if isinstance(layer, ReplicatedLinear):
         return Split.NONE
-    raise Exl3LayoutError(f"EXL3 {layer.prefix}: unsupported linear class "
-                          f"{type(layer).__name__}")
+    raise Exl3LayoutError(
+        f"EXL3 {layer.prefix}: unsupported linear class {type(layer).__name__}"
+    )
 
 
-def run_layout(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module, x: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+def run_layout(
+    kernel: Exl3Kernel,
+    layout: Exl3Layout,
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """y = x @ W (+ bias) for the layer's shards on this rank, in x.dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -52,12 +61,21 @@ def run_layout(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module, x
     storage = layer.trellis.view(-1)
     ys = []
     for i, run in enumerate(layout.runs):
-        trellis = storage[run.word_start:run.word_stop].view(
-            layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits))
-        ys.append(kernel.apply(x2, trellis, layer.suh[run.first:run.stop],
-                               layer.svh[run.col:run.col + run.cols],
-                               bias if fuse_bias else None, list(run.shard_widths),
-                               int(run.codebook), i))
+        trellis = storage[run.word_start : run.word_stop].view(
+            layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits)
+        )
+        ys.append(
+            kernel.apply(
+                x2,
+                trellis,
+                layer.suh[run.first : run.stop],
+                layer.svh[run.col : run.col + run.cols],
+                bias if fuse_bias else None,
+                list(run.shard_widths),
+                int(run.codebook),
+                i,
+            )
+        )
     if not ys:
         y = x2.new_zeros((x2.shape[0], 0))
     else:
@@ -75,13 +93,27 @@ def layer_runs(layout: Exl3Layout, layer: torch.nn.Module) -> list[Exl3Run]:
     storage = layer.trellis.view(-1)
     runs = []
     for run in layout.runs:
-        trellis = storage[run.word_start:run.word_stop].view(
-            layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits))
-        key = layer_key(layout.k_alloc, run.cols, run.bits, int(run.codebook),
-                        len(run.shard_widths), layer.params_dtype)
-        runs.append(Exl3Run(key, trellis, layer.suh[run.first:run.stop],
-                            layer.svh[run.col:run.col + run.cols], list(run.shard_widths),
-                            int(run.codebook)))
+        trellis = storage[run.word_start : run.word_stop].view(
+            layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits)
+        )
+        key = layer_key(
+            layout.k_alloc,
+            run.cols,
+            run.bits,
+            int(run.codebook),
+            len(run.shard_widths),
+            layer.params_dtype,
+        )
+        runs.append(
+            Exl3Run(
+                key,
+                trellis,
+                layer.suh[run.first : run.stop],
+                layer.svh[run.col : run.col + run.cols],
+                list(run.shard_widths),
+                int(run.codebook),
+            )
+        )
     return runs
 
 
@@ -95,10 +127,20 @@ def warm_up(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module) -> N
             tune_run(run, layer.params_dtype)
     kernel.prepare(runs)
     resolve_runs(runs, getattr(kernel, "run_plans", []), layer.params_dtype)
-    key = (str(layer.trellis.device), layer.params_dtype, layout.k_alloc,
-           tuple((r.bits, int(r.codebook), r.shard_widths) for r in layout.runs))
-    warm_up_layer(key, layout.k_width, layout.out_width, layer.params_dtype,
-                  layer.trellis.device, lambda x: run_layout(kernel, layout, layer, x, None))
+    key = (
+        str(layer.trellis.device),
+        layer.params_dtype,
+        layout.k_alloc,
+        tuple((r.bits, int(r.codebook), r.shard_widths) for r in layout.runs),
+    )
+    warm_up_layer(
+        key,
+        layout.k_width,
+        layout.out_width,
+        layer.params_dtype,
+        layer.trellis.device,
+        lambda x: run_layout(kernel, layout, layer, x, None),
+    )
 
 
 def _single_shard_loader(loader):
@@ -120,35 +162,58 @@ class Exl3LinearMethod(LinearMethodBase):
         self.weights: Exl3LayerWeights
         self.kernel: Exl3Kernel
 
-    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
-                       output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
         split = linear_split(layer)
         for spec in self.specs:
             if spec.has_bias != bool(layer.has_bias):
                 raise Exl3LayoutError(
                     f"EXL3 {spec.prefix}: the checkpoint {'has' if spec.has_bias else 'lacks'} "
                     f"a bias but the model builds {layer.prefix} "
-                    f"{'with' if layer.has_bias else 'without'} one")
+                    f"{'with' if layer.has_bias else 'without'} one"
+                )
         kv_replicas = None
         if isinstance(layer, QKVParallelLinear) and len(output_partition_sizes) == 3:
             r = layer.num_kv_head_replicas
             kv_replicas = [1, r, r]
         self.layout = plan_linear(
-            layer.prefix, self.specs, split=split, tp_rank=layer.tp_rank, tp_size=layer.tp_size,
-            k_width=input_size_per_partition, widths=output_partition_sizes,
-            kv_replicas=kv_replicas)
+            layer.prefix,
+            self.specs,
+            split=split,
+            tp_rank=layer.tp_rank,
+            tp_size=layer.tp_size,
+            k_width=input_size_per_partition,
+            widths=output_partition_sizes,
+            kv_replicas=kv_replicas,
+        )
         # ReplicatedLinear's own loader only copies same-shaped tensors; everything else goes
         # through the layer's v2 loader, which calls Exl3Parameter.load_*.
-        loader = (direct_weight_loader if split is Split.NONE
-                  else extra_weight_attrs["weight_loader"])
-        if isinstance(layer, MergedColumnParallelLinear) and len(output_partition_sizes) == 1:
+        loader = (
+            direct_weight_loader
+            if split is Split.NONE
+            else extra_weight_attrs["weight_loader"]
+        )
+        if (
+            isinstance(layer, MergedColumnParallelLinear)
+            and len(output_partition_sizes) == 1
+        ):
             # A one-shard merged layer (Qwen3-Next's in_proj_qkvz): models load its single
             # checkpoint module without a shard id, which vLLM would split by its own offsets.
             loader = _single_shard_loader(loader)
         ids = shard_ids(layer)
-        real = [(layer.input_size, real_rows(layer, i)) for i in ids] if len(ids) == len(
-            self.specs) else None
+        real = (
+            [(layer.input_size, real_rows(layer, i)) for i in ids]
+            if len(ids) == len(self.specs)
+            else None
+        )
         self.weights = Exl3LayerWeights(self.layout, self.specs, self.ledger, real)
         self.weights.create(layer, loader)
         # The checkpoint's bias is n_pad long; vLLM's bias loader wants the real n.
@@ -158,9 +223,13 @@ class Exl3LinearMethod(LinearMethodBase):
         check_loaded(self.ledger, layer, ("bias",))
         self.weights.finish(layer)
         self.kernel = choose_exl3_kernel(
-            Exl3KernelConfig(self.layout.prefix, layer.trellis.device, layer.params_dtype))
+            Exl3KernelConfig(
+                self.layout.prefix, layer.trellis.device, layer.params_dtype
+            )
+        )
         warm_up(self.kernel, self.layout, layer)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return run_layout(self.kernel, self.layout, layer, x, bias)

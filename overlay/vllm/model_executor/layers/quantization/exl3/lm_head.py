@@ -9,7 +9,6 @@ vocab exactly zero (layout.plan_lm_head).
 """
 
 import torch
-
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
@@ -22,7 +21,9 @@ from .weights import Exl3LayerWeights, direct_weight_loader
 
 
 class Exl3LMHeadMethod(QuantizeMethodBase):
-    def __init__(self, prefix: str, spec: Exl3ModuleSpec, ledger: LoadLedger | None = None):
+    def __init__(
+        self, prefix: str, spec: Exl3ModuleSpec, ledger: LoadLedger | None = None
+    ):
         self.prefix = prefix
         self.spec = spec
         self.ledger = ledger if ledger is not None else LoadLedger()
@@ -30,33 +31,52 @@ class Exl3LMHeadMethod(QuantizeMethodBase):
         self.weights: Exl3LayerWeights
         self.kernel: Exl3Kernel
 
-    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
-                       output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
         if layer.num_added_embeddings:
             raise Exl3LayoutError(
                 f"EXL3 {self.prefix}: added (LoRA) vocabulary is not supported with an EXL3 "
-                f"lm_head ({layer.num_added_embeddings} added tokens)")
+                f"lm_head ({layer.num_added_embeddings} added tokens)"
+            )
         self.layout = plan_lm_head(
-            self.prefix, self.spec, tp_rank=get_tensor_model_parallel_rank(),
+            self.prefix,
+            self.spec,
+            tp_rank=get_tensor_model_parallel_rank(),
             hidden=input_size_per_partition,
             vocab_start=layer.shard_indices.padded_org_vocab_start_index,
-            vocab_per_rank=output_partition_sizes[0], org_vocab=layer.org_vocab_size)
-        self.weights = Exl3LayerWeights(self.layout, [self.spec], self.ledger,
-                                        [(input_size_per_partition, layer.org_vocab_size)])
+            vocab_per_rank=output_partition_sizes[0],
+            org_vocab=layer.org_vocab_size,
+        )
+        self.weights = Exl3LayerWeights(
+            self.layout,
+            [self.spec],
+            self.ledger,
+            [(input_size_per_partition, layer.org_vocab_size)],
+        )
         self.weights.create(layer, direct_weight_loader)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.weights.finish(layer)
         self.kernel = choose_exl3_kernel(
-            Exl3KernelConfig(self.prefix, layer.trellis.device, layer.params_dtype))
+            Exl3KernelConfig(self.prefix, layer.trellis.device, layer.params_dtype)
+        )
         warm_up(self.kernel, self.layout, layer)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return run_layout(self.kernel, self.layout, layer, x, bias)
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
         raise Exl3LayoutError(
             f"EXL3 {self.prefix}: an EXL3 lm_head cannot be tied to the token embedding (the "
-            f"converter always writes a separate head and sets tie_word_embeddings=false)")
+            f"converter always writes a separate head and sets tie_word_embeddings=false)"
+        )

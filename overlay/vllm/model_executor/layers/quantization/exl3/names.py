@@ -74,7 +74,9 @@ class ModuleNameResolver:
         key, how = self._lookup(name)
         if envs.VLLM_EXL3_DEBUG_NAMES:
             if key is None:
-                logger.info("exl3 names: %r -> no EXL3 checkpoint module (%s)", name, how)
+                logger.info(
+                    "exl3 names: %r -> no EXL3 checkpoint module (%s)", name, how
+                )
             else:
                 logger.info("exl3 names: %r -> %r (%s)", name, key, how)
         return key
@@ -88,7 +90,10 @@ class ModuleNameResolver:
         if stripped in self._stripped:
             key = self._stripped[stripped]
             if key is None:
-                return None, f"ambiguous: several checkpoint modules strip to {stripped!r}"
+                return (
+                    None,
+                    f"ambiguous: several checkpoint modules strip to {stripped!r}",
+                )
             return key, "model/language_model segments dropped"
         return None, "no match"
 
@@ -96,11 +101,16 @@ class ModuleNameResolver:
         """Checkpoint modules inside the vLLM module `prefix` (exact or wrappers dropped)."""
         stripped = strip_wrappers(prefix) + "."
         exact = prefix + "."
-        return sorted(k for k in self.modules
-                      if k.startswith(exact) or strip_wrappers(k).startswith(stripped))
+        return sorted(
+            k
+            for k in self.modules
+            if k.startswith(exact) or strip_wrappers(k).startswith(stripped)
+        )
 
 
-def shard_names(prefix: str, packed_modules_mapping: Mapping[str, list[str]]) -> list[str]:
+def shard_names(
+    prefix: str, packed_modules_mapping: Mapping[str, list[str]]
+) -> list[str]:
     """The checkpoint-side names of the logical shards of vLLM layer `prefix`, in shard order.
 
     A fused layer (`...qkv_proj`) expands through the model's packed_modules_mapping, else the

@@ -65,7 +65,6 @@ import importlib
 
 import torch
 from torch.library import register_fake
-
 from vllm.logger import init_logger
 
 from .format import TILE
@@ -97,13 +96,17 @@ def load_exl3_ops() -> tuple[bool, str | None]:
         try:
             importlib.import_module(QUICK_BUILD_MODULE)
         except ImportError as e:
-            return False, (f"torch.ops._C.exl3_linear is not registered and "
-                           f"{QUICK_BUILD_MODULE} does not load ({e})")
+            return False, (
+                f"torch.ops._C.exl3_linear is not registered and "
+                f"{QUICK_BUILD_MODULE} does not load ({e})"
+            )
     if not _has_op("exl3_linear"):
         return False, f"{QUICK_BUILD_MODULE} loaded but registers no _C::exl3_linear"
     if not _has_op("exl3_plan"):
-        return False, ("torch.ops._C.exl3_linear is an older build without exl3_plan "
-                       "(rebuild the kernels)")
+        return False, (
+            "torch.ops._C.exl3_linear is an older build without exl3_plan "
+            "(rebuild the kernels)"
+        )
     register_fakes()
     return True, None
 
@@ -111,19 +114,28 @@ def load_exl3_ops() -> tuple[bool, str | None]:
 def _needs_fake(name: str) -> bool:
     qualname = f"_C::{name}"
     return _has_op(name) and not torch._C._dispatch_has_kernel_for_dispatch_key(
-        qualname, "Meta")
+        qualname, "Meta"
+    )
 
 
-def exl3_linear_fake(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor,
-                     svh: torch.Tensor, bias: torch.Tensor | None, shard_widths: list[int],
-                     codebook: int, plans: list[int],
-                     workspace: torch.Tensor) -> torch.Tensor:
+def exl3_linear_fake(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    bias: torch.Tensor | None,
+    shard_widths: list[int],
+    codebook: int,
+    plans: list[int],
+    workspace: torch.Tensor,
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], svh.shape[0]))
 
 
 def exl3_reconstruct_fake(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
-    return trellis.new_empty((trellis.shape[0] * TILE, trellis.shape[1] * TILE),
-                             dtype=torch.float16)
+    return trellis.new_empty(
+        (trellis.shape[0] * TILE, trellis.shape[1] * TILE), dtype=torch.float16
+    )
 
 
 def register_fakes() -> None:
@@ -135,12 +147,21 @@ def register_fakes() -> None:
         register_fake("_C::exl3_reconstruct")(exl3_reconstruct_fake)
 
 
-def exl3_linear(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-                bias: torch.Tensor | None, shard_widths: list[int], codebook: int,
-                plans: list[int], workspace: torch.Tensor) -> torch.Tensor:
+def exl3_linear(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    bias: torch.Tensor | None,
+    shard_widths: list[int],
+    codebook: int,
+    plans: list[int],
+    workspace: torch.Tensor,
+) -> torch.Tensor:
     """y [m, n] = x [m, k] through S shards of one trellis (see the schema above)."""
-    return torch.ops._C.exl3_linear(x, trellis, suh, svh, bias, shard_widths, codebook,
-                                    plans, workspace)
+    return torch.ops._C.exl3_linear(
+        x, trellis, suh, svh, bias, shard_widths, codebook, plans, workspace
+    )
 
 
 def exl3_reconstruct(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
@@ -148,20 +169,42 @@ def exl3_reconstruct(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
     return torch.ops._C.exl3_reconstruct(trellis, codebook)
 
 
-def exl3_plan(trellis: torch.Tensor, shards: int, codebook: int, bf16: bool, m: int,
-              plans: list[int], workspace_floats: int) -> list[int]:
+def exl3_plan(
+    trellis: torch.Tensor,
+    shards: int,
+    codebook: int,
+    bf16: bool,
+    m: int,
+    plans: list[int],
+    workspace_floats: int,
+) -> list[int]:
     """The plan exl3_linear runs for m rows: PLAN_FIELDS ints, then the source."""
-    return list(torch.ops._C.exl3_plan(trellis, shards, codebook, bf16, m, plans,
-                                       workspace_floats))
+    return list(
+        torch.ops._C.exl3_plan(
+            trellis, shards, codebook, bf16, m, plans, workspace_floats
+        )
+    )
 
 
-def exl3_time_plans(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor,
-                    svh: torch.Tensor, bias: torch.Tensor | None, shard_widths: list[int],
-                    codebook: int, plans: list[int],
-                    workspace: torch.Tensor) -> list[tuple[list[int], int]]:
+def exl3_time_plans(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    bias: torch.Tensor | None,
+    shard_widths: list[int],
+    codebook: int,
+    plans: list[int],
+    workspace: torch.Tensor,
+) -> list[tuple[list[int], int]]:
     """(plan entry, mean ns) for every candidate plan of x's m bucket (eager only)."""
-    flat = list(torch.ops._C.exl3_time_plans(x, trellis, suh, svh, bias, shard_widths,
-                                             codebook, plans, workspace))
+    flat = list(
+        torch.ops._C.exl3_time_plans(
+            x, trellis, suh, svh, bias, shard_widths, codebook, plans, workspace
+        )
+    )
     row = PLAN_FIELDS + 1
-    return [(flat[i:i + PLAN_FIELDS], flat[i + PLAN_FIELDS])
-            for i in range(0, len(flat), row)]
+    return [
+        (flat[i : i + PLAN_FIELDS], flat[i + PLAN_FIELDS])
+        for i in range(0, len(flat), row)
+    ]

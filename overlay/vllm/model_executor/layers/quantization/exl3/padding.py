@@ -14,10 +14,13 @@ memory.
 from collections.abc import Callable
 
 import torch
-
-from vllm.model_executor.layers.linear import (LinearBase, MergedColumnParallelLinear,
-                                               QKVParallelLinear, UnquantizedLinearMethod,
-                                               register_weight_loader_v2_supported_method)
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
 
 from .format import HADAMARD_SIZE, Exl3FormatError
 from .load_ledger import LoadLedger
@@ -42,7 +45,9 @@ def _ledger_names(param: str, shard_id: ShardId) -> list[str]:
     return [f"{param}[{i}]" for i in ids]
 
 
-def check_loaded(ledger: LoadLedger, layer: LinearBase, params: tuple[str, ...]) -> None:
+def check_loaded(
+    ledger: LoadLedger, layer: LinearBase, params: tuple[str, ...]
+) -> None:
     """After loading: each of `params` the layer has was written whole or shard by shard."""
     expected = []
     for param in params:
@@ -60,9 +65,11 @@ def real_rows(layer: LinearBase, shard_id: int | str | tuple[int, ...] | None) -
     """Output features of the checkpoint tensor for this shard (all ranks, unpadded)."""
     if isinstance(layer, QKVParallelLinear):
         # From the head counts, not output_sizes: those count KV heads replicated across ranks.
-        sizes = {"q": layer.total_num_heads * layer.head_size,
-                 "k": layer.total_num_kv_heads * layer.head_size,
-                 "v": layer.total_num_kv_heads * layer.v_head_size}
+        sizes = {
+            "q": layer.total_num_heads * layer.head_size,
+            "k": layer.total_num_kv_heads * layer.head_size,
+            "v": layer.total_num_kv_heads * layer.v_head_size,
+        }
         return sum(sizes.values()) if shard_id is None else sizes[shard_id]
     if isinstance(layer, MergedColumnParallelLinear) and shard_id is not None:
         ids = shard_id if isinstance(shard_id, tuple) else (shard_id,)
@@ -79,7 +86,8 @@ def unpad(where: str, loaded: torch.Tensor, real: tuple[int, ...]) -> torch.Tens
     if stored != padded:
         raise Exl3FormatError(
             f"EXL3 {where}: stored shape {list(stored)}, expected the layer's {list(real)} or "
-            f"that padded to multiples of {HADAMARD_SIZE}, {list(padded)}")
+            f"that padded to multiples of {HADAMARD_SIZE}, {list(padded)}"
+        )
     # Only cut, never check the cut region: padded output rows (and bias entries) are zero by
     # construction, and padded input columns may hold anything because the format zero-extends
     # x there, so neither ever reaches a real output.
@@ -88,8 +96,9 @@ def unpad(where: str, loaded: torch.Tensor, real: tuple[int, ...]) -> torch.Tens
     return loaded
 
 
-def unpadding_loader(layer: LinearBase, loader: Callable,
-                     ledger: LoadLedger | None = None) -> Callable:
+def unpadding_loader(
+    layer: LinearBase, loader: Callable, ledger: LoadLedger | None = None
+) -> Callable:
     """`loader` (any of vLLM's linear weight loaders) fed the tensor trimmed to the real dims of
     the shard it belongs to: (n, k) for the weight, (n,) for the bias; each load recorded in
     `ledger`."""
@@ -100,8 +109,11 @@ def unpadding_loader(layer: LinearBase, loader: Callable,
         if ledger is not None:
             for name in _ledger_names("bias" if is_bias else "weight", shard_id):
                 ledger.record(layer, layer.prefix, name)
-        real = (real_rows(layer, shard_id),) if is_bias else (
-            real_rows(layer, shard_id), layer.input_size)
+        real = (
+            (real_rows(layer, shard_id),)
+            if is_bias
+            else (real_rows(layer, shard_id), layer.input_size)
+        )
         where = f"{layer.prefix}.{'bias' if is_bias else 'weight'}"
         if shard_id is not None:
             where += f" (shard {shard_id})"
@@ -127,13 +139,28 @@ class Exl3PaddedUnquantizedLinearMethod(UnquantizedLinearMethod):
         super().__init__()
         self.ledger = ledger if ledger is not None else LoadLedger()
 
-    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
-                       output_partition_sizes: list[int], input_size: int, output_size: int,
-                       params_dtype: torch.dtype, **extra_weight_attrs) -> None:
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
         extra_weight_attrs["weight_loader"] = unpadding_loader(
-            layer, extra_weight_attrs["weight_loader"], self.ledger)
-        super().create_weights(layer, input_size_per_partition, output_partition_sizes,
-                               input_size, output_size, params_dtype, **extra_weight_attrs)
+            layer, extra_weight_attrs["weight_loader"], self.ledger
+        )
+        super().create_weights(
+            layer,
+            input_size_per_partition,
+            output_partition_sizes,
+            input_size,
+            output_size,
+            params_dtype,
+            **extra_weight_attrs,
+        )
         unpad_bias_loads(layer, self.ledger)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

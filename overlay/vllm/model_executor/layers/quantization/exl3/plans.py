@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 import vllm.envs as envs
 from vllm.logger import init_logger
 
@@ -32,11 +31,22 @@ SETTING = "VLLM_EXL3_PLAN"
 PERMILLE = 1000
 MMA_BMS = (16, 32, 64, 128)
 WGMMA_BMS = (64, 128, 256)
-PATHS = {"fused": ops.PATH_FUSED, "original": ops.PATH_ORIGINAL,
-         "rotated": ops.PATH_ROTATED}
+PATHS = {
+    "fused": ops.PATH_FUSED,
+    "original": ops.PATH_ORIGINAL,
+    "rotated": ops.PATH_ROTATED,
+}
 PATH_NAMES = {v: k for k, v in PATHS.items()}
 # The JSON entry's fields in the op's entry order (after m_max).
-ENTRY_KEYS = ("path", "bm", "split_k", "wgmma", "stream_blocks", "early_release", "spread")
+ENTRY_KEYS = (
+    "path",
+    "bm",
+    "split_k",
+    "wgmma",
+    "stream_blocks",
+    "early_release",
+    "spread",
+)
 
 
 class Exl3PlanError(ValueError):
@@ -46,6 +56,7 @@ class Exl3PlanError(ValueError):
 @dataclass(frozen=True)
 class PlanPins:
     """VLLM_EXL3_PLAN's pins, as the op's header encodes them (-1 / 0 = free)."""
+
     bm: int = 0
     split_k: int = 0
     wgmma: int = -1
@@ -66,8 +77,9 @@ def _int(key: str, value: str, allowed=None, minimum=None) -> int:
     except ValueError:
         raise Exl3PlanError(f"{SETTING}: {key}={value!r} is not an integer") from None
     if allowed is not None and v not in allowed:
-        raise Exl3PlanError(f"{SETTING}: {key}={v} must be one of "
-                            f"{', '.join(map(str, allowed))}")
+        raise Exl3PlanError(
+            f"{SETTING}: {key}={v} must be one of {', '.join(map(str, allowed))}"
+        )
     if minimum is not None and v < minimum:
         raise Exl3PlanError(f"{SETTING}: {key}={v} must be >= {minimum}")
     return v
@@ -85,11 +97,20 @@ def parse_plan_setting(text: str) -> PlanPins:
         key, value = key.strip(), value.strip()
         if not sep or not value:
             raise Exl3PlanError(f"{SETTING}: {item!r} is not key=value")
-        if key not in ("bm", "split_k", "wgmma", "stream_k", "spread", "path",
-                       "reconstruct_m", "split_k_traffic"):
+        if key not in (
+            "bm",
+            "split_k",
+            "wgmma",
+            "stream_k",
+            "spread",
+            "path",
+            "reconstruct_m",
+            "split_k_traffic",
+        ):
             raise Exl3PlanError(
                 f"{SETTING}: unknown key {key!r} (known: bm, split_k, wgmma, stream_k, spread, "
-                f"path, reconstruct_m, split_k_traffic)")
+                f"path, reconstruct_m, split_k_traffic)"
+            )
         if key in values:
             raise Exl3PlanError(f"{SETTING}: {key} is given twice")
         values[key] = value
@@ -102,50 +123,73 @@ def parse_plan_setting(text: str) -> PlanPins:
         if key in values:
             pins[key] = _int(key, values[key], allowed=(0, 1))
     if "reconstruct_m" in values:
-        pins["reconstruct_m"] = _int("reconstruct_m", values["reconstruct_m"], minimum=0)
+        pins["reconstruct_m"] = _int(
+            "reconstruct_m", values["reconstruct_m"], minimum=0
+        )
     if "split_k_traffic" in values:
         try:
             t = float(values["split_k_traffic"])
         except ValueError:
             t = float("nan")
         if not t > 0 or t * PERMILLE < 1 or t == float("inf"):
-            raise Exl3PlanError(f"{SETTING}: split_k_traffic={values['split_k_traffic']!r} "
-                                f"must be a positive number (at least 0.001)")
+            raise Exl3PlanError(
+                f"{SETTING}: split_k_traffic={values['split_k_traffic']!r} "
+                f"must be a positive number (at least 0.001)"
+            )
         pins["split_k_traffic"] = t
-    fused_keys = [k for k in ("bm", "split_k", "wgmma", "stream_k", "spread") if k in values]
+    fused_keys = [
+        k for k in ("bm", "split_k", "wgmma", "stream_k", "spread") if k in values
+    ]
     path = values.get("path")
     if path is not None and path not in PATHS:
-        raise Exl3PlanError(f"{SETTING}: path={path!r} must be fused, rotated or original")
+        raise Exl3PlanError(
+            f"{SETTING}: path={path!r} must be fused, rotated or original"
+        )
     if pins.get("stream_k") == 1:
         if "split_k" in pins:
-            raise Exl3PlanError(f"{SETTING}: stream_k=1 and split_k exclude each other "
-                                f"(stream-k sets its own k ranges)")
+            raise Exl3PlanError(
+                f"{SETTING}: stream_k=1 and split_k exclude each other "
+                f"(stream-k sets its own k ranges)"
+            )
         if pins.get("wgmma") == 0:
-            raise Exl3PlanError(f"{SETTING}: stream_k=1 exists only for the wgmma engine, "
-                                f"which wgmma=0 turns off")
+            raise Exl3PlanError(
+                f"{SETTING}: stream_k=1 exists only for the wgmma engine, "
+                f"which wgmma=0 turns off"
+            )
         if pins.get("bm", 128) < 128:
-            raise Exl3PlanError(f"{SETTING}: stream_k=1 is built for BM 128 and 256 only, "
-                                f"not bm={pins['bm']}")
+            raise Exl3PlanError(
+                f"{SETTING}: stream_k=1 is built for BM 128 and 256 only, "
+                f"not bm={pins['bm']}"
+            )
     if pins.get("bm") == 256 and pins.get("wgmma") == 0:
-        raise Exl3PlanError(f"{SETTING}: bm=256 exists only for the wgmma engine, which "
-                            f"wgmma=0 turns off")
+        raise Exl3PlanError(
+            f"{SETTING}: bm=256 exists only for the wgmma engine, which "
+            f"wgmma=0 turns off"
+        )
     if pins.get("bm") in (16, 32) and pins.get("wgmma") == 1:
-        raise Exl3PlanError(f"{SETTING}: bm={pins['bm']} is an mma.sync tier; the wgmma "
-                            f"engine's are 64, 128 and 256")
+        raise Exl3PlanError(
+            f"{SETTING}: bm={pins['bm']} is an mma.sync tier; the wgmma "
+            f"engine's are 64, 128 and 256"
+        )
     if path == "fused":
         if pins.get("reconstruct_m", 0) > 0:
-            raise Exl3PlanError(f"{SETTING}: path=fused never reconstructs, so "
-                                f"reconstruct_m={pins['reconstruct_m']} contradicts it")
+            raise Exl3PlanError(
+                f"{SETTING}: path=fused never reconstructs, so "
+                f"reconstruct_m={pins['reconstruct_m']} contradicts it"
+            )
         pins["reconstruct_m"] = 0
     elif path is not None:
         pins["basis"] = PATHS[path]
         if fused_keys and "reconstruct_m" not in pins:
             raise Exl3PlanError(
                 f"{SETTING}: path={path} runs no fused GEMM, so {', '.join(fused_keys)} would "
-                f"do nothing (give reconstruct_m to reconstruct only from that many rows)")
+                f"do nothing (give reconstruct_m to reconstruct only from that many rows)"
+            )
         pins.setdefault("reconstruct_m", 1)
         if pins["reconstruct_m"] == 0:
-            raise Exl3PlanError(f"{SETTING}: path={path} with reconstruct_m=0 never takes it")
+            raise Exl3PlanError(
+                f"{SETTING}: path={path} with reconstruct_m=0 never takes it"
+            )
     elif fused_keys and "reconstruct_m" not in pins:
         # Forcing the fused GEMM's shape means running it at every m.
         pins["reconstruct_m"] = 0
@@ -162,15 +206,27 @@ def current_pins() -> PlanPins:
 
 
 def plan_header(deterministic: bool, invariant: bool, pins: PlanPins) -> list[int]:
-    flags = ((ops.FLAG_DETERMINISTIC if deterministic else 0)
-             | (ops.FLAG_BATCH_INVARIANT if invariant else 0))
-    return [ops.PLAN_VERSION, flags, pins.basis, pins.bm, pins.split_k, pins.wgmma,
-            pins.stream_k, pins.spread, pins.reconstruct_m,
-            round(pins.split_k_traffic * PERMILLE)]
+    flags = (ops.FLAG_DETERMINISTIC if deterministic else 0) | (
+        ops.FLAG_BATCH_INVARIANT if invariant else 0
+    )
+    return [
+        ops.PLAN_VERSION,
+        flags,
+        pins.basis,
+        pins.bm,
+        pins.split_k,
+        pins.wgmma,
+        pins.stream_k,
+        pins.spread,
+        pins.reconstruct_m,
+        round(pins.split_k_traffic * PERMILLE),
+    ]
 
 
 def current_header() -> list[int]:
-    return plan_header(bool(envs.VLLM_EXL3_DETERMINISTIC), batch_invariant(), current_pins())
+    return plan_header(
+        bool(envs.VLLM_EXL3_DETERMINISTIC), batch_invariant(), current_pins()
+    )
 
 
 def uses_workspace(entry: list[int]) -> bool:
@@ -184,13 +240,15 @@ def entry_allowed(entry: list[int], header: list[int]) -> bool:
     flags = header[1]
     if flags & ops.FLAG_DETERMINISTIC and uses_workspace(entry):
         return False
-    if flags & ops.FLAG_BATCH_INVARIANT and (entry[1] != ops.PATH_FUSED or entry[3] != 1
-                                             or entry[4] or entry[5]):
+    if flags & ops.FLAG_BATCH_INVARIANT and (
+        entry[1] != ops.PATH_FUSED or entry[3] != 1 or entry[4] or entry[5]
+    ):
         return False
     return True
 
 
 # ---- the checked-in tables ----
+
 
 def device_file_name(device: torch.device) -> str:
     """fused_moe's device naming: the H200 family shares the NVIDIA_H200 tables."""
@@ -206,28 +264,35 @@ def config_file_name(device_name: str) -> str:
     return f"device_name={device_name}.json"
 
 
-def layer_key(k: int, n: int, bits: float, codebook: int, shards: int,
-              dtype: torch.dtype) -> str:
-    return (f"k={k},n={n},bits={bits:g},codebook={codebook},shards={shards},"
-            f"dtype={str(dtype).removeprefix('torch.')}")
+def layer_key(
+    k: int, n: int, bits: float, codebook: int, shards: int, dtype: torch.dtype
+) -> str:
+    return (
+        f"k={k},n={n},bits={bits:g},codebook={codebook},shards={shards},"
+        f"dtype={str(dtype).removeprefix('torch.')}"
+    )
 
 
 def entry_from_json(bucket: int, plan: dict, where: str) -> list[int]:
     if not isinstance(plan, dict) or set(plan) != set(ENTRY_KEYS):
-        raise Exl3PlanError(f"{where}: a plan has exactly the keys {', '.join(ENTRY_KEYS)}")
+        raise Exl3PlanError(
+            f"{where}: a plan has exactly the keys {', '.join(ENTRY_KEYS)}"
+        )
     if plan["path"] not in PATHS:
         raise Exl3PlanError(f"{where}: unknown path {plan['path']!r}")
     ints = [PATHS[plan["path"]]]
     for key in ENTRY_KEYS[1:]:
         v = plan[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise Exl3PlanError(f"{where}: {key} must be a non-negative integer, got {v!r}")
+            raise Exl3PlanError(
+                f"{where}: {key} must be a non-negative integer, got {v!r}"
+            )
         ints.append(v)
     return [bucket, *ints]
 
 
 def entry_to_json(entry: list[int]) -> dict:
-    plan = dict(zip(ENTRY_KEYS, entry[1:1 + len(ENTRY_KEYS)]))
+    plan = dict(zip(ENTRY_KEYS, entry[1 : 1 + len(ENTRY_KEYS)]))
     plan["path"] = PATH_NAMES[plan["path"]]
     return plan
 
@@ -242,9 +307,17 @@ def parse_table(data: object, where: str) -> dict[str, list[list[int]]]:
             raise Exl3PlanError(f"{where} [{key}]: plans are an object keyed by bucket")
         entries = []
         for bucket, plan in buckets.items():
-            if not bucket.isdigit() or int(bucket) < 1 or int(bucket) & (int(bucket) - 1):
-                raise Exl3PlanError(f"{where} [{key}]: bucket {bucket!r} is not a power of two")
-            entries.append(entry_from_json(int(bucket), plan, f"{where} [{key}][{bucket}]"))
+            if (
+                not bucket.isdigit()
+                or int(bucket) < 1
+                or int(bucket) & (int(bucket) - 1)
+            ):
+                raise Exl3PlanError(
+                    f"{where} [{key}]: bucket {bucket!r} is not a power of two"
+                )
+            entries.append(
+                entry_from_json(int(bucket), plan, f"{where} [{key}][{bucket}]")
+            )
         table[key] = sorted(entries)
     return table
 

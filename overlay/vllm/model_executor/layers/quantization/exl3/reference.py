@@ -15,8 +15,14 @@ from collections.abc import Sequence
 
 import torch
 
-from .format import (HADAMARD_SIZE, HALF_BITS, TILE, Codebook, Exl3FormatError,
-                     bits_from_trellis_width)
+from .format import (
+    HADAMARD_SIZE,
+    HALF_BITS,
+    TILE,
+    Codebook,
+    Exl3FormatError,
+    bits_from_trellis_width,
+)
 
 # Trellis window L: every weight is decoded from the 16 stream bits ending at its code.
 STATE_BITS = 16
@@ -50,7 +56,7 @@ def _fp16_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return signed.to(torch.int16).view(torch.float16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _codebook_table_cpu(codebook: int) -> torch.Tensor:
     """All 65,536 decoded values of one codebook, fp16, in state order.
 
@@ -72,14 +78,18 @@ def _codebook_table_cpu(codebook: int) -> torch.Tensor:
         else:
             x = (s * MCG_MULT) & U32_MASK
         x = (x & HALVES_AND_MASK) ^ HALVES_XOR_MASK
-        exact = _fp16_from_bits(x & STATE_MASK).double() + _fp16_from_bits(x >> 16).double()
+        exact = (
+            _fp16_from_bits(x & STATE_MASK).double() + _fp16_from_bits(x >> 16).double()
+        )
     return exact.to(torch.float32).to(torch.float16)
 
 
 _TABLES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def codebook_table(codebook: int, device: torch.device | str | None = None) -> torch.Tensor:
+def codebook_table(
+    codebook: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The 65,536-entry fp16 lookup table of a codebook on `device` (cached)."""
     device = torch.device(device or "cpu")
     key = (int(codebook), device)
@@ -101,11 +111,13 @@ def _code_lengths(bits: float) -> list[int]:
     """d_i, the code length of each of the 256 positions of a tile."""
     if bits in HALF_BITS:
         base = int(bits)
-        return [base + ((HALF_RATE_MASK >> (i % 16)) & 1) for i in range(TILE_POSITIONS)]
+        return [
+            base + ((HALF_RATE_MASK >> (i % 16)) & 1) for i in range(TILE_POSITIONS)
+        ]
     return [int(bits)] * TILE_POSITIONS
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tile_to_positions() -> tuple[int, ...]:
     """For row-major tile element r*16+c, the trellis position holding it (§3.2)."""
     table = [0] * TILE_POSITIONS
@@ -117,8 +129,10 @@ def _tile_to_positions() -> tuple[int, ...]:
     return tuple(table)
 
 
-@functools.lru_cache(maxsize=None)
-def _window_plan(bits: float, order: tuple[int, ...] | None) -> tuple[torch.Tensor, ...]:
+@functools.cache
+def _window_plan(
+    bits: float, order: tuple[int, ...] | None
+) -> tuple[torch.Tensor, ...]:
     """Where each state's 16-bit window lies in the stored words.
 
     Position i's state is stream bits [S_i - 16, S_i) modulo the ring length R (§3.4). That
@@ -141,22 +155,30 @@ def _window_plan(bits: float, order: tuple[int, ...] | None) -> tuple[torch.Tens
         first.append(w0 ^ 1)
         second.append(((w0 + 1) % n_words) ^ 1)
         shift.append(o)
-    return (torch.tensor(first), torch.tensor(second), torch.tensor(shift, dtype=torch.int32))
+    return (
+        torch.tensor(first),
+        torch.tensor(second),
+        torch.tensor(shift, dtype=torch.int32),
+    )
 
 
 def _check_bits(trellis: torch.Tensor, bits: float | None) -> float:
     if trellis.dim() != 3 or trellis.dtype != torch.int16:
         raise Exl3FormatError(
             f"trellis: expected int16 [k/16, n/16, 16*bits], got {trellis.dtype} "
-            f"{list(trellis.shape)}")
+            f"{list(trellis.shape)}"
+        )
     found = bits_from_trellis_width(trellis.shape[-1], "trellis")
     if bits is not None and float(bits) != float(found):
         raise Exl3FormatError(
-            f"trellis: width {trellis.shape[-1]} means {found} bits, caller said {bits}")
+            f"trellis: width {trellis.shape[-1]} means {found} bits, caller said {bits}"
+        )
     return found
 
 
-def _states(trellis: torch.Tensor, bits: float, order: tuple[int, ...] | None) -> torch.Tensor:
+def _states(
+    trellis: torch.Tensor, bits: float, order: tuple[int, ...] | None
+) -> torch.Tensor:
     first, second, shift = (t.to(trellis.device) for t in _window_plan(bits, order))
     words = trellis.to(torch.int32) & STATE_MASK
     hi = words.index_select(-1, first)
@@ -170,7 +192,9 @@ def unpack_states(trellis: torch.Tensor, bits: float | None = None) -> torch.Ten
     return _states(trellis, _check_bits(trellis, bits), None)
 
 
-def decode_rotated(trellis: torch.Tensor, codebook: int, bits: float | None = None) -> torch.Tensor:
+def decode_rotated(
+    trellis: torch.Tensor, codebook: int, bits: float | None = None
+) -> torch.Tensor:
     """Ŵ: the fp16 [k, n] weight in the rotated basis, decoded from the trellis."""
     bits = _check_bits(trellis, bits)
     kb, nb, _ = trellis.shape
@@ -189,8 +213,9 @@ def decode_rotated(trellis: torch.Tensor, codebook: int, bits: float | None = No
 _HADAMARDS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def hadamard_128(dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> torch.Tensor:
+def hadamard_128(
+    dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Ĥ = H / sqrt(128), H[i, j] = (-1)^popcount(i & j) (Sylvester, natural order)."""
     device = torch.device(device or "cpu")
     key = (dtype, device)
@@ -213,7 +238,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _check_blocks(size: int) -> None:
     if size % HADAMARD_SIZE:
-        raise Exl3FormatError(f"Hadamard: dim {size} is not a multiple of {HADAMARD_SIZE}")
+        raise Exl3FormatError(
+            f"Hadamard: dim {size} is not a multiple of {HADAMARD_SIZE}"
+        )
 
 
 def _had_last(x: torch.Tensor) -> torch.Tensor:
@@ -230,18 +257,27 @@ def _had_rows(w: torch.Tensor) -> torch.Tensor:
     k, n = w.shape
     _check_blocks(k)
     h = hadamard_128(w.dtype, w.device)
-    return torch.matmul(h, w.reshape(k // HADAMARD_SIZE, HADAMARD_SIZE, n)).reshape(k, n)
+    return torch.matmul(h, w.reshape(k // HADAMARD_SIZE, HADAMARD_SIZE, n)).reshape(
+        k, n
+    )
 
 
-def reconstruct(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int,
-                bits: float | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def reconstruct(
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: int,
+    bits: float | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """W [k, n] in the original basis (y = x @ W), computed in fp32 (float64 if asked)."""
     w_hat = decode_rotated(trellis, codebook, bits)
     k, n = w_hat.shape
     if tuple(suh.shape) != (k,) or tuple(svh.shape) != (n,):
         raise Exl3FormatError(
             f"reconstruct: suh {list(suh.shape)} / svh {list(svh.shape)} do not match the "
-            f"trellis' [k={k}, n={n}]")
+            f"trellis' [k={k}, n={n}]"
+        )
     cdtype = _compute_dtype(dtype)
     w = w_hat.to(cdtype)
     w = _had_rows(w) * suh.to(cdtype)[:, None]
@@ -253,14 +289,22 @@ def transform_input(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     """xh = blockwise Ĥ of (x * suh) over the last dim, fp32 (float64 stays float64)."""
     if x.shape[-1] != suh.shape[-1]:
         raise Exl3FormatError(
-            f"transform_input: x has {x.shape[-1]} input features, suh has {suh.shape[-1]}")
+            f"transform_input: x has {x.shape[-1]} input features, suh has {suh.shape[-1]}"
+        )
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return _had_last(x.to(cdtype) * suh.to(cdtype))
 
 
-def forward(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-            codebook: int, shard_widths: Sequence[int] | None = None,
-            bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def forward(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: int,
+    shard_widths: Sequence[int] | None = None,
+    bias: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """y = x @ W + bias through the transform path, shard by shard (fused layers).
 
     Shard s owns output columns [sum(widths[:s]), +widths[s]) and its own input scales suh[s]:
@@ -271,24 +315,30 @@ def forward(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torc
     suh2 = suh if suh.dim() == 2 else suh.unsqueeze(0)
     if suh2.dim() != 2 or suh2.shape[1] != k:
         raise Exl3FormatError(f"forward: suh {list(suh.shape)} does not match k = {k}")
-    widths = list(shard_widths) if shard_widths is not None else [n] * (suh2.shape[0] == 1)
+    widths = (
+        list(shard_widths) if shard_widths is not None else [n] * (suh2.shape[0] == 1)
+    )
     if len(widths) != suh2.shape[0]:
         raise Exl3FormatError(
-            f"forward: {suh2.shape[0]} suh rows but shard_widths = {shard_widths}")
+            f"forward: {suh2.shape[0]} suh rows but shard_widths = {shard_widths}"
+        )
     if sum(widths) != n or any(w <= 0 or w % HADAMARD_SIZE for w in widths):
         raise Exl3FormatError(
             f"forward: shard_widths {widths} must be positive multiples of {HADAMARD_SIZE} "
-            f"summing to n = {n}")
+            f"summing to n = {n}"
+        )
     if tuple(svh.shape) != (n,):
         raise Exl3FormatError(f"forward: svh {list(svh.shape)} does not match n = {n}")
     if x.shape[-1] != k:
-        raise Exl3FormatError(f"forward: x has {x.shape[-1]} input features, layer has k = {k}")
+        raise Exl3FormatError(
+            f"forward: x has {x.shape[-1]} input features, layer has k = {k}"
+        )
     cdtype = _compute_dtype(dtype)
     w = w_hat.to(cdtype)
     x = x.to(cdtype)
     parts, col = [], 0
     for s, width in enumerate(widths):
-        parts.append(transform_input(x, suh2[s]) @ w[:, col:col + width])
+        parts.append(transform_input(x, suh2[s]) @ w[:, col : col + width])
         col += width
     y = _had_last(torch.cat(parts, dim=-1)) * svh.to(cdtype)
     if bias is not None:

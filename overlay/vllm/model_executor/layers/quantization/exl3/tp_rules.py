@@ -40,8 +40,9 @@ class ColumnWindow:
 def column_window(start: int, width: int) -> ColumnWindow:
     """The 128-aligned block range covering columns [start, start + width)."""
     first = start // HADAMARD_SIZE * HADAMARD_SIZE
-    return ColumnWindow(first, round_up(start + width, HADAMARD_SIZE) - first, start - first,
-                        width)
+    return ColumnWindow(
+        first, round_up(start + width, HADAMARD_SIZE) - first, start - first, width
+    )
 
 
 def rank_column_window(width: int, tp_rank: int, replicas: int = 1) -> ColumnWindow:
@@ -53,8 +54,10 @@ def rank_column_window(width: int, tp_rank: int, replicas: int = 1) -> ColumnWin
 def row_split_error(k_per_rank: int, tp_size: int) -> str | None:
     """Why a row-parallel split of k into `k_per_rank` per rank cannot work, or None."""
     if tp_size > 1 and k_per_rank % HADAMARD_SIZE:
-        return (f"row-parallel input slice of {k_per_rank} features is not a multiple of "
-                f"{HADAMARD_SIZE}; x is split across ranks there and each input Hadamard block "
-                f"needs all its {HADAMARD_SIZE} features on one rank "
-                f"({k_per_rank * tp_size} input features / TP {tp_size})")
+        return (
+            f"row-parallel input slice of {k_per_rank} features is not a multiple of "
+            f"{HADAMARD_SIZE}; x is split across ranks there and each input Hadamard block "
+            f"needs all its {HADAMARD_SIZE} features on one rank "
+            f"({k_per_rank * tp_size} input features / TP {tp_size})"
+        )
     return None

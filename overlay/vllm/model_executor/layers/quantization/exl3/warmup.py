@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 
 import torch
-
 import vllm.envs as envs
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
@@ -75,19 +74,37 @@ def tune_run(run: Exl3Run, dtype: torch.dtype) -> None:
         if not _fits(m, k, n, dtype):
             break
         x = torch.zeros(m, k, dtype=dtype, device=run.trellis.device)
-        ws = torch.zeros(min(m * n, MAX_WORKSPACE_FLOATS), dtype=torch.float32,
-                         device=run.trellis.device)
-        timed = ops.exl3_time_plans(x, run.trellis, run.suh, run.svh, None,
-                                    run.shard_widths, run.codebook, header, ws)
+        ws = torch.zeros(
+            min(m * n, MAX_WORKSPACE_FLOATS),
+            dtype=torch.float32,
+            device=run.trellis.device,
+        )
+        timed = ops.exl3_time_plans(
+            x,
+            run.trellis,
+            run.suh,
+            run.svh,
+            None,
+            run.shard_widths,
+            run.codebook,
+            header,
+            ws,
+        )
         if timed:
             entries.append(min(timed, key=lambda t: t[1])[0])
     plans.record_tuned(run.key, entries)
     torch.cuda.synchronize(run.trellis.device)
-    logger.info("EXL3: plans timed for %s at %d token counts in %.2f s", run.key,
-                len(entries), time.perf_counter() - start)
+    logger.info(
+        "EXL3: plans timed for %s at %d token counts in %.2f s",
+        run.key,
+        len(entries),
+        time.perf_counter() - start,
+    )
 
 
-def resolve_runs(runs: list[Exl3Run], run_plans: list[list[int]], dtype: torch.dtype) -> None:
+def resolve_runs(
+    runs: list[Exl3Run], run_plans: list[list[int]], dtype: torch.dtype
+) -> None:
     """Size the device's workspace for every bucket's plan and log the plans if asked."""
     if not runs:
         return
@@ -100,21 +117,42 @@ def resolve_runs(runs: list[Exl3Run], run_plans: list[list[int]], dtype: torch.d
         if log:
             _logged.add((run.key, tuple(table)))
         for m in warmup_m_values(max_tokens()):
-            plan = ops.exl3_plan(run.trellis, len(run.shard_widths), run.codebook, bf16, m,
-                                 table, MAX_WORKSPACE_FLOATS)
-            entry, src = plan[:ops.PLAN_FIELDS], plan[ops.PLAN_FIELDS]
+            plan = ops.exl3_plan(
+                run.trellis,
+                len(run.shard_widths),
+                run.codebook,
+                bf16,
+                m,
+                table,
+                MAX_WORKSPACE_FLOATS,
+            )
+            entry, src = plan[: ops.PLAN_FIELDS], plan[ops.PLAN_FIELDS]
             if plans.uses_workspace(entry):
                 need = max(need, m * n)
             if log:
-                origin = source if src == ops.SOURCE_TABLE else (
-                    "pinned" if plans.current_pins().pinned else "cost-model")
-                logger.info("EXL3 plan %s m<=%d: %s (%s)", run.key, m, plans.describe(entry),
-                            origin)
+                origin = (
+                    source
+                    if src == ops.SOURCE_TABLE
+                    else ("pinned" if plans.current_pins().pinned else "cost-model")
+                )
+                logger.info(
+                    "EXL3 plan %s m<=%d: %s (%s)",
+                    run.key,
+                    m,
+                    plans.describe(entry),
+                    origin,
+                )
     workspace_for(runs[0].trellis.device).reserve(need)
 
 
-def warm_up_layer(key: tuple, k: int, n: int, dtype: torch.dtype, device: torch.device,
-                  forward: Callable[[torch.Tensor], torch.Tensor]) -> int:
+def warm_up_layer(
+    key: tuple,
+    k: int,
+    n: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    forward: Callable[[torch.Tensor], torch.Tensor],
+) -> int:
     """Call forward(x) on zeros [m, k] for every bucket, once per distinct key; returns the
     number of calls made (0 when this configuration was already warmed)."""
     if key in _warmed or not envs.VLLM_EXL3_WARMUP:
@@ -123,7 +161,9 @@ def warm_up_layer(key: tuple, k: int, n: int, dtype: torch.dtype, device: torch.
     calls, start = 0, time.perf_counter()
     for m in warmup_m_values(max_tokens()):
         if not _fits(m, k, n, dtype):
-            logger.debug("EXL3 warm-up %s: m = %d and up left to first use (memory cap)", key, m)
+            logger.debug(
+                "EXL3 warm-up %s: m = %d and up left to first use (memory cap)", key, m
+            )
             break
         forward(torch.zeros(m, k, dtype=dtype, device=device))
         calls += 1
@@ -131,6 +171,12 @@ def warm_up_layer(key: tuple, k: int, n: int, dtype: torch.dtype, device: torch.
         torch.cuda.synchronize(device)
         # The warm-up's activations must not look like model memory to vLLM's KV-cache sizing.
         torch.cuda.empty_cache()
-    logger.debug("EXL3: warmed up k=%d n=%d %s at %d token counts in %.2f s", k, n, key, calls,
-                 time.perf_counter() - start)
+    logger.debug(
+        "EXL3: warmed up k=%d n=%d %s at %d token counts in %.2f s",
+        k,
+        n,
+        key,
+        calls,
+        time.perf_counter() - start,
+    )
     return calls

@@ -23,13 +23,19 @@ plain parameters. The values of `suh`/`svh` are checked as they arrive (checkpoi
 from collections.abc import Callable
 
 import torch
-
 from vllm.logger import init_logger
 from vllm.model_executor.parameter import BasevLLMParameter
 
 from .checkpoint import check_scale_values
-from .format import (MCG_MARKER_VALUE, MUL1_MARKER_VALUE, TILE, Codebook, Exl3FormatError,
-                     Exl3ModuleSpec, unpack_sign_bits)
+from .format import (
+    MCG_MARKER_VALUE,
+    MUL1_MARKER_VALUE,
+    TILE,
+    Codebook,
+    Exl3FormatError,
+    Exl3ModuleSpec,
+    unpack_sign_bits,
+)
 from .layout import Exl3Layout, Exl3LayoutError, ShardLayout, trellis_words
 from .load_ledger import LoadLedger
 
@@ -37,8 +43,14 @@ logger = init_logger(__name__)
 
 DATA_SUFFIXES = ("trellis", "suh", "svh")
 OUT_INDEX = "out_index"  # layer buffer: returned column -> computed column (Exl3Layout)
-MARKERS = {"mcg": (Codebook.MCG, MCG_MARKER_VALUE), "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE)}
-LEGACY_SIGNS = {"su": "suh", "sv": "svh"}  # packed bitfield -> the fp16 tensor it stands in for
+MARKERS = {
+    "mcg": (Codebook.MCG, MCG_MARKER_VALUE),
+    "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE),
+}
+LEGACY_SIGNS = {
+    "su": "suh",
+    "sv": "svh",
+}  # packed bitfield -> the fp16 tensor it stands in for
 IGNORED = ("scale",)  # stored by old converters, never applied (exl3-format.md §1.4)
 # The layer's own bias parameter loads `.bias`; it is not an EXL3 parameter.
 LAYER_OWNED = ("bias",)
@@ -54,14 +66,20 @@ def shard_index(shard_id: int | str | None) -> int:
         return shard_id
     raise Exl3LayoutError(
         f"EXL3: shard id {shard_id!r} covers several shards at once (a fused-on-disk tensor); "
-        f"EXL3 stores every projection separately")
+        f"EXL3 stores every projection separately"
+    )
 
 
 class Exl3Parameter(BasevLLMParameter):
     """A parameter whose loads are placed by the layer's `Exl3LayerWeights`."""
 
-    def __init__(self, data: torch.Tensor, weight_loader: Callable, suffix: str,
-                 owner: "Exl3LayerWeights"):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        weight_loader: Callable,
+        suffix: str,
+        owner: "Exl3LayerWeights",
+    ):
         super().__init__(data=data, weight_loader=weight_loader)
         self.exl3_suffix = suffix
         self.exl3_owner = owner
@@ -72,7 +90,8 @@ class Exl3Parameter(BasevLLMParameter):
         raise AttributeError(
             f"EXL3 {self.exl3_owner.layout.prefix}.{self.exl3_suffix}: a fused-on-disk "
             f"checkpoint tensor (no shard id) cannot be split into EXL3 shards; EXL3 stores "
-            f"every projection separately")
+            f"every projection separately"
+        )
 
     def load_column_parallel_weight(self, loaded_weight: torch.Tensor) -> None:
         self.exl3_owner.load(self.exl3_suffix, loaded_weight, 0)
@@ -81,14 +100,19 @@ class Exl3Parameter(BasevLLMParameter):
         self.exl3_owner.load(self.exl3_suffix, loaded_weight, 0)
 
     def load_merged_column_weight(self, loaded_weight: torch.Tensor, **kwargs) -> None:
-        self.exl3_owner.load(self.exl3_suffix, loaded_weight, shard_index(kwargs.get("shard_id")))
+        self.exl3_owner.load(
+            self.exl3_suffix, loaded_weight, shard_index(kwargs.get("shard_id"))
+        )
 
     def load_qkv_weight(self, loaded_weight: torch.Tensor, **kwargs) -> None:
-        self.exl3_owner.load(self.exl3_suffix, loaded_weight, shard_index(kwargs.get("shard_id")))
+        self.exl3_owner.load(
+            self.exl3_suffix, loaded_weight, shard_index(kwargs.get("shard_id"))
+        )
 
 
-def direct_weight_loader(param: Exl3Parameter, loaded_weight: torch.Tensor,
-                         shard_id: int | str | None = None) -> None:
+def direct_weight_loader(
+    param: Exl3Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+) -> None:
     """For layers whose own loader knows no v2 parameters (ReplicatedLinear, ParallelLMHead)."""
     param.exl3_owner.load(param.exl3_suffix, loaded_weight, shard_index(shard_id))
 
@@ -100,9 +124,13 @@ def _suffixes(spec: Exl3ModuleSpec) -> set[str]:
 class Exl3LayerWeights:
     """Creates, loads and finalises the EXL3 parameters of one layer on one rank."""
 
-    def __init__(self, layout: Exl3Layout, specs: list[Exl3ModuleSpec],
-                 ledger: LoadLedger | None = None,
-                 real: list[tuple[int | None, int | None]] | None = None):
+    def __init__(
+        self,
+        layout: Exl3Layout,
+        specs: list[Exl3ModuleSpec],
+        ledger: LoadLedger | None = None,
+        real: list[tuple[int | None, int | None]] | None = None,
+    ):
         """`ledger`: the model's (a private one when None); `real`: per shard, the real
         (unpadded) input and output features, for the value rule of suh/svh."""
         self.layout = layout
@@ -129,36 +157,48 @@ class Exl3LayerWeights:
         if unknown:
             raise Exl3FormatError(
                 f"EXL3 {layout.prefix}: checkpoint tensors with suffixes {sorted(unknown)} have "
-                f"no place in an EXL3 linear")
+                f"no place in an EXL3 linear"
+            )
         for suffix, (shape, dtype) in shapes.items():
             # Zeros, not empty: what the checkpoint does not cover must contribute nothing.
-            param = Exl3Parameter(data=torch.zeros(shape, dtype=dtype),
-                                  weight_loader=weight_loader, suffix=suffix, owner=self)
+            param = Exl3Parameter(
+                data=torch.zeros(shape, dtype=dtype),
+                weight_loader=weight_loader,
+                suffix=suffix,
+                owner=self,
+            )
             layer.register_parameter(suffix, param)
             self._params[suffix] = param
         kept = layout.kept_columns()
         if kept is not None:
             # Created here, like the parameters, on the device the layer is built on.
-            layer.register_buffer(OUT_INDEX, torch.tensor(kept, dtype=torch.int64),
-                                  persistent=False)
+            layer.register_buffer(
+                OUT_INDEX, torch.tensor(kept, dtype=torch.int64), persistent=False
+            )
 
     # ---- loading -------------------------------------------------------------------------
 
     def _fail(self, shard: ShardLayout, suffix: str, rule: str) -> Exl3LayoutError:
         return Exl3LayoutError(
             f"EXL3 {shard.name}.{suffix} -> {self.layout.prefix} (rank {self.layout.tp_rank}): "
-            f"{rule}")
+            f"{rule}"
+        )
 
     def load(self, suffix: str, loaded: torch.Tensor, index: int) -> None:
         layout = self.layout
         if not 0 <= index < len(layout.shards):
             raise Exl3LayoutError(
                 f"EXL3 {layout.prefix}.{suffix}: shard {index} does not exist "
-                f"(the layer has {len(layout.shards)})")
+                f"(the layer has {len(layout.shards)})"
+            )
         shard = layout.shards[index]
         if suffix not in self.expected[index]:
-            raise self._fail(shard, suffix, "tensor not listed in the checkpoint's safetensors "
-                             "headers for this module")
+            raise self._fail(
+                shard,
+                suffix,
+                "tensor not listed in the checkpoint's safetensors "
+                "headers for this module",
+            )
         self.ledger.record(self, layout.prefix, f"{shard.name}.{suffix}")
         self.loaded.add((suffix, index))
         if suffix == "trellis":
@@ -170,32 +210,59 @@ class Exl3LayerWeights:
             if full in self.expected[index]:
                 logger.debug("%s.%s ignored: %s is present", shard.name, suffix, full)
                 return
-            self._check(shard, suffix, loaded, torch.int16, self._scale_len(shard, full) // TILE)
-            self._load_scales(shard, index, full, unpack_sign_bits(loaded), checked=True)
+            self._check(
+                shard, suffix, loaded, torch.int16, self._scale_len(shard, full) // TILE
+            )
+            self._load_scales(
+                shard, index, full, unpack_sign_bits(loaded), checked=True
+            )
         elif suffix in MARKERS:
             if loaded.numel() != 1 or loaded.dtype != torch.int32:
-                raise self._fail(shard, suffix, f"marker must be one int32, got shape "
-                                 f"{list(loaded.shape)} {loaded.dtype}")
+                raise self._fail(
+                    shard,
+                    suffix,
+                    f"marker must be one int32, got shape "
+                    f"{list(loaded.shape)} {loaded.dtype}",
+                )
             self._params[suffix].data[index] = loaded.reshape(())
         elif suffix in IGNORED:
             logger.debug("%s.%s consumed and not applied", shard.name, suffix)
 
-    def _check(self, shard: ShardLayout, suffix: str, loaded: torch.Tensor, dtype: torch.dtype,
-               *shape: int) -> None:
+    def _check(
+        self,
+        shard: ShardLayout,
+        suffix: str,
+        loaded: torch.Tensor,
+        dtype: torch.dtype,
+        *shape: int,
+    ) -> None:
         if loaded.dtype != dtype or tuple(loaded.shape) != shape:
-            raise self._fail(shard, suffix, f"got {list(loaded.shape)} {loaded.dtype}, the "
-                             f"headers describe {list(shape)} {dtype}")
+            raise self._fail(
+                shard,
+                suffix,
+                f"got {list(loaded.shape)} {loaded.dtype}, the "
+                f"headers describe {list(shape)} {dtype}",
+            )
 
     def _scale_len(self, shard: ShardLayout, full: str) -> int:
         return shard.ckpt_rows if full == "suh" else shard.ckpt_cols
 
-    def _load_trellis(self, shard: ShardLayout, index: int, loaded: torch.Tensor) -> None:
+    def _load_trellis(
+        self, shard: ShardLayout, index: int, loaded: torch.Tensor
+    ) -> None:
         layout = self.layout
         words = trellis_words(shard.bits)
-        self._check(shard, "trellis", loaded, torch.int16, shard.ckpt_rows // TILE,
-                    shard.ckpt_cols // TILE, words)
+        self._check(
+            shard,
+            "trellis",
+            loaded,
+            torch.int16,
+            shard.ckpt_rows // TILE,
+            shard.ckpt_cols // TILE,
+            words,
+        )
         run = layout.run_of(index)
-        storage = self._params["trellis"].data.view(-1)[run.word_start:run.word_stop]
+        storage = self._params["trellis"].data.view(-1)[run.word_start : run.word_stop]
         block = storage.view(layout.k_alloc // TILE, run.cols // TILE, words)
         dst = block.narrow(1, (shard.col - run.col) // TILE, shard.alloc // TILE)
         rows, cols = layout.copy_rows(shard) // TILE, shard.copy_cols // TILE
@@ -204,11 +271,19 @@ class Exl3LayerWeights:
             src = loaded.narrow(0, layout.src_row // TILE, rows)
             dst[:rows, :cols].copy_(src.narrow(1, shard.src_col // TILE, cols))
 
-    def _load_scales(self, shard: ShardLayout, index: int, suffix: str, loaded: torch.Tensor,
-                     checked: bool = False) -> None:
+    def _load_scales(
+        self,
+        shard: ShardLayout,
+        index: int,
+        suffix: str,
+        loaded: torch.Tensor,
+        checked: bool = False,
+    ) -> None:
         layout = self.layout
         if not checked:
-            self._check(shard, suffix, loaded, torch.float16, self._scale_len(shard, suffix))
+            self._check(
+                shard, suffix, loaded, torch.float16, self._scale_len(shard, suffix)
+            )
             real = self.real[index][0 if suffix == "suh" else 1]
             note = check_scale_values(f"{shard.name}.{suffix}", loaded, real)
             if note:
@@ -236,13 +311,21 @@ class Exl3LayerWeights:
     def finish(self, layer: torch.nn.Module) -> None:
         """Check completeness and markers, then keep exactly trellis + suh + svh."""
         layout = self.layout
-        self.ledger.check(self, layout.prefix, [f"{shard.name}.{suffix}"
-                                                for i, shard in enumerate(layout.shards)
-                                                for suffix in sorted(self.expected[i])],
-                          rank=layout.tp_rank)
+        self.ledger.check(
+            self,
+            layout.prefix,
+            [
+                f"{shard.name}.{suffix}"
+                for i, shard in enumerate(layout.shards)
+                for suffix in sorted(self.expected[i])
+            ],
+            rank=layout.tp_rank,
+        )
         if not self.loaded:
             # Nothing came from a checkpoint: load_format="dummy" (random-weight perf runs).
-            logger.debug("EXL3 %s: no checkpoint tensors loaded (dummy weights)", layout.prefix)
+            logger.debug(
+                "EXL3 %s: no checkpoint tensors loaded (dummy weights)", layout.prefix
+            )
         else:
             for marker, (codebook, value) in MARKERS.items():
                 for i, shard in enumerate(layout.shards):
@@ -252,7 +335,8 @@ class Exl3LayerWeights:
                     if got != value or shard.codebook != codebook:
                         raise Exl3LayoutError(
                             f"EXL3 {shard.name}.{marker} (rank {layout.tp_rank}): marker value "
-                            f"{got}, expected {value} for the {codebook.name} codebook")
+                            f"{got}, expected {value} for the {codebook.name} codebook"
+                        )
         for name in list(self._params):
             if name not in DATA_SUFFIXES:
                 delattr(layer, name)
