@@ -1,24 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Cold benchmark of exl3_linear against ExLlamaV3 1.6.5's LinearEXL3 and bf16 torch.matmul.
+"""Cold benchmark of exl3_linear against ExLlamaV3 1.6.5's LinearEXL3 and bf16
+torch.matmul.
 
 Method (design.md "Measuring", anchors-h200.md):
-  * cold: each variant rotates through enough weight copies that one pass reads >= POOL_BYTES
-    (several times the 60 MB L2), so every weight comes from HBM;
-  * every call of a pass is captured in one CUDA graph (launch gaps as in vLLM's graphs); the
-    time is the median over graph replays divided by the calls per pass (CUDA events);
-  * the ceilings (copy bandwidth, cuBLAS bf16, mma.sync, integer issue) are measured in the
-    same run (device_ceilings.py);
+  * cold: each variant rotates through enough weight copies that one pass reads >=
+    POOL_BYTES (several times the 60 MB L2), so every weight comes from HBM;
+  * every call of a pass is captured in one CUDA graph (launch gaps as in vLLM's
+    graphs); the time is the median over graph replays divided by the calls per pass
+    (CUDA events);
+  * the ceilings (copy bandwidth, cuBLAS bf16, mma.sync, integer issue) are measured in
+    the same run (device_ceilings.py);
   * speed of light = max(bytes / copy bandwidth,
                          k*n * decode time per weight,
                          2*m*k*n / best matrix rate)
-    where bytes = trellis (k*n*bits/8) + x + y; decode time per weight = max(instructions per
-    weight / issue rate, ALU or FMA-pipe instructions per weight / one pipe's rate), from the
-    SASS counts of the GEMM's k loop (sass_loop.py), the issue rate from the SM count and clock,
-    one pipe's rate measured (device_ceilings.int_rate); the best matrix rate is
-    max(mma.sync, cuBLAS bf16).
-    %SOL = 100 * SOL / ours.
-ExLlamaV3 runs on the same tensors (fp16 activations, its own dispatch); which of its paths ran
-is read from the profiler's kernel names once per (codebook, m).
+    where bytes = trellis (k*n*bits/8) + x + y; decode time per weight =
+    max(instructions per weight / issue rate, ALU or FMA-pipe instructions per weight /
+    one pipe's rate), from the SASS counts of the GEMM's k loop (sass_loop.py), the
+    issue rate from the SM count and clock, one pipe's rate measured
+    (device_ceilings.int_rate); the best matrix rate is max(mma.sync, cuBLAS bf16). %SOL
+    = 100 * SOL / ours.
+ExLlamaV3 runs on the same tensors (fp16 activations, its own dispatch); which of its
+paths ran is read from the profiler's kernel names once per (codebook, m).
 
     python scripts/bench/bench_linear.py --out DIR [--no-exl3] [--bits 4 6]
 """
@@ -54,15 +56,16 @@ MCG_MARKER = -877912083
 MUL1_MARKER = -2082680531
 
 
-# A short pass of light work is timed in whatever power state the work before it left: on the
-# H200, right after an m = 4096 GEMM, light work runs up to 25 % slower for 0.1-0.25 s
-# (5120x12288 6-bit m = 1, pinned plan: 34.1 us right after it, 29.2 after 0.1 s idle, 27.8
-# after 0.25 s, 27.1 fresh), and an anchor run that timed every point right after the previous
-# one had ours at m <= 16 10-25 % above a run that idled first. So every light point (m <= LIGHT_M) of every variant starts
-# from SETTLE_S of idle: the state of steady light work (decode), whatever ran before. m = 128
-# and 256 count as light too: a point takes well under the slow window there, and the m = 128
-# point of 5120x17408, timed right after the previous shape's m = 4096, once came out 17 %
-# slower than in a run before it (same kernels, every tuner candidate alike).
+# A short pass of light work is timed in whatever power state the work before it left:
+# on the H200, right after an m = 4096 GEMM, light work runs up to 25 % slower for
+# 0.1-0.25 s (5120x12288 6-bit m = 1, pinned plan: 34.1 us right after it, 29.2 after
+# 0.1 s idle, 27.8 after 0.25 s, 27.1 fresh), and an anchor run that timed every point
+# right after the previous one had ours at m <= 16 10-25 % above a run that idled
+# first. So every light point (m <= LIGHT_M) of every variant starts from SETTLE_S of
+# idle: the state of steady light work (decode), whatever ran before. m = 128 and 256
+# count as light too: a point takes well under the slow window there, and the m = 128
+# point of 5120x17408, timed right after the previous shape's m = 4096, once came out
+# 17 % slower than in a run before it (same kernels, every tuner candidate alike).
 SETTLE_S = 0.25
 LIGHT_M = 256
 
@@ -78,7 +81,8 @@ def copies_for(bytes_per_copy: int) -> int:
 
 
 def cold_bf16(gen: torch.Generator, k: int, n: int) -> list[torch.Tensor]:
-    """Random bf16 [k][n] weights, enough copies that a pass over them reads HBM, not L2."""
+    """Random bf16 [k][n] weights, enough copies that a pass over them reads HBM, not
+    L2."""
     return [
         torch.randn(k, n, generator=gen, device="cuda").bfloat16()
         for _ in range(copies_for(2 * k * n))
@@ -86,7 +90,7 @@ def cold_bf16(gen: torch.Generator, k: int, n: int) -> list[torch.Tensor]:
 
 
 def cold_layers(gen: torch.Generator, k: int, n: int, bits: float, cb: int) -> list:
-    """Random EXL3 layers [k][n], enough copies that a pass reads the trellis from HBM."""
+    """Random EXL3 layers [k][n], enough copies that a pass reads trellis from HBM."""
     return [
         random_layer(gen, k, [n], bits, cb)
         for _ in range(copies_for(int(k * n * bits / 8)))
@@ -94,7 +98,7 @@ def cold_layers(gen: torch.Generator, k: int, n: int, bits: float, cb: int) -> l
 
 
 def warm_capture(calls: list) -> torch.cuda.CUDAGraph:
-    """Two eager calls (the op's tuner runs here, never during capture), then capture()."""
+    """Two eager calls (the op's tuner runs here, not in capture), then capture()."""
     for c in calls[:2]:
         c()
     torch.cuda.synchronize()
@@ -102,8 +106,8 @@ def warm_capture(calls: list) -> torch.cuda.CUDAGraph:
 
 
 def capture(calls: list) -> torch.cuda.CUDAGraph:
-    """One CUDA graph of `calls` in order (the caller has run them eagerly first: autotuners
-    never run during capture)."""
+    """One CUDA graph of `calls` in order (the caller has run them eagerly first:
+    autotuners never run during capture)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for c in calls:
@@ -112,8 +116,8 @@ def capture(calls: list) -> torch.cuda.CUDAGraph:
 
 
 def graph_time_us(calls: list, m: int, use_graph: bool = True) -> tuple[float, str]:
-    """Median microseconds per call of a pass over `calls` (closures of m rows each), and how it
-    was timed."""
+    """Median microseconds per call of a pass over `calls` (closures of m rows each),
+    and how it was timed."""
     settle(m)
     for c in calls[:2]:
         c()  # eager warm-up: autotuners run here, never during capture
@@ -138,16 +142,19 @@ def bf16_times(gen: torch.Generator, k: int, n: int, ms: list[int]) -> dict[int,
     w_copies = cold_bf16(gen, k, n)
     for m in ms:
         x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-        out[m], _ = graph_time_us([lambda w=w: torch.matmul(x, w) for w in w_copies], m)
+        out[m], _ = graph_time_us(
+            [lambda w=w, x=x: torch.matmul(x, w) for w in w_copies], m
+        )
     del w_copies
     torch.cuda.empty_cache()
     return out
 
 
 def rebase_on_second_bf16(rows: list[dict], second: dict[int, float]) -> None:
-    """bf16 is timed before a shape's configurations and again after them; the rows keep the
-    faster of the two (the ratio against bf16 never gains from the GPU's clock drifting between
-    them: a sustained heavy run heats the card and lowers its clocks), and both times."""
+    """bf16 is timed before a shape's configurations and again after them; the rows keep
+    the faster of the two (the ratio against bf16 never gains from the GPU's clock
+    drifting between them: a sustained heavy run heats the card and lowers its clocks),
+    and both times."""
     for r in rows:
         first = r["bf16_us"]
         best = min(first, second[r["m"]])
@@ -157,9 +164,9 @@ def rebase_on_second_bf16(rows: list[dict], second: dict[int, float]) -> None:
 
 
 def exl3_module(state: Path | None, wait_s: float, import_timeout_s: float):
-    """ExLlamaV3's LinearEXL3, or None (with the reason printed). With `state`, the extension
-    was built in the background by exllamav3_anchor.py and is imported under its guard;
-    without, a plain import (which JIT-builds in this process)."""
+    """ExLlamaV3's LinearEXL3, or None (with the reason printed). With `state`, the
+    extension was built in the background by exllamav3_anchor.py and is imported under
+    its guard; without, a plain import (which JIT-builds in this process)."""
     try:
         if state is not None:
             return exllamav3_anchor.load_linear_class(state, wait_s, import_timeout_s)
@@ -216,7 +223,8 @@ def exl3_kernels(lin, x) -> str:
 def write_results(
     out: Path, tag: str, meta: dict, rows: list[dict], paths: dict
 ) -> str:
-    """The machine-readable results (JSON with metadata and ExLlamaV3 paths, CSV of the rows)."""
+    """The machine-readable results (JSON with metadata and ExLlamaV3 paths, CSV of the
+    rows)."""
     stamp = f"{tag}_{meta['date']}"
     (out / f"{stamp}.json").write_text(
         json.dumps(
@@ -257,8 +265,9 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def decode_s_per_weight(loop: dict | None, ceil: dict) -> float | None:
-    """Seconds per decoded weight of the k loop: its instructions against the issue rate, and
-    its ALU and FMA-pipe instructions each against one pipe's rate (the measured integer rate)."""
+    """Seconds per decoded weight of the k loop: its instructions against the issue
+    rate, and its ALU and FMA-pipe instructions each against one pipe's rate (the
+    measured integer rate)."""
     if not loop or not loop.get("per_weight") or not ceil.get("int_instr_per_s"):
         return None
     per_weight = loop["per_weight"]
@@ -332,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_exl3
         else exl3_module(args.exl3_state, args.exl3_wait_s, args.exl3_import_timeout_s)
     )
-    # The caller's word first: on the device machine the tree's .git can be a stale copy (the
-    # 2026-11-30 runs reported an older commit than the kernels they timed).
+    # The caller's word first: on the device machine the tree's .git can be a stale
+    # copy (the 2026-11-30 runs reported an older commit than the kernels they timed).
     commit = os.environ.get("EXL3_COMMIT", "")
     if not commit:
         try:
@@ -380,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                 for m in args.m:
                     x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
                     ours, mode = graph_time_us(
-                        [lambda L=L: L.linear(x) for L in layers], m
+                        [lambda L=L, x=x: L.linear(x) for L in layers], m
                     )
                     ex_us, ex_mode = None, None
                     if exl3_lins:
@@ -388,12 +397,13 @@ def main(argv: list[str] | None = None) -> int:
                         try:
                             ex_us, ex_mode = graph_time_us(
                                 [
-                                    lambda lin=lin: lin.forward(xh, {})
+                                    lambda lin=lin, xh=xh: lin.forward(xh, {})
                                     for lin in exl3_lins
                                 ],
                                 m,
                             )
-                            # Which of its paths ran (kernel names), per shape, cb, bits, m.
+                            # Which of its paths ran (kernel names), per shape, cb,
+                            # bits, m.
                             key = (shape, cb, bits, m)
                             if key not in paths:
                                 paths[key] = exl3_kernels(exl3_lins[0], xh)
@@ -423,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(row), flush=True)
                 del layers, exl3_lins
                 torch.cuda.empty_cache()
-                # Rewritten after every configuration: a run stopped at its time limit keeps
-                # what it measured.
+                # Rewritten after every configuration: a run stopped at its time limit
+                # keeps what it measured.
                 write_results(args.out, args.tag, meta, rows, paths)
         if shape_rows:
             rebase_on_second_bf16(shape_rows, bf16_times(gen, k, n, args.m))
@@ -433,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = write_results(args.out, args.tag, meta, rows, paths)
     print(f"\nwrote {args.out}/{stamp}.json/.csv ({time.monotonic() - t_start:.0f} s)")
     print(
-        f"{'shape':>12} {'b':>3} {'cb':>5} {'m':>5} {'ours':>8} {'exl3':>8} {'bf16':>8} "
+        f"{'shape':>12} {'b':>3} {'cb':>5} {'m':>5} {'ours':>8} {'exl3':>8} "
+        f"{'bf16':>8} "
         f"{'/bf16':>6} {'/exl3':>6} {'%SOL':>5}"
     )
     for r in rows:

@@ -1,16 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Cold benchmark of one EXL3 MoE layer (torch.ops._C.exl3_moe through CudaExl3MoEKernel)
-against vLLM's bf16 fused MoE (`fused_experts`) and its int4 Marlin MoE (`fused_marlin_moe`,
-GPTQ 4-bit, group 128), at real model shapes, uniform random routing.
+"""Cold benchmark of one EXL3 MoE layer (torch.ops._C.exl3_moe through
+CudaExl3MoEKernel) against vLLM's bf16 fused MoE (`fused_experts`) and its int4 Marlin
+MoE (`fused_marlin_moe`, GPTQ 4-bit, group 128), at real model shapes, uniform random
+routing.
 
-Method (as bench_linear.py): each variant rotates through enough copies of the layer's weights
-that one pass reads >= POOL_BYTES of the experts the routing touches (several times the 60 MB
-L2), every call of a pass is captured in one CUDA graph, and the time is the median over graph
-replays divided by the calls per pass. Routing (top-k) is outside the timed op for every
-variant; each variant's own expert alignment is inside it. Weights are random (timing only).
+Method (as bench_linear.py): each variant rotates through enough copies of the layer's
+weights that one pass reads >= POOL_BYTES of the experts the routing touches (several
+times the 60 MB L2), every call of a pass is captured in one CUDA graph, and the time is
+the median over graph replays divided by the calls per pass. Routing (top-k) is outside
+the timed op for every variant; each variant's own expert alignment is inside it.
+Weights are random (timing only).
 
-ExLlamaV3 1.6.5's MoE block is not measured by this script (its anchor needs ExLlamaV3's own
-module objects; see exllamav3_anchor.py for the dense one); the JSON says so.
+ExLlamaV3 1.6.5's MoE block is not measured by this script (its anchor needs ExLlamaV3's
+own module objects; see exllamav3_anchor.py for the dense one); the JSON says so.
 
     python scripts/bench/bench_moe.py --out scripts/bench/results/moe [--bits 4] \
         [--shapes qwen3-30b-a3b] [--tokens 1 16 256]
@@ -46,12 +48,14 @@ POOL_BYTES = 256 << 20
 MIN_COPIES = 2
 MARLIN_GROUP = 128
 MARLIN_BITS = 4
-# Random bf16 weights scaled so the outputs stay finite (timing does not depend on values).
+# Random bf16 weights scaled so the outputs stay finite (timing does not depend on
+# values).
 WEIGHT_SCALE = 0.02
 
 
 def copies_for(expert_bytes: int, top_k: int) -> int:
-    """Copies so that a pass at one token (top_k experts touched per call) reads POOL_BYTES."""
+    """Copies so that a pass at one token (top_k experts touched per call) reads
+    POOL_BYTES."""
     return max(MIN_COPIES, math.ceil(POOL_BYTES / (expert_bytes * top_k)))
 
 
@@ -161,7 +165,10 @@ def time_variant(make, gen, h, e, top_k, tokens):
     for m in tokens:
         x = (torch.randn(m, h, generator=gen, device="cuda") / math.sqrt(h)).bfloat16()
         w, ids = routing(gen, m, top_k, e)
-        calls = [lambda j=j: call(x, w, ids, j) for j in range(copies)]
+        calls = [
+            lambda j=j, x=x, w=w, ids=ids, call=call: call(x, w, ids, j)
+            for j in range(copies)
+        ]
         us, mode = graph_time_us(calls, m)
         out[m] = (us, mode)
         print(f"    m={m:5d} {us:9.1f} us ({mode})", flush=True)
@@ -199,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             variants = [
                 (
                     "exl3",
-                    lambda: exl3_variant(
+                    lambda h=h, i=i, e=e, top_k=top_k: exl3_variant(
                         gen,
                         h,
                         i,
@@ -213,8 +220,18 @@ def main(argv: list[str] | None = None) -> int:
             ]
             if not args.no_anchors:
                 variants += [
-                    ("bf16_fused_experts", lambda: bf16_variant(gen, h, i, e, top_k)),
-                    ("marlin_int4_g128", lambda: marlin_variant(gen, h, i, e, top_k)),
+                    (
+                        "bf16_fused_experts",
+                        lambda h=h, i=i, e=e, top_k=top_k: bf16_variant(
+                            gen, h, i, e, top_k
+                        ),
+                    ),
+                    (
+                        "marlin_int4_g128",
+                        lambda h=h, i=i, e=e, top_k=top_k: marlin_variant(
+                            gen, h, i, e, top_k
+                        ),
+                    ),
                 ]
             times = {}
             for vname, make in variants:
@@ -280,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["variant"]: r for r in rows if r["shape"] == name and r["tokens"] == m
             }
 
-            def fmt(v):
+            def fmt(v, get=get):
                 u = get.get(v, {}).get("us")
                 return f"{u:.1f}" if u else "-"
 

@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The card's own ceilings, measured in the benchmark's run (METHOD.md: measure, don't quote).
+"""The card's own ceilings, measured in the benchmark's run (METHOD.md: measure, don't
+quote).
 
-  copy_bytes_per_s   device-to-device copy of 1 GiB, bytes read + written
-  bf16_flops         cuBLAS bf16 8192^3 through torch.matmul, random data
-  mma_flops          mma.sync.m16n8k16 fp16 x fp16 -> fp32, all SMs, operands in registers
-  int_instr_per_s    dependent IMAD + LOP3 chains (the trellis decode's instruction mix), thread
-                     instructions per second, all SMs: 16 T/s on the H200, one integer pipe's
-                     rate (2026-11-30 runs), half of
-  issue_instr_per_s  what the warp schedulers can issue (SMs x 4 x 32 lanes x SM clock; from the
+  copy_bytes_per_s   device-to-device copy of 1 GiB, bytes read + written bf16_flops
+  cuBLAS bf16 8192^3 through torch.matmul, random data mma_flops
+  mma.sync.m16n8k16 fp16 x fp16 -> fp32, all SMs, operands in registers int_instr_per_s
+  dependent IMAD + LOP3 chains (the trellis decode's instruction mix), thread
+                     instructions per second, all SMs: 16 T/s on the H200, one integer
+                     pipe's rate (2026-11-30 runs), half of
+  issue_instr_per_s  what the warp schedulers can issue (SMs x 4 x 32 lanes x SM clock;
+  from the
                      device properties, not measured)
 
-mma_flops and int_instr_per_s run tiny CUDA kernels compiled at run time through CuPy (NVRTC);
-without CuPy they (and issue_instr_per_s) are None and the speed-of-light bound uses the terms
-it has.
+mma_flops and int_instr_per_s run tiny CUDA kernels compiled at run time through CuPy
+(NVRTC); without CuPy they (and issue_instr_per_s) are None and the speed-of-light bound
+uses the terms it has.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 COPY_BYTES = 1 << 30
 MATMUL_N = 8192
-# Microbenchmark launch: enough resident warps per SM to saturate issue (8 warps x 8 blocks).
+# Microbenchmark launch: enough resident warps per SM to saturate issue (8 warps x 8
+# blocks).
 MICRO_BLOCKS_PER_SM = 8
 MICRO_THREADS = 256
 INT_ITERS = 4096
@@ -81,7 +84,7 @@ extern "C" __global__ void mma_rate(float* out, int iters, unsigned seed) {
 
 
 def median_ms(fn, reps: int = 10) -> float:
-    """Median CUDA-event milliseconds of `fn()` over `reps` runs, after one warm-up run."""
+    """Median CUDA-event milliseconds of `fn()` over `reps` runs, after one warm-up."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -113,7 +116,8 @@ def bf16_rate() -> float:
 
 
 def _micro(src: str, name: str, iters: int) -> float | None:
-    """Milliseconds of one launch of a CuPy raw kernel over all SMs, or None without CuPy."""
+    """Milliseconds of one launch of a CuPy raw kernel over all SMs, or None without
+    CuPy."""
     try:
         import cupy
     except ImportError:
@@ -155,11 +159,12 @@ def mma_rate() -> float | None:
 
 
 def issue_rate() -> float | None:
-    """Thread-instructions per second the schedulers can issue: 4 per SM, one warp instruction
-    per cycle each, at the SM clock the driver reports. Not a measurement: the integer probe
-    above (IMAD + LOP3 chains) runs at half of it on the H200, because each of Hopper's ALU and
-    FMA-heavy pipes accepts a warp instruction only every second cycle, so the decode loop is
-    bounded by max(total / issue_rate, per-pipe count / int_instr_per_s) (bench_linear.sol_us)."""
+    """Thread-instructions per second the schedulers can issue: 4 per SM, one warp
+    instruction per cycle each, at the SM clock the driver reports. Not a measurement:
+    the integer probe above (IMAD + LOP3 chains) runs at half of it on the H200, because
+    each of Hopper's ALU and FMA-heavy pipes accepts a warp instruction only every
+    second cycle, so the decode loop is bounded by max(total / issue_rate, per-pipe
+    count / int_instr_per_s) (bench_linear.sol_us)."""
     try:
         import cupy
 

@@ -1,20 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ExLlamaV3 1.6.5 as the benchmark's anchor: its JIT build in the background, a guarded import.
+"""ExLlamaV3 1.6.5 as the benchmark's anchor: its JIT build in the background, a guarded
+import.
 
-ExLlamaV3 compiles its CUDA extension on first import (torch.utils.cpp_extension.load, minutes).
-An earlier run lost its same-run anchor this way: the build finished, but the benchmark's own
-import then hung until the run's time limit. Two ways torch's JIT does that: a `lock` file left in
-the build directory by an import that was killed mid-build (every later import waits for it
-forever), or build flags that differ between the two imports (another TORCH_CUDA_ARCH_LIST), so
-the second import silently recompiles everything. So here:
-  * the build runs in its own process session (survives the shell that started it) into a
-    private TORCH_EXTENSIONS_DIR, and writes its exit status to a done-file;
-  * the benchmark's import uses the very same environment (ENV below), waits for the done-file,
-    removes `lock` files only once the builder has exited, and runs under an alarm with a
-    message that says which of the two happened.
+ExLlamaV3 compiles its CUDA extension on first import (torch.utils.cpp_extension.load,
+minutes). An earlier run lost its same-run anchor this way: the build finished, but the
+benchmark's own import then hung until the run's time limit. Two ways torch's JIT does
+that: a `lock` file left in the build directory by an import that was killed mid-build
+(every later import waits for it forever), or build flags that differ between the two
+imports (another TORCH_CUDA_ARCH_LIST), so the second import silently recompiles
+everything. So here:
+  * the build runs in its own process session (survives the shell that started it) into
+    a private TORCH_EXTENSIONS_DIR, and writes its exit status to a done-file;
+  * the benchmark's import uses the very same environment (ENV below), waits for the
+    done-file, removes `lock` files only once the builder has exited, and runs under an
+    alarm with a message that says which of the two happened.
 
-    python exllamav3_anchor.py build --state /tmp/exl3_next [--jobs 12]   # returns at once
-    python exllamav3_anchor.py wait --state /tmp/exl3_next --timeout 300  # exit 0 when built
+    python exllamav3_anchor.py build --state /tmp/exl3_next [--jobs 12]   # returns at
+    once python exllamav3_anchor.py wait --state /tmp/exl3_next --timeout 300  # exit 0
+    when built
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-# The arch list is part of the build flags: builder and importer must agree on it, or the
-# import recompiles (the H200 is sm_90).
+# The arch list is part of the build flags: builder and importer must agree on it, or
+# the import recompiles (the H200 is sm_90).
 ARCH_LIST = "9.0"
 POLL_S = 2.0
 
@@ -48,7 +51,8 @@ def paths(state: Path) -> dict[str, Path]:
 
 
 def env_for(state: Path, jobs: int | None = None) -> dict[str, str]:
-    """Environment of both the builder and the importer (same flags, same build directory)."""
+    """Environment of both the builder and the importer (same flags, same build
+    directory)."""
     p = paths(state)
     env = {
         "TORCH_EXTENSIONS_DIR": str(p["ext"]),
@@ -63,7 +67,8 @@ def env_for(state: Path, jobs: int | None = None) -> dict[str, str]:
 
 
 def start_build(state: Path, jobs: int) -> bool:
-    """Start `import exllamav3.ext` in a new process session; False if one was started before."""
+    """Start `import exllamav3.ext` in a new process session; False if one was started
+    before."""
     p = paths(state)
     p["ext"].mkdir(parents=True, exist_ok=True)
     if p["started"].exists():
@@ -86,8 +91,8 @@ def start_build(state: Path, jobs: int) -> bool:
 
 
 def wait_built(state: Path, timeout_s: float) -> int | None:
-    """The builder's exit status once it has finished, or None after timeout_s (at once when no
-    build was started)."""
+    """The builder's exit status once it has finished, or None after timeout_s (at once
+    when no build was started)."""
     p = paths(state)
     t_end = time.monotonic() + timeout_s
     while not p["done"].exists():
@@ -98,8 +103,9 @@ def wait_built(state: Path, timeout_s: float) -> int | None:
 
 
 def remove_stale_locks(state: Path) -> list[str]:
-    """Delete torch's build `lock` files. Only called after the builder exited: a lock then is
-    left over from a killed import and would block every later import forever."""
+    """Delete torch's build `lock` files. Only called after the builder exited: a lock
+    then is left over from a killed import and would block every later import forever.
+    """
     removed = []
     for lock in paths(state)["ext"].rglob("lock"):
         lock.unlink(missing_ok=True)
@@ -110,8 +116,8 @@ def remove_stale_locks(state: Path) -> list[str]:
 def load_linear_class(state: Path, wait_s: float, import_timeout_s: float):
     """ExLlamaV3's LinearEXL3, imported in this process under the builder's environment.
 
-    Raises AnchorUnavailable with the reason (build not finished, build failed, import timed
-    out) instead of hanging."""
+    Raises AnchorUnavailable with the reason (build not finished, build failed, import
+    timed out) instead of hanging."""
     p = paths(state)
     if not p["started"].exists():
         raise AnchorUnavailable(f"no ExLlamaV3 build was started under {state}")
@@ -134,9 +140,12 @@ def load_linear_class(state: Path, wait_s: float, import_timeout_s: float):
 
     def on_alarm(signum, frame):  # noqa: ARG001 - signal handler signature
         raise AnchorUnavailable(
-            f"import of ExLlamaV3 did not finish in {import_timeout_s:.0f} s although its build "
-            f"exited 0: it is compiling again (build flags differ from the builder's: check "
-            f"TORCH_CUDA_ARCH_LIST={ARCH_LIST} and {p['ext']}) or waiting on a lock file"
+            f"import of ExLlamaV3 did not finish in {import_timeout_s:.0f} s although "
+            "its build "
+            "exited 0: it is compiling again (build flags differ from the builder's: "
+            "check "
+            f"TORCH_CUDA_ARCH_LIST={ARCH_LIST} and {p['ext']}) or waiting on a lock "
+            "file"
         )
 
     previous = signal.signal(signal.SIGALRM, on_alarm)

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Ours against bf16 torch.matmul at large m, timed in alternation.
 
-At m >= 1024 the H200 runs at its power cap (~690 of 700 W) and its SM clock drifts with the
-load's history (1455-1530 MHz sustained against 1980 boost, graph_kernels.py), so a bf16 time
-taken minutes before ours measures a different card. Here both graphs are built once and timed
-in ROUNDS alternating rounds (cold rotation as in bench_linear.py, CUDA-event medians); the
-ratio is the median of the per-round ratios.
+At m >= 1024 the H200 runs at its power cap (~690 of 700 W) and its SM clock drifts with
+the load's history (1455-1530 MHz sustained against 1980 boost, graph_kernels.py), so a
+bf16 time taken minutes before ours measures a different card. Here both graphs are
+built once and timed in ROUNDS alternating rounds (cold rotation as in bench_linear.py,
+CUDA-event medians); the ratio is the median of the per-round ratios.
 
     python scripts/bench/interleaved.py --ext build/exl3/_exl3_C.abi3.so --m 1024 4096
 """
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in args.m:
             x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
             capture = bench_linear.warm_capture
-            g_bf16 = capture([lambda w_=w_: torch.matmul(x, w_) for w_ in w])
-            g_ours = capture([lambda L=L: L.linear(x) for L in layers])
+            g_bf16 = capture([lambda w_=w_, x=x: torch.matmul(x, w_) for w_ in w])
+            g_ours = capture([lambda L=L, x=x: L.linear(x) for L in layers])
             ours, bf16 = [], []
             for _ in range(ROUNDS):
                 bf16.append(

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Random EXL3 MoE layers in the kernel contract's layout, their float64 reference, and a
-plain-torch expert alignment, for the GPU tests of torch.ops._C.exl3_moe and bench_moe.py.
+"""Random EXL3 MoE layers in the kernel contract's layout, their float64 reference, and
+a plain-torch expert alignment, for the GPU tests of torch.ops._C.exl3_moe and
+bench_moe.py.
 
-Layout (MOE contract): every (expert, role) trellis is a contiguous block of a flat int16
-buffer at meta[e, r, 0] with k2 = meta[e, r, 1] = 2 * bits; gate/up share w13_*, down is w2_*.
-The reference decodes each expert with the overlay codec (reference.reconstruct, float64),
-routes, applies SiLU(gate) * up, the down projection and the routing weights, and sums each
-token's top-k in float64.
+Layout (MOE contract): every (expert, role) trellis is a contiguous block of a flat
+int16 buffer at meta[e, r, 0] with k2 = meta[e, r, 1] = 2 * bits; gate/up share w13_*,
+down is w2_*. The reference decodes each expert with the overlay codec
+(reference.reconstruct, float64), routes, applies SiLU(gate) * up, the down projection
+and the routing weights, and sums each token's top-k in float64.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ class MoeLayer:
     def block(
         self, e: int, role: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(trellis [k/16, n/16, 16K], suh [k], svh [n]) of expert e's gate (0), up (1) or
-        down (2)."""
+        """(trellis [k/16, n/16, 16K], suh [k], svh [n]) of expert e's gate (0), up (1)
+        or down (2)."""
         h, i = self.hidden, self.width
         if role == 2:
             (offset, k2), flat, rows, cols = self.meta2_host[e], self.w2_trellis, i, h
@@ -110,8 +111,9 @@ def random_moe_layer(
     device: str = "cuda",
     gap: bool = True,
 ) -> MoeLayer:
-    """Every (expert, role) draws its bitrate from `bits`; `gap` leaves a few unused aligned
-    words between blocks, so an offset taken from the wrong entry reads the wrong data."""
+    """Every (expert, role) draws its bitrate from `bits`; `gap` leaves a few unused
+    aligned words between blocks, so an offset taken from the wrong entry reads the
+    wrong data."""
     roles13 = _pick(gen, bits, 2 * experts)
     roles2 = _pick(gen, bits, experts)
     meta13 = torch.zeros(experts, 2, 2, dtype=torch.int64)
@@ -168,8 +170,8 @@ def random_routing(
     ids_dtype: torch.dtype = torch.int32,
     only: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights fp32 [M, k], topk_ids [M, k]): distinct experts per token, uniform (or all
-    tokens to expert `only` in slot 0, the rest uniform)."""
+    """(topk_weights fp32 [M, k], topk_ids [M, k]): distinct experts per token, uniform
+    (or all tokens to expert `only` in slot 0, the rest uniform)."""
     scores = torch.rand(tokens, global_experts, generator=gen, device=device)
     if only is not None:
         scores[:, only] = 2.0
@@ -188,8 +190,9 @@ def align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_align_block_size's outputs in plain torch (same buffer sizes and sentinels).
 
-    drop_nonlocal: like vLLM's ignore_invalid_experts=True (non-local pairs are not placed);
-    else they are placed in blocks whose expert id is -1, like its default with an expert_map.
+    drop_nonlocal: like vLLM's ignore_invalid_experts=True (non-local pairs are not
+    placed); else they are placed in blocks whose expert id is -1, like its default with
+    an expert_map.
     """
     device = topk_ids.device
     flat = topk_ids.flatten().long().cpu()
@@ -233,7 +236,8 @@ def reference_moe(
     global_experts: int,
     weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """float64 [M, h]: each token's sum over its local top-k of w * down(SiLU(gate) * up)."""
+    """float64 [M, h]: each token's sum over its local top-k of w * down(SiLU(gate) *
+    up)."""
     ids = topk_ids.long()
     valid = (ids >= 0) & (ids < global_experts)
     if expert_map is not None:

@@ -1,17 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Write the per-GPU plan table of `_C::exl3_linear` (as fused_moe's benchmark_moe.py --tune
-writes its configs): for each layer shape, dtype and token-count bucket, time the op's
-candidate plans on this GPU (`_C::exl3_time_plans`) and keep the fastest.
+"""Write the per-GPU plan table of `_C::exl3_linear` (as fused_moe's benchmark_moe.py
+--tune writes its configs): for each layer shape, dtype and token-count bucket, time the
+op's candidate plans on this GPU (`_C::exl3_time_plans`) and keep the fastest.
 
-Shapes: the layers of the given EXL3 checkpoints (each linear as one shard, and the q/k/v and
-gate/up groups fused as vLLM runs them when their bitrate and codebook match), the 4.0bpw
-fixture by default, plus the benchmark shapes (--bench-shapes). The output is
+Shapes: the layers of the given EXL3 checkpoints (each linear as one shard, and the
+q/k/v and gate/up groups fused as vLLM runs them when their bitrate and codebook match),
+the 4.0bpw fixture by default, plus the benchmark shapes (--bench-shapes). The output is
 `device_name=<GPU>.json`, named as the overlay's plans.py looks it up; commit it under
 overlay/vllm/model_executor/layers/quantization/exl3/configs/.
 
     python scripts/bench/tune_plans.py [CHECKPOINT_DIR ...] [--bench-shapes] \
-        [--max-tokens 8192] [--dtype bfloat16 --dtype float16] [--out DIR] [--merge FILE]
+        [--max-tokens 8192] [--dtype bfloat16 --dtype float16] [--out DIR] [--merge
+        FILE]
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     name = plans.config_file_name(plans.device_file_name(device))
     table = json.loads(args.merge.read_text()) if args.merge else {}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    # Modes and pins off: the table serves the default mode (the op drops entries that a mode
-    # forbids, and VLLM_EXL3_PLAN bypasses the table).
+    # Modes and pins off: the table serves the default mode (the op drops entries that
+    # a mode forbids, and VLLM_EXL3_PLAN bypasses the table).
     header = vk.header()
     buckets = [
         1 << i
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     plans.load_table.cache_clear()
     plans.load_table(path)  # the loader accepts what was written
     print(
-        f"wrote {path}: {len(table)} layer shapes in {time.perf_counter() - start:.0f} s"
+        f"wrote {path}: {len(table)} layer shapes in {time.perf_counter() - start:.0f} "
+        "s"
     )
     return 0
 

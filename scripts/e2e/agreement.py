@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""How closely two runs of the same requests agree: per-token logprobs (eager vs CUDA graphs +
-torch.compile) and greedy continuations (TP=1 vs TP=2). Pure Python, unit-tested on the CPU."""
+"""How closely two runs of the same requests agree: per-token logprobs (eager vs CUDA
+graphs + torch.compile) and greedy continuations (TP=1 vs TP=2). Pure Python,
+unit-tested on the CPU."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def decode_logprob_agreement(
     b_tokens: Sequence[Sequence[int]],
     b_logprobs: Sequence[Sequence[float]],
 ) -> dict:
-    """logprob_agreement of the sampled tokens' logprobs, over each pair of greedy continuations'
-    common prefix only (after a divergence the two runs condition on different text)."""
+    """logprob_agreement of the sampled tokens' logprobs, over each pair of greedy
+    continuations' common prefix only (after a divergence the two runs condition on
+    different text)."""
     if not (len(a_tokens) == len(a_logprobs) == len(b_tokens) == len(b_logprobs)):
         raise ValueError(
             "token and logprob lists of both runs must have one entry per request"
@@ -62,7 +64,8 @@ def decode_logprob_agreement(
 def continuation_agreement(
     a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]
 ) -> dict:
-    """Identical continuations and the mean fraction of tokens before the first divergence."""
+    """Identical continuations and the mean fraction of tokens before the first
+    divergence."""
     if len(a) != len(b) or not a:
         raise ValueError(
             f"{len(a)} vs {len(b)} continuations (need the same, non-zero count)"

@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Perplexity of the real ExLlamaV3 fixture checkpoints with every EXL3 linear run by our CUDA op.
+"""Perplexity of the real ExLlamaV3 fixture checkpoints with every EXL3 linear run by
+our CUDA op.
 
-No vLLM: transformers' Qwen3 model in bf16 on the GPU, each EXL3 nn.Linear replaced by a module
-that calls torch.ops._C.exl3_linear on the checkpoint's own trellis/suh/svh. The windows and the
-scoring are the fixtures README's (tests/codec/perplexity.py), so the result compares directly
-with the ExLlamaV3 1.6.5 value recorded there. Also checks that one fused q/k/v call (3 shards)
-equals the three separate calls. Usage (GPU host, repo root):
-    python3 scripts/e2e/kernel_fixture_ppl.py --ext build/exl3/_exl3_C.abi3.so [--json OUT]
+No vLLM: transformers' Qwen3 model in bf16 on the GPU, each EXL3 nn.Linear replaced by a
+module that calls torch.ops._C.exl3_linear on the checkpoint's own trellis/suh/svh. The
+windows and the scoring are the fixtures README's (tests/codec/perplexity.py), so the
+result compares directly with the ExLlamaV3 1.6.5 value recorded there. Also checks that
+one fused q/k/v call (3 shards) equals the three separate calls. Usage (GPU host, repo
+root):
+    python3 scripts/e2e/kernel_fixture_ppl.py --ext build/exl3/_exl3_C.abi3.so [--json
+    OUT]
 """
 
 from __future__ import annotations
@@ -138,8 +141,10 @@ def main() -> int:
     )
     for r in results:
         print(
-            f"{r['checkpoint']:18} {r['ppl_ours_cuda_bf16']:21.4f} {r['ppl_exllamav3']:10.4f} "
-            f"{100 * r['rel_diff']:+7.3f}%  fused-qkv max|d|={r['fused_qkv_vs_separate_max_abs']:.2e}"
+            f"{r['checkpoint']:18} {r['ppl_ours_cuda_bf16']:21.4f} "
+            f"{r['ppl_exllamav3']:10.4f} "
+            f"{100 * r['rel_diff']:+7.3f}%  fused-qkv "
+            f"max|d|={r['fused_qkv_vs_separate_max_abs']:.2e}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -1,17 +1,17 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""The fixture checkpoints end to end through vLLM, on a CUDA host where the built wheel (or the
-offline bundle) is installed; see scripts/e2e/README.md.
+"""The fixture checkpoints end to end through vLLM, on a CUDA host where the built wheel
+(or the offline bundle) is installed; see scripts/e2e/README.md.
 
 TP=1 (default), per checkpoint, vLLM with its defaults (torch.compile + CUDA graphs):
-  - perplexity on val.txt through prompt logprobs (fixtures README windows) vs ExLlamaV3's
-    recorded value (EXL3 within 0.3%);
-  - the same requests with enforce_eager=True: per-token logprob differences (prompt logprobs of
-    the first windows, and the sampled tokens of greedy continuations over their common prefix),
-    measured for EXL3 and bf16 alike;
+  - perplexity on val.txt through prompt logprobs (fixtures README windows) vs
+    ExLlamaV3's recorded value (EXL3 within 0.3%);
+  - the same requests with enforce_eager=True: per-token logprob differences (prompt
+    logprobs of the first windows, and the sampled tokens of greedy continuations over
+    their common prefix), measured for EXL3 and bf16 alike;
   - `vllm serve` answering one OpenAI completions request.
---tp 2 (two GPUs): perplexity and greedy continuations at TP=2 vs TP=1 (TP=1 from --baseline,
-a JSON this script wrote earlier, or computed here first).
+--tp 2 (two GPUs): perplexity and greedy continuations at TP=2 vs TP=1 (TP=1 from
+--baseline, a JSON this script wrote earlier, or computed here first).
 
 Prints a compact table; writes fixture_e2e[_tp2].json to --out (default $OUT).
 """
@@ -59,17 +59,18 @@ REFERENCE = "bf16"  # the unquantized model every EXL3 agreement is judged again
 # Issue 4's acceptance limits.
 PPL_TOLERANCE = 0.003  # EXL3 perplexity within 0.3% of ExLlamaV3's recorded value
 TP_PPL_TOLERANCE = 0.001  # TP=2 perplexity within 0.1% of TP=1
-# "Agrees as closely as bf16 does": EXL3's eager-vs-default mean |dlogprob| may be up to this
-# factor above bf16's (both are rounding noise of differently fused kernels; a real bug such as a
-# graph replaying stale buffers shows up as whole nats)...
+# "Agrees as closely as bf16 does": EXL3's eager-vs-default mean |dlogprob| may be up
+# to this factor above bf16's (both are rounding noise of differently fused kernels; a
+# real bug such as a graph replaying stale buffers shows up as whole nats)...
 AGREEMENT_FACTOR = 2.0
-# ...or under this absolute level (nats), where bf16 itself may agree exactly and a ratio says
-# nothing (bf16 activations carry ~3 significant digits).
+# ...or under this absolute level (nats), where bf16 itself may agree exactly and a
+# ratio says nothing (bf16 activations carry ~3 significant digits).
 AGREEMENT_FLOOR = 2e-3
-# Greedy TP=2 continuations: EXL3's matched fraction may trail bf16's by this much (one early
-# divergence in one of 32 continuations costs up to 1/32; allow a few).
+# Greedy TP=2 continuations: EXL3's matched fraction may trail bf16's by this much (one
+# early divergence in one of 32 continuations costs up to 1/32; allow a few).
 CONTINUATION_SLACK = 0.1
-# The tiny model needs little memory; a small share keeps start-up (KV cache profiling) short.
+# The tiny model needs little memory; a small share keeps start-up (KV cache profiling)
+# short.
 GPU_MEMORY_UTILIZATION = 0.3
 MAX_MODEL_LEN = 1024  # one 512-token window plus generation, with room
 PROBE_WINDOWS = (
@@ -80,11 +81,13 @@ PROMPT_TOKENS = 32  # each continuation's prompt: the first tokens of a window
 GEN_TOKENS = 64
 SERVE_PROMPT = "def fibonacci(n):\n"
 SERVE_TOKENS = 32
-# Seconds a stage is assumed to take when deciding whether it still fits the time budget
-# (measured for the tiny model on an H200: ~20 s eager, ~50 s compiled start-up, plus passes).
+# Seconds a stage is assumed to take when deciding whether it still fits the time
+# budget (measured for the tiny model on an H200: ~20 s eager, ~50 s compiled start-up,
+# plus passes).
 STAGE_COST_S = {"default": 75, "eager": 35, "serve": 100}
 SERVE_READY_TIMEOUT_S = 240
-# Seconds kept back from the budget when bounding the server's start-up wait (request + stop).
+# Seconds kept back from the budget when bounding the server's start-up wait (request +
+# stop).
 SERVE_TAIL_S = 30
 SERVE_STOP_TIMEOUT_S = 30
 # Settings the air-gapped host needs (gpu-host-vllm.md): flashinfer is not installed.
@@ -130,7 +133,7 @@ def validation_windows() -> list[list[int]]:
 
 
 def assemble_checkpoint(name: str, work: Path) -> Path:
-    """A complete model directory: the fixture's files plus the shared tokenizer files."""
+    """A complete model directory: the fixture's files plus the shared tokenizer."""
     src = FIXTURES / name
     if not (src / "model.safetensors").is_file():
         raise SystemExit(f"no fixture checkpoint {src}")
@@ -143,7 +146,8 @@ def assemble_checkpoint(name: str, work: Path) -> Path:
 
 
 def make_llm(model_dir: Path, *, eager: bool, tp: int, engine_args: dict | None = None):
-    """engine_args: further LLM keyword arguments (an attention backend, a speculative config)."""
+    """engine_args: further LLM keyword arguments (an attention backend, a speculative
+    config)."""
     from vllm import LLM
 
     return LLM(
@@ -160,7 +164,8 @@ def make_llm(model_dir: Path, *, eager: bool, tp: int, engine_args: dict | None 
 def score_windows(llm, windows: list[list[int]]) -> list[list[float]]:
     from vllm import SamplingParams
 
-    # Only the actual token's logprob (prompt_logprobs=0); no detokenizing of 184k positions.
+    # Only the actual token's logprob (prompt_logprobs=0); no detokenizing of 184k
+    # positions.
     params = SamplingParams(
         max_tokens=1,
         temperature=0.0,
@@ -226,7 +231,7 @@ def run_mode(
     full_ppl: bool,
     engine_args: dict | None = None,
 ) -> dict:
-    """One engine: (full perplexity,) the probe windows' logprobs, greedy continuations."""
+    """One engine: (full perplexity,) probe windows' logprobs, greedy continuations."""
     t0 = time.monotonic()
     llm = make_llm(model_dir, eager=eager, tp=tp, engine_args=engine_args)
     out: dict = {
@@ -246,8 +251,9 @@ def run_mode(
                 windows=ppl.windows,
                 ppl_s=round(time.monotonic() - t1, 1),
             )
-        # The probe runs as its own batch in every mode so that batch composition (and with it
-        # the kernels' tiling choices) is the same on both sides of a comparison.
+        # The probe runs as its own batch in every mode so that batch composition (and
+        # with it the kernels' tiling choices) is the same on both sides of a
+        # comparison.
         out["probe_logprobs"] = score_windows(llm, windows[:PROBE_WINDOWS])
         out["greedy_tokens"], out["greedy_logprobs"] = greedy(
             llm, greedy_prompts(windows), GEN_TOKENS
@@ -257,8 +263,8 @@ def run_mode(
         free_llm(llm)
     out["total_s"] = round(time.monotonic() - t0, 1)
     log(
-        f"{name} {out['mode']} tp={tp}: start {out['start_s']} s, total {out['total_s']} s"
-        + (f", ppl {out['ppl']:.4f}" if "ppl" in out else "")
+        f"{name} {out['mode']} tp={tp}: start {out['start_s']} s, total "
+        f"{out['total_s']} s" + (f", ppl {out['ppl']:.4f}" if "ppl" in out else "")
     )
     return out
 
@@ -291,7 +297,8 @@ def serve_once(
     ready_timeout: float = SERVE_READY_TIMEOUT_S,
     extra_args: tuple[str, ...] = (),
 ) -> dict:
-    """`vllm serve` as a subprocess on 127.0.0.1: wait for /health, one /v1/completions, stop."""
+    """`vllm serve` as a subprocess on 127.0.0.1: wait for /health, one /v1/completions,
+    stop."""
     port = free_port()
     logfile = work / f"serve-{name.replace('/', '-')}.log"
     cmd = [
@@ -382,7 +389,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def save_progress(
     out: Path | None, runs: dict, errors: dict, skipped: list, name: str = "fixture_e2e"
 ) -> None:
-    """The raw runs so far, so that a call stopped at its time limit still returns them."""
+    """The raw runs so far, so that a call stopped at its time limit returns them."""
     if out is not None:
         (out / f"{name}.progress.json").write_text(
             json.dumps({"runs": runs, "errors": errors, "skipped": skipped})
@@ -390,8 +397,9 @@ def save_progress(
 
 
 def attempt(errors: dict[str, str], stage: str, fn, *args, **kwargs):
-    """fn's result, or None with the traceback recorded: one failing stage (an engine that does
-    not start, a server that does not answer) must not cost the other stages' record."""
+    """fn's result, or None with the traceback recorded: one failing stage (an engine
+    that does not start, a server that does not answer) must not cost the other stages'
+    record."""
     try:
         return fn(*args, **kwargs)
     except Exception:  # noqa: BLE001 - recorded and reported, the run goes on
@@ -679,7 +687,8 @@ def print_table(result: dict) -> None:
             a = s.get("eager_vs_default")
             if a:
                 line += (
-                    f"  | eager-vs-default |dlp| prompt max {a['prompt']['max_abs']:.2e} "
+                    "  | eager-vs-default |dlp| prompt max "
+                    f"{a['prompt']['max_abs']:.2e} "
                     f"mean {a['prompt']['mean_abs']:.2e}, decode max "
                     f"{a['decode']['max_abs']:.2e} mean {a['decode']['mean_abs']:.2e}, "
                     f"greedy identical {a['continuations']['identical']}/"
@@ -698,7 +707,8 @@ def print_table(result: dict) -> None:
         print(
             f"serve {serve['checkpoint']}: "
             + (
-                f"ready {serve.get('ready_s')} s, text {serve.get('text')!r}, matches offline "
+                f"ready {serve.get('ready_s')} s, text {serve.get('text')!r}, matches "
+                "offline "
                 f"{serve.get('matches_offline')}"
                 if "text" in serve
                 else serve.get("error", "")

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""The MoE fixture conversions end to end through vLLM, on a CUDA host where the built wheel (or
-the offline bundle) is installed; see scripts/e2e/README.md.
+"""The MoE fixture conversions end to end through vLLM, on a CUDA host where the built
+wheel (or the offline bundle) is installed; see scripts/e2e/README.md.
 
---moe-dir: a directory written by stage_fixtures.sh (or the shared fixture set itself). Per EXL3
-conversion (qwen3moe-e16-tiny 3.0 bpw mcg and 5.0 bpw mul1, dsv3-tiny 4.0 bpw mcg):
-  - vLLM with its defaults (torch.compile + CUDA graphs): perplexity on val.txt by the fixtures'
-    method vs ExLlamaV3's recorded value (within 0.3%);
-  - the same requests with enforce_eager=True, agreement measured as for the dense fixtures and
-    judged against a bf16 model of the same architecture: the original bf16 checkpoint when the
-    directory holds it, else the EXL3 conversion dequantized to bf16 (`vllm-exl3 dequantize`: the
-    same weights through vLLM's own bf16 kernels);
+--moe-dir: a directory written by stage_fixtures.sh (or the shared fixture set itself).
+Per EXL3 conversion (qwen3moe-e16-tiny 3.0 bpw mcg and 5.0 bpw mul1, dsv3-tiny 4.0 bpw
+mcg):
+  - vLLM with its defaults (torch.compile + CUDA graphs): perplexity on val.txt by the
+    fixtures' method vs ExLlamaV3's recorded value (within 0.3%);
+  - the same requests with enforce_eager=True, agreement measured as for the dense
+    fixtures and judged against a bf16 model of the same architecture: the original bf16
+    checkpoint when the directory holds it, else the EXL3 conversion dequantized to bf16
+    (`vllm-exl3 dequantize`: the same weights through vLLM's own bf16 kernels);
   - `vllm serve` answering one completions request on one conversion.
 dsv3-tiny's config.json lacks "topk_method": "noaux_tc" and "scoring_func": "sigmoid"
 (transformers 5 omits them; vLLM 0.26 reads their absence as softmax routing without the
@@ -43,7 +44,8 @@ class MoEModel:
         str  # ExLlamaV3's perplexity record, as the fixture set names it under logs/
     )
     conversions: tuple[str, ...]
-    # The conversion dequantized to bf16 when the original is not at hand: the highest rate.
+    # The conversion dequantized to bf16 when the original is not at hand: the highest
+    # rate.
     twin_source: str
 
 
@@ -59,8 +61,8 @@ MODELS = {
 }
 ORIGINAL = "bf16"  # the original checkpoint's directory name in the fixture set
 DEQUANTIZED = "bf16-dequantized"
-# transformers 5 writes DeepSeek-V3 configs without these; vLLM 0.26 needs them to route with
-# sigmoid scores plus e_score_correction_bias as the model was trained.
+# transformers 5 writes DeepSeek-V3 configs without these; vLLM 0.26 needs them to
+# route with sigmoid scores plus e_score_correction_bias as the model was trained.
 DEEPSEEK_V3_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 SUMS = "SHA256SUMS"  # written by stage_fixtures.sh
 
@@ -83,8 +85,8 @@ def recorded_perplexities(moe_dir: Path, model: str) -> dict[str, dict]:
 
 
 def verify_staged(moe_dir: Path) -> dict:
-    """Check the staged files against the SHA256SUMS the staging wrote (a truncated copy would
-    otherwise show up as a perplexity failure)."""
+    """Check the staged files against the SHA256SUMS the staging wrote (a truncated copy
+    would otherwise show up as a perplexity failure)."""
     sums = moe_dir / SUMS
     if not sums.is_file():
         return {"checked": 0, "note": f"no {SUMS}: files not verified"}
@@ -108,8 +110,8 @@ def verify_staged(moe_dir: Path) -> dict:
 
 
 def assemble(src: Path, out: Path) -> list[str]:
-    """A working copy of a checkpoint directory with what vLLM needs added; returns what was
-    added, for the record."""
+    """A working copy of a checkpoint directory with what vLLM needs added; returns what
+    was added, for the record."""
     if not (src / "config.json").is_file():
         raise SystemExit(f"{src}: no config.json (staged with stage_fixtures.sh?)")
     shutil.rmtree(out, ignore_errors=True)
@@ -203,7 +205,8 @@ def prepare(
         )
     dst = args.work / "models" / model / DEQUANTIZED
     source = next(c for c in convs if c.label == label(model, spec.twin_source))
-    # Its perplexity is set against the source conversion's record (reported, not judged).
+    # Its perplexity is set against the source conversion's record (reported, not
+    # judged).
     return convs, Checkpoint(
         label(model, DEQUANTIZED),
         dst,

@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""MTP speculative decoding of an EXL3 checkpoint through vLLM, on a CUDA host where the built
-wheel (or the offline bundle) is installed; see scripts/e2e/README.md.
+"""MTP speculative decoding of an EXL3 checkpoint through vLLM, on a CUDA host where the
+built wheel (or the offline bundle) is installed; see scripts/e2e/README.md.
 
 Writes a synthetic DeepSeek-V3-layout EXL3 checkpoint with one MTP layer
-(`num_nextn_predict_layers: 1`: enorm, hnorm, EXL3 eh_proj, a whole MLA + MoE decoder layer,
-shared_head.norm; dims of the dsv3-tiny fixture, random weights) and its bf16 twin (the same
-weights dequantized, plus the MTP layer's embed_tokens and shared_head.head that ExLlamaV3 does
-not store and vLLM's strict bf16 loader wants). For each model, vLLM with its defaults
-(torch.compile + CUDA graphs) runs greedy continuations without and with MTP speculation
-(`speculative_config={"method": "mtp", "num_speculative_tokens": 1}`); the measure is how
-closely the speculative output agrees with the plain output of the same model. Pass: EXL3's
-agreement is at least bf16's minus MTP_SLACK, and speculation actually drafted tokens.
+(`num_nextn_predict_layers: 1`: enorm, hnorm, EXL3 eh_proj, a whole MLA + MoE decoder
+layer, shared_head.norm; dims of the dsv3-tiny fixture, random weights) and its bf16
+twin (the same weights dequantized, plus the MTP layer's embed_tokens and
+shared_head.head that ExLlamaV3 does not store and vLLM's strict bf16 loader wants). For
+each model, vLLM with its defaults (torch.compile + CUDA graphs) runs greedy
+continuations without and with MTP speculation
+(`speculative_config={"method": "mtp", "num_speculative_tokens": 1}`); the measure is
+how closely the speculative output agrees with the plain output of the same model. Pass:
+EXL3's agreement is at least bf16's minus MTP_SLACK, and speculation actually drafted
+tokens.
 
-Random weights make drafts mostly rejected; that does not matter, the measure is the output.
-Prints a compact table; writes mtp_e2e.json to --out (default $OUT).
+Random weights make drafts mostly rejected; that does not matter, the measure is the
+output. Prints a compact table; writes mtp_e2e.json to --out (default $OUT).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from agreement import continuation_agreement  # noqa: E402
 from llm_teardown import free_llm  # noqa: E402
 from run_moe_e2e import DEEPSEEK_V3_ROUTING, dequantized_twin  # noqa: E402
 
-# The dsv3-tiny fixture's config (16 experts top-4, one shared expert, a dense first layer),
-# with DeepSeek-V3's MLA dims: vLLM 0.26's MLA kernels on Hopper take a 576-wide latent head
-# (kv_lora_rank 512 + qk_rope 64) and its only MLA prefill backend there (FlashAttention) takes
-# (qk_nope, qk_rope, v) = (128, 64, 128); the fixture's (64, 64, 64) with rank 128 runs on
-# neither.
+# The dsv3-tiny fixture's config (16 experts top-4, one shared expert, a dense first
+# layer), with DeepSeek-V3's MLA dims: vLLM 0.26's MLA kernels on Hopper take a
+# 576-wide latent head (kv_lora_rank 512 + qk_rope 64) and its only MLA prefill backend
+# there (FlashAttention) takes (qk_nope, qk_rope, v) = (128, 64, 128); the fixture's
+# (64, 64, 64) with rank 128 runs on neither.
 BASE_CONFIG = fx.REPO / "tests" / "fixtures" / "moe" / "dsv3-4.0bpw-mcg" / "config.json"
 MLA_DIMS = {
     "kv_lora_rank": 512,
@@ -55,8 +57,9 @@ SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": SPEC_TOKENS}
 PROMPTS = 16
 PROMPT_TOKENS = 32
 GEN_TOKENS = 32
-# EXL3's matched fraction (mean share of each continuation before the first divergence) may
-# trail bf16's by this much: one early divergence in one of 16 continuations costs up to 1/16.
+# EXL3's matched fraction (mean share of each continuation before the first divergence)
+# may trail bf16's by this much: one early divergence in one of 16 continuations costs
+# up to 1/16.
 MTP_SLACK = 0.1
 # An engine with a draft model compiles and captures graphs for both.
 STAGE_COST_S = {"plain": 75, "spec": 110}
@@ -97,8 +100,9 @@ def write_checkpoints(work: Path) -> tuple[Path, Path]:
     for f in (fx.FIXTURES / "tokenizer").iterdir():
         shutil.copy2(f, exl3 / f.name)
     dequantized_twin(exl3, bf16)
-    # vLLM's MTP layer owns an embedding and a head (shared with the target's in DeepSeek-V3's
-    # own checkpoints, stored per layer there); the twin gets copies of the model's.
+    # vLLM's MTP layer owns an embedding and a head (shared with the target's in
+    # DeepSeek-V3's own checkpoints, stored per layer there); the twin gets copies of
+    # the model's.
     weights = {}
     for f in bf16.glob("*.safetensors"):
         weights.update(load_file(f))
@@ -142,7 +146,8 @@ def generate(
     speculative: bool,
     attention_backend: str | None,
 ) -> dict:
-    """One engine (vLLM defaults): greedy continuations, with or without MTP speculation."""
+    """One engine (vLLM defaults): greedy continuations, with or without MTP
+    speculation."""
     from vllm import SamplingParams
 
     engine: dict = {
@@ -175,8 +180,9 @@ def generate(
 
 
 def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of positions holding the same token (a position-wise count; after a divergence the
-    two runs condition on different text, so this is the looser of the two measures)."""
+    """Share of positions holding the same token (a position-wise count; after a
+    divergence the two runs condition on different text, so this is the looser of the
+    two measures)."""
     same = total = 0
     for x, y in zip(a, b):
         same += sum(1 for p, q in zip(x, y) if p == q)

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """Throughput on a CUDA host where the built wheel (or the offline bundle) is installed:
-a synthetic EXL3 checkpoint at real dense dims (tests/synthetic_checkpoint.py, preset qwen3-8b,
-4 bpw, written here on the host) next to the same dims in bf16 (load_format="dummy"), vLLM
-offline generation with fixed input/output lengths (ignore_eos) at several concurrencies, both in
-one process: output tok/s and TPOT. vLLM's defaults (torch.compile + CUDA graphs).
+a synthetic EXL3 checkpoint at real dense dims (tests/synthetic_checkpoint.py, preset
+qwen3-8b, 4 bpw, written here on the host) next to the same dims in bf16
+(load_format="dummy"), vLLM offline generation with fixed input/output lengths
+(ignore_eos) at several concurrencies, both in one process: output tok/s and TPOT.
+vLLM's defaults (torch.compile + CUDA graphs).
 
-`--write-only` writes the synthetic checkpoint and exits (needs torch, not vLLM): start it in the
-background early so that the measuring run finds it ready.
+`--write-only` writes the synthetic checkpoint and exits (needs torch, not vLLM): start
+it in the background early so that the measuring run finds it ready.
 
 Prints a table; writes throughput.json to --out (default $OUT).
 """
@@ -37,8 +38,8 @@ GPU_MEMORY_UTILIZATION = 0.5
 WARMUP_TOKENS = (
     8  # one short request per engine first: lazy initialisation stays out of timings
 )
-# Seconds assumed for one engine (start-up with compile + graph capture of an 8B model, plus the
-# passes) when deciding whether the next one still fits the budget.
+# Seconds assumed for one engine (start-up with compile + graph capture of an 8B model,
+# plus the passes) when deciding whether the next one still fits the budget.
 ENGINE_COST_S = 180
 WRITER_POLL_S = 2
 HOST_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # flashinfer is not on the host
@@ -65,8 +66,9 @@ def _pid_alive(pid: int) -> bool:
 def ensure_checkpoint(
     target: Path, layers: int | None, bits: float, codebook: str
 ) -> Path:
-    """The synthetic checkpoint at `target`: reuse it, wait for a writer already at work on it
-    (a background --write-only), or write it (into target.partial, renamed when complete)."""
+    """The synthetic checkpoint at `target`: reuse it, wait for a writer already at work
+    on it (a background --write-only), or write it (into target.partial, renamed when
+    complete)."""
     partial = target.with_name(target.name + ".partial")
     pidfile = partial / "writer.pid"
     while not target.exists() and pidfile.exists():
@@ -94,7 +96,8 @@ def ensure_checkpoint(
 
 
 def bf16_dir(exl3_dir: Path, work: Path) -> Path:
-    """Same config without the quantization block: weights come from load_format='dummy'."""
+    """Same config without the quantization block: weights come from
+    load_format='dummy'."""
     cfg = json.loads((exl3_dir / "config.json").read_text())
     cfg.pop("quantization_config", None)
     out = work / (exl3_dir.name.replace("exl3-", "bf16-dummy-"))
@@ -161,7 +164,8 @@ def measure(llm, batch: list[dict], output_len: int) -> dict:
         "elapsed_s": elapsed,
         "output_tokens": tokens,
         "output_tok_s": tokens / elapsed,
-        # Upper bound of TPOT when vLLM gives no per-request timestamps (includes prefill).
+        # Upper bound of TPOT when vLLM gives no per-request timestamps (includes
+        # prefill).
         "wall_ms_per_step": 1e3 * elapsed / output_len,
     }
     if tpots:
@@ -185,8 +189,8 @@ def run_model(
         rng = random.Random(0)
         measure(llm, prompts(rng, 1, args.input_len, vocab), WARMUP_TOKENS)
         for c in args.concurrency:
-            # Repeats follow each other in the same engine, so a one-time cost (the first batch
-            # of a new size) shows as the first repeat alone being slow.
+            # Repeats follow each other in the same engine, so a one-time cost (the
+            # first batch of a new size) shows as the first repeat alone being slow.
             for rep in range(args.repeat):
                 r = measure(
                     llm, prompts(rng, c, args.input_len, vocab), args.output_len
@@ -206,13 +210,15 @@ def run_model(
 
 def print_table(models: dict[str, dict]) -> None:
     print(
-        f"\n{'model':8s} {'conc':>5s} {'out tok/s':>10s} {'TPOT ms':>8s} {'TTFT ms':>8s}"
+        f"\n{'model':8s} {'conc':>5s} {'out tok/s':>10s} {'TPOT ms':>8s} "
+        f"{'TTFT ms':>8s}"
     )
     for label, m in models.items():
         for r in m.get("runs", []):
             print(
                 f"{label:8s} {r['concurrency']:5d} {r['output_tok_s']:10.0f} "
-                f"{r.get('tpot_ms', float('nan')):8.2f} {r.get('ttft_ms', float('nan')):8.1f}"
+                f"{r.get('tpot_ms', float('nan')):8.2f} "
+                f"{r.get('ttft_ms', float('nan')):8.1f}"
             )
     if "exl3" in models and "bf16" in models:
         for a, b in zip(models["exl3"]["runs"], models["bf16"]["runs"]):

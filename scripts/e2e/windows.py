@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Perplexity on the fixture validation text from vLLM prompt logprobs, by the method of the
-recorded ExLlamaV3 values (tests/fixtures/README.md): the text tokenized without special tokens,
-cut into non-overlapping WINDOW-token windows (the last partial one dropped), each window scored
-alone with its first token as context only, perplexity = exp(mean NLL over the scored tokens).
+"""Perplexity on the fixture validation text from vLLM prompt logprobs, by the method of
+the recorded ExLlamaV3 values (tests/fixtures/README.md): the text tokenized without
+special tokens, cut into non-overlapping WINDOW-token windows (the last partial one
+dropped), each window scored alone with its first token as context only, perplexity =
+exp(mean NLL over the scored tokens).
 
-Pure Python (no torch, no vLLM), so the arithmetic is unit-tested on the CPU against a fake
-logprob source; on the GPU host the logprobs are vLLM's `RequestOutput.prompt_logprobs`.
+Pure Python (no torch, no vLLM), so the arithmetic is unit-tested on the CPU against a
+fake logprob source; on the GPU host the logprobs are vLLM's
+`RequestOutput.prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def _logprob_value(entry: Any) -> float:
 def next_token_logprobs(
     window: Sequence[int], prompt_logprobs: Sequence[Mapping[int, Any] | None]
 ) -> list[float]:
-    """The logprob of the actual token at positions 1..len-1 of `window` (position 0 is context
-    only). `prompt_logprobs[p]` maps token id -> logprob of position p given tokens < p, as vLLM
-    returns them (None at position 0)."""
+    """The logprob of the actual token at positions 1..len-1 of `window` (position 0 is
+    context only). `prompt_logprobs[p]` maps token id -> logprob of position p given
+    tokens < p, as vLLM returns them (None at position 0)."""
     if len(prompt_logprobs) != len(window):
         raise ValueError(
             f"{len(prompt_logprobs)} prompt logprob positions for a "
@@ -78,7 +80,7 @@ class Perplexity:
 
 
 def perplexity(per_window_logprobs: Iterable[Sequence[float]]) -> Perplexity:
-    """Perplexity from each window's next-token logprobs (next_token_logprobs' output)."""
+    """Perplexity from each window's next-token logprobs (next_token_logprobs)."""
     nll, scored, windows = 0.0, 0, 0
     for logprobs in per_window_logprobs:
         nll -= math.fsum(logprobs)

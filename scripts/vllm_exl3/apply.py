@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`apply`: put the overlay and CUDA sources into a vLLM tree and apply the patch series;
-`--check` (dry run, per patch and hunk), `--revert` (byte-identical restore) and `--replace`
-(revert an earlier application, then apply this one)."""
+"""`apply`: put the overlay and CUDA sources into a vLLM tree and apply the patch
+series; `--check` (dry run, per patch and hunk), `--revert` (byte-identical restore) and
+`--replace` (revert an earlier application, then apply this one)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _print_report(tree: TargetTree, series: Series, plan: Plan) -> None:
     print(f"series: {series.root}")
     added = sum(1 for w in plan.writes if w.origin.startswith(("overlay/", "csrc/")))
     print(
-        f"overlay + csrc: {added} file(s) to add, {len(plan.identical)} already identical"
+        f"overlay + csrc: {added} file(s) to add, {len(plan.identical)} already "
+        "identical"
     )
     for s in plan.skipped_sources:
         print(f"  skipped {s}")
@@ -93,8 +94,8 @@ def apply_onto(root: Path, series: Series) -> tuple[TargetTree, Plan]:
 
 @contextlib.contextmanager
 def _tree_lock(root: Path) -> Iterator[None]:
-    """One apply/revert per tree at a time (several test runs may share one venv). The lock file
-    lives outside the tree so the tree itself stays byte-identical."""
+    """One apply/revert per tree at a time (several test runs may share one venv). The
+    lock file lives outside the tree so the tree itself stays byte-identical."""
     key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
     with open(Path(tempfile.gettempdir()) / f"vllm-exl3-{key}.lock", "w") as lock:
         try:
@@ -121,7 +122,8 @@ def _run_locked(args: argparse.Namespace) -> int:
     if args.revert:
         if state is None:
             print(
-                f"{tree.root}: no vllm-exl3 application recorded ({STATE_DIR}/ absent); "
+                f"{tree.root}: no vllm-exl3 application recorded ({STATE_DIR}/ "
+                "absent); "
                 "nothing to revert"
             )
             return 0
@@ -129,7 +131,8 @@ def _run_locked(args: argparse.Namespace) -> int:
         for n in notes:
             print(f"  note: {n}")
         print(
-            f"reverted {len(state.entries)} file(s) in {tree.root}; the tree is as before "
+            f"reverted {len(state.entries)} file(s) in {tree.root}; the tree is as "
+            "before "
             f"the application of {state.applied_at}"
         )
         return 0
@@ -140,7 +143,8 @@ def _run_locked(args: argparse.Namespace) -> int:
         changed = state.changed_since()
         if state.series == fp and not changed:
             print(
-                f"{tree.root}: this series is already applied ({len(state.entries)} files, "
+                f"{tree.root}: this series is already applied ({len(state.entries)} "
+                "files, "
                 f"{state.applied_at}); nothing to do"
             )
             return 0
@@ -152,12 +156,14 @@ def _run_locked(args: argparse.Namespace) -> int:
             )
             raise ToolError(
                 f"{tree.root} holds an earlier vllm-exl3 application ({state.source}, "
-                f"{state.applied_at}); {why}. Use --replace to revert it and apply this one, "
+                f"{state.applied_at}); {why}. Use --replace to revert it and apply "
+                "this one, "
                 "or --revert."
             )
         if changed and not args.force and not args.check:
             raise ToolError(
-                "refusing to replace: files written by the earlier application were changed "
+                "refusing to replace: files written by the earlier application were "
+                "changed "
                 "since (--force discards those changes):\n  " + "\n  ".join(changed)
             )
         read = state.pristine_reader(current)
@@ -168,8 +174,10 @@ def _run_locked(args: argparse.Namespace) -> int:
         _print_report(tree, series, plan)
         if state is not None:
             print(
-                f"note: {tree.root} holds an earlier application ({state.applied_at}); this "
-                "check is against the tree as it was before it (what --replace would do)"
+                f"note: {tree.root} holds an earlier application ({state.applied_at}); "
+                "this "
+                "check is against the tree as it was before it (what --replace would "
+                "do)"
             )
         if reasons:
             print(f"\nthe series does NOT apply: {len(reasons)} problem(s):")
@@ -187,7 +195,8 @@ def _run_locked(args: argparse.Namespace) -> int:
     if state is not None:
         state.revert(force=args.force)
         print(
-            f"reverted the earlier application ({state.applied_at}, {len(state.entries)} files)"
+            f"reverted the earlier application ({state.applied_at}, "
+            f"{len(state.entries)} files)"
         )
     for s in plan.skipped_sources:
         print(f"skipped {s}")
@@ -216,13 +225,19 @@ def _run_locked(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "apply",
-        help="apply the overlay, csrc and patch series onto a vLLM tree (or check/revert)",
+        help="apply the overlay, csrc and patch series onto a vLLM tree (or "
+        "check/revert)",
         description=(
-            f"Apply this repository's overlay/, csrc/ (to csrc/libtorch_stable/) and patches/ onto "
-            f"a vLLM {pins.VLLM_VERSION} tree: an unpacked sdist, or an installed wheel "
-            "(site-packages; there csrc/ and patches to files outside vllm/ are skipped). "
-            f"What was done is recorded in <tree>/{STATE_DIR}/, so applying twice is a no-op and "
-            "--revert restores the tree byte for byte. Refuses, listing every reason, a tree of "
+            "Apply this repository's overlay/, csrc/ (to csrc/libtorch_stable/) and "
+            "patches/ onto "
+            f"a vLLM {pins.VLLM_VERSION} tree: an unpacked sdist, or an installed "
+            "wheel "
+            "(site-packages; there csrc/ and patches to files outside vllm/ are "
+            "skipped). "
+            f"What was done is recorded in <tree>/{STATE_DIR}/, so applying twice is a "
+            "no-op and "
+            "--revert restores the tree byte for byte. Refuses, listing every reason, "
+            "a tree of "
             "another version or with locally modified files it must patch or overwrite."
         ),
     )

@@ -1,19 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which linears and plain tensors a Hugging Face config implies, as ExLlamaV3 1.6.5 stores them.
+"""Which linears and plain tensors a Hugging Face config implies, as ExLlamaV3 1.6.5
+stores them.
 
-One plan serves three tools: the synthetic checkpoint writer (what to write), `inspect` (what is
-missing, tensor-parallel roles) and `dequantize` (the real, unpadded dims to trim to). Names follow
-ExLlamaV3's converted checkpoints (exl3-format.md §1.8): one tensor set per projection, per-expert
-names for MoE, routers and kv_b_proj unquantized, an lm_head always present.
+One plan serves three tools: the synthetic checkpoint writer (what to write), `inspect`
+(what is missing, tensor-parallel roles) and `dequantize` (the real, unpadded dims to
+trim to). Names follow ExLlamaV3's converted checkpoints (exl3-format.md §1.8): one
+tensor set per projection, per-expert names for MoE, routers and kv_b_proj unquantized,
+an lm_head always present.
 
-Supported: dense decoders (llama/qwen2/qwen3-style q/k/v/o + gate/up/down), qwen2/qwen3 MoE
-(per-expert, optional shared expert), Mixtral (block_sparse_moe, w1/w2/w3 experts), GLM-4.5/4.6
-MoE (q/k/v bias, optional q/k norms, DeepSeek-style routed + shared experts), Qwen3-Next (gated
-attention every full_attention_interval-th layer, Gated DeltaNet otherwise, MoE with a gated
-shared expert), DeepSeek-style MLA +
-MoE with shared experts and an MTP layer (`num_nextn_predict_layers`, the glm4_moe_lite MTP
-layout). Anything else raises PlanError.
-Pure Python: no torch.
+Supported: dense decoders (llama/qwen2/qwen3-style q/k/v/o + gate/up/down), qwen2/qwen3
+MoE (per-expert, optional shared expert), Mixtral (block_sparse_moe, w1/w2/w3 experts),
+GLM-4.5/4.6 MoE (q/k/v bias, optional q/k norms, DeepSeek-style routed + shared
+experts), Qwen3-Next (gated attention every full_attention_interval-th layer, Gated
+DeltaNet otherwise, MoE with a gated shared expert), DeepSeek-style MLA + MoE with
+shared experts and an MTP layer (`num_nextn_predict_layers`, the glm4_moe_lite MTP
+layout). Anything else raises PlanError. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-# All EXL3 dims are padded to the Hadamard block (kept equal to format.HADAMARD_SIZE; this module
-# must not import torch, so the value is restated).
+# All EXL3 dims are padded to the Hadamard block (kept equal to format.HADAMARD_SIZE;
+# this module must not import torch, so the value is restated).
 PAD = 128
-# ExLlamaV3 splits dense MLPs wider than this into slices (constants.py: MAX_MLP_INTERMEDIATE).
+# ExLlamaV3 splits dense MLPs wider than this into slices (constants.py:
+# MAX_MLP_INTERMEDIATE).
 MAX_MLP_INTERMEDIATE = 55296
 
 # Tensor-parallel roles of a linear in vLLM.
@@ -32,7 +34,8 @@ COLUMN, ROW, REPLICATED, VOCAB = "column", "row", "replicated", "vocab"
 
 
 class PlanError(ValueError):
-    """The config describes an architecture (or a feature of one) the plan does not know."""
+    """The config describes an architecture (or a feature of one) the plan does not
+    know."""
 
 
 def round_up(x: int, to: int = PAD) -> int:
@@ -77,7 +80,8 @@ class PlainTensor:
 class ModelPlan:
     linears: list[LinearSlot] = field(default_factory=list)
     plain: list[PlainTensor] = field(default_factory=list)
-    # Leaf module keys in model order (the tensor_storage order of quantization_config.json).
+    # Leaf module keys in model order (the tensor_storage order of
+    # quantization_config.json).
     modules: list[str] = field(default_factory=list)
 
     def add_linear(self, slot: LinearSlot) -> None:
@@ -95,13 +99,15 @@ class ModelPlan:
 
 # Model types whose attention_bias puts a bias on q/k/v only (o_proj has none).
 QKV_ONLY_BIAS = ("qwen2", "qwen2_moe", "glm4_moe")
-# Models whose q_proj carries an output gate per head (q_proj width 2 * heads * head_dim).
+# Models whose q_proj carries an output gate per head (q_proj width 2 * heads *
+# head_dim).
 GATED_Q_TYPES = ("qwen3_next",)
-# Hybrid models: every full_attention_interval-th layer is attention, the others Gated DeltaNet
-# linear attention (`linear_attn`, fused in_proj_qkvz and in_proj_ba as in the HF checkpoint).
+# Hybrid models: every full_attention_interval-th layer is attention, the others Gated
+# DeltaNet linear attention (`linear_attn`, fused in_proj_qkvz and in_proj_ba as in the
+# HF checkpoint).
 GATED_DELTA_NET_TYPES = ("qwen3_next",)
-# Mixtral: experts under block_sparse_moe, projections w1 (gate), w3 (up), w2 (down), expert
-# width = intermediate_size.
+# Mixtral: experts under block_sparse_moe, projections w1 (gate), w3 (up), w2 (down),
+# expert width = intermediate_size.
 MIXTRAL_TYPES = ("mixtral",)
 
 _EXPERT = re.compile(
@@ -119,8 +125,8 @@ _FUSED_SIBLINGS = {
 def linear_role(name: str, config: dict | None = None) -> tuple[str, str]:
     """(tensor-parallel role, vLLM fused module) of a linear, from its name alone.
 
-    Used for checkpoints whose architecture the plan does not know; the plan itself assigns the
-    same roles.
+    Used for checkpoints whose architecture the plan does not know; the plan itself
+    assigns the same roles.
     """
     m = _EXPERT.match(name)
     if m:
@@ -236,7 +242,8 @@ def _attention(
             )
         )
         plan.add_plain(f"{prefix}.kv_a_layernorm.weight", (kv_rank,), "norm")
-        # ExLlamaV3 keeps kv_b_proj unquantized (it folds it into the attention), stored fp16.
+        # ExLlamaV3 keeps kv_b_proj unquantized (it folds it into the attention),
+        # stored fp16.
         plan.add_linear(
             LinearSlot(
                 f"{prefix}.kv_b_proj",
@@ -261,7 +268,8 @@ def _attention(
         return
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
-    # Qwen3-Next's q_proj also produces the output gate, interleaved per head (twice the width).
+    # Qwen3-Next's q_proj also produces the output gate, interleaved per head (twice
+    # the width).
     q_width = heads * head_dim * (2 if model_type in GATED_Q_TYPES else 1)
     qkv_bias = model_type in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias"))
     o_bias = bool(cfg.get("attention_bias")) and model_type not in QKV_ONLY_BIAS
@@ -396,8 +404,9 @@ def _moe(plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str) ->
 def _gated_delta_net(
     plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str
 ) -> None:
-    """Qwen3-Next's linear attention as ExLlamaV3 stores it: in_proj_qkvz and out_proj EXL3,
-    in_proj_ba unquantized (pad_to=1), the conv, decay and norm tensors as stored."""
+    """Qwen3-Next's linear attention as ExLlamaV3 stores it: in_proj_qkvz and out_proj
+    EXL3, in_proj_ba unquantized (pad_to=1), the conv, decay and norm tensors as stored.
+    """
     key_dim = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     value_dim = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
     v_heads = cfg["linear_num_value_heads"]
@@ -475,7 +484,8 @@ _UNSUPPORTED_KEYS = {
 
 
 def plan_model(cfg: dict) -> ModelPlan:
-    """The plan of a (text-only) decoder config; raises PlanError for what it does not know."""
+    """The plan of a (text-only) decoder config; raises PlanError for what it does not
+    know."""
     for key in (
         "hidden_size",
         "num_attention_heads",
@@ -515,8 +525,9 @@ def plan_model(cfg: dict) -> ModelPlan:
     n_mtp = cfg.get("num_nextn_predict_layers") or 0
     first = cfg["num_hidden_layers"]
     if n_mtp:
-        # ExLlamaV3 reads the input projection of the first MTP layer and the shared_head norm
-        # of the last; the MTP layers' own embed_tokens / shared_head.head are not stored.
+        # ExLlamaV3 reads the input projection of the first MTP layer and the
+        # shared_head norm of the last; the MTP layers' own embed_tokens /
+        # shared_head.head are not stored.
         prefix = f"model.layers.{first}"
         plan.add_plain(f"{prefix}.enorm.weight", (hidden,), "norm")
         plan.add_plain(f"{prefix}.hnorm.weight", (hidden,), "norm")

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """`build`: an installable wheel of the patched vLLM 0.26.0 in dist/.
 
-Quick path (default): the official release wheel, unpacked, the series applied in wheel-tree
-mode, our kernels compiled into `vllm/_exl3_C.abi3.so` (a separate small stable-ABI extension:
-the release's `_C_stable_libtorch` stays as shipped), RECORD regenerated, version
-`0.26.0+exl3.<commit>`. `--from-source`: vLLM's own full build of the patched sdist, with our
-kernels compiled into `_C_stable_libtorch` (the release path).
+Quick path (default): the official release wheel, unpacked, the series applied in
+wheel-tree mode, our kernels compiled into `vllm/_exl3_C.abi3.so` (a separate small
+stable-ABI extension: the release's `_C_stable_libtorch` stays as shipped), RECORD
+regenerated, version `0.26.0+exl3.<commit>`. `--from-source`: vLLM's own full build of
+the patched sdist, with our kernels compiled into `_C_stable_libtorch` (the release
+path).
 """
 
 from __future__ import annotations
@@ -34,23 +35,24 @@ from .tree import BUILD_LABEL_PREFIX
 from .wheelfile import WheelName, set_version, unpack, write
 
 DEFAULT_ARCHS = "9.0;12.0;12.1"
-# kernels_build.DEFAULT_OUT: objects compiled by `python -m vllm_exl3.kernels_build` or by the
-# compile test (tests/kernels/test_compile.py) are reused here, and the other way round (they
-# are kept per architecture set).
+# kernels_build.DEFAULT_OUT: objects compiled by `python -m vllm_exl3.kernels_build` or
+# by the compile test (tests/kernels/test_compile.py) are reused here, and the other
+# way round (they are kept per architecture set).
 KERNEL_BUILD_DIR = ROOT / "build" / "exl3"
 KERNEL_MODULE = "vllm/_exl3_C.abi3.so"
 # Seconds between "still compiling" lines while a long subprocess runs.
 _HEARTBEAT_S = 30
 
-# The compile step runs in the pinned venv (it needs torch 2.11's headers); the tool itself may
-# run under any Python 3.11+. build_extension(out_dir, archs, jobs) -> Path is the kernel
-# build's interface.
+# The compile step runs in the pinned venv (it needs torch 2.11's headers); the tool
+# itself may run under any Python 3.11+. build_extension(out_dir, archs, jobs) -> Path
+# is the kernel build's interface.
 _KERNEL_SNIPPET = """
 import inspect, json, sys
 from pathlib import Path
 sys.path.insert(0, {scripts!r})
 from vllm_exl3.kernels_build import build_extension
-kw = {{"verbose": True}} if "verbose" in inspect.signature(build_extension).parameters else {{}}
+params = inspect.signature(build_extension).parameters
+kw = {{"verbose": True}} if "verbose" in params else {{}}
 try:
     path = build_extension(Path({out!r}), {archs!r}, {jobs!r}, **kw)
 except Exception as e:
@@ -75,7 +77,8 @@ def _archs(spec: str) -> list[str]:
 def _run_with_heartbeat(
     cmd: list[str], what: str, env: dict[str, str] | None = None, capture: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run a long step, printing elapsed time every _HEARTBEAT_S so a log shows it is alive."""
+    """Run a long step, printing elapsed time every _HEARTBEAT_S so a log shows it is
+    alive."""
     t0 = time.monotonic()
     done = threading.Event()
 
@@ -101,8 +104,8 @@ def _venv_python(args: argparse.Namespace) -> Path:
     if args.python:
         return args.python
     venv = default_venv(args.cache_dir)
-    # Always through the script: it reuses a complete environment at once, and waits for another
-    # command that is still creating it.
+    # Always through the script: it reuses a complete environment at once, and waits
+    # for another command that is still creating it.
     env = dict(os.environ, VLLM_EXL3_CACHE=str(args.cache_dir))
     subprocess.run(["bash", str(ROOT / "ci" / "setup-env.sh")], check=True, env=env)
     return venv / "bin" / "python"
@@ -111,7 +114,8 @@ def _venv_python(args: argparse.Namespace) -> Path:
 def build_kernels(python: Path, archs: list[str], jobs: int) -> Path:
     if importlib.util.find_spec(f"{__package__}.kernels_build") is None:
         raise ToolError(
-            "the kernel build (scripts/vllm_exl3/kernels_build.py) is missing from this "
+            "the kernel build (scripts/vllm_exl3/kernels_build.py) is missing from "
+            "this "
             "checkout; use --no-kernels for a Python-only wheel"
         )
     print(
@@ -140,7 +144,7 @@ def quick_build(
     kernels: Path | None,
     label: str,
 ) -> Path:
-    """The official wheel + series (wheel-tree mode) + optional kernel module -> dist/."""
+    """Official wheel + series (wheel-tree mode) + optional kernel module -> dist/."""
     name = WheelName.parse(wheel.name)
     if name.version != pins.VLLM_VERSION:
         raise ToolError(
@@ -209,8 +213,8 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
             "no CUDA 13 toolkit (bin/nvcc and include/cuda_runtime.h) at $CUDA_HOME, "
             "next to the nvcc on PATH, or at /usr/local/cuda; set CUDA_HOME"
         )
-    # --no-build-isolation builds with what --python has: check it against the sdist's own
-    # [build-system] requirements.
+    # --no-build-isolation builds with what --python has: check it against the sdist's
+    # own [build-system] requirements.
     with open(src / "pyproject.toml", "rb") as f:
         requires = tomllib.load(f)["build-system"]["requires"]
     probe = subprocess.run(
@@ -249,7 +253,8 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
     for var in ("VLLM_USE_PRECOMPILED", "VLLM_PRECOMPILED_WHEEL_LOCATION"):
         env.pop(var, None)
     print(
-        f"build: vLLM's full build of {tree} (CMake fetches 8 repositories unless their "
+        f"build: vLLM's full build of {tree} (CMake fetches 8 repositories unless "
+        "their "
         "*_SRC_DIR variables point at local copies; hours on a small machine)"
     )
     args.dist_dir.mkdir(parents=True, exist_ok=True)
@@ -268,8 +273,10 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
     r = _run_with_heartbeat(cmd, "vLLM build", env=env)
     if r.returncode != 0:
         raise ToolError(
-            f"vLLM's build failed (exit {r.returncode}); tree kept at {tree}. If CMake could not "
-            "fetch a repository (no network), point the *_SRC_DIR variables (see --help) at "
+            f"vLLM's build failed (exit {r.returncode}); tree kept at {tree}. If CMake "
+            "could not "
+            "fetch a repository (no network), point the *_SRC_DIR variables (see "
+            "--help) at "
             "local checkouts of the pinned commits."
         )
     print(f"build: wheel in {args.dist_dir}")
@@ -312,8 +319,9 @@ def run(args: argparse.Namespace) -> int:
             else " (no EXL3 kernels: the overlay falls back to the reference path)"
         )
     )
-    # A plain install: the wheel's metadata is vLLM 0.26.0's, so pip brings torch 2.11.0 and
-    # every dependency at vLLM's pins (--no-deps would leave an environment that cannot start).
+    # A plain install: the wheel's metadata is vLLM 0.26.0's, so pip brings torch
+    # 2.11.0 and every dependency at vLLM's pins (--no-deps would leave an environment
+    # that cannot start).
     print(
         f"install: pip install {out}  (Python 3.10-3.13; for an offline host: "
         "scripts/vllm-exl3 bundle)"
@@ -326,15 +334,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "build",
         help="build a wheel of the patched vLLM into dist/ (quick by default)",
         description=(
-            "Quick (default): take the official vLLM wheel (pinned sha256, cached), apply the "
-            "series in wheel-tree mode, compile our kernels into vllm/_exl3_C.abi3.so with the "
-            "pinned venv's torch (ci/setup-env.sh), and write dist/vllm-0.26.0+exl3.<commit>-"
-            "<tag>.whl. --from-source: apply the series to the pinned sdist and run vLLM's own "
-            "build (pip wheel --no-build-isolation) with our kernels in _C_stable_libtorch; "
-            "needs the CUDA 13 toolkit, cmake>=3.26.1, ninja, setuptools-scm, setuptools-rust "
-            "and torch 2.11.0 in --python's environment, network or the *_SRC_DIR variables "
-            "(VLLM_CUTLASS_SRC_DIR, VLLM_FLASH_ATTN_SRC_DIR, FLASH_MLA_SRC_DIR, DEEPGEMM_SRC_DIR, "
-            "QUTLASS_SRC_DIR, TRITON_KERNELS_SRC_DIR, FMHA_SM100_SRC_DIR, TML_FA4_SRC_DIR) for "
+            "Quick (default): take the official vLLM wheel (pinned sha256, cached), "
+            "apply the "
+            "series in wheel-tree mode, compile our kernels into vllm/_exl3_C.abi3.so "
+            "with the "
+            "pinned venv's torch (ci/setup-env.sh), and write "
+            "dist/vllm-0.26.0+exl3.<commit>-"
+            "<tag>.whl. --from-source: apply the series to the pinned sdist and run "
+            "vLLM's own "
+            "build (pip wheel --no-build-isolation) with our kernels in "
+            "_C_stable_libtorch; "
+            "needs the CUDA 13 toolkit, cmake>=3.26.1, ninja, setuptools-scm, "
+            "setuptools-rust "
+            "and torch 2.11.0 in --python's environment, network or the *_SRC_DIR "
+            "variables "
+            "(VLLM_CUTLASS_SRC_DIR, VLLM_FLASH_ATTN_SRC_DIR, FLASH_MLA_SRC_DIR, "
+            "DEEPGEMM_SRC_DIR, "
+            "QUTLASS_SRC_DIR, TRITON_KERNELS_SRC_DIR, FMHA_SM100_SRC_DIR, "
+            "TML_FA4_SRC_DIR) for "
             "the repositories its CMake fetches, and hours on a small machine."
         ),
     )

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`bundle`: everything an air-gapped GPU host needs to run our vLLM, in parts of a chosen size.
+"""`bundle`: everything an air-gapped GPU host needs to run our vLLM, in parts of a
+chosen size.
 
-The host already has Python, torch 2.11.0+cu130 and the big ML libraries, but no vLLM, no index
-and no network, and takes files of limited size per transfer. The bundle holds the built wheel cut
-down to what serving needs (the dropped pieces are listed in _DROPPED), the dependency wheels the
-host lacks (bundle_requirements.txt) and an install.sh that checks every part's sha256,
-reassembles them and installs with `pip install --no-index --no-deps --target DIR`.
+The host already has Python, torch 2.11.0+cu130 and the big ML libraries, but no vLLM,
+no index and no network, and takes files of limited size per transfer. The bundle holds
+the built wheel cut down to what serving needs (the dropped pieces are listed in
+_DROPPED), the dependency wheels the host lacks (bundle_requirements.txt) and an
+install.sh that checks every part's sha256, reassembles them and installs with
+`pip install --no-index --no-deps --target DIR`.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ DEFAULT_PYTHON = "3.12"  # the GPU host's interpreter
 REQUIREMENTS = Path(__file__).with_name("bundle_requirements.txt")
 PART_STEM = "vllm-exl3-bundle.part"
 INSTALLER = Path(__file__).with_name("bundle_install.sh")
-# Environment the host needs: flashinfer is not bundled, and the sampler would import it.
+# Environment the host needs: flashinfer is not bundled, and the sampler would import
+# it.
 HOST_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
-# Pieces of the release wheel a dense or MoE model on Hopper/Blackwell does not need; together
-# ~190 MB compressed. fa3 (vllm_flash_attn/_vllm_fa3_C) is the flash-attention build serving uses.
+# Pieces of the release wheel a dense or MoE model on Hopper/Blackwell does not need;
+# together ~190 MB compressed. fa3 (vllm_flash_attn/_vllm_fa3_C) is the flash-attention
+# build serving uses.
 _DROPPED = (
     (
         re.compile(r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"),
@@ -53,9 +57,10 @@ _DROPPED = (
 )
 _MOE = re.compile(r"^vllm/_moe_C_stable_libtorch\.abi3\.so$")
 _VERSIONED_EXT = re.compile(r"\.cpython-(\d+)-[^/]*\.so$")
-# Without these vLLM does not start on a CUDA host: platform detection imports pynvml (else it
-# falls back to an unspecified platform and fails later), the CUDA platform imports
-# _C_stable_libtorch, and model code imports the flash-attention wrapper and its extension.
+# Without these vLLM does not start on a CUDA host: platform detection imports pynvml
+# (else it falls back to an unspecified platform and fails later), the CUDA platform
+# imports _C_stable_libtorch, and model code imports the flash-attention wrapper and
+# its extension.
 _REQUIRED = (
     "vllm/_C_stable_libtorch.abi3.so",
     "vllm/third_party/pynvml.py",
@@ -117,7 +122,8 @@ def trim_wheel(wheel: Path, out_dir: Path, pyver: str, with_moe: bool) -> Path:
         )
     if KERNELS not in members:
         print(
-            f"bundle: WARNING: {wheel.name} has no {KERNELS} (built with --no-kernels?); EXL3 "
+            f"bundle: WARNING: {wheel.name} has no {KERNELS} (built with "
+            "--no-kernels?); EXL3 "
             "layers will run the slow reference path"
         )
     dropped: dict[str, list[int]] = {}
@@ -127,7 +133,8 @@ def trim_wheel(wheel: Path, out_dir: Path, pyver: str, with_moe: bool) -> Path:
             dropped.setdefault(why, []).append(i.file_size)
     for why, sizes in dropped.items():
         print(
-            f"bundle: leaving out {why}: {len(sizes)} file(s), {sum(sizes) / 1e6:.1f} MB"
+            f"bundle: leaving out {why}: {len(sizes)} file(s), {sum(sizes) / 1e6:.1f} "
+            "MB"
         )
     with tempfile.TemporaryDirectory(prefix="vllm-exl3-trim-", dir=out_dir) as tmp:
         tree = Path(tmp) / "tree"
@@ -138,8 +145,8 @@ def trim_wheel(wheel: Path, out_dir: Path, pyver: str, with_moe: bool) -> Path:
 
 
 def _platforms(machine: str) -> list[str]:
-    # pip does not widen manylinux_2_28 to older glibc tags by itself; wheels built for any glibc
-    # up to the release wheel's own (2.28) run on the host.
+    # pip does not widen manylinux_2_28 to older glibc tags by itself; wheels built for
+    # any glibc up to the release wheel's own (2.28) run on the host.
     return [f"manylinux_2_{v}_{machine}" for v in range(28, 16, -1)] + [
         f"manylinux2014_{machine}"
     ]
@@ -152,7 +159,8 @@ def _normalize(name: str) -> str:
 def download_deps(
     requirements: Path, dest: Path, pyver: str, machine: str
 ) -> list[Path]:
-    """pip download (binary wheels only, no dependency resolution: the list is the closure)."""
+    """pip download (binary wheels only, no dependency resolution: the list is the
+    closure)."""
     wanted = {}
     for line in requirements.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
@@ -185,7 +193,8 @@ def download_deps(
         str(requirements),
     ]
     print(
-        f"bundle: downloading {len(wanted)} dependency wheels for {abi} {machine} into {dest}"
+        f"bundle: downloading {len(wanted)} dependency wheels for {abi} {machine} into "
+        f"{dest}"
     )
     r = subprocess.run(cmd, text=True, capture_output=True)
     if r.returncode != 0:
@@ -205,7 +214,8 @@ def download_deps(
 
 
 def split(payload: Path, out_dir: Path, part_size: int) -> list[tuple[str, str, int]]:
-    """Cut `payload` into PART_STEM01, 02, ... of at most part_size bytes: (name, sha256, size)."""
+    """Cut `payload` into PART_STEM01, 02, ... of at most part_size bytes: (name,
+    sha256, size)."""
     parts = []
     with open(payload, "rb") as f:
         n = 1
@@ -309,13 +319,15 @@ def run(args: argparse.Namespace) -> int:
     total = sum(z for _, _, z in parts)
     print(
         f"{out}: install.sh + {len(parts)} part(s), {total / 1e6:.1f} MB "
-        f"({wheel.name} trimmed + {len(deps)} dependency wheels, Python {args.python_version})"
+        f"({wheel.name} trimmed + {len(deps)} dependency wheels, Python "
+        f"{args.python_version})"
     )
     for i, (name, _, size) in enumerate(parts, 1):
         extra = " + install.sh" if i == 1 else ""
         print(f"  transfer {i}: {name} ({size / 1e6:.1f} MB){extra}")
     print(
-        "on the host, with all parts and install.sh in one directory: bash install.sh [DIR]"
+        "on the host, with all parts and install.sh in one directory: bash install.sh "
+        "[DIR]"
     )
     return 0
 
@@ -323,14 +335,20 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bundle",
-        help="offline bundle (built wheel, trimmed, + dependency wheels) in parts of a set size",
+        help="offline bundle (built wheel, trimmed, + dependency wheels) in parts of a "
+        "set size",
         description=(
-            "Pack the built wheel (dist/, newest vllm-0.26.0+exl3*) without what serving does not "
-            "need (FlashAttention-2, the Rust frontend, kernel headers; the MoE extension unless "
-            "--with-moe), plus binary wheels of the dependencies an offline GPU host lacks "
-            "(bundle_requirements.txt), into parts of at most --part-size bytes each, with an "
+            "Pack the built wheel (dist/, newest vllm-0.26.0+exl3*) without what "
+            "serving does not "
+            "need (FlashAttention-2, the Rust frontend, kernel headers; the MoE "
+            "extension unless "
+            "--with-moe), plus binary wheels of the dependencies an offline GPU host "
+            "lacks "
+            "(bundle_requirements.txt), into parts of at most --part-size bytes each, "
+            "with an "
             "install.sh that checks each part's sha256, reassembles and installs with "
-            "`pip install --no-index --no-deps --target DIR`, then prints the environment to set."
+            "`pip install --no-index --no-deps --target DIR`, then prints the "
+            "environment to set."
         ),
     )
     p.add_argument(

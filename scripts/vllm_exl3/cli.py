@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Entry point: one argparse subcommand per module. Modules written by other parts of the project
-(the checkpoint tools) are imported tolerantly, so the tool works while one is missing, and a
-module that cannot be imported here (e.g. it needs torch under the system python) still shows up
-and explains why when called."""
+"""Entry point: one argparse subcommand per module. Modules written by other parts of
+the project (the checkpoint tools) are imported tolerantly, so the tool works while one
+is missing, and a module that cannot be imported here (e.g. it needs torch under the
+system python) still shows up and explains why when called."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ SUBCOMMAND_MODULES = (
     "dequantize",
 )
 DEBUG_FLAG = "--debug"
-# Subcommand -> module, so a command imports only its own module (the checkpoint tools import
-# torch, which would add seconds to every `apply`). --help and unknown names import all.
+# Subcommand -> module, so a command imports only its own module (the checkpoint tools
+# import torch, which would add seconds to every `apply`). --help and unknown names
+# import all.
 _MODULE_OF = {
     "dev-tree": "patches",
     "export-patches": "patches",
@@ -46,8 +47,10 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-exl3",
-        description="EXL3 for vLLM 0.26.0: fetch the pinned vLLM, apply or revert the patch "
-        "series and overlay, build a wheel, bundle it for an offline host, inspect checkpoints.",
+        description="EXL3 for vLLM 0.26.0: fetch the pinned vLLM, apply or revert the "
+        "patch "
+        "series and overlay, build a wheel, bundle it for an offline host, inspect "
+        "checkpoints.",
     )
     parser.add_argument(
         "--debug",
@@ -85,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ToolError, OSError) as e:
-        # A user's error (or the machine's): one line naming what and why; the traceback only
-        # on request.
+        # A user's error (or the machine's): one line naming what and why; the
+        # traceback only on request.
         if debug:
             traceback.print_exc()
         print(f"vllm-exl3 {args.command}: error: {e}", file=sys.stderr)

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The EXL3 codec (format reader and reference decoder) for the checkpoint tools.
 
-The tools read the overlay sources of this repository, not an installed vLLM: the overlay `exl3`
-directory is imported as a private package under its own name, so this works whether or not vLLM
-(patched or not) is installed, and never imports vLLM itself (the package's `__init__` is lazy).
+The tools read the overlay sources of this repository, not an installed vLLM: the
+overlay `exl3` directory is imported as a private package under its own name, so this
+works whether or not vLLM (patched or not) is installed, and never imports vLLM itself
+(the package's `__init__` is lazy).
 
-Failures raise ImportError, so the CLI lists a subcommand that cannot work here as unavailable
-(with this message) instead of failing as a whole.
+Failures raise ImportError, so the CLI lists a subcommand that cannot work here as
+unavailable (with this message) instead of failing as a whole.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ EXL3_DIR = (
     / "quantization"
     / "exl3"
 )
-# A name no real package uses, so the overlay copy never collides with vllm's own module.
+# A name no real package uses, so the overlay copy never collides with vllm's own
+# module.
 PRIVATE_PACKAGE = "_vllm_exl3_overlay_codec"
 
 

@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`vllm-exl3 dequantize <exl3 dir> <out dir>`: a plain Hugging Face checkpoint whose weights are
-the reconstructed EXL3 weights.
+"""`vllm-exl3 dequantize <exl3 dir> <out dir>`: a plain Hugging Face checkpoint whose
+weights are the reconstructed EXL3 weights.
 
-Every EXL3 linear becomes `<module>.weight` (out, in) = W^T from the reference codec (computed in
-fp32, then cast to --dtype), with the 128-padding trimmed to the model's real dims (vocab,
-hidden, ...); its bias likewise. Other tensors are copied as they are (padded unquantized linears
-trimmed). config.json loses its quantization_config block and names the new dtype; tokenizer,
-generation and other small files are copied. For evaluating an EXL3 model in tools that do not
-read EXL3, and as the end-to-end oracle of the tests.
+Every EXL3 linear becomes `<module>.weight` (out, in) = W^T from the reference codec
+(computed in fp32, then cast to --dtype), with the 128-padding trimmed to the model's
+real dims (vocab, hidden, ...); its bias likewise. Other tensors are copied as they are
+(padded unquantized linears trimmed). config.json loses its quantization_config block
+and names the new dtype; tokenizer, generation and other small files are copied. For
+evaluating an EXL3 model in tools that do not read EXL3, and as the end-to-end oracle of
+the tests.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _real_dims(config: dict) -> tuple[dict[str, tuple[int, int]], list[str]]:
-    """{module: (real in, real out)} for every linear, from the architecture plan; falls back
-    to the vocab and hidden size for architectures the plan does not know."""
+    """{module: (real in, real out)} for every linear, from the architecture plan; falls
+    back to the vocab and hidden size for architectures the plan does not know."""
     try:
         plan = plan_model(config)
         return {s.name: (s.in_features, s.out_features) for s in plan.linears}, []
@@ -84,7 +85,7 @@ def _trim(
 def _check_scales(
     src: Path, index: dict, specs: dict, dims: dict, config: dict
 ) -> list[str]:
-    """The value rule of every suh/svh (checkpoint.check_scale_values), before decoding."""
+    """Each suh/svh's value rule (checkpoint.check_scale_values), before decoding."""
     notes = []
     for prefix, spec in specs.items():
         real = _trim(prefix, spec.in_features, spec.out_features, dims, config, [])
@@ -106,7 +107,7 @@ def dequantize(
     shard_mib: int = DEFAULT_SHARD_MIB,
     progress: bool = True,
 ) -> dict:
-    """Write the dequantized checkpoint; returns a summary (tensors written, warnings)."""
+    """Write the dequantized checkpoint; return a summary (tensors, warnings)."""
     import torch
     from safetensors.torch import save_file
 
@@ -175,7 +176,8 @@ def dequantize(
             if progress:
                 print(
                     f"[{i + 1}/{total}] {prefix}: {spec.bits} bits "
-                    f"{spec.codebook.name.lower()}, {spec.in_features}x{spec.out_features} -> "
+                    f"{spec.codebook.name.lower()}, "
+                    f"{spec.in_features}x{spec.out_features} -> "
                     f"weight [{n}, {k}] ({time.monotonic() - t0:.1f}s)",
                     file=sys.stderr,
                     flush=True,
@@ -252,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     print(
-        f"dequantized {summary['exl3_modules']} EXL3 linears; wrote {summary['tensors']} "
+        f"dequantized {summary['exl3_modules']} EXL3 linears; wrote "
+        f"{summary['tensors']} "
         f"tensors in {summary['shards']} shard(s) to {args.out}; copied "
         f"{', '.join(summary['copied']) or 'no other files'}"
     )

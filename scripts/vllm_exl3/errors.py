@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one error type the CLI turns into a message and a non-zero exit (no traceback)."""
+"""The one error type the CLI turns into a message and non-zero exit (no traceback)."""
 
 
 class ToolError(Exception):

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`fetch`: the pinned vLLM source distribution, downloaded once into the cache, sha256-checked
-and unpacked. Also the cache access `build` uses for the pinned release wheel."""
+"""`fetch`: the pinned vLLM source distribution, downloaded once into the cache,
+sha256-checked and unpacked. Also the cache access `build` uses for the pinned release
+wheel."""
 
 from __future__ import annotations
 
@@ -16,21 +17,22 @@ from .index import IndexUnreachable, download, find_file, sha256_file
 from .progress import Progress
 from .repo import default_cache_dir
 
-# Written into an unpacked tree last; a tree without it is an interrupted unpack and is redone.
+# Written into an unpacked tree last; a tree without it is an interrupted unpack and is
+# redone.
 _UNPACKED_MARKER = ".vllm-exl3-unpacked"
 _SAFE_EXTRACT = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
 
 
 def wheels_dir(cache: Path) -> Path:
-    """Shared with ci/setup-env.sh (same default, same override), so the ~300 MB release wheel is
-    downloaded once for both."""
+    """Shared with ci/setup-env.sh (same default, same override), so the ~300 MB release
+    wheel is downloaded once for both."""
     env = os.environ.get("VLLM_EXL3_WHEELS")
     return Path(env).expanduser() if env else cache / "wheels"
 
 
 def ensure_pinned(filename: str, sha256: str, dest_dir: Path, offline: bool) -> Path:
-    """The pinned file from the cache, downloading it when absent. A cached copy whose hash
-    differs is discarded and fetched again."""
+    """The pinned file from the cache, downloading it when absent. A cached copy whose
+    hash differs is discarded and fetched again."""
     path = dest_dir / filename
     if path.is_file():
         if sha256_file(path) == sha256:
@@ -40,10 +42,12 @@ def ensure_pinned(filename: str, sha256: str, dest_dir: Path, offline: bool) -> 
         )
         if offline:
             raise ToolError(
-                f"{path} is corrupt (sha256 mismatch) and --offline forbids fetching it again"
+                f"{path} is corrupt (sha256 mismatch) and --offline forbids fetching "
+                "it again"
             )
     cold = (
-        f"the cache has no copy of {filename} ({dest_dir}). Connect to the package index, or "
+        f"the cache has no copy of {filename} ({dest_dir}). Connect to the package "
+        "index, or "
         f"place the file there by hand (sha256 {sha256})"
     )
     if offline:
@@ -71,7 +75,8 @@ def _unpack(archive: Path, dest: Path) -> None:
                 raise ToolError(
                     f"{archive}: refusing member {m.name!r} (outside the tree)"
                 )
-            # Where available, the "data" filter also rejects links out of the tree and devices.
+            # Where available, the "data" filter also rejects links out of the tree and
+            # devices.
             tar.extract(m, tmp, **_SAFE_EXTRACT)
             prog.advance(1)
         prog.finish()
@@ -122,8 +127,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "fetch",
         help=f"download, verify and unpack the vLLM {pins.VLLM_VERSION} sdist",
         description=(
-            f"Download {pins.SDIST_NAME} from pip's configured package index into the cache, "
-            f"verify its pinned sha256 ({pins.SDIST_SHA256[:16]}...) and unpack it. Prints the "
+            f"Download {pins.SDIST_NAME} from pip's configured package index into the "
+            "cache, "
+            f"verify its pinned sha256 ({pins.SDIST_SHA256[:16]}...) and unpack it. "
+            "Prints the "
             "unpacked tree's path. With a warm cache no network is used."
         ),
     )

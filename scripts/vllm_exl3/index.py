@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Client for pip's configured package index (the "simple" repository API).
 
-The index is whatever pip would use: PIP_INDEX_URL / PIP_EXTRA_INDEX_URL, pip's configuration
-files, else pip's own default (`pip._internal.models.index.PyPI`), so no hostname is written here.
-Project pages are asked for as PEP 691 JSON; an index that answers with the PEP 503 HTML page
-(e.g. a `file://` mirror) is read too. Downloads go to a `.part` file and are renamed only after
-their sha256 matches the pin.
+The index is whatever pip would use: PIP_INDEX_URL / PIP_EXTRA_INDEX_URL, pip's
+configuration files, else pip's own default (`pip._internal.models.index.PyPI`), so no
+hostname is written here. Project pages are asked for as PEP 691 JSON; an index that
+answers with the PEP 503 HTML page (e.g. a `file://` mirror) is read too. Downloads go
+to a `.part` file and are renamed only after their sha256 matches the pin.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class FileLink:
 
 
 def _pip_setting(name: str) -> str | None:
-    """A pip option as `pip download` would see it: environment, then the download section,
-    then the global section of pip's configuration files."""
+    """A pip option as `pip download` would see it: environment, then the download
+    section, then the global section of pip's configuration files."""
     env = os.environ.get("PIP_" + name.upper().replace("-", "_"))
     if env is not None:
         return env
@@ -75,7 +75,8 @@ def configured_indexes() -> list[str]:
             primary = PyPI.simple_url
         except ImportError as e:
             raise ToolError(
-                "no package index configured: set PIP_INDEX_URL (pip is not importable here, so "
+                "no package index configured: set PIP_INDEX_URL (pip is not importable "
+                "here, so "
                 f"its default index is unknown: {e})"
             ) from e
     extra = (_pip_setting("extra-index-url") or "").split()
@@ -170,7 +171,8 @@ def find_file(project: str, filename: str) -> FileLink:
     if errors and not any(urllib.parse.urlparse(i).scheme != "file" for i in reached):
         raise IndexUnreachable("; ".join(errors))
     raise ToolError(
-        f"{filename} is not listed by the configured package index(es): {', '.join(reached)}"
+        f"{filename} is not listed by the configured package index(es): "
+        f"{', '.join(reached)}"
     )
 
 
@@ -183,10 +185,12 @@ def sha256_file(path: Path) -> str:
 
 
 def download(link: FileLink, dest: Path, sha256: str) -> None:
-    """Download to `dest` (via `dest.part`), refusing content whose sha256 differs from the pin."""
+    """Download to `dest` (via `dest.part`), refusing content whose sha256 differs from
+    the pin."""
     if link.sha256 and link.sha256 != sha256:
         raise ToolError(
-            f"the index lists {dest.name} with sha256 {link.sha256}, but this repository pins "
+            f"the index lists {dest.name} with sha256 {link.sha256}, but this "
+            "repository pins "
             f"{sha256}; refusing (wrong index or a re-uploaded file)"
         )
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -209,7 +213,8 @@ def download(link: FileLink, dest: Path, sha256: str) -> None:
     if h.hexdigest() != sha256:
         part.unlink(missing_ok=True)
         raise ToolError(
-            f"{dest.name} from {link.url} has sha256 {h.hexdigest()}, expected {sha256}; "
+            f"{dest.name} from {link.url} has sha256 {h.hexdigest()}, expected "
+            f"{sha256}; "
             "the download was discarded"
         )
     part.replace(dest)

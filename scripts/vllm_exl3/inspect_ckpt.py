@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """`vllm-exl3 inspect <checkpoint>`: what an EXL3 checkpoint holds, from headers only.
 
-Reads the safetensors headers, config.json and quantization_config.json; the only tensor data
-read are the 4-byte codebook marker scalars (their values are checked). Per module: bitrate and
-codebook (from the module's own trellis width and marker, exl3-format.md §1.5), shapes, the vLLM
-module it loads into, EXL3 or unquantized; totals; the tensor-parallel degrees the 128-wide
-Hadamard blocks allow (the loader's own rules, tp_rules.py), which modules then run with
-partial-block ownership and the redundant work that costs; and every place where the JSON files
-disagree with the tensors.
+Reads the safetensors headers, config.json and quantization_config.json; the only tensor
+data read are the 4-byte codebook marker scalars (their values are checked). Per module:
+bitrate and codebook (from the module's own trellis width and marker, exl3-format.md
+§1.5), shapes, the vLLM module it loads into, EXL3 or unquantized; totals; the
+tensor-parallel degrees the 128-wide Hadamard blocks allow (the loader's own rules,
+tp_rules.py), which modules then run with partial-block ownership and the redundant work
+that costs; and every place where the JSON files disagree with the tensors.
 """
 
 from __future__ import annotations
@@ -33,9 +33,11 @@ from .codec import exl3_format as fmt
 from .errors import ToolError
 
 TP_DEGREES = (1, 2, 4, 8)
-# vLLM pads the vocab to a multiple of this before splitting it (DEFAULT_VOCAB_PADDING_SIZE).
+# vLLM pads the vocab to a multiple of this before splitting it
+# (DEFAULT_VOCAB_PADDING_SIZE).
 VOCAB_PADDING = 64
-# config.json's `bits` is written with 2 decimals; a larger gap than the rounding is a mismatch.
+# config.json's `bits` is written with 2 decimals; a larger gap than the rounding is a
+# mismatch.
 BITS_TOLERANCE = 0.0051
 # Text mode names at most this many modules per disagreement/blocker before summarising.
 MAX_NAMED = 3
@@ -109,16 +111,17 @@ def _named(names: list[str]) -> str:
     )
 
 
-# One rank's share of a linear: (input features, columns it returns, columns it computes).
+# One rank's share of a linear: (input features, columns it returns, columns it
+# computes).
 RankShare = tuple[int, int, int]
 
 
 def _tp_split(
     role: str, fused: str, k: int, n: int, tp: int, slot: LinearSlot | None
 ) -> tuple[str | None, list[RankShare]]:
-    """(why `tp` cannot split this linear or None, each rank's share) as vLLM and the EXL3 loader
-    divide it (tp_rules.py): column-parallel ranks compute the 128-aligned window covering their
-    columns, row-parallel ranks need whole 128-blocks of k."""
+    """(why `tp` cannot split this linear or None, each rank's share) as vLLM and the
+    EXL3 loader divide it (tp_rules.py): column-parallel ranks compute the 128-aligned
+    window covering their columns, row-parallel ranks need whole 128-blocks of k."""
     if role == ROW:
         if k % tp:
             return f"row-parallel k = {k} not divisible by tp={tp}", []
@@ -145,10 +148,12 @@ def _tp_split(
         return f"column-parallel n = {n} not divisible by tp={tp}", []
     width = n // (tp // replicas)
     if fused.endswith(".experts") and width % PAD:
-        # Routed experts go through vLLM's fused MoE, which has no EXL3 method with windows.
+        # Routed experts go through vLLM's fused MoE, which has no EXL3 method with
+        # windows.
         return (
             f"column-parallel n/tp = {n}/{tp} = {width} is not a multiple of {PAD} "
-            f"(Hadamard block); partial-block ownership is implemented for dense linears, "
+            "(Hadamard block); partial-block ownership is implemented for dense "
+            "linears, "
             f"not fused-MoE experts"
         ), []
     windows = [tp_rules.rank_column_window(width, r, replicas) for r in range(tp)]
@@ -158,8 +163,9 @@ def _tp_split(
 def _tensor_parallel(
     tp: int, modules: list[dict], plan_slots: dict[str, LinearSlot], cfg: dict
 ) -> dict:
-    """Blockers of one TP degree, the modules with partial-block ownership, and the extra weights
-    the busiest rank decodes for columns it drops (relative to the columns it returns)."""
+    """Blockers of one TP degree, the modules with partial-block ownership, and the
+    extra weights the busiest rank decodes for columns it drops (relative to the columns
+    it returns)."""
     blockers: list[dict] = []
     partial: list[dict] = []
     heads = cfg.get("num_attention_heads")
@@ -215,9 +221,10 @@ def _tensor_parallel(
 
 
 def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dict:
-    """The whole report as a JSON-able dict (what --json prints). Files that cannot be read as
-    what they claim to be (checkpoint_files.py) raise; every rule a module or config.json breaks
-    is listed under errors, the first of them the one vLLM's loader would name."""
+    """The whole report as a JSON-able dict (what --json prints). Files that cannot be
+    read as what they claim to be (checkpoint_files.py) raise; every rule a module or
+    config.json breaks is listed under errors, the first of them the one vLLM's loader
+    would name."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise ToolError(f"{root}: not a directory")
@@ -306,7 +313,8 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dic
             k_pad, n_pad = slot.padded
             if (spec.in_features, spec.out_features) != (k_pad, n_pad):
                 disagreements.append(
-                    f"{prefix}: stored k x n = {spec.in_features} x {spec.out_features}, "
+                    f"{prefix}: stored k x n = {spec.in_features} x "
+                    f"{spec.out_features}, "
                     f"config.json implies {slot.in_features} x {slot.out_features} "
                     f"(padded {k_pad} x {n_pad})"
                 )
@@ -421,12 +429,14 @@ def _compare_config(
     q = cfg.get("quantization_config")
     if not isinstance(q, dict):
         out.append(
-            "config.json: no quantization_config block (not marked as an EXL3 checkpoint)"
+            "config.json: no quantization_config block (not marked as an EXL3 "
+            "checkpoint)"
         )
         return
     if str(q.get("quant_method", "")).lower() != "exl3":
         out.append(
-            f"config.json: quantization_config.quant_method = {q.get('quant_method')!r}, "
+            "config.json: quantization_config.quant_method = "
+            f"{q.get('quant_method')!r}, "
             f"not 'exl3'"
         )
     codebook = q.get("codebook")
@@ -468,7 +478,8 @@ def _compare_config(
             )
     elif "mtp_bits" in q and "mtp" not in by_group:
         out.append(
-            f"config.json: mtp_bits = {q['mtp_bits']} but no quantized MTP linears found"
+            f"config.json: mtp_bits = {q['mtp_bits']} but no quantized MTP linears "
+            "found"
         )
 
 
@@ -567,7 +578,10 @@ def format_text(report: dict) -> str:
         f"architecture: {report['architecture']} ({report['model_type']})",
         "",
     ]
-    header = f"{'module':<58} {'bits':>4} {'codebook':<8} {'k x n':>13}  {'vLLM module':<40} format"
+    header = (
+        f"{'module':<58} {'bits':>4} {'codebook':<8} {'k x n':>13}  "
+        f"{'vLLM module':<40} format"
+    )
     lines.append(header)
     for name, group in _aggregate(report["modules"]):
         m = group[0]
@@ -609,8 +623,10 @@ def format_text(report: dict) -> str:
             partial = [p["module"] for p in v["partial_blocks"]]
             if partial:
                 line += (
-                    f"; partial 128-blocks in {len(partial)} modules ({_named(partial)}): "
-                    f"+{100 * v['redundant_compute']:.1f}% weights decoded on the busiest "
+                    f"; partial 128-blocks in {len(partial)} modules "
+                    f"({_named(partial)}): "
+                    f"+{100 * v['redundant_compute']:.1f}% weights decoded on the "
+                    "busiest "
                     f"rank"
                 )
             lines.append(line)

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Quick build of the EXL3 kernels into the standalone stable-ABI extension `_exl3_C.abi3.so`.
+"""Quick build of the EXL3 kernels into the standalone stable-ABI extension
+`_exl3_C.abi3.so`.
 
-Compiles `csrc/quantization/exl3/*` against the torch headers of the running Python (torch
-2.11, stable ABI only) with the local nvcc, in parallel, one object per translation unit, and
-links them with `standalone_module.cpp` (the Python entry point). Importing the result registers
-`torch.ops._C.exl3_linear` / `exl3_reconstruct`. The full build compiles the same sources into
-vLLM's `_C_stable_libtorch` instead (a CMake source-list patch).
+Compiles `csrc/quantization/exl3/*` against the torch headers of the running Python
+(torch 2.11, stable ABI only) with the local nvcc, in parallel, one object per
+translation unit, and links them with `standalone_module.cpp` (the Python entry point).
+Importing the result registers `torch.ops._C.exl3_linear` / `exl3_reconstruct`. The full
+build compiles the same sources into vLLM's `_C_stable_libtorch` instead (a CMake
+source-list patch).
 
     python -m vllm_exl3.kernels_build --out build/exl3 --arch 9.0 --jobs 16
 """
@@ -27,15 +29,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = REPO / "csrc" / "quantization" / "exl3"
 EXTENSION = "_exl3_C.abi3.so"
-# Where `scripts/vllm-exl3 build` (build.KERNEL_BUILD_DIR) and the compile test both build, so
-# the objects one compiled are reused by the other.
+# Where `scripts/vllm-exl3 build` (build.KERNEL_BUILD_DIR) and the compile test both
+# build, so the objects one compiled are reused by the other.
 DEFAULT_OUT = REPO / "build" / "exl3"
-# The entry point belongs to the quick build only; the full build uses REGISTER_EXTENSION.
+# The entry point belongs to the quick build only; the full build uses
+# REGISTER_EXTENSION.
 STANDALONE = "standalone_module.cpp"
 # Oldest torch whose stable ABI we target (vLLM 0.26's CMake uses the same value).
 TORCH_TARGET_VERSION = "0x020B000000000000ULL"
-# No --use_fast_math: the decode must round exactly like the format's fp16 adds and fmas, and
-# the epilogue's fp32 must not flush or approximate.
+# No --use_fast_math: the decode must round exactly like the format's fp16 adds and
+# fmas, and the epilogue's fp32 must not flush or approximate.
 NVCC_FLAGS = ["-std=c++17", "-O3", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr"]
 CXX_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-Wall", "-Wno-unknown-pragmas"]
 DEFINES = ["-DUSE_CUDA", f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]
@@ -58,8 +61,9 @@ def normalize_arch(arch: str) -> str:
     return a
 
 
-# Hopper is built with its arch-specific features (sm_90a): the wgmma engine of the GEMM needs
-# them, and an sm_90a image runs on exactly the devices an sm_90 one does (compute capability 9.0).
+# Hopper is built with its arch-specific features (sm_90a): the wgmma engine of the
+# GEMM needs them, and an sm_90a image runs on exactly the devices an sm_90 one does
+# (compute capability 9.0).
 ARCH_FEATURES = {"90": "90a"}
 
 
@@ -83,7 +87,7 @@ class Toolchain:
 
 
 def _nvidia_dir(sub: str) -> Path | None:
-    """The pip-installed CUDA 13 tree (nvidia/cu13/<sub>) that torch's wheel depends on."""
+    """The pip-installed CUDA 13 tree (nvidia/cu13/<sub>) torch's wheel depends on."""
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
         d = Path(root) / "cu13" / sub
@@ -115,7 +119,7 @@ def find_toolchain() -> Toolchain:
     cublas = next((c for c in candidates if c.exists()), None)
     if cublas is None:
         raise BuildError(
-            "libcublas not found (looked in %s)" % ", ".join(map(str, candidates))
+            f"libcublas not found (looked in {', '.join(map(str, candidates))})"
         )
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.origin:
@@ -202,8 +206,9 @@ def build_extension(
     compile_only: bool = False,
     verbose: bool = False,
 ) -> Path:
-    """Build `_exl3_C.abi3.so` into out_dir (returned), or only its objects if compile_only
-    (then the object directory is returned). Unchanged objects are reused."""
+    """Build `_exl3_C.abi3.so` into out_dir (returned), or only its objects if
+    compile_only (then the object directory is returned). Unchanged objects are reused.
+    """
     archs = sorted({normalize_arch(a) for a in archs}, key=int)
     if not archs:
         raise BuildError("no CUDA architecture given")

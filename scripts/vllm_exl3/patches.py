@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The patch workflow (see patches/README.md): `dev-tree` makes a git checkout of the pristine
-pinned vLLM with the series applied as commits (`git am`, one commit per patch, its message
-intact); after editing, committing, rebasing there, `export-patches` writes the commits back as
-the series (`git format-patch`), replacing the old one. Patches are never edited by hand."""
+"""The patch workflow (see patches/README.md): `dev-tree` makes a git checkout of the
+pristine pinned vLLM with the series applied as commits (`git am`, one commit per patch,
+its message intact); after editing, committing, rebasing there, `export-patches` writes
+the commits back as the series (`git format-patch`), replacing the old one. Patches are
+never edited by hand."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from .repo import ROOT, Series, default_cache_dir
 BASE_TAG = "vllm-exl3-base"
 # Committer identity inside dev trees (authors come from the patches themselves).
 _IDENTITY = ["-c", "user.name=vllm-exl3", "-c", "user.email=vllm-exl3@localhost"]
-# format-patch settings that make a re-export byte-identical when nothing changed: no commit
-# ids, no version signature, no diffstat, full blob ids (abbreviations grow with the repository),
-# no "[PATCH n/m]" numbering (it would rewrite every subject when a patch is added).
+# format-patch settings that make a re-export byte-identical when nothing changed: no
+# commit ids, no version signature, no diffstat, full blob ids (abbreviations grow with
+# the repository), no "[PATCH n/m]" numbering (it would rewrite every subject when a
+# patch is added).
 EXPORT_FLAGS = [
     "--no-signature",
     "--zero-commit",
@@ -37,8 +39,8 @@ EXPORT_FLAGS = [
 
 def _git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    # Personal and system git settings (diff.noprefix, format.signature, autocrlf...) would change
-    # what format-patch writes; dev trees use git's defaults only.
+    # Personal and system git settings (diff.noprefix, format.signature, autocrlf...)
+    # would change what format-patch writes; dev trees use git's defaults only.
     env.update(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
     r = subprocess.run(
         ["git", *_IDENTITY, *args], cwd=tree, env=env, capture_output=True, text=True
@@ -49,8 +51,9 @@ def _git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProc
 
 
 def make_dev_tree(base: Path, dest: Path, patches: list[Path], label: str) -> int:
-    """Copy `base` to `dest`, commit it as the pristine base, `git am` the patches; returns how
-    many applied. Stops at the first patch that does not apply, leaving git am in progress."""
+    """Copy `base` to `dest`, commit it as the pristine base, `git am` the patches;
+    returns how many applied. Stops at the first patch that does not apply, leaving git
+    am in progress."""
     if dest.exists() and any(dest.iterdir()):
         raise ToolError(f"{dest} exists and is not empty")
     if dest.exists():
@@ -67,9 +70,12 @@ def make_dev_tree(base: Path, dest: Path, patches: list[Path], label: str) -> in
     if r.returncode != 0:
         done = int(_git(dest, "rev-list", "--count", f"{BASE_TAG}..HEAD").stdout)
         raise ToolError(
-            f"patch {patches[done].name} does not apply on {label} (patches before it are "
-            f"committed in {dest}).\n{r.stdout}{r.stderr}\nResolve it there as with any git am: "
-            "fix the files, `git add` them, `git am --continue` (or `git am --skip`), then run "
+            f"patch {patches[done].name} does not apply on {label} (patches before it "
+            "are "
+            f"committed in {dest}).\n{r.stdout}{r.stderr}\nResolve it there as with "
+            "any git am: "
+            "fix the files, `git add` them, `git am --continue` (or `git am --skip`), "
+            "then run "
             "export-patches."
         )
     return len(patches)
@@ -78,8 +84,8 @@ def make_dev_tree(base: Path, dest: Path, patches: list[Path], label: str) -> in
 def export_series(
     dev: Path, patches_dir: Path
 ) -> tuple[list[str], list[str], list[str]]:
-    """Replace `patches_dir/*.patch` with the dev tree's commits after the base; returns (added,
-    changed, removed) file names."""
+    """Replace `patches_dir/*.patch` with the dev tree's commits after the base; returns
+    (added, changed, removed) file names."""
     if (
         not (dev / ".git").exists()
         or _git(dev, "rev-parse", "-q", "--verify", BASE_TAG, check=False).returncode
@@ -123,7 +129,8 @@ def run_dev_tree(args: argparse.Namespace) -> int:
     label = args.label or f"vllm {pins.VLLM_VERSION}"
     n = make_dev_tree(base, args.dir, list(series.patches), label)
     print(
-        f"{args.dir}: git checkout of {label} ({BASE_TAG}) with {n} patch(es) as commits"
+        f"{args.dir}: git checkout of {label} ({BASE_TAG}) with {n} patch(es) as "
+        "commits"
     )
     print("edit, commit (one commit per patch; message: why, upstream intent), then:")
     print(f"  scripts/vllm-exl3 export-patches {args.dir}")
@@ -135,7 +142,8 @@ def run_export(args: argparse.Namespace) -> int:
     added, changed, removed = export_series(args.dir, patches_dir)
     total = len(list(patches_dir.glob("*.patch")))
     print(
-        f"{patches_dir}: {total} patch(es); added {len(added)}, changed {len(changed)}, "
+        f"{patches_dir}: {total} patch(es); added {len(added)}, changed "
+        f"{len(changed)}, "
         f"removed {len(removed)}"
     )
     for label, names in (("added", added), ("changed", changed), ("removed", removed)):
@@ -149,9 +157,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dev-tree",
         help="make a git checkout of the pristine vLLM with the series as commits",
         description=(
-            f"Unpack the pinned vLLM {pins.VLLM_VERSION} sdist into DIR as a git repository "
-            f"(commit '<label> pristine', tag {BASE_TAG}) and apply patches/*.patch with git am, "
-            "one commit per patch. Edit the series there with ordinary git (commit, rebase -i), "
+            f"Unpack the pinned vLLM {pins.VLLM_VERSION} sdist into DIR as a git "
+            "repository "
+            f"(commit '<label> pristine', tag {BASE_TAG}) and apply patches/*.patch "
+            "with git am, "
+            "one commit per patch. Edit the series there with ordinary git (commit, "
+            "rebase -i), "
             "then run export-patches. See patches/README.md."
         ),
     )
@@ -184,8 +195,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export-patches",
         help="write a dev tree's commits back as patches/ (git format-patch)",
         description=(
-            f"git format-patch the commits after {BASE_TAG} in DIR into patches/, replacing the "
-            "old series. Deterministic: exporting an unchanged dev tree rewrites identical files."
+            f"git format-patch the commits after {BASE_TAG} in DIR into patches/, "
+            "replacing the "
+            "old series. Deterministic: exporting an unchanged dev tree rewrites "
+            "identical files."
         ),
     )
     e.add_argument("dir", type=Path, help="a checkout made by dev-tree")

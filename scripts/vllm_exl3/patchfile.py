@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Reading `git format-patch` files: the message, and each file's diff split into hunks, so a
-patch can be checked (and, for a wheel tree, filtered) per file and per hunk."""
+"""Reading `git format-patch` files: the message, and each file's diff split into hunks,
+so a patch can be checked (and, for a wheel tree, filtered) per file and per hunk."""
 
 from __future__ import annotations
 
@@ -89,7 +89,8 @@ def _parse_file(lines: list[str], i: int, where: str) -> tuple[FileDiff, int]:
         ):  # "\ No newline at end of file"
             i += 1
         hunks.append(Hunk(lines[h_start].rstrip("\n"), "".join(lines[h_start:i])))
-    # Anything after the last hunk up to the next file (e.g. a mail signature) is not diff.
+    # Anything after the last hunk up to the next file (e.g. a mail signature) is not
+    # diff.
     while i < len(lines) and not lines[i].startswith("diff --git "):
         i += 1
     return FileDiff(new if new is not None else old, header, tuple(hunks)), i

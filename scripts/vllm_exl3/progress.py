@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Progress lines for long steps (downloads, unpacking, zipping) on stderr. On a terminal one line
-is redrawn; otherwise (CI logs) a line is printed every PROGRESS_LOG_STEP of the work."""
+"""Progress lines for long steps (downloads, unpacking, zipping) on stderr. On a
+terminal one line is redrawn; otherwise (CI logs) a line is printed every
+PROGRESS_LOG_STEP of the work."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-# Fraction of the work between two printed lines when stderr is not a terminal: 10 lines per step
-# keeps CI logs short but shows a stuck step.
+# Fraction of the work between two printed lines when stderr is not a terminal: 10
+# lines per step keeps CI logs short but shows a stuck step.
 PROGRESS_LOG_STEP = 0.1
 # Redraw at most this often on a terminal (seconds).
 _REDRAW_S = 0.2
@@ -54,7 +55,10 @@ class Progress:
     def _line(self) -> str:
         pct = 100.0 * min(self.done / self.total, 1.0)
         if self.unit == "MB":
-            amount = f"{self.done / self.scale:.1f}/{self.total / self.scale:.1f} {self.unit}"
+            amount = (
+                f"{self.done / self.scale:.1f}/{self.total / self.scale:.1f} "
+                f"{self.unit}"
+            )
         else:
             amount = f"{self.done}/{self.total} {self.unit}"
         return f"  {self.label}: {amount} ({pct:3.0f}%)"

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""This repository's layout: where the overlay, the CUDA sources and the patch series live, and
-where each lands in a vLLM tree."""
+"""This repository's layout: where the overlay, the CUDA sources and the patch series
+live, and where each lands in a vLLM tree."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Repository `csrc/X` lands at `csrc/libtorch_stable/X` in the vLLM tree, next to the sources of
-# vLLM's stable-ABI extension that the CMake patch adds ours to.
+# Repository `csrc/X` lands at `csrc/libtorch_stable/X` in the vLLM tree, next to the
+# sources of vLLM's stable-ABI extension that the CMake patch adds ours to.
 CSRC_DEST = "csrc/libtorch_stable"
 
 # Never part of what we ship into a tree: interpreter caches and build products.
@@ -30,9 +30,10 @@ SETUP_ENV = ROOT / "ci" / "setup-env.sh"
 
 
 def default_venv(cache: Path | None = None) -> Path:
-    """The pinned environment made by ci/setup-env.sh (torch headers for compiling kernels):
-    `venv-<first 16 hex digits of the script's sha256>` in the cache, the path the script itself
-    uses, so checkouts at different commits sharing one cache keep their own environments."""
+    """The pinned environment made by ci/setup-env.sh (torch headers for compiling
+    kernels): `venv-<first 16 hex digits of the script's sha256>` in the cache, the path
+    the script itself uses, so checkouts at different commits sharing one cache keep
+    their own environments."""
     env = os.environ.get("VLLM_EXL3_VENV")
     if env:
         return Path(env).expanduser()
@@ -54,7 +55,7 @@ def _files_under(base: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One file we place into a vLLM tree: where it comes from and its path in the tree."""
+    """One file placed into a vLLM tree: where it comes from and its path there."""
 
     source: Path
     origin: str  # path relative to the series root, for messages and the manifest
@@ -93,7 +94,8 @@ class Series:
         return cls(root, overlay, csrc, patches)
 
     def fingerprint(self, mode: str) -> str:
-        """Identifies exactly what an application in `mode` writes (same value: same result)."""
+        """Identifies exactly what an application in `mode` writes (same value: same
+        result)."""
         h = hashlib.sha256(mode.encode())
         for f in (*self.overlay, *self.csrc):
             h.update(f"\0{f.origin}\0{f.dest}\0".encode())
@@ -105,8 +107,8 @@ class Series:
 
 
 def git_label(root: Path = ROOT) -> str | None:
-    """Short commit of this checkout, with `.dirty` when series files differ from it; None
-    outside a git checkout."""
+    """Short commit of this checkout, with `.dirty` when series files differ from it;
+    None outside a git checkout."""
     try:
         sha = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=8", "HEAD"],

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Planning an application of a series onto a tree, without touching the tree.
 
-The patched files are copied into a scratch directory (outside any git repository) and the patches
-are applied there in order with `git apply`; the overlay and CUDA sources are compared with what
-the tree holds. The result is the exact bytes to write per path plus, for reports, a verdict per
-patch, per file and per hunk. Applying a plan then only writes files, so a series that does not
-apply leaves the tree untouched.
+The patched files are copied into a scratch directory (outside any git repository) and
+the patches are applied there in order with `git apply`; the overlay and CUDA sources
+are compared with what the tree holds. The result is the exact bytes to write per path
+plus, for reports, a verdict per patch, per file and per hunk. Applying a plan then only
+writes files, so a series that does not apply leaves the tree untouched.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from .patchfile import FileDiff, Patch, parse_patch
 from .repo import Series, SourceFile
 from .tree import Kind, in_scope
 
-# Reads a tree path: (bytes, mode) or None when absent. Lets a plan be made against the tree as
-# it was before an earlier application (pristine copies) without reverting first.
+# Reads a tree path: (bytes, mode) or None when absent. Lets a plan be made against the
+# tree as it was before an earlier application (pristine copies) without reverting
+# first.
 Reader = Callable[[str], "tuple[bytes, int] | None"]
 
 _NEW_FILE_MODE = 0o644
@@ -86,8 +87,8 @@ def reader_for(root: Path) -> Reader:
 
 def _git(args: list[str], cwd: Path, stdin: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    # Never let git discover a repository above the scratch directory: inside one, `git apply`
-    # silently skips paths outside the current directory.
+    # Never let git discover a repository above the scratch directory: inside one,
+    # `git apply` silently skips paths outside the current directory.
     env["GIT_CEILING_DIRECTORIES"] = str(cwd.parent)
     return subprocess.run(
         ["git", *args], cwd=cwd, input=stdin, env=env, capture_output=True, text=True
@@ -116,9 +117,9 @@ def _judge_file(scratch: Path, fd: FileDiff) -> FileVerdict:
 
 
 def make_plan(series: Series, kind: Kind, read: Reader, per_hunk: bool = False) -> Plan:
-    """What applying `series` onto the tree behind `read` would write. `per_hunk` judges every hunk
-    even when the whole patch applies (for --check); otherwise only failing patches are broken
-    down."""
+    """What applying `series` onto the tree behind `read` would write. `per_hunk` judges
+    every hunk even when the whole patch applies (for --check); otherwise only failing
+    patches are broken down."""
     if shutil.which("git") is None:
         raise ToolError(
             "git is required (patches are applied with `git apply`); install git"
@@ -157,7 +158,8 @@ def _plan_sources(
             plan.identical.append(sf.dest)
         else:
             plan.problems.append(
-                f"{sf.dest}: the tree already has this file with different content, not written "
+                f"{sf.dest}: the tree already has this file with different content, "
+                "not written "
                 f"by vllm-exl3 (would be overwritten by {sf.origin})"
             )
     return sources
@@ -225,7 +227,8 @@ def _patch_problems(v: PatchVerdict) -> list[str]:
         problems.append(
             f"patch {v.name}: {fv.path}: "
             + (", ".join(bad) if bad else "the file diff")
-            + " does not apply (the file was modified locally or is from another version)"
+            + " does not apply (the file was modified locally or is from another "
+            "version)"
         )
     if not problems:  # each file applies alone, the combination does not
         problems.append(f"patch {v.name}: does not apply: {v.git_error}")

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What an application did to a tree, recorded in `<tree>/.vllm-exl3/`: a manifest (every file
-added, modified or deleted, with hashes before and after) and a pristine copy of every file that
-existed before. That record makes a second apply a no-op, lets `--replace` swap series, and lets
-`--revert` restore the tree byte for byte, refusing when files we wrote were changed since."""
+"""What an application did to a tree, recorded in `<tree>/.vllm-exl3/`: a manifest
+(every file added, modified or deleted, with hashes before and after) and a pristine
+copy of every file that existed before. That record makes a second apply a no-op, lets
+`--replace` swap series, and lets `--revert` restore the tree byte for byte, refusing
+when files we wrote were changed since."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ class State:
             if (tree / STATE_DIR).exists():
                 raise ToolError(
                     f"{tree / STATE_DIR} exists but has no {_MANIFEST} (an interrupted "
-                    "application?); restore the tree from its original and delete that directory"
+                    "application?); restore the tree from its original and delete that "
+                    "directory"
                 )
             return None
         try:
@@ -86,7 +88,8 @@ class State:
         return self.dir / _PRISTINE / path
 
     def changed_since(self) -> list[str]:
-        """Every file we wrote (or deleted) whose current state differs from what we left."""
+        """Every file we wrote (or deleted) whose current state differs from what we
+        left."""
         out = []
         for e in self.entries:
             p = self.tree / e.path
@@ -100,7 +103,8 @@ class State:
         return out
 
     def broken_record(self) -> list[str]:
-        """Pristine copies that no longer match their recorded hash (cannot restore those)."""
+        """Pristine copies that no longer match their recorded hash (cannot restore
+        those)."""
         out = []
         for e in self.entries:
             if e.sha256_before is None:
@@ -108,7 +112,8 @@ class State:
             p = self._pristine(e.path)
             if not p.is_file() or _sha(p.read_bytes()) != e.sha256_before:
                 out.append(
-                    f"{e.path}: its pristine copy in {STATE_DIR}/{_PRISTINE} is missing "
+                    f"{e.path}: its pristine copy in {STATE_DIR}/{_PRISTINE} is "
+                    "missing "
                     "or damaged"
                 )
         return out
@@ -128,14 +133,16 @@ class State:
         return read
 
     def revert(self, force: bool) -> list[str]:
-        """Restore the tree; returns notes (directories left because they hold other files)."""
+        """Restore the tree; returns notes (directories left because they hold other
+        files)."""
         broken = self.broken_record()
         if broken:
             raise ToolError("cannot revert:\n  " + "\n  ".join(broken))
         changed = self.changed_since()
         if changed and not force:
             raise ToolError(
-                "refusing to revert, files written by vllm-exl3 were changed since (their changes "
+                "refusing to revert, files written by vllm-exl3 were changed since "
+                "(their changes "
                 "would be lost; --force restores anyway):\n  " + "\n  ".join(changed)
             )
         for e in self.entries:
@@ -175,8 +182,8 @@ def record_and_write(
     source: str,
     read: Reader,
 ) -> State:
-    """Save pristine copies and the manifest first, then write the plan's files, so even an
-    interrupted application can be reverted (with --force)."""
+    """Save pristine copies and the manifest first, then write the plan's files, so even
+    an interrupted application can be reverted (with --force)."""
     state = State(
         tree,
         series_fp,

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Recognising a vLLM tree to apply onto: an unpacked sdist (or a git checkout made from one) or
-an installed wheel (a site-packages directory, or an unpacked wheel)."""
+"""Recognising a vLLM tree to apply onto: an unpacked sdist (or a git checkout made from
+one) or an installed wheel (a site-packages directory, or an unpacked wheel)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from . import pins
 
 Kind = Literal["sdist", "wheel"]
 
-# The local-version label our builds carry (`0.26.0+exl3.<commit>`); such a tree already holds a
-# series baked in, so applying onto it is refused.
+# The local-version label our builds carry (`0.26.0+exl3.<commit>`); such a tree
+# already holds a series baked in, so applying onto it is refused.
 BUILD_LABEL_PREFIX = "exl3"
 
 
@@ -74,7 +74,8 @@ def identify(root: Path) -> TargetTree:
             problems.append(f"{infos[0].name} has no METADATA")
         else:
             problems.append(
-                "cannot tell the vLLM version: no PKG-INFO (sdist) and no vllm-*.dist-info "
+                "cannot tell the vLLM version: no PKG-INFO (sdist) and no "
+                "vllm-*.dist-info "
                 "(installed wheel)"
             )
     if version is not None:
@@ -86,13 +87,14 @@ def identify(root: Path) -> TargetTree:
             )
         elif local.startswith(BUILD_LABEL_PREFIX):
             problems.append(
-                f"the tree is a vllm-exl3 build ({version}, {source}) that already contains a "
+                f"the tree is a vllm-exl3 build ({version}, {source}) that already "
+                "contains a "
                 f"series; install the official vLLM {pins.VLLM_VERSION} to apply onto"
             )
     return TargetTree(root, kind, version, source, problems)
 
 
 def in_scope(kind: Kind, dest: str) -> bool:
-    """Whether a file at tree path `dest` exists in this kind of tree. An installed wheel holds only
-    the Python package: no CMake files, no csrc/, no tests/."""
+    """Whether a file at tree path `dest` exists in this kind of tree. An installed
+    wheel holds only the Python package: no CMake files, no csrc/, no tests/."""
     return kind == "sdist" or dest.startswith("vllm/")

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Wheel archives (PEP 427): unpack one to a tree, and write a tree back as a wheel with a fresh
-RECORD, optionally under a new version and with only some of its files."""
+"""Wheel archives (PEP 427): unpack one to a tree, and write a tree back as a wheel with
+a fresh RECORD, optionally under a new version and with only some of its files."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from .errors import ToolError
 from .progress import Progress
 
 _CHUNK = 1 << 20
-# Fixed timestamp for every member (the earliest a zip can hold), so identical trees give
-# identical wheels.
+# Fixed timestamp for every member (the earliest a zip can hold), so identical trees
+# give identical wheels.
 _ZIP_EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
@@ -51,7 +51,8 @@ class WheelName:
 def unpack(
     wheel: Path, dest: Path, keep: Callable[[str], bool] = lambda _p: True
 ) -> None:
-    """Extract the members `keep` accepts, keeping the executable bits recorded in the archive."""
+    """Extract the members `keep` accepts, keeping the executable bits recorded in the
+    archive."""
     with zipfile.ZipFile(wheel) as zf:
         infos = [i for i in zf.infolist() if keep(i.filename)]
         prog = Progress(f"unpacking {wheel.name}", sum(i.file_size for i in infos))
@@ -104,9 +105,9 @@ def write(
     out: Path,
     keep: Callable[[str], bool] = lambda _p: True,
 ) -> list[str]:
-    """Zip `tree` as wheel `name` into `out` (a file path), members filtered by `keep`, with a
-    regenerated RECORD; the dist-info directory goes last, RECORD last of all. Returns the
-    member paths written."""
+    """Zip `tree` as wheel `name` into `out` (a file path), members filtered by `keep`,
+    with a regenerated RECORD; the dist-info directory goes last, RECORD last of all.
+    Returns the member paths written."""
     record_path = f"{name.dist_info}/RECORD"
     files = sorted(
         p.relative_to(tree).as_posix()

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """EXL3 (ExLlamaV3 trellis quantization) for vLLM.
 
-vLLM imports every quantization config whenever it resolves a method name, so this package must be
-cheap to import: nothing here touches CUDA, and the config (which imports vLLM's layer classes) is
-loaded only when asked for. `format` and `reference` import only torch, so tools outside vLLM
-(scripts/vllm-exl3) can load them on their own.
+vLLM imports every quantization config whenever it resolves a method name, so this
+package must be cheap to import: nothing here touches CUDA, and the config (which
+imports vLLM's layer classes) is loaded only when asked for. `format` and `reference`
+import only torch, so tools outside vLLM (scripts/vllm-exl3) can load them on their own.
 """
 
 __all__ = ["Exl3Config"]

@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """`Exl3Config`: what the checkpoint holds, and which method each vLLM layer gets.
 
-An EXL3 module is defined by its tensors (`P.trellis` exists; bitrate = trellis width / 16;
-codebook = the marker present), not by the JSON. config.json's `quantization_config` block makes
-vLLM pick this method (`from_config`); `maybe_update_config` then reads the per-module
-description: the safetensors headers (shapes and dtypes only, no data) and
-quantization_config.json's `tensor_storage`. Where they disagree the tensors win, with a warning;
-modules the JSON does not list (an MTP head) are recovered from the headers. A local checkpoint
-directory is validated as a whole first (checkpoint.py, the same verdict as the tools give), so
-a damaged or mismatched one fails here, before vLLM reads any weight.
+An EXL3 module is defined by its tensors (`P.trellis` exists; bitrate = trellis width /
+16; codebook = the marker present), not by the JSON. config.json's `quantization_config`
+block makes vLLM pick this method (`from_config`); `maybe_update_config` then reads the
+per-module description: the safetensors headers (shapes and dtypes only, no data) and
+quantization_config.json's `tensor_storage`. Where they disagree the tensors win, with a
+warning; modules the JSON does not list (an MTP head) are recovered from the headers. A
+local checkpoint directory is validated as a whole first (checkpoint.py, the same
+verdict as the tools give), so a damaged or mismatched one fails here, before vLLM reads
+any weight.
 """
 
 import os
@@ -25,7 +26,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 from .checkpoint import storage_claims, validate_checkpoint
 from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
 from .env_compat import adopt_deprecated_env_names
-from .format import EMBED_SIGNS_SUFFIX, Exl3ModuleSpec, group_spec
+from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
 from .load_ledger import LoadLedger
 from .names import ModuleNameResolver, shard_names
@@ -69,7 +70,8 @@ def _group(
 def header_tensors(
     metadata: Mapping[str, Any],
 ) -> dict[str, tuple[tuple[int, ...], str]]:
-    """vLLM's safetensors metadata ({name: {"dtype", "shape", ...}}) as name -> (shape, dtype)."""
+    """vLLM's safetensors metadata ({name: {"dtype", "shape", ...}}) as name -> (shape,
+    dtype)."""
     return {
         name: (tuple(info["shape"]), info["dtype"])
         for name, info in metadata.items()
@@ -80,7 +82,7 @@ def header_tensors(
 def storage_tensors(
     storage: Mapping[str, Any],
 ) -> dict[str, tuple[tuple[int, ...], str]]:
-    """quantization_config.json's tensor_storage as name -> (shape, safetensors dtype)."""
+    """quantization_config.json's tensor_storage: name -> (shape, safetensors dtype)."""
     out = {}
     for entry in storage.values():
         for name, info in entry.get("stored_tensors", {}).items():
@@ -92,7 +94,8 @@ def storage_tensors(
 def find_modules(
     tensors: Mapping[str, tuple[tuple[int, ...], str]],
 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module key."""
+    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module
+    key."""
     specs: dict[str, Exl3ModuleSpec] = {}
     unsupported: dict[str, str] = {}
     for prefix, members in sorted(_group(tensors).items()):
@@ -116,7 +119,8 @@ def describe_checkpoint(
         if not storage:
             raise ValueError(
                 f"EXL3 checkpoint {source}: neither the safetensors headers nor "
-                f"{QUANT_CONFIG_FILE}'s tensor_storage could be read; cannot tell which modules "
+                f"{QUANT_CONFIG_FILE}'s tensor_storage could be read; cannot tell "
+                "which modules "
                 f"are EXL3"
             )
         logger.warning(
@@ -191,7 +195,8 @@ class Exl3Config(QuantizationConfig):
         self._mapper = None
         # tensor_storage's (bits, codebook) per module; MoE experts must agree with it.
         self.claims: dict[str, tuple[float, Codebook]] = {}
-        # One per model (per rank): every EXL3- and padding-owned tensor written exactly once.
+        # One per model (per rank): every EXL3- and padding-owned tensor written
+        # exactly once.
         self.ledger = LoadLedger()
 
     def __repr__(self) -> str:
@@ -258,7 +263,8 @@ class Exl3Config(QuantizationConfig):
         if self.resolver is not None:
             self.resolver.set_mapper(hf_to_vllm_mapper)
 
-    # ---- per layer -----------------------------------------------------------------------
+    # ---- per layer
+    # -----------------------------------------------------------------------
 
     def _resolve(self, name: str) -> str | None:
         assert self.resolver is not None
@@ -268,13 +274,15 @@ class Exl3Config(QuantizationConfig):
         return key
 
     def linear_specs(self, prefix: str, num_shards: int) -> list[Exl3ModuleSpec] | None:
-        """The EXL3 modules of a (fused) linear in shard order, or None if it is not EXL3."""
+        """The EXL3 modules of a (fused) linear in shard order, or None if it is not
+        EXL3."""
         assert self.modules is not None
         direct = self._resolve(prefix)
         if direct is not None:
             if num_shards != 1:
                 raise Exl3LayoutError(
-                    f"EXL3 {prefix}: the checkpoint stores this {num_shards}-shard layer fused "
+                    f"EXL3 {prefix}: the checkpoint stores this {num_shards}-shard "
+                    "layer fused "
                     f"as {direct}; EXL3 stores every projection separately"
                 )
             return [self.modules[direct]]
@@ -287,12 +295,14 @@ class Exl3Config(QuantizationConfig):
         if any(k is None for k in keys):
             found = ", ".join(f"{n} -> {k or 'not EXL3'}" for n, k in zip(names, keys))
             raise Exl3LayoutError(
-                f"EXL3 {prefix}: fused layer mixes EXL3 and non-EXL3 shards ({found}); set "
+                f"EXL3 {prefix}: fused layer mixes EXL3 and non-EXL3 shards ({found}); "
+                "set "
                 f"VLLM_EXL3_DEBUG_NAMES=1 to see how names resolve"
             )
         if len(keys) != num_shards:
             raise Exl3LayoutError(
-                f"EXL3 {prefix}: {len(keys)} checkpoint modules for {num_shards} output shards"
+                f"EXL3 {prefix}: {len(keys)} checkpoint modules for {num_shards} "
+                "output shards"
             )
         return [self.modules[k] for k in keys]
 
@@ -307,7 +317,8 @@ class Exl3Config(QuantizationConfig):
 
         if self.modules is None:
             raise ValueError(
-                "Exl3Config.get_quant_method called before maybe_update_config described the "
+                "Exl3Config.get_quant_method called before maybe_update_config "
+                "described the "
                 "checkpoint's modules"
             )
         if isinstance(layer, LinearBase):
@@ -341,8 +352,8 @@ class Exl3Config(QuantizationConfig):
     def _moe_method(
         self, layer: torch.nn.Module, prefix: str
     ) -> QuantizeMethodBase | None:
-        """Exl3MoEMethod when the layer's experts are EXL3 modules; None (vLLM's unquantized
-        experts) when the checkpoint has no EXL3 module under the prefix."""
+        """Exl3MoEMethod when the layer's experts are EXL3 modules; None (vLLM's
+        unquantized experts) when the checkpoint has no EXL3 module under the prefix."""
         assert self.resolver is not None and self.modules is not None
         under = self.resolver.modules_under(prefix)
         for key in under:
@@ -374,8 +385,8 @@ class Exl3Config(QuantizationConfig):
 
 
 def _holds_weights(model_name: str) -> bool:
-    """A local checkpoint directory with safetensors weights (not a hub id, not a config-only
-    directory for load_format="dummy")."""
+    """A local checkpoint directory with safetensors weights (not a hub id, not a
+    config-only directory for load_format="dummy")."""
     return os.path.isdir(model_name) and any(
         name.endswith(SAFETENSORS_SUFFIX) or name == SAFETENSORS_INDEX
         for name in os.listdir(model_name)
@@ -383,8 +394,8 @@ def _holds_weights(model_name: str) -> bool:
 
 
 def _tied(hf_config: Any) -> bool | None:
-    """Whether the model vLLM builds ties its head to the embedding (the model class's default
-    included, which config.json may leave out)."""
+    """Whether the model vLLM builds ties its head to the embedding (the model class's
+    default included, which config.json may leave out)."""
     if hf_config is None:
         return None
     text = (

@@ -2,11 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """An EXL3 checkpoint linear that the model consumes as a dense weight.
 
-MLA's `kv_b_proj` is never run as a GEMM of its own: after loading, vLLM's MLA attention reads
-its weight (`get_and_maybe_dequant_weights`) and absorbs it into W_UK / W_UV. ExLlamaV3 keeps
-kv_b_proj unquantized, but a checkpoint that stores it as EXL3 is loaded as EXL3 (every tensor
-checked and placed as for any EXL3 linear), reconstructed once into a dense `weight` of the
-layer's own rank slice, and from then on is vLLM's unquantized linear.
+MLA's `kv_b_proj` is never run as a GEMM of its own: after loading, vLLM's MLA attention
+reads its weight (`get_and_maybe_dequant_weights`) and absorbs it into W_UK / W_UV.
+ExLlamaV3 keeps kv_b_proj unquantized, but a checkpoint that stores it as EXL3 is loaded
+as EXL3 (every tensor checked and placed as for any EXL3 linear), reconstructed once
+into a dense `weight` of the layer's own rank slice, and from then on is vLLM's
+unquantized linear.
 """
 
 import torch
@@ -54,8 +55,8 @@ class Exl3DequantizedLinearMethod(UnquantizedLinearMethod):
     @torch.no_grad()
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self.exl3.process_weights_after_loading(layer)
-        # x @ W for x = I is W itself, computed by the layer's own EXL3 path (its tensor-parallel
-        # slice, padding and shard windows included).
+        # x @ W for x = I is W itself, computed by the layer's own EXL3 path (its
+        # tensor-parallel slice, padding and shard windows included).
         k = self.exl3.layout.k_width
         eye = torch.eye(k, dtype=layer.params_dtype, device=layer.trellis.device)
         weight = self.exl3.apply(layer, eye).t().contiguous()

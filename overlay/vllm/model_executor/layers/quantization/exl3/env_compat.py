@@ -2,14 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Deprecated environment names, resolved in Python only.
 
-The settings are registered in `vllm/envs.py` as `VLLM_EXL3_*` and read through `vllm.envs`;
-the kernels read no environment. Two older spellings still work, with a deprecation warning,
-when the first EXL3 config is built:
+The settings are registered in `vllm/envs.py` as `VLLM_EXL3_*` and read through
+`vllm.envs`; the kernels read no environment. Two older spellings still work, with a
+deprecation warning, when the first EXL3 config is built:
 
 - `CUDA_EXL3_X` (the earlier out-of-tree plugin) is copied to `VLLM_EXL3_X`;
-- the per-knob plan variables `VLLM_EXL3_BM`, `_SPLIT_K`, `_SPLIT_K_TRAFFIC`, `_RECONSTRUCT_M`,
-  `_RECONSTRUCT_BASIS`, `_WGMMA`, `_STREAM_K`, `_SPREAD` (or their `CUDA_EXL3_` forms) become
-  the matching keys of the one debug setting `VLLM_EXL3_PLAN`.
+- the per-knob plan variables `VLLM_EXL3_BM`, `_SPLIT_K`, `_SPLIT_K_TRAFFIC`,
+  `_RECONSTRUCT_M`, `_RECONSTRUCT_BASIS`, `_WGMMA`, `_STREAM_K`, `_SPREAD` (or their
+  `CUDA_EXL3_` forms) become the matching keys of the one debug setting
+  `VLLM_EXL3_PLAN`.
 """
 
 import os
@@ -68,7 +69,8 @@ def adopt_deprecated_env_names(
         if name in environ:
             if environ[name] != environ[old]:
                 logger.warning(
-                    "%s=%r is ignored: %s=%r is set and takes precedence (%s is deprecated)",
+                    "%s=%r is ignored: %s=%r is set and takes precedence (%s is "
+                    "deprecated)",
                     old,
                     environ[old],
                     name,

@@ -1,13 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The EXL3 on-disk format: tensor names, dtypes, shapes, bitrate and codebook detection, and
-safetensors header reading.
+"""The EXL3 on-disk format: tensor names, dtypes, shapes, bitrate and codebook
+detection, and safetensors header reading.
 
-An EXL3 checkpoint has no per-tensor version field: a module is EXL3 because `P.trellis` exists,
-its bitrate is the trellis width / 16 and its codebook is the marker tensor present (`P.mcg`,
-`P.mul1`, neither = 3INST). Both JSON files are informational. Everything here validates and fails
-closed with `Exl3FormatError`, naming the tensor and the rule it breaks.
+An EXL3 checkpoint has no per-tensor version field: a module is EXL3 because `P.trellis`
+exists, its bitrate is the trellis width / 16 and its codebook is the marker tensor
+present (`P.mcg`, `P.mul1`, neither = 3INST). Both JSON files are informational.
+Everything here validates and fails closed with `Exl3FormatError`, naming the tensor and
+the rule it breaks.
 
-Imports only the standard library and torch, so tools outside vLLM can load it on its own.
+Imports only the standard library and torch, so tools outside vLLM can load it on its
+own.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import torch
 
 from . import checkpoint_files
 
-# The file-level readers and the error type live in checkpoint_files.py (standard library only);
-# they are part of this module's API too.
+# The file-level readers and the error type live in checkpoint_files.py (standard
+# library only); they are part of this module's API too.
 Exl3FormatError = checkpoint_files.Exl3FormatError
 TensorEntry = checkpoint_files.TensorEntry
 SAFETENSORS_INDEX = checkpoint_files.SAFETENSORS_INDEX
@@ -31,8 +33,9 @@ SAFETENSORS_SINGLE = checkpoint_files.SAFETENSORS_SINGLE
 read_safetensors_header = checkpoint_files.read_safetensors_header
 read_safetensors_index = checkpoint_files.read_safetensors_index
 
-# vLLM's init_logger is logging.getLogger under the vllm namespace; this module must not import
-# vLLM (the tools load it standalone), and under vLLM __name__ already sits in that namespace.
+# vLLM's init_logger is logging.getLogger under the vllm namespace; this module must
+# not import vLLM (the tools load it standalone), and under vLLM __name__ already sits
+# in that namespace.
 logger = logging.getLogger(__name__)
 
 # Width of every EXL3 Hadamard block; all quantized dims are padded to a multiple of it.
@@ -49,7 +52,8 @@ class Codebook(enum.IntEnum):
     MUL1 = 2
 
 
-# Marker scalars as stored (int32 views of the codebook multipliers 0xCBAC1FED and 0x83DCD12D).
+# Marker scalars as stored (int32 views of the codebook multipliers 0xCBAC1FED and
+# 0x83DCD12D).
 MCG_MARKER_VALUE = -877912083
 MUL1_MARKER_VALUE = -2082680531
 
@@ -57,14 +61,16 @@ VALID_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 # Half-integer rates exist only for MUL1 (ExLlamaV3 instantiates no other combination).
 HALF_BITS = (1.5, 2.5, 3.5)
 
-# int16 words per bit of rate in one tile: a tile holds 256 codes, 256*K bits = 16*K words.
+# int16 words per bit of rate in one tile: a tile holds 256 codes, 256*K bits = 16*K
+# words.
 WORDS_PER_BIT = TILE
 
 # Suffixes of the tensors one EXL3 linear may have (exl3-format.md §1.4).
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale")
 # Suffixes that exist only on EXL3 modules (a `.bias`/`.scale` can belong to anything).
 EXL3_ONLY_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
-# Optional quantized token embedding container (--embed_bits); a different codec, not supported.
+# Optional quantized token embedding container (--embed_bits); a different codec, not
+# supported.
 EMBED_SIGNS_SUFFIX = "signs"
 
 _MARKERS = {
@@ -97,7 +103,8 @@ def bits_from_trellis_width(width: int, where: str) -> float:
         bits = int(bits)
     if width <= 0 or bits not in VALID_BITS:
         raise Exl3FormatError(
-            f"{where}: trellis width {width} gives {width}/16 = {width / WORDS_PER_BIT:g} bits per "
+            f"{where}: trellis width {width} gives {width}/16 = "
+            f"{width / WORDS_PER_BIT:g} bits per "
             f"weight; valid rates are {', '.join(str(b) for b in VALID_BITS)} "
             f"(width 16*K)"
         )
@@ -150,16 +157,19 @@ def _expect(
 def module_spec(
     prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]]
 ) -> Exl3ModuleSpec:
-    """Validate the tensors of one EXL3 linear. `tensors` maps suffix -> (shape, dtype string)."""
+    """Validate the tensors of one EXL3 linear. `tensors` maps suffix -> (shape, dtype
+    string)."""
     for suffix in tensors:
         if suffix == EMBED_SIGNS_SUFFIX:
             raise Exl3FormatError(
-                f"{prefix}.{suffix}: quantized token embedding container (trellis + signs, "
+                f"{prefix}.{suffix}: quantized token embedding container (trellis + "
+                "signs, "
                 f"--embed_bits) is not supported (unexpected tensor)"
             )
         if suffix not in EXL3_SUFFIXES:
             raise Exl3FormatError(
-                f"{prefix}.{suffix}: unexpected tensor in an EXL3 module (allowed suffixes: "
+                f"{prefix}.{suffix}: unexpected tensor in an EXL3 module (allowed "
+                "suffixes: "
                 f"{', '.join(EXL3_SUFFIXES)})"
             )
     if "trellis" not in tensors:
@@ -172,7 +182,8 @@ def module_spec(
         raise Exl3FormatError(f"{t_name}: dtype {t_dtype}, expected I16 (wrong dtype)")
     if len(t_shape) != 3:
         raise Exl3FormatError(
-            f"{t_name}: shape {list(t_shape)}, expected 3 dims [k/16, n/16, 16*bits] (wrong shape)"
+            f"{t_name}: shape {list(t_shape)}, expected 3 dims [k/16, n/16, 16*bits] "
+            "(wrong shape)"
         )
     k, n = t_shape[0] * TILE, t_shape[1] * TILE
     if k <= 0 or n <= 0:
@@ -190,7 +201,8 @@ def module_spec(
     markers = [m for m in _MARKERS if m in tensors]
     if len(markers) > 1:
         raise Exl3FormatError(
-            f"{prefix}.mcg / {prefix}.mul1: both codebook markers present (at most one allowed)"
+            f"{prefix}.mcg / {prefix}.mul1: both codebook markers present (at most one "
+            "allowed)"
         )
     codebook = Codebook.THREE_INST
     for marker in markers:
@@ -221,14 +233,16 @@ def module_spec(
             legacy = True
         else:
             raise Exl3FormatError(
-                f"{prefix}.{full}: missing tensor ({side} scales: {full} or the legacy {packed} "
+                f"{prefix}.{full}: missing tensor ({side} scales: {full} or the legacy "
+                f"{packed} "
                 f"bitfield is required)"
             )
     if "bias" in tensors:
         _expect(prefix, "bias", tensors, BIAS_DTYPES, (n,))
     if "scale" in tensors:
         logger.warning(
-            "%s.scale is present but not applied: ExLlamaV3 1.6.5 ignores legacy scale tensors "
+            "%s.scale is present but not applied: ExLlamaV3 1.6.5 ignores legacy scale "
+            "tensors "
             "(exl3-format.md, Open points)",
             prefix,
         )
@@ -252,7 +266,8 @@ def split_name(name: str) -> tuple[str, str]:
 def group_tensors(
     index: Mapping[str, TensorEntry],
 ) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
-    """Tensors grouped by module prefix: {prefix: {suffix: (shape, dtype)}}, prefixes sorted."""
+    """Tensors grouped by module prefix: {prefix: {suffix: (shape, dtype)}}, prefixes
+    sorted."""
     groups: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
     for name, entry in index.items():
         prefix, suffix = split_name(name)
@@ -263,13 +278,15 @@ def group_tensors(
 def group_spec(
     prefix: str, members: Mapping[str, tuple[tuple[int, ...], str]]
 ) -> Exl3ModuleSpec | None:
-    """The spec of one tensor group if it is an EXL3 module, None if it is not one at all."""
+    """The spec of one tensor group if it is an EXL3 module, None if it is not one at
+    all."""
     if "trellis" in members:
         return module_spec(prefix, members)
     orphans = sorted(s for s in members if s in EXL3_ONLY_SUFFIXES)
     if orphans:
         raise Exl3FormatError(
-            f"{prefix}.trellis: missing tensor ({prefix}.{orphans[0]} is an EXL3 tensor "
+            f"{prefix}.trellis: missing tensor ({prefix}.{orphans[0]} is an EXL3 "
+            "tensor "
             f"but the module has no trellis)"
         )
     return None
@@ -291,7 +308,8 @@ def read_tensor(
     entry: TensorEntry,
     device: str | torch.device = "cpu",
 ) -> torch.Tensor:
-    """Read one tensor's bytes from its shard (little-endian, as safetensors stores them)."""
+    """Read one tensor's bytes from its shard (little-endian, as safetensors stores
+    them)."""
     dtype = SAFETENSORS_DTYPES.get(entry.dtype)
     if dtype is None:
         raise Exl3FormatError(f"{name}: unsupported safetensors dtype {entry.dtype}")
@@ -302,7 +320,8 @@ def read_tensor(
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if end - start != nbytes:
         raise Exl3FormatError(
-            f"{name}: {end - start} bytes stored for shape {list(entry.shape)} {entry.dtype} "
+            f"{name}: {end - start} bytes stored for shape {list(entry.shape)} "
+            f"{entry.dtype} "
             f"(expected {nbytes}; corrupt header)"
         )
     with open(os.path.join(os.fspath(ckpt_dir), entry.file), "rb") as f:
@@ -318,7 +337,8 @@ def read_tensor(
 
 
 def unpack_sign_bits(words: torch.Tensor) -> torch.Tensor:
-    """Legacy sign bitfield: element 16w+b is -1 if bit b of word w is set, else +1 (fp16)."""
+    """Legacy sign bitfield: element 16w+b is -1 if bit b of word w is set, else +1
+    (fp16)."""
     if words.dtype != torch.int16:
         raise Exl3FormatError(f"sign bitfield has dtype {words.dtype}, expected int16")
     bits = torch.arange(TILE, device=words.device, dtype=torch.int32)
@@ -332,7 +352,8 @@ def check_marker(name: str, value: int) -> None:
     expected = _MARKERS[split_name(name)[1]][1]
     if value != expected:
         raise Exl3FormatError(
-            f"{name}: marker value {value}, expected {expected} (wrong codebook marker value)"
+            f"{name}: marker value {value}, expected {expected} (wrong codebook marker "
+            "value)"
         )
 
 
@@ -342,7 +363,8 @@ def load_module(
     device: str | torch.device = "cpu",
     index: Mapping[str, TensorEntry] | None = None,
 ) -> Exl3Weights:
-    """Load one validated module; checks marker values and expands legacy sign bitfields."""
+    """Load one validated module; checks marker values and expands legacy sign
+    bitfields."""
     if index is None:
         index = read_safetensors_index(ckpt_dir)
 

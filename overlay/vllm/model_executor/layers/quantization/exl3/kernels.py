@@ -3,9 +3,9 @@
 """Which implementation runs an EXL3 layer, chosen once per layer after loading.
 
 Following vLLM's kernel-selection pattern (`model_executor/kernels/linear/`): the method
-describes the layer, each kernel says whether it can run it here (`can_implement` -> (ok, why
-not)) and how (`apply`). Candidates are tried in order; `VLLM_EXL3_FORCE_REFERENCE=1` forces the
-reference.
+describes the layer, each kernel says whether it can run it here (`can_implement` ->
+(ok, why not)) and how (`apply`). Candidates are tried in order;
+`VLLM_EXL3_FORCE_REFERENCE=1` forces the reference.
 """
 
 from abc import ABC, abstractmethod
@@ -45,7 +45,7 @@ class Exl3Kernel(ABC):
     # Whether the kernel runs plans (plans.py) that are prepared and warmed up at load.
     uses_plans = False
 
-    def prepare(self, runs: list[Exl3Run]) -> None:
+    def prepare(self, runs: list[Exl3Run]) -> None:  # noqa: B027 - optional hook
         """Called once after loading with the layer's runs, in call order."""
 
     @classmethod
@@ -65,8 +65,8 @@ class Exl3Kernel(ABC):
         codebook: int,
         run: int,
     ) -> torch.Tensor:
-        """y [m, n] in x.dtype for contiguous x [m, k]: the layer's run number `run` (the
-        arguments of `_C::exl3_linear` but its plans and workspace)."""
+        """y [m, n] in x.dtype for contiguous x [m, k]: the layer's run number `run`
+        (the arguments of `_C::exl3_linear` but its plans and workspace)."""
         raise NotImplementedError
 
 
@@ -123,7 +123,8 @@ class CudaExl3Kernel(Exl3Kernel):
 
 
 class ReferenceExl3Kernel(Exl3Kernel):
-    """The plain-PyTorch codec (decodes the trellis on every call): CPU, tests, debugging."""
+    """The plain-PyTorch codec (decodes the trellis on every call): CPU, tests,
+    debugging."""
 
     @classmethod
     def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:

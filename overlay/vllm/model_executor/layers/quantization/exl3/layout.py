@@ -1,21 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 """Where the checkpoint tensors of one EXL3 layer land on this tensor-parallel rank.
 
-A layer is one or more shards (q/k/v, gate/up) of one input. Its parameters hold, per rank:
+A layer is one or more shards (q/k/v, gate/up) of one input. Its parameters hold, per
+rank:
 
-* `trellis` int16: the shards side by side along n, `[k_alloc/16, n_alloc/16, 16K]` when every
-  shard has the same bitrate and codebook; otherwise a flat int16 buffer holding one such block
-  per *run* (consecutive shards of equal bitrate and codebook), each run one kernel call;
+* `trellis` int16: the shards side by side along n, `[k_alloc/16, n_alloc/16, 16K]` when
+  every shard has the same bitrate and codebook; otherwise a flat int16 buffer holding
+  one such block per *run* (consecutive shards of equal bitrate and codebook), each run
+  one kernel call;
 * `suh` fp16 `[S, k_alloc]`, one row per shard; `svh` fp16 `[n_alloc]`.
 
-Every allocated dim is a multiple of the 128-wide Hadamard block, so the kernel never cuts a
-block. A column-parallel rank allocates, per shard, the 128-aligned window of checkpoint blocks
-covering its columns (tp_rules.py) and keeps its own `[keep, keep + width)` of it; when some shard
-keeps less than it computes, one precomputed column index gathers what vLLM receives. A row
-split of k must fall on a multiple of 128 (x is split there; no window can help). What a rank
-allocates beyond the checkpoint (vLLM-added head/vocab padding, or the tail of a dim vLLM does not
-round) is zero-filled with `svh = 0` / `suh = 0`, which makes it contribute exactly zero whatever
-the trellis holds there. Violations are errors naming the module, the rank and the numbers.
+Every allocated dim is a multiple of the 128-wide Hadamard block, so the kernel never
+cuts a block. A column-parallel rank allocates, per shard, the 128-aligned window of
+checkpoint blocks covering its columns (tp_rules.py) and keeps its own
+`[keep, keep + width)` of it; when some shard keeps less than it computes, one
+precomputed column index gathers what vLLM receives. A row split of k must fall on a
+multiple of 128 (x is split there; no window can help). What a rank allocates beyond the
+checkpoint (vLLM-added head/vocab padding, or the tail of a dim vLLM does not round) is
+zero-filled with `svh = 0` / `suh = 0`, which makes it contribute exactly zero whatever
+the trellis holds there. Violations are errors naming the module, the rank and the
+numbers.
 """
 
 from collections.abc import Sequence
@@ -74,13 +78,15 @@ class ShardLayout:
 
     @property
     def copy_cols(self) -> int:
-        """Checkpoint columns that exist inside this rank's allocation; the rest stay zero."""
+        """Checkpoint columns that exist inside this rank's allocation; the rest stay
+        zero."""
         return max(0, min(self.alloc, self.ckpt_cols - self.src_col))
 
 
 @dataclass(frozen=True)
 class KernelRun:
-    """Consecutive shards sharing bitrate and codebook: one kernel call over their columns."""
+    """Consecutive shards sharing bitrate and codebook: one kernel call over their
+    columns."""
 
     first: int  # shard index range [first, stop)
     stop: int
@@ -125,12 +131,14 @@ class Exl3Layout:
 
     @property
     def identity_output(self) -> bool:
-        """Every shard keeps all it computes: the allocated output is what vLLM receives."""
+        """Every shard keeps all it computes: the allocated output is what vLLM
+        receives."""
         return all(s.keep == 0 and s.width == s.alloc for s in self.shards)
 
     def kept_columns(self) -> list[int] | None:
-        """For each returned column, its column in the allocated output (the kept window of every
-        shard, in shard order); None when the output is returned as computed."""
+        """For each returned column, its column in the allocated output (the kept window
+        of every shard, in shard order); None when the output is returned as computed.
+        """
         if self.identity_output:
             return None
         return [
@@ -200,17 +208,21 @@ def _shard(
 def _check_fits(
     prefix: str, what: str, ckpt: int, vllm_total: int, rank: int, name: str
 ) -> None:
-    """The checkpoint's (padded) dim against the layer's: the layer may be wider by whole blocks
-    (vLLM padding) or narrower by less than one block (the format's own padding)."""
+    """The checkpoint's (padded) dim against the layer's: the layer may be wider by
+    whole blocks (vLLM padding) or narrower by less than one block (the format's own
+    padding)."""
     if round_up(vllm_total, HADAMARD_SIZE) < ckpt:
         raise Exl3LayoutError(
-            f"EXL3 {prefix} (rank {rank}): checkpoint {name} has {ckpt} {what} but the layer "
-            f"has {vllm_total}; the checkpoint does not belong to this model configuration"
+            f"EXL3 {prefix} (rank {rank}): checkpoint {name} has {ckpt} {what} but the "
+            "layer "
+            f"has {vllm_total}; the checkpoint does not belong to this model "
+            "configuration"
         )
     if vllm_total > ckpt and (vllm_total - ckpt) % HADAMARD_SIZE:
         raise Exl3LayoutError(
             f"EXL3 {prefix} (rank {rank}): the layer pads {name}'s {ckpt} {what} to "
-            f"{vllm_total}; padding must be whole {HADAMARD_SIZE}-wide blocks after the "
+            f"{vllm_total}; padding must be whole {HADAMARD_SIZE}-wide blocks after "
+            "the "
             f"checkpoint's last block (got {vllm_total - ckpt})"
         )
 
@@ -229,11 +241,13 @@ def plan_linear(
     """Layout of a (fused) linear on one rank.
 
     `k_width`/`widths` are vLLM's per-rank input features and per-shard output features;
-    `kv_replicas[s]` is how many ranks share shard s's slice (QKV's replicated KV heads).
+    `kv_replicas[s]` is how many ranks share shard s's slice (QKV's replicated KV
+    heads).
     """
     if len(specs) != len(widths):
         raise Exl3LayoutError(
-            f"EXL3 {prefix}: the layer has {len(widths)} output shards but {len(specs)} "
+            f"EXL3 {prefix}: the layer has {len(widths)} output shards but "
+            f"{len(specs)} "
             f"checkpoint modules resolved to it ({', '.join(s.prefix for s in specs)})"
         )
     if split is Split.ROW and len(specs) != 1:
@@ -300,15 +314,17 @@ def plan_lm_head(
 ) -> Exl3Layout:
     """Layout of a vocab-parallel lm_head on one rank.
 
-    The vocab is the trellis' n. vLLM gives each rank `vocab_per_rank` columns starting at
-    `vocab_start` (padded to 64, so generally not 128-aligned); the rank computes the window of
-    checkpoint blocks covering its range and returns exactly its range (the column-parallel rule
-    of tp_rules.py). Columns at or past `org_vocab` come out exactly zero.
+    The vocab is the trellis' n. vLLM gives each rank `vocab_per_rank` columns starting
+    at `vocab_start` (padded to 64, so generally not 128-aligned); the rank computes the
+    window of checkpoint blocks covering its range and returns exactly its range (the
+    column-parallel rule of tp_rules.py). Columns at or past `org_vocab` come out
+    exactly zero.
     """
     if round_up(org_vocab, HADAMARD_SIZE) != spec.out_features:
         raise Exl3LayoutError(
             f"EXL3 {prefix} (rank {tp_rank}): checkpoint {spec.prefix} has "
-            f"{spec.out_features} vocab columns, expected the model's vocab {org_vocab} padded "
+            f"{spec.out_features} vocab columns, expected the model's vocab "
+            f"{org_vocab} padded "
             f"to {round_up(org_vocab, HADAMARD_SIZE)}"
         )
     _check_fits(

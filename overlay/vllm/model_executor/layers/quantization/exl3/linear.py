@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""`Exl3LinearMethod`: EXL3 for vLLM's Replicated, Column, MergedColumn, QKV and Row linears.
+"""`Exl3LinearMethod`: EXL3 for vLLM's Replicated, Column, MergedColumn, QKV and Row
+linears.
 
-The path of one forward: `apply` -> `run_layout` (pad x to the allocated k, one kernel call per
-run of equal-bitrate shards over the shards' 128-aligned windows, then, only if some shard keeps
-part of its window, one gather of the kept columns) -> `Exl3Kernel.apply` (the CUDA op, or the
-reference codec on CPU).
+The path of one forward: `apply` -> `run_layout` (pad x to the allocated k, one kernel
+call per run of equal-bitrate shards over the shards' 128-aligned windows, then, only if
+some shard keeps part of its window, one gather of the kept columns) ->
+`Exl3Kernel.apply` (the CUDA op, or the reference codec on CPU).
 """
 
 import torch
@@ -81,8 +82,9 @@ def run_layout(
     else:
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     if not layout.identity_output:
-        # One gather of m x out_width elements, a copy of the output: small next to the GEMM
-        # that produced it, and a single shape-static op for torch.compile and CUDA graphs.
+        # One gather of m x out_width elements, a copy of the output: small next to the
+        # GEMM that produced it, and a single shape-static op for torch.compile and
+        # CUDA graphs.
         y = y.index_select(1, getattr(layer, OUT_INDEX))
     if bias is not None and not fuse_bias:
         y = y + bias
@@ -152,8 +154,8 @@ def _single_shard_loader(loader):
 
 @register_weight_loader_v2_supported_method
 class Exl3LinearMethod(LinearMethodBase):
-    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order, `ledger` the
-    model's record of loaded tensors (load_ledger.py)."""
+    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order,
+    `ledger` the model's record of loaded tensors (load_ledger.py)."""
 
     def __init__(self, specs: list[Exl3ModuleSpec], ledger: LoadLedger | None = None):
         self.specs = specs
@@ -176,7 +178,8 @@ class Exl3LinearMethod(LinearMethodBase):
         for spec in self.specs:
             if spec.has_bias != bool(layer.has_bias):
                 raise Exl3LayoutError(
-                    f"EXL3 {spec.prefix}: the checkpoint {'has' if spec.has_bias else 'lacks'} "
+                    f"EXL3 {spec.prefix}: the checkpoint "
+                    f"{'has' if spec.has_bias else 'lacks'} "
                     f"a bias but the model builds {layer.prefix} "
                     f"{'with' if layer.has_bias else 'without'} one"
                 )
@@ -194,8 +197,8 @@ class Exl3LinearMethod(LinearMethodBase):
             widths=output_partition_sizes,
             kv_replicas=kv_replicas,
         )
-        # ReplicatedLinear's own loader only copies same-shaped tensors; everything else goes
-        # through the layer's v2 loader, which calls Exl3Parameter.load_*.
+        # ReplicatedLinear's own loader only copies same-shaped tensors; everything
+        # else goes through the layer's v2 loader, which calls Exl3Parameter.load_*.
         loader = (
             direct_weight_loader
             if split is Split.NONE
@@ -205,8 +208,9 @@ class Exl3LinearMethod(LinearMethodBase):
             isinstance(layer, MergedColumnParallelLinear)
             and len(output_partition_sizes) == 1
         ):
-            # A one-shard merged layer (Qwen3-Next's in_proj_qkvz): models load its single
-            # checkpoint module without a shard id, which vLLM would split by its own offsets.
+            # A one-shard merged layer (Qwen3-Next's in_proj_qkvz): models load its
+            # single checkpoint module without a shard id, which vLLM would split by
+            # its own offsets.
             loader = _single_shard_loader(loader)
         ids = shard_ids(layer)
         real = (

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """`Exl3LMHeadMethod`: an EXL3 `lm_head` as vLLM's ParallelLMHead.
 
-vLLM's vocab loader slices dim 0 and asserts the unpadded vocab; in a trellis the vocab is dim 1
-and padded to 128. So the head has its own loader: each rank keeps the 128-aligned superset of
-checkpoint blocks covering its vocab range (vLLM pads the vocab to 64, so ranges need not be
-128-aligned), and returns exactly `num_embeddings_per_partition` columns, those past the real
-vocab exactly zero (layout.plan_lm_head).
+vLLM's vocab loader slices dim 0 and asserts the unpadded vocab; in a trellis the vocab
+is dim 1 and padded to 128. So the head has its own loader: each rank keeps the
+128-aligned superset of checkpoint blocks covering its vocab range (vLLM pads the vocab
+to 64, so ranges need not be 128-aligned), and returns exactly
+`num_embeddings_per_partition` columns, those past the real vocab exactly zero
+(layout.plan_lm_head).
 """
 
 import torch
@@ -43,7 +44,8 @@ class Exl3LMHeadMethod(QuantizeMethodBase):
     ) -> None:
         if layer.num_added_embeddings:
             raise Exl3LayoutError(
-                f"EXL3 {self.prefix}: added (LoRA) vocabulary is not supported with an EXL3 "
+                f"EXL3 {self.prefix}: added (LoRA) vocabulary is not supported with an "
+                "EXL3 "
                 f"lm_head ({layer.num_added_embeddings} added tokens)"
             )
         self.layout = plan_lm_head(
@@ -77,6 +79,8 @@ class Exl3LMHeadMethod(QuantizeMethodBase):
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
         raise Exl3LayoutError(
-            f"EXL3 {self.prefix}: an EXL3 lm_head cannot be tied to the token embedding (the "
-            f"converter always writes a separate head and sets tie_word_embeddings=false)"
+            f"EXL3 {self.prefix}: an EXL3 lm_head cannot be tied to the token "
+            "embedding (the "
+            "converter always writes a separate head and sets "
+            "tie_word_embeddings=false)"
         )

@@ -2,15 +2,17 @@
 """Checkpoint module names <-> vLLM module prefixes.
 
 ExLlamaV3 writes one tensor set per projection under the source model's names
-(`model.layers.3.self_attn.q_proj`); vLLM asks per layer, under its own prefix, often for a fused
-layer (`...self_attn.qkv_proj`). A vLLM name resolves to a checkpoint module in this order:
+(`model.layers.3.self_attn.q_proj`); vLLM asks per layer, under its own prefix, often
+for a fused layer (`...self_attn.qkv_proj`). A vLLM name resolves to a checkpoint module
+in this order:
 
 1. exact: the name itself is a checkpoint module;
-2. mapped: the model's `hf_to_vllm_mapper` (stacked entries removed) renames a checkpoint module
-   to the name;
-3. wrappers dropped: equal once every `model` / `language_model` segment is removed from both
-   sides (multimodal wrappers nest the text model differently in vLLM and in checkpoints). A
-   stripped name that two checkpoint modules share is ambiguous and never used.
+2. mapped: the model's `hf_to_vllm_mapper` (stacked entries removed) renames a
+   checkpoint module to the name;
+3. wrappers dropped: equal once every `model` / `language_model` segment is removed from
+   both sides (multimodal wrappers nest the text model differently in vLLM and in
+   checkpoints). A stripped name that two checkpoint modules share is ambiguous and
+   never used.
 
 `VLLM_EXL3_DEBUG_NAMES=1` logs every resolution, hits and misses.
 """
@@ -29,7 +31,8 @@ logger = init_logger(__name__)
 WRAPPER_SEGMENTS = frozenset({"model", "language_model"})
 
 # Fused vLLM layers and the checkpoint projections they stack, for models whose
-# packed_modules_mapping lacks an entry (e.g. Qwen3-MoE lists gate_up_proj only sometimes).
+# packed_modules_mapping lacks an entry (e.g. Qwen3-MoE lists gate_up_proj only
+# sometimes).
 FUSED_SHARDS_FALLBACK: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
@@ -60,7 +63,7 @@ class ModuleNameResolver:
             self._stripped[stripped] = None if stripped in self._stripped else key
 
     def set_mapper(self, mapper: "WeightsMapper") -> None:
-        """Index the checkpoint modules under the names the model's mapper gives them."""
+        """Index the checkpoint modules under the names the model's mapper gives."""
         self._mapped = {}
         for key in sorted(self.modules):
             mapped = mapper._map_name(key + _PROBE_SUFFIX)
@@ -98,7 +101,8 @@ class ModuleNameResolver:
         return None, "no match"
 
     def modules_under(self, prefix: str) -> list[str]:
-        """Checkpoint modules inside the vLLM module `prefix` (exact or wrappers dropped)."""
+        """Checkpoint modules inside the vLLM module `prefix` (exact or wrappers
+        dropped)."""
         stripped = strip_wrappers(prefix) + "."
         exact = prefix + "."
         return sorted(
@@ -111,10 +115,11 @@ class ModuleNameResolver:
 def shard_names(
     prefix: str, packed_modules_mapping: Mapping[str, list[str]]
 ) -> list[str]:
-    """The checkpoint-side names of the logical shards of vLLM layer `prefix`, in shard order.
+    """The checkpoint-side names of the logical shards of vLLM layer `prefix`, in shard
+    order.
 
-    A fused layer (`...qkv_proj`) expands through the model's packed_modules_mapping, else the
-    built-in fallback table; any other layer is its own single shard.
+    A fused layer (`...qkv_proj`) expands through the model's packed_modules_mapping,
+    else the built-in fallback table; any other layer is its own single shard.
     """
     parent, _, last = prefix.rpartition(".")
     members = packed_modules_mapping.get(last) or FUSED_SHARDS_FALLBACK.get(last)

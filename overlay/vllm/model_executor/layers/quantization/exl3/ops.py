@@ -1,29 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Python wrappers and fake implementations of the EXL3 CUDA ops (`torch.ops._C.exl3_*`).
+"""Python wrappers and fake implementations of the EXL3 CUDA ops
+(`torch.ops._C.exl3_*`).
 
-The full build compiles the kernels into `_C_stable_libtorch`, which the CUDA platform imports
-at start-up. The quick development build ships them as the separate extension `vllm._exl3_C`
-(its own `_C` fragment), imported here on first use. Nothing is loaded at import time: vLLM
-imports every quantization package on every config resolution, also on machines without a GPU.
+The full build compiles the kernels into `_C_stable_libtorch`, which the CUDA platform
+imports at start-up. The quick development build ships them as the separate extension
+`vllm._exl3_C` (its own `_C` fragment), imported here on first use. Nothing is loaded at
+import time: vLLM imports every quantization package on every config resolution, also on
+machines without a GPU.
 
 Schemas (the C++ reads no environment; everything it needs is an argument)::
 
     exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias,
-                int[] shard_widths, int codebook, int[] plans, Tensor workspace) -> Tensor
+                int[] shard_widths, int codebook, int[] plans, Tensor workspace) ->
+                Tensor
     exl3_reconstruct(Tensor trellis, int codebook) -> Tensor
     exl3_plan(Tensor trellis, int shards, int codebook, bool bf16, int m, int[] plans,
               int workspace_floats) -> int[]
     exl3_time_plans(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias,
-                    int[] shard_widths, int codebook, int[] plans, Tensor workspace) -> int[]
+                    int[] shard_widths, int codebook, int[] plans, Tensor workspace) ->
+                    int[]
 
-`exl3_linear`: y [m, n] (x's dtype) = x [m, k] (fp16/bf16) through S shards of one trellis
-(int16 [k/16, n/16, 16 * bits]); suh fp16 [S, k] (or [k]), svh fp16 [n], bias [n] in x's dtype
-or None, `shard_widths` the S output widths (multiples of 128, summing to n), `codebook` 0
-(3INST), 1 (MCG) or 2 (MUL1).
+`exl3_linear`: y [m, n] (x's dtype) = x [m, k] (fp16/bf16) through S shards of one
+trellis (int16 [k/16, n/16, 16 * bits]); suh fp16 [S, k] (or [k]), svh fp16 [n], bias
+[n] in x's dtype or None, `shard_widths` the S output widths (multiples of 128, summing
+to n), `codebook` 0 (3INST), 1 (MCG) or 2 (MUL1).
 
-`plans` (int64 list) is the layer's plan table, built in Python at load time (plans.py): a
-header of PLAN_HEADER_LEN ints, then PLAN_FIELDS ints per entry::
+`plans` (int64 list) is the layer's plan table, built in Python at load time (plans.py):
+a header of PLAN_HEADER_LEN ints, then PLAN_FIELDS ints per entry::
 
     header: [PLAN_VERSION, flags, basis, bm, split_k, wgmma, stream_k, spread,
              reconstruct_m, split_k_traffic_permille]
@@ -31,33 +35,37 @@ header of PLAN_HEADER_LEN ints, then PLAN_FIELDS ints per entry::
                FLAG_BATCH_INVARIANT (one reduction order for every m: the mma.sync fused
                engine, split 1, no stream-k, no reconstruct path);
         basis .. reconstruct_m: VLLM_EXL3_PLAN's pins for the cost model (-1 / 0 = free;
-               reconstruct_m: -1 = the model's threshold, 0 = never, r > 0 = buckets >= r);
+               reconstruct_m: -1 = the model's threshold, 0 = never, r > 0 = buckets >=
+               r);
         split_k_traffic_permille: the split-k cost model's traffic cap (250 = 0.25).
     entry:  [m_max, path, bm, split_k, wgmma, stream_blocks, early_release, spread]
         m_max: the entry serves m <= m_max not served by an earlier entry (ascending,
                powers of two: the token-count buckets); path: PATH_FUSED, PATH_ORIGINAL
-               (reconstruct W, one cuBLAS GEMM), PATH_ROTATED (reconstruct Ŵ, cuBLAS between
-               the transforms); bm: rows per block (mma.sync 16/32/64/128, wgmma
-               64/128/256); stream_blocks > 0: the wgmma stream-k grid (bm >= 128, split 1).
+               (reconstruct W, one cuBLAS GEMM), PATH_ROTATED (reconstruct Ŵ, cuBLAS
+               between the transforms); bm: rows per block (mma.sync 16/32/64/128, wgmma
+               64/128/256); stream_blocks > 0: the wgmma stream-k grid (bm >= 128, split
+               1).
 
-The op picks the entry for its own m at run time (so one CUDA graph or compiled graph with a
-symbolic m still gets each bucket's plan); a bucket no entry covers goes to the C++ cost model
-(deterministic, no timing), evaluated at the bucket's m. The table is validated on every call
-(unknown path, BM tier not built, wgmma on a device without it, split beyond k's chunks,
-entries against the flags) with an error naming the rule.
+The op picks the entry for its own m at run time (so one CUDA graph or compiled graph
+with a symbolic m still gets each bucket's plan); a bucket no entry covers goes to the
+C++ cost model (deterministic, no timing), evaluated at the bucket's m. The table is
+validated on every call (unknown path, BM tier not built, wgmma on a device without it,
+split beyond k's chunks, entries against the flags) with an error naming the rule.
 
-`workspace`: fp32, 1-D, on x's device, all zeros between calls (the split-k finish kernel
-re-zeroes what it read); one per device from torch's caching allocator (workspace.py). A plan
-whose split-k / stream-k partial sums (m x n floats) do not fit runs with split 1 instead.
+`workspace`: fp32, 1-D, on x's device, all zeros between calls (the split-k finish
+kernel re-zeroes what it read); one per device from torch's caching allocator
+(workspace.py). A plan whose split-k / stream-k partial sums (m x n floats) do not fit
+runs with split 1 instead.
 
-`exl3_plan` returns the plan `exl3_linear` would run for m rows on trellis's device given
-`workspace_floats`: PLAN_FIELDS entry ints (m_max = the bucket) and then the source
-(SOURCE_TABLE or SOURCE_COST_MODEL). Eager only, no kernel runs: load-time logging and
-workspace sizing.
+`exl3_plan` returns the plan `exl3_linear` would run for m rows on trellis's device
+given `workspace_floats`: PLAN_FIELDS entry ints (m_max = the bucket) and then the
+source (SOURCE_TABLE or SOURCE_COST_MODEL). Eager only, no kernel runs: load-time
+logging and workspace sizing.
 
-`exl3_time_plans` times every candidate plan for x's m bucket on the real buffers (eager only:
-it refuses a capturing stream) and returns PLAN_FIELDS + 1 ints per candidate, the last the mean
-time in nanoseconds: the opt-in tuner (VLLM_EXL3_TUNE=1, scripts/bench/tune_plans.py).
+`exl3_time_plans` times every candidate plan for x's m bucket on the real buffers (eager
+only: it refuses a capturing stream) and returns PLAN_FIELDS + 1 ints per candidate, the
+last the mean time in nanoseconds: the opt-in tuner (VLLM_EXL3_TUNE=1,
+scripts/bench/tune_plans.py).
 """
 
 import functools
@@ -139,8 +147,8 @@ def exl3_reconstruct_fake(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
 
 
 def register_fakes() -> None:
-    """Output metadata for Dynamo: the dense EXL3 linears run inside the torch.compile graph.
-    exl3_plan and exl3_time_plans are eager-only (load time) and have none."""
+    """Output metadata for Dynamo: the dense EXL3 linears run inside the torch.compile
+    graph. exl3_plan and exl3_time_plans are eager-only (load time) and have none."""
     if _needs_fake("exl3_linear"):
         register_fake("_C::exl3_linear")(exl3_linear_fake)
     if _needs_fake("exl3_reconstruct"):
@@ -165,7 +173,8 @@ def exl3_linear(
 
 
 def exl3_reconstruct(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
-    """Ŵ fp16 [k, n], the rotated-basis weight (bit-identical to reference.decode_rotated)."""
+    """Ŵ fp16 [k, n], the rotated-basis weight (bit-identical to
+    reference.decode_rotated)."""
     return torch.ops._C.exl3_reconstruct(trellis, codebook)
 
 

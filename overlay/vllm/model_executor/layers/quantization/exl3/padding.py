@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Checkpoint tensors that vLLM's own loaders place, stored 128-padded by the format.
 
-ExLlamaV3 pads every linear's k and n to multiples of 128 (exl3-format.md §1.7), including the
-linears it keeps unquantized (`.weight` of shape (n_pad, k_pad)) and every `.bias` (n_pad). vLLM
-allocates the model's real dims and asserts equal shapes, so such a tensor is trimmed back to the
-real dims of its shard *before* vLLM's loader runs; the loader's tensor-parallel narrowing then
-works on the real tensor as usual. A stored shape that is neither the real dims nor the real dims
-rounded up to 128 is an error. Every load is recorded in the model's ledger (load_ledger.py),
-so a weight or bias the checkpoint never provides is an error after loading, not uninitialised
-memory.
+ExLlamaV3 pads every linear's k and n to multiples of 128 (exl3-format.md §1.7),
+including the linears it keeps unquantized (`.weight` of shape (n_pad, k_pad)) and every
+`.bias` (n_pad). vLLM allocates the model's real dims and asserts equal shapes, so such
+a tensor is trimmed back to the real dims of its shard *before* vLLM's loader runs; the
+loader's tensor-parallel narrowing then works on the real tensor as usual. A stored
+shape that is neither the real dims nor the real dims rounded up to 128 is an error.
+Every load is recorded in the model's ledger (load_ledger.py), so a weight or bias the
+checkpoint never provides is an error after loading, not uninitialised memory.
 """
 
 from collections.abc import Callable
@@ -30,7 +30,7 @@ ShardId = int | str | tuple[int, ...] | None
 
 
 def shard_ids(layer: LinearBase) -> list[int | str | None]:
-    """The shard ids vLLM's loaders pass for this layer's checkpoint tensors, in order."""
+    """The shard ids vLLM's loaders pass for the layer's checkpoint tensors in order."""
     if isinstance(layer, QKVParallelLinear) and len(layer.output_sizes) == 3:
         return ["q", "k", "v"]
     if isinstance(layer, MergedColumnParallelLinear):
@@ -48,7 +48,8 @@ def _ledger_names(param: str, shard_id: ShardId) -> list[str]:
 def check_loaded(
     ledger: LoadLedger, layer: LinearBase, params: tuple[str, ...]
 ) -> None:
-    """After loading: each of `params` the layer has was written whole or shard by shard."""
+    """After loading: each of `params` the layer has was written whole or shard by
+    shard."""
     expected = []
     for param in params:
         if getattr(layer, param, None) is None:
@@ -64,7 +65,8 @@ def check_loaded(
 def real_rows(layer: LinearBase, shard_id: int | str | tuple[int, ...] | None) -> int:
     """Output features of the checkpoint tensor for this shard (all ranks, unpadded)."""
     if isinstance(layer, QKVParallelLinear):
-        # From the head counts, not output_sizes: those count KV heads replicated across ranks.
+        # From the head counts, not output_sizes: those count KV heads replicated
+        # across ranks.
         sizes = {
             "q": layer.total_num_heads * layer.head_size,
             "k": layer.total_num_kv_heads * layer.head_size,
@@ -85,12 +87,13 @@ def unpad(where: str, loaded: torch.Tensor, real: tuple[int, ...]) -> torch.Tens
     padded = tuple(round_up(d, HADAMARD_SIZE) for d in real)
     if stored != padded:
         raise Exl3FormatError(
-            f"EXL3 {where}: stored shape {list(stored)}, expected the layer's {list(real)} or "
+            f"EXL3 {where}: stored shape {list(stored)}, expected the layer's "
+            f"{list(real)} or "
             f"that padded to multiples of {HADAMARD_SIZE}, {list(padded)}"
         )
-    # Only cut, never check the cut region: padded output rows (and bias entries) are zero by
-    # construction, and padded input columns may hold anything because the format zero-extends
-    # x there, so neither ever reaches a real output.
+    # Only cut, never check the cut region: padded output rows (and bias entries) are
+    # zero by construction, and padded input columns may hold anything because the
+    # format zero-extends x there, so neither ever reaches a real output.
     for dim, size in enumerate(real):
         loaded = loaded.narrow(dim, 0, size)
     return loaded
@@ -99,9 +102,9 @@ def unpad(where: str, loaded: torch.Tensor, real: tuple[int, ...]) -> torch.Tens
 def unpadding_loader(
     layer: LinearBase, loader: Callable, ledger: LoadLedger | None = None
 ) -> Callable:
-    """`loader` (any of vLLM's linear weight loaders) fed the tensor trimmed to the real dims of
-    the shard it belongs to: (n, k) for the weight, (n,) for the bias; each load recorded in
-    `ledger`."""
+    """`loader` (any of vLLM's linear weight loaders) fed the tensor trimmed to the real
+    dims of the shard it belongs to: (n, k) for the weight, (n,) for the bias; each load
+    recorded in `ledger`."""
 
     def load(param: torch.nn.Parameter, loaded: torch.Tensor, *args, **kwargs) -> None:
         shard_id = args[0] if args else kwargs.get("loaded_shard_id")
@@ -123,17 +126,18 @@ def unpadding_loader(
 
 
 def unpad_bias_loads(layer: LinearBase, ledger: LoadLedger | None = None) -> None:
-    """Route the layer's `.bias` (created by vLLM after `create_weights`, with the layer's
-    `weight_loader`) through `unpadding_loader`. Called from `create_weights`."""
-    # An instance attribute shadows the method, and vLLM reads `self.weight_loader` when it
-    # creates the bias, right after create_weights returns.
+    """Route the layer's `.bias` (created by vLLM after `create_weights`, with the
+    layer's `weight_loader`) through `unpadding_loader`. Called from `create_weights`.
+    """
+    # An instance attribute shadows the method, and vLLM reads `self.weight_loader`
+    # when it creates the bias, right after create_weights returns.
     layer.weight_loader = unpadding_loader(layer, layer.weight_loader, ledger)
 
 
 @register_weight_loader_v2_supported_method
 class Exl3PaddedUnquantizedLinearMethod(UnquantizedLinearMethod):
-    """vLLM's unquantized linear for an EXL3 checkpoint: weight and bias may be stored 128-padded,
-    and must be written exactly once."""
+    """vLLM's unquantized linear for an EXL3 checkpoint: weight and bias may be stored
+    128-padded, and must be written exactly once."""
 
     def __init__(self, ledger: LoadLedger | None = None):
         super().__init__()

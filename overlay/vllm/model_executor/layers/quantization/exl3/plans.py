@@ -1,15 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Kernel plans of `_C::exl3_linear`: which GEMM tier, split-k and path runs each token count.
+"""Kernel plans of `_C::exl3_linear`: which GEMM tier, split-k and path runs each token
+count.
 
-A layer's plans are an int list passed to the op (ops.py documents the layout): a header with
-the mode flags (VLLM_EXL3_DETERMINISTIC, vLLM's VLLM_BATCH_INVARIANT) and the debug pins of
-VLLM_EXL3_PLAN, then one entry per token-count bucket (m rounded up to a power of two). The
-entries come, as fused_moe's tuned configs do, from a checked-in per-device JSON table under
-`configs/` (`device_name=<GPU>.json`, written by scripts/bench/tune_plans.py), keyed by the
-layer's shape; a bucket without an entry is planned by the op's deterministic cost model. With
-VLLM_EXL3_TUNE=1 the load-time warm-up times the candidates instead (never during capture).
-So the same GPU model and shapes give the same plans in every process.
+A layer's plans are an int list passed to the op (ops.py documents the layout): a header
+with the mode flags (VLLM_EXL3_DETERMINISTIC, vLLM's VLLM_BATCH_INVARIANT) and the debug
+pins of VLLM_EXL3_PLAN, then one entry per token-count bucket (m rounded up to a power
+of two). The entries come, as fused_moe's tuned configs do, from a checked-in per-device
+JSON table under `configs/` (`device_name=<GPU>.json`, written by
+scripts/bench/tune_plans.py), keyed by the layer's shape; a bucket without an entry is
+planned by the op's deterministic cost model. With VLLM_EXL3_TUNE=1 the load-time
+warm-up times the candidates instead (never during capture). So the same GPU model and
+shapes give the same plans in every process.
 """
 
 import functools
@@ -108,7 +110,8 @@ def parse_plan_setting(text: str) -> PlanPins:
             "split_k_traffic",
         ):
             raise Exl3PlanError(
-                f"{SETTING}: unknown key {key!r} (known: bm, split_k, wgmma, stream_k, spread, "
+                f"{SETTING}: unknown key {key!r} (known: bm, split_k, wgmma, stream_k, "
+                "spread, "
                 f"path, reconstruct_m, split_k_traffic)"
             )
         if key in values:
@@ -182,8 +185,10 @@ def parse_plan_setting(text: str) -> PlanPins:
         pins["basis"] = PATHS[path]
         if fused_keys and "reconstruct_m" not in pins:
             raise Exl3PlanError(
-                f"{SETTING}: path={path} runs no fused GEMM, so {', '.join(fused_keys)} would "
-                f"do nothing (give reconstruct_m to reconstruct only from that many rows)"
+                f"{SETTING}: path={path} runs no fused GEMM, so "
+                f"{', '.join(fused_keys)} would "
+                "do nothing (give reconstruct_m to reconstruct only from that many "
+                "rows)"
             )
         pins.setdefault("reconstruct_m", 1)
         if pins["reconstruct_m"] == 0:
@@ -240,11 +245,10 @@ def entry_allowed(entry: list[int], header: list[int]) -> bool:
     flags = header[1]
     if flags & ops.FLAG_DETERMINISTIC and uses_workspace(entry):
         return False
-    if flags & ops.FLAG_BATCH_INVARIANT and (
-        entry[1] != ops.PATH_FUSED or entry[3] != 1 or entry[4] or entry[5]
-    ):
-        return False
-    return True
+    return not (
+        flags & ops.FLAG_BATCH_INVARIANT
+        and (entry[1] != ops.PATH_FUSED or entry[3] != 1 or entry[4] or entry[5])
+    )
 
 
 # ---- the checked-in tables ----
@@ -335,8 +339,8 @@ def load_table(path: Path) -> dict[str, list[list[int]]]:
 
 
 def device_table(device: torch.device) -> dict[str, list[list[int]]]:
-    """The tables for `device`'s GPU model: vLLM's VLLM_TUNED_CONFIG_FOLDER first (as for
-    fused_moe's configs), then the checked-in ones; {} off CUDA."""
+    """The tables for `device`'s GPU model: vLLM's VLLM_TUNED_CONFIG_FOLDER first (as
+    for fused_moe's configs), then the checked-in ones; {} off CUDA."""
     if device.type != "cuda":
         return {}
     name = config_file_name(device_file_name(device))
@@ -358,7 +362,7 @@ def table_entries(key: str, device: torch.device) -> tuple[list[list[int]], str]
 
 
 def layer_plans(key: str, device: torch.device) -> list[int]:
-    """The op's `plans` argument for a layer configuration under the current settings."""
+    """The op's `plans` argument for a layer configuration under current settings."""
     header = current_header()
     if current_pins().pinned:
         return header  # forced plans: the cost model applies the pins to every bucket

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The EXL3 codec in plain PyTorch: the executable spec, the test oracle and the CPU path.
+"""The EXL3 codec in plain PyTorch: the executable spec, the test oracle and the CPU
+path.
 
 Vectorized, runs on any device. Follows exl3-format.md §2-§4:
-  trellis words -> 16-bit states (tail-biting bit windows) -> codebook values (fp16, exact)
-  -> Ŵ in the rotated basis (tile permutation undone)
-  -> W = diag(suh) · Bd(Ĥ) · Ŵ · Bd(Ĥ) · diag(svh)   (Ĥ = 128-point Sylvester Hadamard / sqrt(128))
+  trellis words -> 16-bit states (tail-biting bit windows) -> codebook values (fp16,
+  exact) -> Ŵ in the rotated basis (tile permutation undone) -> W = diag(suh) · Bd(Ĥ) ·
+  Ŵ · Bd(Ĥ) · diag(svh)   (Ĥ = 128-point Sylvester Hadamard / sqrt(128))
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ STATE_BITS = 16
 STATE_MASK = (1 << STATE_BITS) - 1
 # Weights per tile, i.e. trellis steps in one tail-biting ring.
 TILE_POSITIONS = TILE * TILE
-# Half-integer rates: position i carries KA + bit (i mod 16) of this mask bits (odd positions +1).
+# Half-integer rates: position i carries KA + bit (i mod 16) of this mask bits (odd
+# positions +1).
 HALF_RATE_MASK = 0xAAAA
 
 # Codebook arithmetic, all mod 2**32 on the zero-extended state (exl3-format.md §4).
@@ -38,15 +40,18 @@ THREE_INST_MULT = 89226354
 THREE_INST_ADD = 64248484
 MCG_MULT = 0xCBAC1FED
 MUL1_MULT = 0x83DCD12D
-# 3INST/MCG: keep each fp16 half's sign and low 12 bits, force its exponent into 0b011xx.
+# 3INST/MCG: keep each fp16 half's sign and low 12 bits, force its exponent into
+# 0b011xx.
 HALVES_AND_MASK = 0x8FFF8FFF
 HALVES_XOR_MASK = 0x3B603B60
-# MUL1: the fp16 pattern 0x6400 + t is the number 1024 + t; then one fp16 fma with these constants.
+# MUL1: the fp16 pattern 0x6400 + t is the number 1024 + t; then one fp16 fma with
+# these constants.
 MUL1_BYTE_SUM_BASE = 1024
 MUL1_FMA_SCALE_BITS = 0x1EEE
 MUL1_FMA_BIAS_BITS = 0xC931
 
-# decode_rotated works on this many tile-row states at once, to bound the int32/int64 scratch.
+# decode_rotated works on this many tile-row states at once, to bound the int32/int64
+# scratch.
 DECODE_CHUNK_STATES = 1 << 24
 
 
@@ -60,9 +65,9 @@ def _fp16_from_bits(bits: torch.Tensor) -> torch.Tensor:
 def _codebook_table_cpu(codebook: int) -> torch.Tensor:
     """All 65,536 decoded values of one codebook, fp16, in state order.
 
-    Emulated in float64 (exact: the sum of two fp16 halves, or the fp16 fma, needs at most 22
-    significant bits, so it is also exact in float32 on torch's double->half path) and rounded
-    once to fp16, round-to-nearest-even, exactly like __hadd / __hfma.
+    Emulated in float64 (exact: the sum of two fp16 halves, or the fp16 fma, needs at
+    most 22 significant bits, so it is also exact in float32 on torch's double->half
+    path) and rounded once to fp16, round-to-nearest-even, exactly like __hadd / __hfma.
     """
     cb = Codebook(codebook)
     s = torch.arange(1 << STATE_BITS, dtype=torch.int64)
@@ -101,7 +106,8 @@ def codebook_table(
 
 
 def codebook_decode(states: torch.Tensor, codebook: int) -> torch.Tensor:
-    """Decode 16-bit trellis states (0..65535; int16 is read as unsigned) to fp16 values."""
+    """Decode 16-bit trellis states (0..65535; int16 is read as unsigned) to fp16
+    values."""
     if states.dtype == torch.int16:
         states = states.to(torch.int32) & STATE_MASK
     return codebook_table(codebook, states.device)[states.long()]
@@ -135,10 +141,11 @@ def _window_plan(
 ) -> tuple[torch.Tensor, ...]:
     """Where each state's 16-bit window lies in the stored words.
 
-    Position i's state is stream bits [S_i - 16, S_i) modulo the ring length R (§3.4). That
-    window spans stream words w0 = start // 16 and w0 + 1, at bit offset o = start % 16. Stream
-    word j is stored word j ^ 1 (each uint32's halves are swapped on store, §3.3), so the plan
-    indexes the stored words directly. `order` lists the positions to produce (default all).
+    Position i's state is stream bits [S_i - 16, S_i) modulo the ring length R (§3.4).
+    That window spans stream words w0 = start // 16 and w0 + 1, at bit offset o = start
+    % 16. Stream word j is stored word j ^ 1 (each uint32's halves are swapped on store,
+    §3.3), so the plan indexes the stored words directly. `order` lists the positions to
+    produce (default all).
     """
     lengths = _code_lengths(bits)
     ring = sum(lengths)
@@ -183,12 +190,14 @@ def _states(
     words = trellis.to(torch.int32) & STATE_MASK
     hi = words.index_select(-1, first)
     lo = words.index_select(-1, second)
-    # hi << o may exceed 16 bits (and wrap int32 for o = 15); the mask keeps only the window.
+    # hi << o may exceed 16 bits (and wrap int32 for o = 15); the mask keeps only the
+    # window.
     return ((hi << shift) | (lo >> (STATE_BITS - shift))) & STATE_MASK
 
 
 def unpack_states(trellis: torch.Tensor, bits: float | None = None) -> torch.Tensor:
-    """int16 [k/16, n/16, 16K] -> int32 [k/16, n/16, 256] states in trellis-position order."""
+    """int16 [k/16, n/16, 16K] -> int32 [k/16, n/16, 256] states in trellis-position
+    order."""
     return _states(trellis, _check_bits(trellis, bits), None)
 
 
@@ -203,8 +212,8 @@ def decode_rotated(
     rows_per_chunk = max(1, DECODE_CHUNK_STATES // (nb * TILE_POSITIONS))
     for r0 in range(0, kb, rows_per_chunk):
         r1 = min(kb, r0 + rows_per_chunk)
-        # States come out in row-major tile order already (the plan is permuted), so a tile is
-        # a plain [16, 16] view.
+        # States come out in row-major tile order already (the plan is permuted), so a
+        # tile is a plain [16, 16] view.
         values = codebook_decode(_states(trellis[r0:r1], bits, order), codebook)
         out[r0:r1] = values.view(r1 - r0, nb, TILE, TILE).permute(0, 2, 1, 3)
     return out.view(kb * TILE, nb * TILE)
@@ -253,7 +262,8 @@ def _had_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def _had_rows(w: torch.Tensor) -> torch.Tensor:
-    """Ĥ applied to each 128-row block of a [k, n] matrix (Bd(Ĥ) · w), without transposes."""
+    """Ĥ applied to each 128-row block of a [k, n] matrix (Bd(Ĥ) · w), without
+    transposes."""
     k, n = w.shape
     _check_blocks(k)
     h = hadamard_128(w.dtype, w.device)
@@ -270,12 +280,13 @@ def reconstruct(
     bits: float | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """W [k, n] in the original basis (y = x @ W), computed in fp32 (float64 if asked)."""
+    """W [k, n] in the original basis (y = x @ W), in fp32 (float64 if asked)."""
     w_hat = decode_rotated(trellis, codebook, bits)
     k, n = w_hat.shape
     if tuple(suh.shape) != (k,) or tuple(svh.shape) != (n,):
         raise Exl3FormatError(
-            f"reconstruct: suh {list(suh.shape)} / svh {list(svh.shape)} do not match the "
+            f"reconstruct: suh {list(suh.shape)} / svh {list(svh.shape)} do not match "
+            "the "
             f"trellis' [k={k}, n={n}]"
         )
     cdtype = _compute_dtype(dtype)
@@ -289,7 +300,8 @@ def transform_input(x: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     """xh = blockwise Ĥ of (x * suh) over the last dim, fp32 (float64 stays float64)."""
     if x.shape[-1] != suh.shape[-1]:
         raise Exl3FormatError(
-            f"transform_input: x has {x.shape[-1]} input features, suh has {suh.shape[-1]}"
+            f"transform_input: x has {x.shape[-1]} input features, suh has "
+            f"{suh.shape[-1]}"
         )
     cdtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return _had_last(x.to(cdtype) * suh.to(cdtype))
@@ -307,8 +319,9 @@ def forward(
 ) -> torch.Tensor:
     """y = x @ W + bias through the transform path, shard by shard (fused layers).
 
-    Shard s owns output columns [sum(widths[:s]), +widths[s]) and its own input scales suh[s]:
-    y_s = H(x * suh[s]) @ Ŵ[:, cols_s]; then the output Hadamard per 128 columns and svh.
+    Shard s owns output columns [sum(widths[:s]), +widths[s]) and its own input scales
+    suh[s]: y_s = H(x * suh[s]) @ Ŵ[:, cols_s]; then the output Hadamard per 128 columns
+    and svh.
     """
     w_hat = decode_rotated(trellis, codebook)
     k, n = w_hat.shape
@@ -324,7 +337,8 @@ def forward(
         )
     if sum(widths) != n or any(w <= 0 or w % HADAMARD_SIZE for w in widths):
         raise Exl3FormatError(
-            f"forward: shard_widths {widths} must be positive multiples of {HADAMARD_SIZE} "
+            f"forward: shard_widths {widths} must be positive multiples of "
+            f"{HADAMARD_SIZE} "
             f"summing to n = {n}"
         )
     if tuple(svh.shape) != (n,):

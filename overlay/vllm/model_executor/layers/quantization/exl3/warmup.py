@@ -2,17 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Load-time preparation of `_C::exl3_linear`: plans, workspace, first launches.
 
-For each distinct layer configuration, right after loading and before vLLM profiles memory or
-captures graphs:
+For each distinct layer configuration, right after loading and before vLLM profiles
+memory or captures graphs:
 
-- with VLLM_EXL3_TUNE=1, the candidate plans of every token-count bucket (powers of two up to
-  the scheduler's token budget) are timed (`_C::exl3_time_plans`) and the fastest recorded for
-  this process (plans.record_tuned);
-- each bucket's plan is resolved (`_C::exl3_plan`, no kernel runs): the split-k workspace is
-  sized to the largest partial sums any of them needs, and with VLLM_EXL3_LOG_PLANS=1 each is
-  logged, one line per configuration and bucket, so two processes' logs can be compared;
-- with VLLM_EXL3_WARMUP=1 (default), the layer runs once per bucket on zeros, so the first
-  requests do not pay the kernels' first launches (module loading, cuBLAS heuristics).
+- with VLLM_EXL3_TUNE=1, the candidate plans of every token-count bucket (powers of two
+  up to the scheduler's token budget) are timed (`_C::exl3_time_plans`) and the fastest
+  recorded for this process (plans.record_tuned);
+- each bucket's plan is resolved (`_C::exl3_plan`, no kernel runs): the split-k
+  workspace is sized to the largest partial sums any of them needs, and with
+  VLLM_EXL3_LOG_PLANS=1 each is logged, one line per configuration and bucket, so two
+  processes' logs can be compared;
+- with VLLM_EXL3_WARMUP=1 (default), the layer runs once per bucket on zeros, so the
+  first requests do not pay the kernels' first launches (module loading, cuBLAS
+  heuristics).
 """
 
 import time
@@ -29,9 +31,9 @@ from .workspace import MAX_WORKSPACE_FLOATS, workspace_for
 
 logger = init_logger(__name__)
 
-# Activations + output of one warm-up or timing call are capped at this many bytes: a bucket
-# above it (an lm_head at a huge token budget) is left to the cost model and first use rather
-# than risk the memory before vLLM has sized its KV cache.
+# Activations + output of one warm-up or timing call are capped at this many bytes: a
+# bucket above it (an lm_head at a huge token budget) is left to the cost model and
+# first use rather than risk the memory before vLLM has sized its KV cache.
 MAX_WARMUP_BYTES = 1 << 30
 # Used when no vLLM config is current (a layer built outside the engine, as in tests).
 DEFAULT_MAX_TOKENS = 8192
@@ -105,7 +107,7 @@ def tune_run(run: Exl3Run, dtype: torch.dtype) -> None:
 def resolve_runs(
     runs: list[Exl3Run], run_plans: list[list[int]], dtype: torch.dtype
 ) -> None:
-    """Size the device's workspace for every bucket's plan and log the plans if asked."""
+    """Size the device's workspace for every bucket's plan; log the plans if asked."""
     if not runs:
         return
     need = 0
@@ -153,8 +155,8 @@ def warm_up_layer(
     device: torch.device,
     forward: Callable[[torch.Tensor], torch.Tensor],
 ) -> int:
-    """Call forward(x) on zeros [m, k] for every bucket, once per distinct key; returns the
-    number of calls made (0 when this configuration was already warmed)."""
+    """Call forward(x) on zeros [m, k] for every bucket, once per distinct key; returns
+    the number of calls made (0 when this configuration was already warmed)."""
     if key in _warmed or not envs.VLLM_EXL3_WARMUP:
         return 0
     _warmed.add(key)
@@ -169,7 +171,8 @@ def warm_up_layer(
         calls += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        # The warm-up's activations must not look like model memory to vLLM's KV-cache sizing.
+        # The warm-up's activations must not look like model memory to vLLM's KV-cache
+        # sizing.
         torch.cuda.empty_cache()
     logger.debug(
         "EXL3: warmed up k=%d n=%d %s at %d token counts in %.2f s",

@@ -1,23 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 """The parameters of one EXL3 layer and how checkpoint tensors are loaded into them.
 
-One parameter per checkpoint tensor suffix of the layer's modules, named as on disk, so both of
-vLLM's loader styles (`AutoWeightsLoader` + `WeightsMapper` shard ids, and hand-written
-`stacked_params_mapping` loaders) route `...q_proj.trellis` to `qkv_proj.trellis` with shard "q":
+One parameter per checkpoint tensor suffix of the layer's modules, named as on disk, so
+both of vLLM's loader styles (`AutoWeightsLoader` + `WeightsMapper` shard ids, and
+hand-written `stacked_params_mapping` loaders) route `...q_proj.trellis` to
+`qkv_proj.trellis` with shard "q":
 
 * `trellis`, `suh`, `svh`: the data (see layout.py);
 * `out_index` int64 (a non-persistent buffer, only when some shard keeps part of what it
   computes): for each column vLLM receives, its column in the computed output;
-* `mcg` / `mul1` int32 `[S]`: one codebook-marker slot per shard, value-checked after loading,
-  then dropped;
-* `su` / `sv` (legacy sign bitfields), `scale` (never applied by the format): empty placeholders
-  whose loads are consumed (`su`/`sv` unpacked into `suh`/`svh` rows), then dropped.
+* `mcg` / `mul1` int32 `[S]`: one codebook-marker slot per shard, value-checked after
+  loading, then dropped;
+* `su` / `sv` (legacy sign bitfields), `scale` (never applied by the format): empty
+  placeholders whose loads are consumed (`su`/`sv` unpacked into `suh`/`svh` rows), then
+  dropped.
 
-`Exl3Parameter` overrides vLLM's four v2 load entry points and places each tensor by the layer's
-`Exl3Layout`, never by vLLM's offset arithmetic (which knows neither the 128-padding nor mixed
-bitrates). After loading, `finish` checks that every tensor the checkpoint has for these modules
-arrived (load_ledger.py: every tensor exactly once) and leaves exactly trellis + suh + svh as
-plain parameters. The values of `suh`/`svh` are checked as they arrive (checkpoint.py).
+`Exl3Parameter` overrides vLLM's four v2 load entry points and places each tensor by the
+layer's `Exl3Layout`, never by vLLM's offset arithmetic (which knows neither the
+128-padding nor mixed bitrates). After loading, `finish` checks that every tensor the
+checkpoint has for these modules arrived (load_ledger.py: every tensor exactly once) and
+leaves exactly trellis + suh + svh as plain parameters. The values of `suh`/`svh` are
+checked as they arrive (checkpoint.py).
 """
 
 from collections.abc import Callable
@@ -65,7 +68,8 @@ def shard_index(shard_id: int | str | None) -> int:
     if isinstance(shard_id, int):
         return shard_id
     raise Exl3LayoutError(
-        f"EXL3: shard id {shard_id!r} covers several shards at once (a fused-on-disk tensor); "
+        f"EXL3: shard id {shard_id!r} covers several shards at once (a fused-on-disk "
+        "tensor); "
         f"EXL3 stores every projection separately"
     )
 
@@ -89,7 +93,8 @@ class Exl3Parameter(BasevLLMParameter):
         # vLLM reads output_dim only to split a fused-on-disk tensor by its own offsets.
         raise AttributeError(
             f"EXL3 {self.exl3_owner.layout.prefix}.{self.exl3_suffix}: a fused-on-disk "
-            f"checkpoint tensor (no shard id) cannot be split into EXL3 shards; EXL3 stores "
+            "checkpoint tensor (no shard id) cannot be split into EXL3 shards; EXL3 "
+            "stores "
             f"every projection separately"
         )
 
@@ -113,7 +118,8 @@ class Exl3Parameter(BasevLLMParameter):
 def direct_weight_loader(
     param: Exl3Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
 ) -> None:
-    """For layers whose own loader knows no v2 parameters (ReplicatedLinear, ParallelLMHead)."""
+    """For layers whose own loader knows no v2 parameters (ReplicatedLinear,
+    ParallelLMHead)."""
     param.exl3_owner.load(param.exl3_suffix, loaded_weight, shard_index(shard_id))
 
 
@@ -156,11 +162,13 @@ class Exl3LayerWeights:
         unknown = set().union(*self.expected) - set(shapes)
         if unknown:
             raise Exl3FormatError(
-                f"EXL3 {layout.prefix}: checkpoint tensors with suffixes {sorted(unknown)} have "
+                f"EXL3 {layout.prefix}: checkpoint tensors with suffixes "
+                f"{sorted(unknown)} have "
                 f"no place in an EXL3 linear"
             )
         for suffix, (shape, dtype) in shapes.items():
-            # Zeros, not empty: what the checkpoint does not cover must contribute nothing.
+            # Zeros, not empty: what the checkpoint does not cover must contribute
+            # nothing.
             param = Exl3Parameter(
                 data=torch.zeros(shape, dtype=dtype),
                 weight_loader=weight_loader,
@@ -176,11 +184,13 @@ class Exl3LayerWeights:
                 OUT_INDEX, torch.tensor(kept, dtype=torch.int64), persistent=False
             )
 
-    # ---- loading -------------------------------------------------------------------------
+    # ---- loading
+    # -------------------------------------------------------------------------
 
     def _fail(self, shard: ShardLayout, suffix: str, rule: str) -> Exl3LayoutError:
         return Exl3LayoutError(
-            f"EXL3 {shard.name}.{suffix} -> {self.layout.prefix} (rank {self.layout.tp_rank}): "
+            f"EXL3 {shard.name}.{suffix} -> {self.layout.prefix} (rank "
+            f"{self.layout.tp_rank}): "
             f"{rule}"
         )
 
@@ -301,12 +311,14 @@ class Exl3LayerWeights:
         dst.zero_()
         if cols:
             dst[:cols].copy_(loaded.narrow(0, shard.src_col, cols))
-        # Columns past the real outputs (lm_head vocab padding) are forced to exactly zero.
+        # Columns past the real outputs (lm_head vocab padding) are forced to exactly
+        # zero.
         real = max(0, shard.real_cols - shard.src_col)
         if real < cols:
             dst[real:cols].zero_()
 
-    # ---- after loading -------------------------------------------------------------------
+    # ---- after loading
+    # -------------------------------------------------------------------
 
     def finish(self, layer: torch.nn.Module) -> None:
         """Check completeness and markers, then keep exactly trellis + suh + svh."""
@@ -322,7 +334,8 @@ class Exl3LayerWeights:
             rank=layout.tp_rank,
         )
         if not self.loaded:
-            # Nothing came from a checkpoint: load_format="dummy" (random-weight perf runs).
+            # Nothing came from a checkpoint: load_format="dummy" (random-weight perf
+            # runs).
             logger.debug(
                 "EXL3 %s: no checkpoint tensors loaded (dummy weights)", layout.prefix
             )
@@ -334,7 +347,8 @@ class Exl3LayerWeights:
                     got = int(self._params[marker].data[i])
                     if got != value or shard.codebook != codebook:
                         raise Exl3LayoutError(
-                            f"EXL3 {shard.name}.{marker} (rank {layout.tp_rank}): marker value "
+                            f"EXL3 {shard.name}.{marker} (rank {layout.tp_rank}): "
+                            "marker value "
                             f"{got}, expected {value} for the {codebook.name} codebook"
                         )
         for name in list(self._params):
