@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Cold benchmark of exl3_linear against ExLlamaV3 1.6.5's LinearEXL3 and bf16
 torch.matmul.
 

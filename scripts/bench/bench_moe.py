@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Cold benchmark of one EXL3 MoE layer (torch.ops._C.exl3_moe through
 CudaExl3MoEKernel) against vLLM's bf16 fused MoE (`fused_experts`) and its int4 Marlin
 MoE (`fused_marlin_moe`, GPTQ 4-bit, group 128), at real model shapes, uniform random

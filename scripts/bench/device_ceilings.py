@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The card's own ceilings, measured in the benchmark's run (METHOD.md: measure, don't
 quote).
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """ExLlamaV3 1.6.5 as the benchmark's anchor: its JIT build in the background, a guarded
 import.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Ours against bf16 torch.matmul at large m, timed in alternation.
 
 At m >= 1024 the H200 runs at its power cap (~690 of 700 W) and its SM clock drifts with

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Random EXL3 MoE layers in the kernel contract's layout, their float64 reference, and
 a plain-torch expert alignment, for the GPU tests of torch.ops._C.exl3_moe and
 bench_moe.py.

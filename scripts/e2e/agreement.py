@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """How closely two runs of the same requests agree: per-token logprobs (eager vs CUDA
 graphs + torch.compile) and greedy continuations (TP=1 vs TP=2). Pure Python,
 unit-tested on the CPU."""

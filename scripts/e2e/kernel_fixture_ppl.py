@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Perplexity of the real ExLlamaV3 fixture checkpoints with every EXL3 linear run by
 our CUDA op.
 

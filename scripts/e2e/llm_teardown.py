@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Tearing down a vLLM `LLM` so the next one in the process starts on a clean GPU."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The fixture checkpoints end to end through vLLM, on a CUDA host where the built wheel
 (or the offline bundle) is installed; see scripts/e2e/README.md.
 

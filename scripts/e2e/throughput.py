@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Throughput on a CUDA host where the built wheel (or the offline bundle) is installed:
 a synthetic EXL3 checkpoint at real dense dims (tests/synthetic_checkpoint.py, preset
 qwen3-8b, 4 bpw, written here on the host) next to the same dims in bf16

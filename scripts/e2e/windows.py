@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Perplexity on the fixture validation text from vLLM prompt logprobs, by the method of
 the recorded ExLlamaV3 values (tests/fixtures/README.md): the text tokenized without
 special tokens, cut into non-overlapping WINDOW-token windows (the last partial one

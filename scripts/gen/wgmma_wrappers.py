@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Writes csrc/quantization/exl3/exl3_wgmma_ops.h: the wgmma.mma_async wrappers of the
 Hopper tier.
 

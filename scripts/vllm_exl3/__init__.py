@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """vllm-exl3 command-line tool: fetch, apply, build and bundle the pinned vLLM with the
 EXL3 series.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`apply`: put the overlay and CUDA sources into a vLLM tree and apply the patch
 series; `--check` (dry run, per patch and hunk), `--revert` (byte-identical restore) and
 `--replace` (revert an earlier application, then apply this one)."""

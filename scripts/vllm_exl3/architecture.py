@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which linears and plain tensors a Hugging Face config implies, as ExLlamaV3 1.6.5
 stores them.
 

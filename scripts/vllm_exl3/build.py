@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`build`: an installable wheel of the patched vLLM 0.26.0 in dist/.
 
 Quick path (default): the official release wheel, unpacked, the series applied in

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`bundle`: everything an air-gapped GPU host needs to run our vLLM, in parts of a
 chosen size.
 

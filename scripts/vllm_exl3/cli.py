@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Entry point: one argparse subcommand per module. Modules written by other parts of
 the project (the checkpoint tools) are imported tolerantly, so the tool works while one
 is missing, and a module that cannot be imported here (e.g. it needs torch under the

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The EXL3 codec (format reader and reference decoder) for the checkpoint tools.
 
 The tools read the overlay sources of this repository, not an installed vLLM: the

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`vllm-exl3 dequantize <exl3 dir> <out dir>`: a plain Hugging Face checkpoint whose
 weights are the reconstructed EXL3 weights.
 

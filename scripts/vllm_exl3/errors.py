@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The one error type the CLI turns into a message and non-zero exit (no traceback)."""
 
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`fetch`: the pinned vLLM source distribution, downloaded once into the cache,
 sha256-checked and unpacked. Also the cache access `build` uses for the pinned release
 wheel."""

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Client for pip's configured package index (the "simple" repository API).
 
 The index is whatever pip would use: PIP_INDEX_URL / PIP_EXTRA_INDEX_URL, pip's

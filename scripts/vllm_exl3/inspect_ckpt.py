@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`vllm-exl3 inspect <checkpoint>`: what an EXL3 checkpoint holds, from headers only.
 
 Reads the safetensors headers, config.json and quantization_config.json; the only tensor

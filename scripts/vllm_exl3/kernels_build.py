@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Quick build of the EXL3 kernels into the standalone stable-ABI extension
 `_exl3_C.abi3.so`.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The patch workflow (see patches/README.md): `dev-tree` makes a git checkout of the
 pristine pinned vLLM with the series applied as commits (`git am`, one commit per patch,
 its message intact); after editing, committing, rebasing there, `export-patches` writes

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Reading `git format-patch` files: the message, and each file's diff split into hunks,
 so a patch can be checked (and, for a wheel tree, filtered) per file and per hunk."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What this series is pinned to. Hashes were computed locally on the downloaded files
 and agree with the package index's published sha256; a file that hashes differently is
 refused."""

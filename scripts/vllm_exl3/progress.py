@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Progress lines for long steps (downloads, unpacking, zipping) on stderr. On a
 terminal one line is redrawn; otherwise (CI logs) a line is printed every
 PROGRESS_LOG_STEP of the work."""

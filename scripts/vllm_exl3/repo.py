@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """This repository's layout: where the overlay, the CUDA sources and the patch series
 live, and where each lands in a vLLM tree."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Planning an application of a series onto a tree, without touching the tree.
 
 The patched files are copied into a scratch directory (outside any git repository) and

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """What an application did to a tree, recorded in `<tree>/.vllm-exl3/`: a manifest
 (every file added, modified or deleted, with hashes before and after) and a pristine
 copy of every file that existed before. That record makes a second apply a no-op, lets

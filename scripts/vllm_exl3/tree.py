@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Recognising a vLLM tree to apply onto: an unpacked sdist (or a git checkout made from
 one) or an installed wheel (a site-packages directory, or an unpacked wheel)."""
 

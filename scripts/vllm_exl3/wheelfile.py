@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Wheel archives (PEP 427): unpack one to a tree, and write a tree back as a wheel with
 a fresh RECORD, optionally under a new version and with only some of its files."""
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """EXL3 (ExLlamaV3 trellis quantization) for vLLM.
 
 vLLM imports every quantization config whenever it resolves a method name, so this

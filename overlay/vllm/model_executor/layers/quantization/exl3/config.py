@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`Exl3Config`: what the checkpoint holds, and which method each vLLM layer gets.
 
 An EXL3 module is defined by its tensors (`P.trellis` exists; bitrate = trellis width /

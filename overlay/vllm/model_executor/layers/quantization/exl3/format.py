@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The EXL3 on-disk format: tensor names, dtypes, shapes, bitrate and codebook
 detection, and safetensors header reading.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Where the checkpoint tensors of one EXL3 layer land on this tensor-parallel rank.
 
 A layer is one or more shards (q/k/v, gate/up) of one input. Its parameters hold, per

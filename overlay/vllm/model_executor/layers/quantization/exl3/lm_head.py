@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`Exl3LMHeadMethod`: an EXL3 `lm_head` as vLLM's ParallelLMHead.
 
 vLLM's vocab loader slices dim 0 and asserts the unpadded vocab; in a trellis the vocab

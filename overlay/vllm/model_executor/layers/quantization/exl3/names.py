@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Checkpoint module names <-> vLLM module prefixes.
 
 ExLlamaV3 writes one tensor set per projection under the source model's names

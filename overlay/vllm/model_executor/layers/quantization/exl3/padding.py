@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Checkpoint tensors that vLLM's own loaders place, stored 128-padded by the format.
 
 ExLlamaV3 pads every linear's k and n to multiples of 128 (exl3-format.md §1.7),

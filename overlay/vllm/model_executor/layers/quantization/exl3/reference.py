@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The EXL3 codec in plain PyTorch: the executable spec, the test oracle and the CPU
 path.
 

@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which tensor-parallel splits an EXL3 linear allows, and what each rank then computes.
 
 Pure arithmetic on sizes (no vLLM), shared by the loader (layout.py) and the checkpoint

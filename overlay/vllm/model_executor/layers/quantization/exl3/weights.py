@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The parameters of one EXL3 layer and how checkpoint tensors are loaded into them.
 
 One parameter per checkpoint tensor suffix of the layer's modules, named as on disk, so
