@@ -15,7 +15,7 @@ Weights are random (timing only).
 ExLlamaV3 1.6.5's MoE block is not measured by this script (its anchor needs ExLlamaV3's
 own module objects; see exllamav3_anchor.py for the dense one); the JSON says so.
 
-    python scripts/bench/bench_moe.py --out scripts/bench/results/moe [--bits 4] \
+    python scripts/bench/bench_moe.py --out bench-results/moe [--bits 4] \
         [--shapes qwen3-30b-a3b] [--tokens 1 16 256]
 """
 

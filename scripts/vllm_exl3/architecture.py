@@ -5,9 +5,9 @@ stores them.
 
 One plan serves three tools: the synthetic checkpoint writer (what to write), `inspect`
 (what is missing, tensor-parallel roles) and `dequantize` (the real, unpadded dims to
-trim to). Names follow ExLlamaV3's converted checkpoints (exl3-format.md §1.8): one
-tensor set per projection, per-expert names for MoE, routers and kv_b_proj unquantized,
-an lm_head always present.
+trim to). Names follow ExLlamaV3's converted checkpoints (docs/design/exl3_format.md
+§1.8): one tensor set per projection, per-expert names for MoE, routers and kv_b_proj
+unquantized, an lm_head always present.
 
 Supported: dense decoders (llama/qwen2/qwen3-style q/k/v/o + gate/up/down), qwen2/qwen3
 MoE (per-expert, optional shared expert), Mixtral (block_sparse_moe, w1/w2/w3 experts),

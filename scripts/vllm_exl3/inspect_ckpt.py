@@ -4,11 +4,12 @@
 
 Reads the safetensors headers, config.json and quantization_config.json; the only tensor
 data read are the 4-byte codebook marker scalars (their values are checked). Per module:
-bitrate and codebook (from the module's own trellis width and marker, exl3-format.md
-§1.5), shapes, the vLLM module it loads into, EXL3 or unquantized; totals; the
-tensor-parallel degrees the 128-wide Hadamard blocks allow (the loader's own rules,
-tp_rules.py), which modules then run with partial-block ownership and the redundant work
-that costs; and every place where the JSON files disagree with the tensors.
+bitrate and codebook (from the module's own trellis width and marker,
+docs/design/exl3_format.md §1.5), shapes, the vLLM module it loads into, EXL3 or
+unquantized; totals; the tensor-parallel degrees the 128-wide Hadamard blocks allow (the
+loader's own rules, tp_rules.py), which modules then run with partial-block ownership
+and the redundant work that costs; and every place where the JSON files disagree with
+the tensors.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@
 
 namespace vllm_exl3 {
 
-// Format (exl3-format.md §2, §3): Hadamard blocks are 128 wide, trellis tiles
-// 16x16 = 256 weights.
+// Format (docs/design/exl3_format.md §2, §3): Hadamard blocks are 128 wide,
+// trellis tiles 16x16 = 256 weights.
 constexpr int kHadamard = 128;
 constexpr int kTile = 16;
 constexpr int kTilePositions = kTile * kTile;

@@ -69,8 +69,8 @@ inline int prepare_gemm_smem(Kernel kernel, GemmSmem& st) {
   return st.static_bytes[dev & 31];
 }
 
-// Half rates exist only with MUL1 (exl3-format.md §1.5); the host validates
-// before dispatch.
+// Half rates exist only with MUL1 (docs/design/exl3_format.md §1.5); the host
+// validates before dispatch.
 template <int K2>
 constexpr bool codebook_valid(int cb) {
   return (K2 & 1) ? cb == kMul1 : (cb >= 0 && cb <= 2);

@@ -2,13 +2,13 @@
 // Trellis decode: one lane's 8 consecutive positions of a 16x16 tile -> its two
 // mma B fragments.
 //
-// exl3-format.md §3: a tile is a tail-biting ring of 256 codes packed MSB-first
-// into uint32 words (read little-endian, bit 31 of word u is stream bit 32u).
-// The state of position i is the 16 stream bits ending at S_i. Lane t owns
-// positions 8t..8t+7 (§3.2), whose window ends lie at 4*t*K2 + E_j with
-// compile-time E_j (K2 = twice the bitrate; for half rates odd positions carry
-// one extra bit). So every state sits at a compile-time offset from the lane's
-// window start; a per-rate plan (CutPlan) cuts the 8 states with one
+// docs/design/exl3_format.md §3: a tile is a tail-biting ring of 256 codes
+// packed MSB-first into uint32 words (read little-endian, bit 31 of word u is
+// stream bit 32u). The state of position i is the 16 stream bits ending at S_i.
+// Lane t owns positions 8t..8t+7 (§3.2), whose window ends lie at 4*t*K2 + E_j
+// with compile-time E_j (K2 = twice the bitrate; for half rates odd positions
+// carry one extra bit). So every state sits at a compile-time offset from the
+// lane's window start; a per-rate plan (CutPlan) cuts the 8 states with one
 // instruction each plus a few funnel shifts.
 //
 // The state extraction is __host__ __device__ so a CPU test can check it
@@ -362,10 +362,10 @@ __host__ __device__ __forceinline__ uint32_t fma_f16x2(uint32_t a, uint32_t b,
 #endif
 }
 
-// The codebooks (exl3-format.md §4) in two steps: the 32-bit integer product of
-// a state, then the fp16 value of two products packed into one half2 register
-// (low half = the even position, the lower k row of the B fragment pair, §3.2),
-// with exactly one fp16 rounding per value.
+// The codebooks (docs/design/exl3_format.md §4) in two steps: the 32-bit
+// integer product of a state, then the fp16 value of two products packed into
+// one half2 register (low half = the even position, the lower k row of the B
+// fragment pair, §3.2), with exactly one fp16 rounding per value.
 template <int CB>
 struct Codebook {
   static constexpr uint32_t kMult =

@@ -66,7 +66,7 @@ HALF_BITS = (1.5, 2.5, 3.5)
 # words.
 WORDS_PER_BIT = TILE
 
-# Suffixes of the tensors one EXL3 linear may have (exl3-format.md §1.4).
+# Suffixes of the tensors one EXL3 linear may have (docs/design/exl3_format.md §1.4).
 EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale")
 # Suffixes that exist only on EXL3 modules (a `.bias`/`.scale` can belong to anything).
 EXL3_ONLY_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
@@ -243,8 +243,7 @@ def module_spec(
     if "scale" in tensors:
         logger.warning(
             "%s.scale is present but not applied: ExLlamaV3 1.6.5 ignores legacy scale "
-            "tensors "
-            "(exl3-format.md, Open points)",
+            "tensors (docs/design/exl3_format.md, Open points)",
             prefix,
         )
     return Exl3ModuleSpec(

@@ -2,14 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Checkpoint tensors that vLLM's own loaders place, stored 128-padded by the format.
 
-ExLlamaV3 pads every linear's k and n to multiples of 128 (exl3-format.md §1.7),
-including the linears it keeps unquantized (`.weight` of shape (n_pad, k_pad)) and every
-`.bias` (n_pad). vLLM allocates the model's real dims and asserts equal shapes, so such
-a tensor is trimmed back to the real dims of its shard *before* vLLM's loader runs; the
-loader's tensor-parallel narrowing then works on the real tensor as usual. A stored
-shape that is neither the real dims nor the real dims rounded up to 128 is an error.
-Every load is recorded in the model's ledger (load_ledger.py), so a weight or bias the
-checkpoint never provides is an error after loading, not uninitialised memory.
+ExLlamaV3 pads every linear's k and n to multiples of 128 (docs/design/exl3_format.md
+§1.7), including the linears it keeps unquantized (`.weight` of shape (n_pad, k_pad))
+and every `.bias` (n_pad). vLLM allocates the model's real dims and asserts equal
+shapes, so such a tensor is trimmed back to the real dims of its shard *before* vLLM's
+loader runs; the loader's tensor-parallel narrowing then works on the real tensor as
+usual. A stored shape that is neither the real dims nor the real dims rounded up to 128
+is an error. Every load is recorded in the model's ledger (load_ledger.py), so a weight
+or bias the checkpoint never provides is an error after loading, not uninitialised
+memory.
 """
 
 from collections.abc import Callable

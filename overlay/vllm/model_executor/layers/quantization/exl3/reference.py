@@ -3,7 +3,7 @@
 """The EXL3 codec in plain PyTorch: the executable spec, the test oracle and the CPU
 path.
 
-Vectorized, runs on any device. Follows exl3-format.md §2-§4:
+Vectorized, runs on any device. Follows docs/design/exl3_format.md §2-§4:
   trellis words -> 16-bit states (tail-biting bit windows) -> codebook values (fp16,
   exact) -> Ŵ in the rotated basis (tile permutation undone) -> W = diag(suh) · Bd(Ĥ) ·
   Ŵ · Bd(Ĥ) · diag(svh)   (Ĥ = 128-point Sylvester Hadamard / sqrt(128))
@@ -35,7 +35,8 @@ TILE_POSITIONS = TILE * TILE
 # positions +1).
 HALF_RATE_MASK = 0xAAAA
 
-# Codebook arithmetic, all mod 2**32 on the zero-extended state (exl3-format.md §4).
+# Codebook arithmetic, all mod 2**32 on the zero-extended state
+# (docs/design/exl3_format.md §4).
 U32_MASK = 0xFFFFFFFF
 THREE_INST_MULT = 89226354
 THREE_INST_ADD = 64248484

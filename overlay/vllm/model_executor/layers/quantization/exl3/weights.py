@@ -55,7 +55,9 @@ LEGACY_SIGNS = {
     "su": "suh",
     "sv": "svh",
 }  # packed bitfield -> the fp16 tensor it stands in for
-IGNORED = ("scale",)  # stored by old converters, never applied (exl3-format.md §1.4)
+IGNORED = (
+    "scale",
+)  # stored by old converters, never applied (docs/design/exl3_format.md §1.4)
 # The layer's own bias parameter loads `.bias`; it is not an EXL3 parameter.
 LAYER_OWNED = ("bias",)
 QKV_SHARD_IDS = {"q": 0, "k": 1, "v": 2}
