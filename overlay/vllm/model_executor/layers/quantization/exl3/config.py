@@ -24,7 +24,7 @@ from vllm.model_executor.layers.quantization.base_config import (QuantizationCon
 from .checkpoint import storage_claims, validate_checkpoint
 from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
 from .env_compat import adopt_deprecated_env_names
-from .format import EMBED_SIGNS_SUFFIX, Exl3ModuleSpec, group_spec
+from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
 from .load_ledger import LoadLedger
 from .names import ModuleNameResolver, shard_names
@@ -181,6 +181,10 @@ class Exl3Config(QuantizationConfig):
             description = validate_checkpoint(model_name, tied=_tied(hf_config))
             for warning in description.warnings:
                 logger.warning("EXL3 checkpoint %s: %s", model_name, warning)
+            storage = self.tensor_storage
+            if storage is None:
+                storage = (description.quant_document or {}).get("tensor_storage")
+            self.claims = storage_claims(storage) if isinstance(storage, Mapping) else {}
             self.set_checkpoint(description.modules, description.unsupported)
             return
         storage = self.tensor_storage
