@@ -161,7 +161,13 @@ def marlin_variant(gen, h, i, e, top_k):
 
 
 def time_variant(make, gen, h, e, top_k, tokens):
-    call, copies = make()
+    out, copies = _time_calls(*make(), gen, h, e, top_k, tokens)
+    # The variant's weights went with _time_calls's frame; give their memory back.
+    torch.cuda.empty_cache()
+    return out, copies
+
+
+def _time_calls(call, copies, gen, h, e, top_k, tokens):
     out = {}
     for m in tokens:
         x = (torch.randn(m, h, generator=gen, device="cuda") / math.sqrt(h)).bfloat16()
@@ -173,8 +179,6 @@ def time_variant(make, gen, h, e, top_k, tokens):
         us, mode = graph_time_us(calls, m)
         out[m] = (us, mode)
         print(f"    m={m:5d} {us:9.1f} us ({mode})", flush=True)
-    del call
-    torch.cuda.empty_cache()
     return out, copies
 
 

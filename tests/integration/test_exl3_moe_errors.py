@@ -53,7 +53,10 @@ def test_missing_expert(tmp_path, world1):
 
 
 def test_expert_of_another_shape(tmp_path, world1):
+    from vllm.model_executor.layers.quantization.exl3.checkpoint_files import Exl3FormatError
     from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    from exl3_harness import config_from_tensors
 
     def widen(named):
         p = f"{EXPERTS}.3.gate_proj"
@@ -61,9 +64,15 @@ def test_expert_of_another_shape(tmp_path, world1):
         named[f"{p}.svh"] = torch.cat([named[f"{p}.svh"]] * 2)
 
     ckpt = edited(tmp_path, widen)
+    # A local checkpoint: the whole-checkpoint validation rejects it against config.json.
+    with pytest.raises(Exl3FormatError, match=rf"{EXPERTS}\.3\.gate_proj\.trellis: stored "
+                       r"k x n = 256 x 256, but config.json .* implies 256 x 128"):
+        build_moe(ckpt, EXPERTS)
+    # Described from its headers alone (as a hub checkpoint is): the MoE layer rejects it.
+    config = config_from_tensors(load_file(str(ckpt / "model.safetensors")))
     with pytest.raises(Exl3LayoutError, match=rf"{EXPERTS}\.3\.gate_proj\.trellis: expert of "
                        r"shape k=256, n=256; the model's gate projection is k=256, n=128"):
-        build_moe(ckpt, EXPERTS)
+        build_moe(ckpt, EXPERTS, config=config)
 
 
 def test_bitrate_the_config_does_not_claim(tmp_path, world1):

@@ -24,9 +24,10 @@ RTOL = 2e-5
 
 
 def build_moe(ckpt, prefix: str, params_dtype=torch.float32, expect_all_loaded=True,
-              **kwargs):
+              config=None, **kwargs):
     """vLLM's FusedMoE for the checkpoint's layer `prefix` (experts module), loaded; under
-    expert parallelism a rank loads only its experts (expect_all_loaded=False)."""
+    expert parallelism a rank loads only its experts (expect_all_loaded=False). `config`:
+    an Exl3Config to use instead of the one vLLM builds for the checkpoint."""
     import json
 
     from vllm.config import get_current_vllm_config
@@ -36,7 +37,7 @@ def build_moe(ckpt, prefix: str, params_dtype=torch.float32, expect_all_loaded=T
     get_current_vllm_config().compilation_config.static_forward_context.pop(prefix, None)
     cfg = json.loads((ckpt / "config.json").read_text())
     experts = cfg.get("n_routed_experts") or cfg["num_experts"]
-    config = config_for(ckpt)
+    config = config_for(ckpt) if config is None else config
     moe = FusedMoE(num_experts=experts, top_k=cfg["num_experts_per_tok"],
                    hidden_size=cfg["hidden_size"],
                    intermediate_size=cfg["moe_intermediate_size"], params_dtype=params_dtype,

@@ -20,16 +20,18 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[2]
 OPS_CPP = REPO / "csrc" / "quantization" / "exl3" / "exl3_moe_ops.cpp"
-LINEAR_SCHEMAS = ("exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias, "
-                  "int[] shard_widths, int codebook) -> Tensor",
-                  "exl3_reconstruct(Tensor trellis, int codebook) -> Tensor")
+LINEAR_OPS_CPP = REPO / "csrc" / "quantization" / "exl3" / "exl3_ops.cpp"
+
+
+def schemas(path: Path) -> list[str]:
+    """Every op schema a csrc file defines (its m.def string literals, joined)."""
+    blocks = re.findall(r'm\.def\(\s*((?:"[^"]*"\s*)+)\);', path.read_text())
+    assert blocks, f"no m.def(...) in {path.name}"
+    return ["".join(re.findall(r'"([^"]*)"', block)) for block in blocks]
 
 
 def moe_schema() -> str:
-    text = OPS_CPP.read_text()
-    block = re.search(r'm\.def\(\s*((?:"[^"]*"\s*)+)\);', text)
-    assert block, "no m.def(...) in exl3_moe_ops.cpp"
-    return "".join(re.findall(r'"([^"]*)"', block.group(1)))
+    return schemas(OPS_CPP)[0]
 
 
 def _layer(experts: int, h: int, i: int, bits: float):
@@ -70,7 +72,7 @@ def _main(_: int) -> None:
                          deterministic=det)
 
     lib = torch.library.Library("_C", "FRAGMENT")
-    for schema in LINEAR_SCHEMAS:
+    for schema in schemas(LINEAR_OPS_CPP):  # the dense ops the loader checks for first
         lib.define(schema)
     schema = moe_schema()
     lib.define(schema)

@@ -39,10 +39,10 @@ def patched_tree(tmp_path_factory) -> Path:
         pytest.skip(f"pinned sdist not available: {r.stderr.strip()}")
     sdist = Path(r.stdout.strip().splitlines()[-1])
     tree = tmp_path_factory.mktemp("cmake") / "tree"
-    # Just what the series touches, plus vLLM's CMake helpers.
-    for rel in ("PKG-INFO", "CMakeLists.txt", "vllm/envs.py",
-                "vllm/model_executor/layers/quantization/__init__.py",
-                "vllm/transformers_utils/utils.py"):
+    # Just what the series touches (read from its patches), plus vLLM's CMake helpers.
+    touched = {m for p in (ROOT / "patches").glob("*.patch")
+               for m in re.findall(r"^\+\+\+ b/(\S+)$", p.read_text(), re.M)}
+    for rel in ("PKG-INFO", *sorted(touched)):
         write_tree(tree, {rel: (sdist / rel).read_text()})
     shutil.copytree(sdist / "cmake", tree / "cmake")
     (tree / "csrc/libtorch_stable").mkdir(parents=True)

@@ -66,3 +66,18 @@ def test_three_paths_give_the_same_named_verdict(case, tmp_path, vllm_world):
             assert outcome.warnings == "" or path == "inspect", where
         if case.expect.verdict == WARNING:
             assert text, where
+
+
+def test_gated_attention_q_proj_width():
+    """Qwen3-Next's q_proj also carries the output gate (vLLM's default), unless
+    config.json turns the gate off; other models' q_proj is the query alone."""
+    from vllm.model_executor.layers.quantization.exl3.checkpoint import implied_dims
+
+    cfg = {"hidden_size": 256, "num_attention_heads": 4, "head_dim": 64}
+    q = "model.layers.0.self_attn.q_proj"
+    o = "model.layers.0.self_attn.o_proj"
+    assert implied_dims({**cfg, "model_type": "qwen3_next"}, q)[:2] == (256, 512)
+    assert implied_dims({**cfg, "model_type": "qwen3_next"}, o)[:2] == (256, 256)
+    off = {**cfg, "model_type": "qwen3_next", "attn_output_gate": False}
+    assert implied_dims(off, q)[:2] == (256, 256)
+    assert implied_dims({**cfg, "model_type": "qwen3"}, q)[:2] == (256, 256)

@@ -63,6 +63,15 @@ CODEBOOK_NAMES = {
 LIST_LIMIT = 3
 # Model types whose q/k/v projections carry a bias without saying so in config.json.
 IMPLICIT_QKV_BIAS = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
+# Model types built on vLLM's Qwen3NextAttention: q_proj also carries the output gate
+# (twice the query width) unless config.json sets attn_output_gate to false.
+GATED_ATTENTION = (
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+)
 # Norms whose length is the hidden size: per decoder layer, and the final one.
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 FINAL_NORMS = ("model.norm", "model.language_model.norm", "language_model.model.norm")
@@ -265,8 +274,13 @@ def implied_dims(cfg: Mapping[str, Any], name: str) -> tuple[int, int, str] | No
         head_dim = _int(cfg, "head_dim") or hidden // heads
         q, kv = heads * head_dim, kv_heads * head_dim
         keys = "hidden_size, num_attention_heads, num_key_value_heads, head_dim"
+        gated = cfg.get("model_type") in GATED_ATTENTION and cfg.get(
+            "attn_output_gate", True
+        )
+        if gated and leaf == "q_proj":
+            keys += ", model_type's attn_output_gate"
         return {
-            "q_proj": (hidden, q),
+            "q_proj": (hidden, 2 * q if gated else q),
             "k_proj": (hidden, kv),
             "v_proj": (hidden, kv),
             "o_proj": (q, hidden),

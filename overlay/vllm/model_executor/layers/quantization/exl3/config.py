@@ -237,6 +237,10 @@ class Exl3Config(QuantizationConfig):
             description = validate_checkpoint(model_name, tied=_tied(hf_config))
             for warning in description.warnings:
                 logger.warning("EXL3 checkpoint %s: %s", model_name, warning)
+            storage = self.tensor_storage
+            if storage is None:
+                storage = (description.quant_document or {}).get("tensor_storage")
+            self.claims = storage_claims(storage) if isinstance(storage, Mapping) else {}
             self.set_checkpoint(description.modules, description.unsupported)
             return
         storage = self.tensor_storage
