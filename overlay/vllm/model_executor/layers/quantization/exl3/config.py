@@ -240,7 +240,9 @@ class Exl3Config(QuantizationConfig):
             storage = self.tensor_storage
             if storage is None:
                 storage = (description.quant_document or {}).get("tensor_storage")
-            self.claims = storage_claims(storage) if isinstance(storage, Mapping) else {}
+            self.claims = (
+                storage_claims(storage) if isinstance(storage, Mapping) else {}
+            )
             self.set_checkpoint(description.modules, description.unsupported)
             return
         storage = self.tensor_storage
