@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""`Exl3MoEMethod`: EXL3 routed experts on vLLM's RoutedExperts (legacy route: plain `apply`).
+"""`Exl3MoEMethod`: EXL3 routed experts on vLLM's RoutedExperts (legacy route: plain
+`apply`).
 
 ExLlamaV3 stores every expert projection as its own EXL3 linear
-(`<experts>.<e>.{gate,up,down}_proj.{trellis,suh,svh[,mcg|mul1]}`), and bitrates may differ
-between gate, up and down and between experts. The layer's local experts (E, hidden h, per-rank
-expert width i_p, all multiples of 128) are held as:
+(`<experts>.<e>.{gate,up,down}_proj.{trellis,suh,svh[,mcg|mul1]}`), and bitrates may
+differ between gate, up and down and between experts. The layer's local experts (E,
+hidden h, per-rank expert width i_p, all multiples of 128) are held as:
 
-* `w13_trellis` int16 [T13]: the gate and up trellises of every local expert back to back;
-  expert e, role r (0 gate, 1 up) is the block [h/16, i_p/16, 16K] at `w13_meta[e, r, 0]`;
+* `w13_trellis` int16 [T13]: the gate and up trellises of every local expert back to
+  back; expert e, role r (0 gate, 1 up) is the block [h/16, i_p/16, 16K] at
+  `w13_meta[e, r, 0]`;
 * `w13_meta` int64 [E, 2, 2]: (offset in elements, k2 = 2 * bits) per expert and role;
 * `w13_suh` fp16 [E, 2, h]: input scales per expert and role;
 * `w13_svh` fp16 [E, 2 * i_p]: output scales, gate columns then up columns;
@@ -16,18 +18,21 @@ expert width i_p, all multiples of 128) are held as:
   `w2_meta[e, 0]`; `w2_meta` int64 [E, 2]: (offset, k2);
 * `w2_suh` fp16 [E, i_p]; `w2_svh` fp16 [E, h].
 
-The meta tables are non-persistent buffers (dummy-weight initialisation must not randomise
-them); block offsets are multiples of `BLOCK_ALIGN` elements. One codebook per layer.
+The meta tables are non-persistent buffers (dummy-weight initialisation must not
+randomise them); block offsets are multiples of `BLOCK_ALIGN` elements. One codebook per
+layer.
 
-Tensor parallelism follows the dense rules (tp_rules.py): gate/up are column-parallel (their n
-split), down row-parallel (its k split), so every rank's i_p must be a multiple of 128. Expert
-parallelism uses vLLM's expert map: a rank allocates and loads only its local experts.
+Tensor parallelism follows the dense rules (tp_rules.py): gate/up are column-parallel
+(their n split), down row-parallel (its k split), so every rank's i_p must be a multiple
+of 128. Expert parallelism uses vLLM's expert map: a rank allocates and loads only its
+local experts.
 
-Loading: every parameter carries this method's own loader (vLLM's RoutedExperts.weight_loader
-knows neither the flat trellis nor the per-expert rates). It maps the global expert id to the
-local one, checks the tensor against what the checkpoint headers described, narrows it to this
-rank and writes its region, recording the write: a region written twice, and after loading any
-region never written (a missing expert), is an error naming the checkpoint tensor.
+Loading: every parameter carries this method's own loader (vLLM's
+RoutedExperts.weight_loader knows neither the flat trellis nor the per-expert rates). It
+maps the global expert id to the local one, checks the tensor against what the
+checkpoint headers described, narrows it to this rank and writes its region, recording
+the write: a region written twice, and after loading any region never written (a missing
+expert), is an error naming the checkpoint tensor.
 """
 
 from __future__ import annotations
@@ -37,18 +42,34 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-
 import vllm.envs as envs
 from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig, FusedMoEQuantConfig
-from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+)
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (
+    FusedMoEMethodBase,
+)
 from vllm.model_executor.utils import set_weight_attrs
 
-from .format import (HADAMARD_SIZE, MCG_MARKER_VALUE, MUL1_MARKER_VALUE, TILE, Codebook,
-                     Exl3ModuleSpec, unpack_sign_bits)
+from .format import (
+    HADAMARD_SIZE,
+    MCG_MARKER_VALUE,
+    MUL1_MARKER_VALUE,
+    TILE,
+    Codebook,
+    Exl3ModuleSpec,
+    unpack_sign_bits,
+)
 from .layout import Exl3LayoutError
-from .moe_kernels import (K2_PER_BIT, Exl3MoEKernel, Exl3MoEKernelConfig, Exl3MoEWeights,
-                          choose_exl3_moe_kernel)
+from .moe_kernels import (
+    K2_PER_BIT,
+    Exl3MoEKernel,
+    Exl3MoEKernelConfig,
+    Exl3MoEWeights,
+    choose_exl3_moe_kernel,
+)
 from .names import strip_wrappers
 from .tp_rules import round_up, row_split_error
 
@@ -60,8 +81,14 @@ BLOCK_ALIGN = 8
 GATE, UP, DOWN = 0, 1, 2
 ROLE_NAMES = ("gate", "up", "down")
 SHARD_ROLES = {"w1": GATE, "w3": UP, "w2": DOWN}
-MARKERS = {"mcg": (Codebook.MCG, MCG_MARKER_VALUE), "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE)}
-LEGACY_SIGNS = {"su": "suh", "sv": "svh"}  # packed sign bitfield -> the fp16 tensor it replaces
+MARKERS = {
+    "mcg": (Codebook.MCG, MCG_MARKER_VALUE),
+    "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE),
+}
+LEGACY_SIGNS = {
+    "su": "suh",
+    "sv": "svh",
+}  # packed sign bitfield -> the fp16 tensor it replaces
 DATA = ("trellis", "suh", "svh")
 IGNORED = ("scale",)  # stored by old converters, never applied (exl3-format.md §1.4)
 
@@ -86,38 +113,56 @@ def _suffixes(spec: Exl3ModuleSpec) -> set[str]:
     return {name.rpartition(".")[2] for name in spec.tensor_names}
 
 
-def plan_experts(prefix: str, keys: list[str], modules: Mapping[str, Exl3ModuleSpec],
-                 proj_names: tuple[str, str, str], num_experts: int, hidden: int,
-                 intermediate: int, claims: Mapping[str, tuple[float, Codebook]] | None = None,
-                 ) -> dict[int, ExpertSpecs]:
-    """Validate the EXL3 checkpoint modules under a RoutedExperts prefix (`keys`, from the name
-    resolver) and index them by global expert id.
+def plan_experts(
+    prefix: str,
+    keys: list[str],
+    modules: Mapping[str, Exl3ModuleSpec],
+    proj_names: tuple[str, str, str],
+    num_experts: int,
+    hidden: int,
+    intermediate: int,
+    claims: Mapping[str, tuple[float, Codebook]] | None = None,
+) -> dict[int, ExpertSpecs]:
+    """Validate the EXL3 checkpoint modules under a RoutedExperts prefix (`keys`, from
+    the name resolver) and index them by global expert id.
 
-    proj_names are the checkpoint's (gate, up, down) projection names (gate_proj/up_proj/
-    down_proj, or Mixtral's w1/w3/w2). Every expert must have all three, with ExLlamaV3's padded
-    shapes, one codebook for the layer, no bias, and the bitrate `claims` (quantization_config.json
-    tensor_storage) state where they state one.
+    proj_names are the checkpoint's (gate, up, down) projection names
+    (gate_proj/up_proj/ down_proj, or Mixtral's w1/w3/w2). Every expert must have all
+    three, with ExLlamaV3's padded shapes, one codebook for the layer, no bias, and the
+    bitrate `claims` (quantization_config.json tensor_storage) state where they state
+    one.
     """
     role_of = {name: r for r, name in enumerate(proj_names)}
     pattern = re.compile(r"^(\d+)\.(" + "|".join(map(re.escape, proj_names)) + r")$")
     stripped = strip_wrappers(prefix) + "."
     found: dict[tuple[int, int], Exl3ModuleSpec] = {}
     for key in keys:
-        tail = key[len(prefix) + 1:] if key.startswith(prefix + ".") else (
-            strip_wrappers(key)[len(stripped):])
+        tail = (
+            key[len(prefix) + 1 :]
+            if key.startswith(prefix + ".")
+            else (strip_wrappers(key)[len(stripped) :])
+        )
         m = pattern.match(tail)
         if m is None:
             raise Exl3LayoutError(
-                f"EXL3 {key}.trellis: an EXL3 module under the routed experts {prefix} that is "
-                f"not <expert>.{{{','.join(proj_names)}}} (fused-on-disk experts are not an "
-                f"ExLlamaV3 layout)")
+                f"EXL3 {key}.trellis: an EXL3 module under the routed experts {prefix} "
+                "that is "
+                f"not <expert>.{{{','.join(proj_names)}}} (fused-on-disk experts are "
+                "not an "
+                f"ExLlamaV3 layout)"
+            )
         e, role = int(m.group(1)), role_of[m.group(2)]
         if e >= num_experts:
             raise Exl3LayoutError(
-                f"EXL3 {key}.trellis: expert {e} does not exist (the model has {num_experts} "
-                f"routed experts)")
+                f"EXL3 {key}.trellis: expert {e} does not exist (the model has "
+                f"{num_experts} "
+                f"routed experts)"
+            )
         found[(e, role)] = modules[key]
-    h_pad, i_pad = round_up(hidden, HADAMARD_SIZE), round_up(intermediate, HADAMARD_SIZE)
+    h_pad, i_pad = (
+        round_up(hidden, HADAMARD_SIZE),
+        round_up(intermediate, HADAMARD_SIZE),
+    )
     experts: dict[int, ExpertSpecs] = {}
     codebooks: dict[Codebook, str] = {}
     for e in range(num_experts):
@@ -125,37 +170,55 @@ def plan_experts(prefix: str, keys: list[str], modules: Mapping[str, Exl3ModuleS
         for role, proj in enumerate(proj_names):
             spec = found.get((e, role))
             if spec is None:
-                present = next((s.prefix for (ee, _), s in found.items() if ee == e), None)
+                present = next(
+                    (s.prefix for (ee, _), s in found.items() if ee == e), None
+                )
                 example = next(iter(found.values())).prefix.rsplit(".", 2)[0]
                 raise Exl3LayoutError(
                     f"EXL3 {example}.{e}.{proj}.trellis: missing tensor (expert {e}'s "
-                    f"{ROLE_NAMES[role]} projection is not an EXL3 module in the checkpoint"
-                    + (f"; {present} is" if present else "; the expert has none") + ")")
+                    f"{ROLE_NAMES[role]} projection is not an EXL3 module in the "
+                    "checkpoint"
+                    + (f"; {present} is" if present else "; the expert has none")
+                    + ")"
+                )
             k, n = (i_pad, h_pad) if role == DOWN else (h_pad, i_pad)
             if (spec.in_features, spec.out_features) != (k, n):
                 raise Exl3LayoutError(
-                    f"EXL3 {spec.prefix}.trellis: expert of shape k={spec.in_features}, "
-                    f"n={spec.out_features}; the model's {ROLE_NAMES[role]} projection is "
-                    f"k={k}, n={n} (hidden {hidden}, expert width {intermediate}, padded to "
-                    f"{HADAMARD_SIZE})")
+                    f"EXL3 {spec.prefix}.trellis: expert of shape "
+                    f"k={spec.in_features}, "
+                    f"n={spec.out_features}; the model's {ROLE_NAMES[role]} projection "
+                    "is "
+                    f"k={k}, n={n} (hidden {hidden}, expert width {intermediate}, "
+                    "padded to "
+                    f"{HADAMARD_SIZE})"
+                )
             if spec.has_bias:
                 raise Exl3LayoutError(
                     f"EXL3 {spec.prefix}.bias: expert projections with a bias are not "
-                    f"supported")
+                    f"supported"
+                )
             claim = (claims or {}).get(spec.prefix)
-            if claim is not None and claim[0] is not None and float(claim[0]) != spec.bits:
+            if (
+                claim is not None
+                and claim[0] is not None
+                and float(claim[0]) != spec.bits
+            ):
                 raise Exl3LayoutError(
-                    f"EXL3 {spec.prefix}.trellis: {spec.bits} bits per weight (trellis width "
+                    f"EXL3 {spec.prefix}.trellis: {spec.bits} bits per weight (trellis "
+                    "width "
                     f"{int(spec.bits * TILE)}), but quantization_config.json claims "
-                    f"{claim[0]} for this module")
+                    f"{claim[0]} for this module"
+                )
             codebooks.setdefault(spec.codebook, spec.prefix)
             specs.append(spec)
         experts[e] = ExpertSpecs(*specs)
     if len(codebooks) > 1:
         listing = ", ".join(f"{p} is {c.name}" for c, p in codebooks.items())
         raise Exl3LayoutError(
-            f"EXL3 {prefix}: the experts of one layer mix codebooks ({listing}); one codebook "
-            f"per MoE layer is supported")
+            f"EXL3 {prefix}: the experts of one layer mix codebooks ({listing}); one "
+            "codebook "
+            f"per MoE layer is supported"
+        )
     return experts
 
 
@@ -166,58 +229,83 @@ class Exl3MoEParameter(torch.nn.Parameter):
 class Exl3MoEMethod(FusedMoEMethodBase):
     """EXL3 routed experts; `experts` are the checkpoint modules by global expert id."""
 
-    # RoutedExperts.load_weights treats a tensor of this rank as all experts stacked; no EXL3
-    # tensor has 4 dims, so every EXL3 expert tensor loads as one expert (the 3-D trellis too).
+    # RoutedExperts.load_weights treats a tensor of this rank as all experts stacked; no
+    # EXL3 tensor has 4 dims, so every EXL3 expert tensor loads as one expert (the 3-D
+    # trellis too).
     fused_expert_weight_ndim = 4
 
-    def __init__(self, moe: FusedMoEConfig, prefix: str, experts: dict[int, ExpertSpecs]):
+    def __init__(
+        self, moe: FusedMoEConfig, prefix: str, experts: dict[int, ExpertSpecs]
+    ):
         super().__init__(moe)
         self.prefix = prefix
         self.experts = experts
         self.codebook = next(iter(experts.values())).gate.codebook
         self.kernel: Exl3MoEKernel
-        # Set in create_weights: local -> global expert id, and the checkpoint suffixes each
-        # (local expert, role) must load.
+        # Set in create_weights: local -> global expert id, and the checkpoint suffixes
+        # each (local expert, role) must load.
         self._local: dict[int, int] = {}
         self._expected: dict[tuple[int, int], set[str]] = {}
-        self._written: dict[tuple[str, int, int], str] = {}  # (target, local, role) -> name
+        self._written: dict[
+            tuple[str, int, int], str
+        ] = {}  # (target, local, role) -> name
         self._loaded_any = False
 
-    # ---- sizes ---------------------------------------------------------------------------
+    # ---- sizes
+    # ---------------------------------------------------------------------------
 
-    def maybe_roundup_sizes(self, hidden_size, intermediate_size_per_partition, act_dtype,
-                            moe_parallel_config):
-        hidden, width = super().maybe_roundup_sizes(hidden_size, intermediate_size_per_partition,
-                                                    act_dtype, moe_parallel_config)
+    def maybe_roundup_sizes(
+        self,
+        hidden_size,
+        intermediate_size_per_partition,
+        act_dtype,
+        moe_parallel_config,
+    ):
+        hidden, width = super().maybe_roundup_sizes(
+            hidden_size, intermediate_size_per_partition, act_dtype, moe_parallel_config
+        )
         if moe_parallel_config.tp_size == 1:
-            # The format pads the expert width to the Hadamard block (svh = 0 on the padding,
-            # so the padded columns are exactly zero); vLLM then sees the padded width.
+            # The format pads the expert width to the Hadamard block (svh = 0 on the
+            # padding, so the padded columns are exactly zero); vLLM then sees the
+            # padded width.
             width = round_up(width, HADAMARD_SIZE)
         return hidden, width
 
-    # ---- weights -------------------------------------------------------------------------
+    # ---- weights
+    # -------------------------------------------------------------------------
 
-    def create_weights(self, layer: torch.nn.Module, num_experts: int, hidden_size: int,
-                       intermediate_size_per_partition: int, params_dtype: torch.dtype,
-                       **extra_weight_attrs) -> None:
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
         h, i_p = hidden_size, intermediate_size_per_partition
         tp_rank, tp_size = layer.moe_config.tp_rank, layer.moe_config.tp_size
         where = f"EXL3 {self.prefix} (rank {tp_rank} of {tp_size})"
         if h % HADAMARD_SIZE:
             raise Exl3LayoutError(
-                f"{where}: hidden size {h} is not a multiple of {HADAMARD_SIZE}; EXL3 MoE "
-                f"layers need whole Hadamard blocks on the expert input")
+                f"{where}: hidden size {h} is not a multiple of {HADAMARD_SIZE}; EXL3 "
+                "MoE "
+                f"layers need whole Hadamard blocks on the expert input"
+            )
         why = row_split_error(i_p, tp_size)
         if why is None and i_p % HADAMARD_SIZE:
             why = f"expert width {i_p} per rank is not a multiple of {HADAMARD_SIZE}"
         if why is not None:
             raise Exl3LayoutError(
                 f"{where}: {why} (the down projections' k); expert parallelism "
-                f"(--enable-expert-parallel) keeps every expert whole on one rank")
+                f"(--enable-expert-parallel) keeps every expert whole on one rank"
+            )
         if layer.moe_config.activation.value != "silu":
             raise Exl3LayoutError(
-                f"{where}: activation {layer.moe_config.activation.value!r}; EXL3 MoE supports "
-                f"gated SiLU")
+                f"{where}: activation {layer.moe_config.activation.value!r}; EXL3 MoE "
+                "supports "
+                f"gated SiLU"
+            )
         self.hidden, self.width, self.num_local = h, i_p, num_experts
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._local = {}
@@ -227,8 +315,10 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 self._local[local] = g
         if sorted(self._local) != list(range(num_experts)):
             raise Exl3LayoutError(
-                f"{where}: the expert map gives local experts {sorted(self._local)}, expected "
-                f"0..{num_experts - 1}")
+                f"{where}: the expert map gives local experts {sorted(self._local)}, "
+                "expected "
+                f"0..{num_experts - 1}"
+            )
 
         w13_meta = torch.zeros((num_experts, 2, 2), dtype=torch.int64)
         w2_meta = torch.zeros((num_experts, 2), dtype=torch.int64)
@@ -238,21 +328,30 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             for role in (GATE, UP):
                 k2 = _k2(specs.role(role))
                 w13_meta[local, role] = torch.tensor([t13, k2])
-                t13 += round_up((h // TILE) * (i_p // TILE) * TILE * k2 // K2_PER_BIT,
-                                BLOCK_ALIGN)
+                t13 += round_up(
+                    (h // TILE) * (i_p // TILE) * TILE * k2 // K2_PER_BIT, BLOCK_ALIGN
+                )
             k2 = _k2(specs.down)
             w2_meta[local] = torch.tensor([t2, k2])
-            t2 += round_up((i_p // TILE) * (h // TILE) * TILE * k2 // K2_PER_BIT, BLOCK_ALIGN)
+            t2 += round_up(
+                (i_p // TILE) * (h // TILE) * TILE * k2 // K2_PER_BIT, BLOCK_ALIGN
+            )
             for role in (GATE, UP, DOWN):
                 self._expected[(local, role)] = _suffixes(specs.role(role))
         self.w13_meta_cpu, self.w2_meta_cpu = w13_meta, w2_meta
 
-        all_suffixes = set().union(*self._expected.values()) if self._expected else set()
-        unknown = all_suffixes - set(DATA) - set(MARKERS) - set(LEGACY_SIGNS) - set(IGNORED)
+        all_suffixes = (
+            set().union(*self._expected.values()) if self._expected else set()
+        )
+        unknown = (
+            all_suffixes - set(DATA) - set(MARKERS) - set(LEGACY_SIGNS) - set(IGNORED)
+        )
         if unknown:
             raise Exl3LayoutError(
-                f"{where}: checkpoint expert tensors with suffixes {sorted(unknown)} have no "
-                f"place in an EXL3 MoE layer")
+                f"{where}: checkpoint expert tensors with suffixes {sorted(unknown)} "
+                "have no "
+                f"place in an EXL3 MoE layer"
+            )
         shapes = {
             "w13_trellis": ((t13,), torch.int16),
             "w13_suh": ((num_experts, 2, h), torch.float16),
@@ -271,10 +370,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         loader = self._weight_loader(layer)
         for name, (shape, dtype) in shapes.items():
             # Zeros, not empty: a region nothing is loaded into must contribute nothing.
-            param = Exl3MoEParameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            param = Exl3MoEParameter(
+                torch.zeros(shape, dtype=dtype), requires_grad=False
+            )
             layer.register_parameter(name, param)
-            set_weight_attrs(param, {"weight_loader": loader,
-                                     "exl3_suffix": name.partition("_")[2]})
+            set_weight_attrs(
+                param, {"weight_loader": loader, "exl3_suffix": name.partition("_")[2]}
+            )
         device = layer.w13_trellis.device
         layer.register_buffer("w13_meta", w13_meta.to(device), persistent=False)
         layer.register_buffer("w2_meta", w2_meta.to(device), persistent=False)
@@ -283,32 +385,51 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         return f"{self.experts[self._local[local]].role(role).prefix}.{suffix}"
 
     def _weight_loader(self, layer: torch.nn.Module) -> Callable:
-        def load(param: torch.nn.Parameter, loaded_weight: torch.Tensor, weight_name: str,
-                 shard_id: str, expert_id: int, return_success: bool = False) -> bool | None:
+        def load(
+            param: torch.nn.Parameter,
+            loaded_weight: torch.Tensor,
+            weight_name: str,
+            shard_id: str,
+            expert_id: int,
+            return_success: bool = False,
+        ) -> bool | None:
             local = layer._map_global_expert_id_to_local_expert_id(expert_id)
             if local < 0:
                 return False if return_success else None
             if shard_id not in SHARD_ROLES:
                 raise Exl3LayoutError(
-                    f"EXL3 {weight_name}: shard id {shard_id!r}, expected w1, w2 or w3")
-            self._load(layer, param.exl3_suffix, loaded_weight, local, SHARD_ROLES[shard_id])
+                    f"EXL3 {weight_name}: shard id {shard_id!r}, expected w1, w2 or w3"
+                )
+            self._load(
+                layer, param.exl3_suffix, loaded_weight, local, SHARD_ROLES[shard_id]
+            )
             return True if return_success else None
 
         return load
 
-    def _load(self, layer: torch.nn.Module, suffix: str, loaded: torch.Tensor, local: int,
-              role: int) -> None:
+    def _load(
+        self,
+        layer: torch.nn.Module,
+        suffix: str,
+        loaded: torch.Tensor,
+        local: int,
+        role: int,
+    ) -> None:
         name = self._tensor_name(local, role, suffix)
         where = f"EXL3 {name} -> {self.prefix} (rank {self.tp_rank})"
         if suffix not in self._expected[(local, role)]:
-            raise Exl3LayoutError(f"{where}: tensor not listed in the checkpoint's safetensors "
-                                  f"headers for this expert")
+            raise Exl3LayoutError(
+                f"{where}: tensor not listed in the checkpoint's safetensors "
+                f"headers for this expert"
+            )
         self._loaded_any = True
         spec = self.experts[self._local[local]].role(role)
         if suffix in MARKERS:
             if loaded.numel() != 1 or loaded.dtype != torch.int32:
-                raise Exl3LayoutError(f"{where}: marker must be one int32, got shape "
-                                      f"{list(loaded.shape)} {loaded.dtype}")
+                raise Exl3LayoutError(
+                    f"{where}: marker must be one int32, got shape "
+                    f"{list(loaded.shape)} {loaded.dtype}"
+                )
             self._claim(where, suffix, local, role, name)
             self._markers[(local, role)] = int(loaded.reshape(()).item())
             return
@@ -328,8 +449,12 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         i_p, r = self.width, self.tp_rank
         if suffix == "trellis":
             words = TILE * _k2(spec) // K2_PER_BIT
-            self._check(where, loaded, torch.int16,
-                        (spec.in_features // TILE, spec.out_features // TILE, words))
+            self._check(
+                where,
+                loaded,
+                torch.int16,
+                (spec.in_features // TILE, spec.out_features // TILE, words),
+            )
             if role == DOWN:
                 src = loaded.narrow(0, r * i_p // TILE, i_p // TILE)
                 offset, _ = self.w2_meta_cpu[local].tolist()
@@ -338,7 +463,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 src = loaded.narrow(1, r * i_p // TILE, i_p // TILE)
                 offset, _ = self.w13_meta_cpu[local, role].tolist()
                 flat = layer.w13_trellis.data
-            flat[offset:offset + src.numel()].view(src.shape).copy_(src)
+            flat[offset : offset + src.numel()].view(src.shape).copy_(src)
             return
         length = spec.in_features if suffix == "suh" else spec.out_features
         self._check(where, loaded, torch.float16, (length,))
@@ -350,29 +475,39 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         elif suffix == "suh":
             layer.w13_suh.data[local, role].copy_(loaded)
         else:
-            layer.w13_svh.data[local, role * i_p:(role + 1) * i_p].copy_(
-                loaded.narrow(0, r * i_p, i_p))
+            layer.w13_svh.data[local, role * i_p : (role + 1) * i_p].copy_(
+                loaded.narrow(0, r * i_p, i_p)
+            )
 
     def _claim(self, where: str, target: str, local: int, role: int, name: str) -> None:
         key = (target, local, role)
         if key in self._written:
-            raise Exl3LayoutError(f"{where}: region already written by {self._written[key]} "
-                                  f"(a checkpoint tensor loaded twice)")
+            raise Exl3LayoutError(
+                f"{where}: region already written by {self._written[key]} "
+                f"(a checkpoint tensor loaded twice)"
+            )
         self._written[key] = name
 
     @staticmethod
-    def _check(where: str, loaded: torch.Tensor, dtype: torch.dtype,
-               shape: tuple[int, ...]) -> None:
+    def _check(
+        where: str, loaded: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> None:
         if loaded.dtype != dtype or tuple(loaded.shape) != shape:
-            raise Exl3LayoutError(f"{where}: got {list(loaded.shape)} {loaded.dtype}, the "
-                                  f"headers describe {list(shape)} {dtype}")
+            raise Exl3LayoutError(
+                f"{where}: got {list(loaded.shape)} {loaded.dtype}, the "
+                f"headers describe {list(shape)} {dtype}"
+            )
 
-    # ---- after loading -------------------------------------------------------------------
+    # ---- after loading
+    # -------------------------------------------------------------------
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not self._loaded_any:
-            # Nothing came from a checkpoint: load_format="dummy" (random-weight perf runs).
-            logger.debug("EXL3 %s: no checkpoint tensors loaded (dummy weights)", self.prefix)
+            # Nothing came from a checkpoint: load_format="dummy" (random-weight perf
+            # runs).
+            logger.debug(
+                "EXL3 %s: no checkpoint tensors loaded (dummy weights)", self.prefix
+            )
         else:
             self._check_complete()
         for name in list(dict(layer.named_parameters(recurse=False))):
@@ -380,15 +515,28 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 data = getattr(layer, name).data
                 delattr(layer, name)
                 if name.partition("_")[2] in DATA:
-                    layer.register_parameter(name, torch.nn.Parameter(data,
-                                                                      requires_grad=False))
+                    layer.register_parameter(
+                        name, torch.nn.Parameter(data, requires_grad=False)
+                    )
         self._written = {}
         self._markers = {}
-        bits = sorted({self.experts[g].role(r).bits for g in self._local.values()
-                       for r in (GATE, UP, DOWN)})
-        self.kernel = choose_exl3_moe_kernel(Exl3MoEKernelConfig(
-            self.prefix, layer.w13_trellis.device, layer.params_dtype,
-            layer.moe_config.activation.value, int(self.codebook), tuple(bits)))
+        bits = sorted(
+            {
+                self.experts[g].role(r).bits
+                for g in self._local.values()
+                for r in (GATE, UP, DOWN)
+            }
+        )
+        self.kernel = choose_exl3_moe_kernel(
+            Exl3MoEKernelConfig(
+                self.prefix,
+                layer.w13_trellis.device,
+                layer.params_dtype,
+                layer.moe_config.activation.value,
+                int(self.codebook),
+                tuple(bits),
+            )
+        )
 
     def _check_complete(self) -> None:
         missing = []
@@ -400,37 +548,69 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 if (target, local, role) not in self._written:
                     missing.append(self._tensor_name(local, role, suffix))
         if missing:
-            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more"
-                                              if len(missing) > 8 else "")
+            shown = ", ".join(missing[:8]) + (
+                f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            )
             raise Exl3LayoutError(
-                f"EXL3 {self.prefix} (rank {self.tp_rank}): checkpoint tensors never loaded: "
-                f"{shown}")
+                f"EXL3 {self.prefix} (rank {self.tp_rank}): checkpoint tensors never "
+                "loaded: "
+                f"{shown}"
+            )
         for (local, role), value in sorted(self._markers.items()):
             spec = self.experts[self._local[local]].role(role)
             marker = next(s for s in _suffixes(spec) if s in MARKERS)
             codebook, expected = MARKERS[marker]
             if value != expected or codebook != spec.codebook:
                 raise Exl3LayoutError(
-                    f"EXL3 {spec.prefix}.{marker} (rank {self.tp_rank}): marker value {value}, "
-                    f"expected {expected} for the {codebook.name} codebook")
+                    f"EXL3 {spec.prefix}.{marker} (rank {self.tp_rank}): marker value "
+                    f"{value}, "
+                    f"expected {expected} for the {codebook.name} codebook"
+                )
 
-    # ---- forward -------------------------------------------------------------------------
+    # ---- forward
+    # -------------------------------------------------------------------------
 
-    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> FusedMoEQuantConfig | None:
+    def get_fused_moe_quant_config(
+        self, layer: torch.nn.Module
+    ) -> FusedMoEQuantConfig | None:
         # Plain TP / EP through `apply`; no all-to-all prepare/finalize kernels.
         return None
 
     def weights(self, layer: torch.nn.Module) -> Exl3MoEWeights:
-        return Exl3MoEWeights(layer.w13_trellis, layer.w13_meta, layer.w13_suh, layer.w13_svh,
-                              layer.w2_trellis, layer.w2_meta, layer.w2_suh, layer.w2_svh,
-                              self.num_local, self.hidden, self.width)
+        return Exl3MoEWeights(
+            layer.w13_trellis,
+            layer.w13_meta,
+            layer.w13_suh,
+            layer.w13_svh,
+            layer.w2_trellis,
+            layer.w2_meta,
+            layer.w2_suh,
+            layer.w2_svh,
+            self.num_local,
+            self.hidden,
+            self.width,
+        )
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, shared_experts, shared_experts_input) -> torch.Tensor:
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts,
+        shared_experts_input,
+    ) -> torch.Tensor:
         return self.kernel.apply(
-            x, topk_weights, topk_ids, self.weights(layer),
+            x,
+            topk_weights,
+            topk_ids,
+            self.weights(layer),
             activation=layer.activation.value,
             apply_router_weight_on_input=layer.apply_router_weight_on_input,
-            expert_map=layer.expert_map, global_num_experts=layer.global_num_experts,
+            expert_map=layer.expert_map,
+            global_num_experts=layer.global_num_experts,
             codebook=int(self.codebook),
-            deterministic=bool(envs.VLLM_EXL3_DETERMINISTIC or envs.VLLM_BATCH_INVARIANT))
+            deterministic=bool(
+                envs.VLLM_EXL3_DETERMINISTIC or envs.VLLM_BATCH_INVARIANT
+            ),
+        )

@@ -2,12 +2,12 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Which implementation runs an EXL3 MoE layer's routed experts, chosen once per layer.
 
-Same pattern as kernels.py: `Exl3MoEMethod` describes the layer (`Exl3MoEKernelConfig`), each
-candidate says whether it can run it here, the first that can is used;
-`VLLM_EXL3_FORCE_REFERENCE=1` forces the reference. The weights are the parameters moe.py
-registers, bundled as `Exl3MoEWeights`: every (expert, role) trellis is a contiguous block of a
-flat int16 buffer, located by a per-expert `meta` table of (offset, k2), so experts and roles may
-carry different bitrates.
+Same pattern as kernels.py: `Exl3MoEMethod` describes the layer (`Exl3MoEKernelConfig`),
+each candidate says whether it can run it here, the first that can is used;
+`VLLM_EXL3_FORCE_REFERENCE=1` forces the reference. The weights are the parameters
+moe.py registers, bundled as `Exl3MoEWeights`: every (expert, role) trellis is a
+contiguous block of a flat int16 buffer, located by a per-expert `meta` table of
+(offset, k2), so experts and roles may carry different bitrates.
 """
 
 from abc import ABC, abstractmethod
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 import vllm.envs as envs
 from vllm.logger import init_logger
 
@@ -24,7 +23,8 @@ from .format import TILE, Codebook
 
 logger = init_logger(__name__)
 
-# meta[..., 1] holds k2 = 2 * bits (an integer for every EXL3 rate, 1.5 / 2.5 / 3.5 included).
+# meta[..., 1] holds k2 = 2 * bits (an integer for every EXL3 rate, 1.5 / 2.5 / 3.5
+# included).
 K2_PER_BIT = 2
 # Roles inside the w13 tables.
 GATE, UP = 0, 1
@@ -56,95 +56,151 @@ class Exl3MoEKernelConfig:
     act_dtype: torch.dtype
     activation: str
     codebook: int
-    # Every distinct (bits) of the layer's experts and roles, for kernels with a rate subset.
+    # Every distinct (bits) of the layer's experts and roles, for kernels with a rate
+    # subset.
     bits: tuple[float, ...]
 
 
-def trellis_block(flat: torch.Tensor, offset: int, k2: int, rows: int,
-                  cols: int) -> torch.Tensor:
-    """The [rows/16, cols/16, 16K] trellis stored at `offset` of a flat buffer (K = k2 / 2)."""
+def trellis_block(
+    flat: torch.Tensor, offset: int, k2: int, rows: int, cols: int
+) -> torch.Tensor:
+    """The [rows/16, cols/16, 16K] trellis stored at `offset` of a flat buffer (K = k2 /
+    2)."""
     words = TILE * k2 // K2_PER_BIT
     size = (rows // TILE) * (cols // TILE) * words
-    return flat[offset:offset + size].view(rows // TILE, cols // TILE, words)
+    return flat[offset : offset + size].view(rows // TILE, cols // TILE, words)
 
 
 class Exl3MoEKernel(ABC):
-
     @classmethod
     @abstractmethod
     def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
         raise NotImplementedError
 
     @abstractmethod
-    def apply(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              w: Exl3MoEWeights, *, activation: str, apply_router_weight_on_input: bool,
-              expert_map: torch.Tensor | None, global_num_experts: int, codebook: int,
-              deterministic: bool) -> torch.Tensor:
-        """out [M, h] in x.dtype: for each token, the sum over its top-k of routing weight *
-        down(SiLU(gate(x)) * up(x)) for the experts local to this rank (expert_map: global ->
-        local, -1 = elsewhere, contributes nothing); routed scaling and shared experts are
-        applied by vLLM outside."""
+    def apply(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        w: Exl3MoEWeights,
+        *,
+        activation: str,
+        apply_router_weight_on_input: bool,
+        expert_map: torch.Tensor | None,
+        global_num_experts: int,
+        codebook: int,
+        deterministic: bool,
+    ) -> torch.Tensor:
+        """out [M, h] in x.dtype: for each token, the sum over its top-k of routing
+        weight * down(SiLU(gate(x)) * up(x)) for the experts local to this rank
+        (expert_map: global -> local, -1 = elsewhere, contributes nothing); routed
+        scaling and shared experts are applied by vLLM outside."""
         raise NotImplementedError
 
 
 class ReferenceExl3MoEKernel(Exl3MoEKernel):
-    """Plain PyTorch, fp32 accumulation, the trellises decoded by reference.py on every call
-    (no decoded-weight cache that could hide a loading bug): CPU, tests, debugging.
+    """Plain PyTorch, fp32 accumulation, the trellises decoded by reference.py on every
+    call (no decoded-weight cache that could hide a loading bug): CPU, tests, debugging.
 
-    Deterministic by construction: each token's top-k contributions are added in top-k slot
-    order, experts in index order."""
+    Deterministic by construction: each token's top-k contributions are added in top-k
+    slot order, experts in index order."""
 
     @classmethod
     def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
         if c.activation not in SUPPORTED_ACTIVATIONS:
-            return False, f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})"
+            return (
+                False,
+                f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})",
+            )
         if c.device.type != "cpu":
-            return False, (f"weights are on {c.device}: the reference would decode every "
-                           f"expert on every call (VLLM_EXL3_FORCE_REFERENCE=1 allows it)")
+            return False, (
+                f"weights are on {c.device}: the reference would decode every "
+                f"expert on every call (VLLM_EXL3_FORCE_REFERENCE=1 allows it)"
+            )
         return True, None
 
     @staticmethod
-    def _project(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor,
-                 svh: torch.Tensor, codebook: int) -> torch.Tensor:
+    def _project(
+        x: torch.Tensor,
+        trellis: torch.Tensor,
+        suh: torch.Tensor,
+        svh: torch.Tensor,
+        codebook: int,
+    ) -> torch.Tensor:
         return reference.forward(x, trellis, suh, svh, codebook, dtype=torch.float32)
 
-    def apply(self, x, topk_weights, topk_ids, w, *, activation, apply_router_weight_on_input,
-              expert_map, global_num_experts, codebook, deterministic):
+    def apply(
+        self,
+        x,
+        topk_weights,
+        topk_ids,
+        w,
+        *,
+        activation,
+        apply_router_weight_on_input,
+        expert_map,
+        global_num_experts,
+        codebook,
+        deterministic,
+    ):
         if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"EXL3 MoE: activation {activation!r} is not supported "
-                             f"({SUPPORTED_ACTIVATIONS})")
+            raise ValueError(
+                f"EXL3 MoE: activation {activation!r} is not supported "
+                f"({SUPPORTED_ACTIVATIONS})"
+            )
         h, i_p = w.hidden, w.width
         m, top_k = topk_ids.shape
         ids = topk_ids.long()
         if expert_map is not None:
-            # Out-of-range global ids (never produced by vLLM's routers) map to no expert.
+            # Out-of-range global ids (never produced by vLLM's routers) map to no
+            # expert.
             valid = (ids >= 0) & (ids < global_num_experts)
-            ids = torch.where(valid, expert_map.long()[ids.clamp(0, global_num_experts - 1)],
-                              torch.full_like(ids, -1))
+            ids = torch.where(
+                valid,
+                expert_map.long()[ids.clamp(0, global_num_experts - 1)],
+                torch.full_like(ids, -1),
+            )
         meta13 = w.w13_meta.cpu().tolist()
         meta2 = w.w2_meta.cpu().tolist()
         xf = x.float()
-        # contributions[token, slot]: filled per expert, then summed over slots in order.
+        # contributions[token, slot]: filled per expert, then summed over slots in
+        # order.
         contributions = torch.zeros((m, top_k, h), dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():
             if e < 0:
                 continue
             if e >= w.num_experts:
-                raise ValueError(f"EXL3 MoE: local expert id {e} >= {w.num_experts} local "
-                                 f"experts")
+                raise ValueError(
+                    f"EXL3 MoE: local expert id {e} >= {w.num_experts} local experts"
+                )
             rows, slots = torch.nonzero(ids == e, as_tuple=True)
             xe = xf[rows]
             if apply_router_weight_on_input:
                 xe = xe * topk_weights[rows, slots, None].float()
             (g_off, g_k2), (u_off, u_k2) = meta13[e]
-            gate = self._project(xe, trellis_block(w.w13_trellis, g_off, g_k2, h, i_p),
-                                 w.w13_suh[e, GATE], w.w13_svh[e, :i_p], codebook)
-            up = self._project(xe, trellis_block(w.w13_trellis, u_off, u_k2, h, i_p),
-                               w.w13_suh[e, UP], w.w13_svh[e, i_p:], codebook)
+            gate = self._project(
+                xe,
+                trellis_block(w.w13_trellis, g_off, g_k2, h, i_p),
+                w.w13_suh[e, GATE],
+                w.w13_svh[e, :i_p],
+                codebook,
+            )
+            up = self._project(
+                xe,
+                trellis_block(w.w13_trellis, u_off, u_k2, h, i_p),
+                w.w13_suh[e, UP],
+                w.w13_svh[e, i_p:],
+                codebook,
+            )
             d_off, d_k2 = meta2[e]
-            y = self._project(F.silu(gate) * up,
-                              trellis_block(w.w2_trellis, d_off, d_k2, i_p, h),
-                              w.w2_suh[e], w.w2_svh[e], codebook)
+            y = self._project(
+                F.silu(gate) * up,
+                trellis_block(w.w2_trellis, d_off, d_k2, i_p, h),
+                w.w2_suh[e],
+                w.w2_svh[e],
+                codebook,
+            )
             if not apply_router_weight_on_input:
                 y = y * topk_weights[rows, slots, None].float()
             contributions[rows, slots] = y
@@ -155,92 +211,158 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
 
 
 class CudaExl3MoEKernel(Exl3MoEKernel):
-    """The grouped trellis GEMM (`torch.ops._C.exl3_moe`) over vLLM's `moe_align_block_size`.
+    """The grouped trellis GEMM (`torch.ops._C.exl3_moe`) over vLLM's
+    `moe_align_block_size`.
 
-    Each aligned row block belongs to one expert and is one tile of the dense EXL3 GEMM on that
-    expert's trellis; gate and up run in one launch, SwiGLU is fused into the down projection's
-    input transform, and the routing weights into its epilogue. One launch per distinct bitrate
-    serves layers whose experts (and roles) differ in bitrate.
+    Each aligned row block belongs to one expert and is one tile of the dense EXL3 GEMM
+    on that expert's trellis; gate and up run in one launch, SwiGLU is fused into the
+    down projection's input transform, and the routing weights into its epilogue. One
+    launch per distinct bitrate serves layers whose experts (and roles) differ in
+    bitrate.
     """
 
     # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
     MIN_CAPABILITY = 80
     ACT_DTYPES = (torch.float16, torch.bfloat16)
-    # Block size: the smallest tier holding an expert's average row count. A block decodes its
-    # expert's trellis columns once for all its rows, and decoding (not the padded rows' MMAs)
-    # bounds the GEMM at these row counts, so fewer, fuller blocks win as soon as experts see
-    # more than 16 rows; at decode sizes 16-row blocks waste the fewest rows.
+    # Block size: the smallest tier holding an expert's average row count. A block
+    # decodes its expert's trellis columns once for all its rows, and decoding (not the
+    # padded rows' MMAs) bounds the GEMM at these row counts, so fewer, fuller blocks
+    # win as soon as experts see more than 16 rows; at decode sizes 16-row blocks waste
+    # the fewest rows.
 
     def __init__(self) -> None:
-        # (w13_meta, w2_meta) data pointers -> the distinct k2 of each, read once per layer.
+        # (w13_meta, w2_meta) data pointers -> the distinct k2 of each, read once per
+        # layer.
         self._rates: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
     @classmethod
     def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
         if c.activation not in SUPPORTED_ACTIVATIONS:
-            return False, f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})"
+            return (
+                False,
+                f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})",
+            )
         if c.device.type != "cuda":
             return False, f"weights are on {c.device}, not a CUDA device"
         from vllm.platforms import current_platform
+
         capability = current_platform.get_device_capability()
         if capability is None or capability.to_int() < cls.MIN_CAPABILITY:
-            return False, f"needs compute capability {cls.MIN_CAPABILITY}, have {capability}"
+            return (
+                False,
+                f"needs compute capability {cls.MIN_CAPABILITY}, have {capability}",
+            )
         if c.act_dtype not in cls.ACT_DTYPES:
-            return False, f"activations are {c.act_dtype}; the kernel takes fp16 or bf16"
+            return (
+                False,
+                f"activations are {c.act_dtype}; the kernel takes fp16 or bf16",
+            )
         from . import moe_ops
+
         return moe_ops.load_exl3_moe_op()
 
     @classmethod
     def block_size(cls, tokens: int, top_k: int, global_num_experts: int) -> int:
         from .moe_ops import BLOCK_SIZES
+
         rows = tokens * top_k / max(global_num_experts, 1)
         return next((b for b in BLOCK_SIZES if b >= rows), BLOCK_SIZES[-1])
 
     def rates(self, w: Exl3MoEWeights, codebook: int) -> tuple[list[int], list[int]]:
         """The distinct k2 of gate/up and of down, checked against the trellis buffers.
 
-        Read from the device tables once per layer (a host sync: vLLM's first forward runs
-        eagerly before any CUDA-graph capture)."""
+        Read from the device tables once per layer (a host sync: vLLM's first forward
+        runs eagerly before any CUDA-graph capture)."""
         key = (w.w13_meta.data_ptr(), w.w2_meta.data_ptr())
         found = self._rates.get(key)
         if found is None:
             if w.w13_meta.is_cuda and torch.cuda.is_current_stream_capturing():
-                # No host read now: every rate (a launch per rate absent from the layer only
-                # costs its empty grid); the op's device checks still guard the table.
-                logger.warning_once("EXL3 MoE: bitrate table first read during CUDA-graph "
-                                    "capture; launching for every rate")
-                every = [k2 for k2 in sorted(VALID_K2)
-                         if k2 % 2 == 0 or codebook == Codebook.MUL1]
+                # No host read now: every rate (a launch per rate absent from the layer
+                # only costs its empty grid); the op's device checks still guard the
+                # table.
+                logger.warning_once(
+                    "EXL3 MoE: bitrate table first read during CUDA-graph "
+                    "capture; launching for every rate"
+                )
+                every = [
+                    k2
+                    for k2 in sorted(VALID_K2)
+                    if k2 % 2 == 0 or codebook == Codebook.MUL1
+                ]
                 return every, every
-            found = (_checked_rates("w13", w.w13_meta.cpu(), w.w13_trellis.numel(),
-                                    (w.hidden, w.width)),
-                     _checked_rates("w2", w.w2_meta.cpu().unsqueeze(1), w.w2_trellis.numel(),
-                                    (w.width, w.hidden)))
+            found = (
+                _checked_rates(
+                    "w13", w.w13_meta.cpu(), w.w13_trellis.numel(), (w.hidden, w.width)
+                ),
+                _checked_rates(
+                    "w2",
+                    w.w2_meta.cpu().unsqueeze(1),
+                    w.w2_trellis.numel(),
+                    (w.width, w.hidden),
+                ),
+            )
             self._rates[key] = found
         return found
 
-    def apply(self, x, topk_weights, topk_ids, w, *, activation, apply_router_weight_on_input,
-              expert_map, global_num_experts, codebook, deterministic):
+    def apply(
+        self,
+        x,
+        topk_weights,
+        topk_ids,
+        w,
+        *,
+        activation,
+        apply_router_weight_on_input,
+        expert_map,
+        global_num_experts,
+        codebook,
+        deterministic,
+    ):
         if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(f"EXL3 MoE: activation {activation!r} is not supported "
-                             f"({SUPPORTED_ACTIVATIONS})")
+            raise ValueError(
+                f"EXL3 MoE: activation {activation!r} is not supported "
+                f"({SUPPORTED_ACTIVATIONS})"
+            )
         from vllm.model_executor.layers.fused_moe.moe_align_block_size import (
-            moe_align_block_size)
+            moe_align_block_size,
+        )
 
         from . import moe_ops
+
         rates13, rates2 = self.rates(w, codebook)
         m, top_k = topk_ids.shape
         block = self.block_size(m, top_k, global_num_experts)
         if expert_map is not None and expert_map.dtype != torch.int32:
             expert_map = expert_map.to(torch.int32)
-        # Non-local experts are left out of the alignment altogether (no -1 blocks to skip).
+        # Non-local experts are left out of the alignment altogether (no -1 blocks to
+        # skip).
         sorted_ids, expert_ids, post_pad = moe_align_block_size(
-            topk_ids, block, global_num_experts, expert_map, ignore_invalid_experts=True)
+            topk_ids, block, global_num_experts, expert_map, ignore_invalid_experts=True
+        )
         return moe_ops.exl3_moe(
-            x.contiguous(), topk_weights.float().contiguous(), topk_ids.contiguous(),
-            sorted_ids, expert_ids, post_pad, expert_map, w.w13_trellis, w.w13_meta,
-            w.w13_suh, w.w13_svh, w.w2_trellis, w.w2_meta, w.w2_suh, w.w2_svh, block, rates13,
-            rates2, global_num_experts, codebook, apply_router_weight_on_input, deterministic)
+            x.contiguous(),
+            topk_weights.float().contiguous(),
+            topk_ids.contiguous(),
+            sorted_ids,
+            expert_ids,
+            post_pad,
+            expert_map,
+            w.w13_trellis,
+            w.w13_meta,
+            w.w13_suh,
+            w.w13_svh,
+            w.w2_trellis,
+            w.w2_meta,
+            w.w2_suh,
+            w.w2_svh,
+            block,
+            rates13,
+            rates2,
+            global_num_experts,
+            codebook,
+            apply_router_weight_on_input,
+            deterministic,
+        )
 
 
 # Every EXL3 bitrate as k2 = 2 * bits: 1..8 bits and MUL1's 1.5 / 2.5 / 3.5.
@@ -249,9 +371,11 @@ VALID_K2 = frozenset(range(2, 17, 2)) | {3, 5, 7}
 TRELLIS_OFFSET_ALIGN = 8
 
 
-def _checked_rates(name: str, meta: torch.Tensor, numel: int,
-                   shape: tuple[int, int]) -> list[int]:
-    """meta [E, roles, 2] (host copy): every block a valid rate, aligned, inside the buffer."""
+def _checked_rates(
+    name: str, meta: torch.Tensor, numel: int, shape: tuple[int, int]
+) -> list[int]:
+    """meta [E, roles, 2] (host copy): every block a valid rate, aligned, inside the
+    buffer."""
     rows, cols = shape
     for e, roles in enumerate(meta.tolist()):
         for r, (offset, k2) in enumerate(roles):
@@ -260,17 +384,24 @@ def _checked_rates(name: str, meta: torch.Tensor, numel: int,
                 raise ValueError(f"{where}: k2 = {k2} is not 2 * an EXL3 bitrate")
             size = (rows // TILE) * (cols // TILE) * TILE * k2 // K2_PER_BIT
             if offset < 0 or offset % TRELLIS_OFFSET_ALIGN or offset + size > numel:
-                raise ValueError(f"{where}: the trellis block [{offset}, {offset + size}) is "
-                                 f"unaligned or outside {name}_trellis ({numel} elements)")
+                raise ValueError(
+                    f"{where}: the trellis block [{offset}, {offset + size}) is "
+                    f"unaligned or outside {name}_trellis ({numel} elements)"
+                )
     return sorted({int(k2) for roles in meta.tolist() for _, k2 in roles})
 
 
-CANDIDATES: tuple[type[Exl3MoEKernel], ...] = (CudaExl3MoEKernel, ReferenceExl3MoEKernel)
+CANDIDATES: tuple[type[Exl3MoEKernel], ...] = (
+    CudaExl3MoEKernel,
+    ReferenceExl3MoEKernel,
+)
 
 
 def choose_exl3_moe_kernel(c: Exl3MoEKernelConfig) -> Exl3MoEKernel:
     if envs.VLLM_EXL3_FORCE_REFERENCE:
-        logger.info_once("EXL3: VLLM_EXL3_FORCE_REFERENCE=1, using the reference MoE codec")
+        logger.info_once(
+            "EXL3: VLLM_EXL3_FORCE_REFERENCE=1, using the reference MoE codec"
+        )
         return ReferenceExl3MoEKernel()
     reasons = []
     for kernel in CANDIDATES:
@@ -279,5 +410,6 @@ def choose_exl3_moe_kernel(c: Exl3MoEKernelConfig) -> Exl3MoEKernel:
             logger.debug("EXL3 %s: %s", c.prefix, kernel.__name__)
             return kernel()
         reasons.append(f"{kernel.__name__}: {why_not}")
-    raise ValueError(f"EXL3 {c.prefix}: no MoE kernel can run this layer: "
-                     + "; ".join(reasons))
+    raise ValueError(
+        f"EXL3 {c.prefix}: no MoE kernel can run this layer: " + "; ".join(reasons)
+    )

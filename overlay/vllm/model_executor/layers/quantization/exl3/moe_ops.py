@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Python wrapper and fake implementation of the EXL3 MoE CUDA op (`torch.ops._C.exl3_moe`).
+"""Python wrapper and fake implementation of the EXL3 MoE CUDA op
+(`torch.ops._C.exl3_moe`).
 
-The op runs one layer's routed experts over vLLM's expert alignment (`moe_align_block_size`):
-routed-row input transform, the gate/up grouped GEMM, SwiGLU into the down projection's input
-transform, the down grouped GEMM with the routing weights, and the top-k combine. It is built
-into the same extension as the dense ops (ops.py loads it); nothing is loaded at import time.
+The op runs one layer's routed experts over vLLM's expert alignment
+(`moe_align_block_size`): routed-row input transform, the gate/up grouped GEMM, SwiGLU
+into the down projection's input transform, the down grouped GEMM with the routing
+weights, and the top-k combine. It is built into the same extension as the dense ops
+(ops.py loads it); nothing is loaded at import time.
 """
 
 import torch
@@ -14,7 +16,8 @@ from torch.library import register_fake
 from . import ops
 
 OP = "exl3_moe"
-# Row-block sizes the grouped GEMM is built for (16 * its m16 tiers, exl3_moe.h kMoeTiers).
+# Row-block sizes the grouped GEMM is built for (16 * its m16 tiers, exl3_moe.h
+# kMoeTiers).
 BLOCK_SIZES = (16, 32, 64, 128)
 
 
@@ -24,19 +27,38 @@ def load_exl3_moe_op() -> tuple[bool, str | None]:
     if not ok:
         return ok, why_not
     if not hasattr(torch.ops._C, OP):
-        return False, f"the EXL3 extension is loaded but registers no _C::{OP} (an older build?)"
+        return (
+            False,
+            f"the EXL3 extension is loaded but registers no _C::{OP} (an older build?)",
+        )
     _register_fake()
     return True, None
 
 
-def exl3_moe_fake(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-                  num_tokens_post_pad: torch.Tensor, expert_map: torch.Tensor | None,
-                  w13_trellis: torch.Tensor, w13_meta: torch.Tensor, w13_suh: torch.Tensor,
-                  w13_svh: torch.Tensor, w2_trellis: torch.Tensor, w2_meta: torch.Tensor,
-                  w2_suh: torch.Tensor, w2_svh: torch.Tensor, block_size: int,
-                  w13_k2s: list[int], w2_k2s: list[int], global_num_experts: int, codebook: int,
-                  apply_router_weight_on_input: bool, deterministic: bool) -> torch.Tensor:
+def exl3_moe_fake(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_pad: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    w13_trellis: torch.Tensor,
+    w13_meta: torch.Tensor,
+    w13_suh: torch.Tensor,
+    w13_svh: torch.Tensor,
+    w2_trellis: torch.Tensor,
+    w2_meta: torch.Tensor,
+    w2_suh: torch.Tensor,
+    w2_svh: torch.Tensor,
+    block_size: int,
+    w13_k2s: list[int],
+    w2_k2s: list[int],
+    global_num_experts: int,
+    codebook: int,
+    apply_router_weight_on_input: bool,
+    deterministic: bool,
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[1]))
 
 
@@ -47,17 +69,53 @@ def _register_fake() -> None:
     register_fake(qualname)(exl3_moe_fake)
 
 
-def exl3_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-             sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-             num_tokens_post_pad: torch.Tensor, expert_map: torch.Tensor | None,
-             w13_trellis: torch.Tensor, w13_meta: torch.Tensor, w13_suh: torch.Tensor,
-             w13_svh: torch.Tensor, w2_trellis: torch.Tensor, w2_meta: torch.Tensor,
-             w2_suh: torch.Tensor, w2_svh: torch.Tensor, block_size: int, w13_k2s: list[int],
-             w2_k2s: list[int], global_num_experts: int, codebook: int,
-             apply_router_weight_on_input: bool, deterministic: bool) -> torch.Tensor:
-    """y [M, h] in x.dtype: the routed experts' weighted sum per token (see the module doc)."""
-    return torch.ops._C.exl3_moe(x, topk_weights, topk_ids, sorted_ids, expert_ids,
-                                 num_tokens_post_pad, expert_map, w13_trellis, w13_meta, w13_suh,
-                                 w13_svh, w2_trellis, w2_meta, w2_suh, w2_svh, block_size,
-                                 w13_k2s, w2_k2s, global_num_experts, codebook,
-                                 apply_router_weight_on_input, deterministic)
+def exl3_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_pad: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    w13_trellis: torch.Tensor,
+    w13_meta: torch.Tensor,
+    w13_suh: torch.Tensor,
+    w13_svh: torch.Tensor,
+    w2_trellis: torch.Tensor,
+    w2_meta: torch.Tensor,
+    w2_suh: torch.Tensor,
+    w2_svh: torch.Tensor,
+    block_size: int,
+    w13_k2s: list[int],
+    w2_k2s: list[int],
+    global_num_experts: int,
+    codebook: int,
+    apply_router_weight_on_input: bool,
+    deterministic: bool,
+) -> torch.Tensor:
+    """y [M, h] in x.dtype: the routed experts' weighted sum per token (see the module
+    doc)."""
+    return torch.ops._C.exl3_moe(
+        x,
+        topk_weights,
+        topk_ids,
+        sorted_ids,
+        expert_ids,
+        num_tokens_post_pad,
+        expert_map,
+        w13_trellis,
+        w13_meta,
+        w13_suh,
+        w13_svh,
+        w2_trellis,
+        w2_meta,
+        w2_suh,
+        w2_svh,
+        block_size,
+        w13_k2s,
+        w2_k2s,
+        global_num_experts,
+        codebook,
+        apply_router_weight_on_input,
+        deterministic,
+    )
