@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host driver for tests/kernels/test_codebook_decode.py: runs the kernels' own pair decode
+// Host driver for tests/kernels/test_host_decode.py: runs the kernels' own pair decode
 // (exl3_trellis.cuh decode_pair, compiled for the host with its exact fallbacks) over every
 // 16-bit state in both halves of the pair, and writes uint16 [3 codebooks][2 halves][65536]
 // (little-endian fp16 bit patterns; half 0 indexed by the even state, half 1 by the odd one).

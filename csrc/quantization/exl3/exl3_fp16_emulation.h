@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Exact host emulation of the few fp16 operations the trellis decode uses
 // (add.rn.f16x2, fma.rn.f16x2), so the decode's own source runs on the CPU in
-// the codebook test (tests/kernels/test_codebook_decode.py) and only the PTX
+// the codebook test (tests/kernels/test_host_decode.py) and only the PTX
 // mapping is left to the GPU check. Each lane is computed in double and rounded
 // once to fp16, nearest-even. A sum of two fp16 values is exact in double; an
 // fma is exact when a*b+c spans <= 53 significant bits, which holds for the
