@@ -1,22 +1,26 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Write EXL3 checkpoints with random trellis codes in ExLlamaV3 1.6.5's on-disk layout.
 
-Covers architectures we have no real checkpoint for: any config the architecture plan knows
-(scripts/vllm_exl3/architecture.py: dense, qwen2/qwen3 MoE, Mixtral, GLM-4.5 MoE, Qwen3-Next,
-DeepSeek-style MLA + MoE + MTP).
-Layout as in exl3-format.md §1: per-projection tensor sets (trellis int16, suh/svh fp16, an int32
-scalar marker for mcg/mul1), k and n padded to 128 with svh = 0 on padded output columns, an
-lm_head always present (padded vocab), norms/embeddings in the model dtype, routers and kv_b_proj
-fp16 unquantized; config.json with the quantization_config block (tie_word_embeddings forced to
-false where present), quantization_config.json with tensor_storage, shards + index over a cap.
+Covers architectures we have no real checkpoint for: any config the architecture plan
+knows (scripts/vllm_exl3/architecture.py: dense, qwen2/qwen3 MoE, Mixtral, GLM-4.5 MoE,
+Qwen3-Next, DeepSeek-style MLA + MoE + MTP). Layout as in exl3-format.md §1:
+per-projection tensor sets (trellis int16, suh/svh fp16, an int32 scalar marker for
+mcg/mul1), k and n padded to 128 with svh = 0 on padded output columns, an lm_head
+always present (padded vocab), norms/embeddings in the model dtype, routers and
+kv_b_proj fp16 unquantized; config.json with the quantization_config block
+(tie_word_embeddings forced to false where present), quantization_config.json with
+tensor_storage, shards + index over a cap.
 
-Random words are valid trellis content: every int16 word sequence decodes (the tail-biting ring
-has no invalid states), so the reference decodes these checkpoints like real ones.
+Random words are valid trellis content: every int16 word sequence decodes (the
+tail-biting ring has no invalid states), so the reference decodes these checkpoints like
+real ones.
 
 As a script:
-    python tests/synthetic_checkpoint.py --config qwen3-tiny --bits 4 --codebook mul1 --out DIR
-    python tests/synthetic_checkpoint.py --config path/to/config.json --bits 2.5 --layers 2 ...
+    python tests/synthetic_checkpoint.py --config qwen3-tiny --bits 4 --codebook mul1
+    --out DIR python tests/synthetic_checkpoint.py --config path/to/config.json --bits
+    2.5 --layers 2 ...
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO / "scripts") not in sys.path:
     sys.path.insert(0, str(_REPO / "scripts"))
 
-from vllm_exl3.architecture import LinearSlot, ModelPlan, plan_model, round_up  # noqa: E402
+from vllm_exl3.architecture import (  # noqa: E402
+    LinearSlot,
+    ModelPlan,
+    plan_model,
+    round_up,
+)
 from vllm_exl3.codec import exl3_format as fmt  # noqa: E402
 
 EXLLAMAV3_VERSION = "1.6.5"  # the converter release whose layout this reproduces
@@ -46,119 +55,287 @@ DEFAULT_HEAD_BITS = 6  # ExLlamaV3's default head_bits
 UNQUANTIZED_HEAD_BITS = 16  # head_bits 16 = lm_head stored as fp16 .weight
 DEFAULT_SHARD_MIB = 8192  # ExLlamaV3's --shard_size default
 CALIBRATION = {"rows": 250, "cols": 2048}  # converter defaults, informational
-CODEBOOK_NAMES = {"3inst": fmt.Codebook.THREE_INST, "mcg": fmt.Codebook.MCG,
-                  "mul1": fmt.Codebook.MUL1}
+CODEBOOK_NAMES = {
+    "3inst": fmt.Codebook.THREE_INST,
+    "mcg": fmt.Codebook.MCG,
+    "mul1": fmt.Codebook.MUL1,
+}
 # RMS of the decoded codebook values (exl3-format.md §4 table); svh divides by it so the
 # synthetic W has a realistic RMS (~0.02) whatever the codebook.
-CODEBOOK_RMS = {fmt.Codebook.THREE_INST: 1.2437, fmt.Codebook.MCG: 1.2441,
-                fmt.Codebook.MUL1: 1.0003}
+CODEBOOK_RMS = {
+    fmt.Codebook.THREE_INST: 1.2437,
+    fmt.Codebook.MCG: 1.2441,
+    fmt.Codebook.MUL1: 1.0003,
+}
 # suh * svh * codebook RMS ~ 0.02: the weight scale of a trained transformer.
 SUH_RANGE = (0.08, 0.12)
 SVH_RANGE = (0.16, 0.24)
-MARKERS = {fmt.Codebook.MCG: ("mcg", fmt.MCG_MARKER_VALUE),
-           fmt.Codebook.MUL1: ("mul1", fmt.MUL1_MARKER_VALUE)}
-MULTIPLIER_KEYS = {fmt.Codebook.MCG: ("mcg_multiplier", fmt.MCG_MARKER_VALUE),
-                   fmt.Codebook.MUL1: ("mul1_multiplier", fmt.MUL1_MARKER_VALUE)}
+MARKERS = {
+    fmt.Codebook.MCG: ("mcg", fmt.MCG_MARKER_VALUE),
+    fmt.Codebook.MUL1: ("mul1", fmt.MUL1_MARKER_VALUE),
+}
+MULTIPLIER_KEYS = {
+    fmt.Codebook.MCG: ("mcg_multiplier", fmt.MCG_MARKER_VALUE),
+    fmt.Codebook.MUL1: ("mul1_multiplier", fmt.MUL1_MARKER_VALUE),
+}
 # Files a converter copies from the source directory besides the weights and config.
 COPIED_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".py", ".tiktoken")
 NOT_COPIED = {"config.json", "model.safetensors.index.json", "quantization_config.json"}
 
 _QWEN3_TINY = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1,
-    "dtype": "bfloat16", "torch_dtype": "bfloat16", "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 768,
-    "layer_types": ["full_attention"] * 4, "max_position_embeddings": 2048,
-    "max_window_layers": 28, "num_attention_heads": 4, "num_hidden_layers": 4,
-    "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
-    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "rope_theta": 10000.0,
-    "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 4096,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 1,
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 768,
+    "layer_types": ["full_attention"] * 4,
+    "max_position_embeddings": 2048,
+    "max_window_layers": 28,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "rope_theta": 10000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 4096,
 }
 _QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
-    "dtype": "bfloat16", "torch_dtype": "bfloat16", "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
-    "max_position_embeddings": 40960, "max_window_layers": 36, "num_attention_heads": 32,
-    "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-    "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 36,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_sliding_window": False,
     "vocab_size": 151936,
 }
 _QWEN3_MOE_TINY = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1,
-    "dtype": "bfloat16", "torch_dtype": "bfloat16", "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 768,
-    "max_position_embeddings": 2048, "max_window_layers": 28, "num_attention_heads": 4,
-    "num_hidden_layers": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
-    "rope_theta": 10000.0, "sliding_window": None, "tie_word_embeddings": False,
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 4096,
-    "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 256, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "output_router_logits": False, "router_aux_loss_coef": 0.01,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 1,
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 768,
+    "max_position_embeddings": 2048,
+    "max_window_layers": 28,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 4096,
+    "num_experts": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.01,
 }
-# DeepSeek-V3-like MLA + MoE + shared expert + one dense layer + MTP, shrunk. Odd sizes on
-# purpose: vocab 4000 (lm_head padded to 4096), q_lora_rank 192 and kv_a output 128+32 = 160
-# (padded to 256), so padding paths are exercised.
+# DeepSeek-V3-like MLA + MoE + shared expert + one dense layer + MTP, shrunk. Odd sizes
+# on purpose: vocab 4000 (lm_head padded to 4096), q_lora_rank 192 and kv_a output
+# 128+32 = 160 (padded to 256), so padding paths are exercised.
 _DEEPSEEK_V3_TINY = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1,
-    "dtype": "bfloat16", "torch_dtype": "bfloat16", "hidden_act": "silu", "hidden_size": 256,
-    "initializer_range": 0.02, "intermediate_size": 512, "max_position_embeddings": 2048,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 3,
-    "q_lora_rank": 192, "kv_lora_rank": 128, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32,
-    "v_head_dim": 64, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 128, "moe_layer_freq": 1, "first_k_dense_replace": 1,
-    "n_group": 2, "topk_group": 1, "topk_method": "noaux_tc", "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "num_nextn_predict_layers": 1,
-    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "rope_scaling": None,
-    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 4000,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 512,
+    "max_position_embeddings": 2048,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 3,
+    "q_lora_rank": 192,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "moe_layer_freq": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 4000,
 }
-# GLM-4.5/4.6 MoE, shrunk: q/k/v bias without o bias, q/k norms, one dense layer first, sigmoid
-# routing with the correction bias over 2 groups, a shared expert.
+# GLM-4.5/4.6 MoE, shrunk: q/k/v bias without o bias, q/k norms, one dense layer first,
+# sigmoid routing with the correction bias over 2 groups, a shared expert.
 _GLM4_MOE_TINY = {
-    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": True,
-    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1,
-    "dtype": "bfloat16", "torch_dtype": "bfloat16", "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 512,
-    "max_position_embeddings": 2048, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-05,
-    "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False,
-    "use_cache": True, "use_qk_norm": True, "vocab_size": 4096, "n_routed_experts": 8,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-    "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 1,
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 512,
+    "max_position_embeddings": 2048,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "use_qk_norm": True,
+    "vocab_size": 4096,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
 }
-# Mixtral, shrunk: experts under block_sparse_moe as w1/w2/w3, expert width intermediate_size.
+# Mixtral, shrunk: experts under block_sparse_moe as w1/w2/w3, expert width
+# intermediate_size.
 _MIXTRAL_TINY = {
-    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
-    "bos_token_id": 0, "eos_token_id": 0, "dtype": "bfloat16", "torch_dtype": "bfloat16",
-    "head_dim": 64, "hidden_act": "silu", "hidden_size": 256, "initializer_range": 0.02,
-    "intermediate_size": 256, "max_position_embeddings": 2048, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "num_hidden_layers": 2, "num_local_experts": 8,
-    "num_experts_per_tok": 2, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
-    "sliding_window": None, "tie_word_embeddings": False, "use_cache": True,
-    "vocab_size": 4096, "router_aux_loss_coef": 0.02, "output_router_logits": False,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 256,
+    "max_position_embeddings": 2048,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 4096,
+    "router_aux_loss_coef": 0.02,
+    "output_router_logits": False,
 }
-# Qwen3-Next, shrunk: Gated DeltaNet in layer 0, gated attention in layer 1 (interval 2), every
-# layer MoE with a sigmoid-gated shared expert.
+# Qwen3-Next, shrunk: Gated DeltaNet in layer 0, gated attention in layer 1 (interval
+# 2), every layer MoE with a sigmoid-gated shared expert.
 _QWEN3_NEXT_TINY = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
-    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0,
-    "dtype": "bfloat16", "torch_dtype": "bfloat16", "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 256, "initializer_range": 0.02, "intermediate_size": 512,
-    "max_position_embeddings": 2048, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "full_attention_interval": 2,
-    "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
-    "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False,
-    "use_cache": True, "vocab_size": 4096, "num_experts": 8, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "output_router_logits": False, "router_aux_loss_coef": 0.001,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 512,
+    "max_position_embeddings": 2048,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "full_attention_interval": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 4096,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 256,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
 }
 PRESETS: dict[str, dict] = {
     "qwen3-tiny": _QWEN3_TINY,
@@ -170,10 +347,18 @@ PRESETS: dict[str, dict] = {
     "qwen3-next-tiny": _QWEN3_NEXT_TINY,
 }
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_TORCH_DTYPE_NAMES = {torch.int16: "torch.int16", torch.int32: "torch.int32",
-                      torch.float16: "torch.float16", torch.bfloat16: "torch.bfloat16",
-                      torch.float32: "torch.float32"}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+_TORCH_DTYPE_NAMES = {
+    torch.int16: "torch.int16",
+    torch.int32: "torch.int32",
+    torch.float16: "torch.float16",
+    torch.bfloat16: "torch.bfloat16",
+    torch.float32: "torch.float32",
+}
 
 
 def load_config(config: str | os.PathLike | Mapping) -> dict:
@@ -192,7 +377,9 @@ def load_config(config: str | os.PathLike | Mapping) -> dict:
 def _codebook(value: str | int | fmt.Codebook) -> fmt.Codebook:
     if isinstance(value, str):
         if value not in CODEBOOK_NAMES:
-            raise ValueError(f"unknown codebook {value!r} (choose {', '.join(CODEBOOK_NAMES)})")
+            raise ValueError(
+                f"unknown codebook {value!r} (choose {', '.join(CODEBOOK_NAMES)})"
+            )
         return CODEBOOK_NAMES[value]
     return fmt.Codebook(value)
 
@@ -235,7 +422,8 @@ class _ShardWriter:
         self.total += size
 
     def _flush(self) -> None:
-        # Written to a temporary name now (bounded memory); renamed once the count is known.
+        # Written to a temporary name now (bounded memory); renamed once the count is
+        # known.
         name = f".shard-{len(self.tmp_names):05}.safetensors"
         save_file(self.current, str(self.out_dir / name))
         self.tmp_names.append(name)
@@ -248,8 +436,11 @@ class _ShardWriter:
         count = len(self.tmp_names)
         weight_map: dict[str, str] = {}
         for i, (tmp, names) in enumerate(zip(self.tmp_names, self.shards)):
-            final = ("model.safetensors" if count == 1
-                     else f"model-{i + 1:05}-of-{count:05}.safetensors")
+            final = (
+                "model.safetensors"
+                if count == 1
+                else f"model-{i + 1:05}-of-{count:05}.safetensors"
+            )
             os.replace(self.out_dir / tmp, self.out_dir / final)
             weight_map.update({n: final for n in names})
         if count > 1:
@@ -259,28 +450,44 @@ class _ShardWriter:
         return weight_map
 
 
-def _signed_uniform(gen: torch.Generator, size: int, lo: float, hi: float) -> torch.Tensor:
+def _signed_uniform(
+    gen: torch.Generator, size: int, lo: float, hi: float
+) -> torch.Tensor:
     mag = lo + (hi - lo) * torch.rand(size, generator=gen, dtype=torch.float64)
     sign = torch.where(torch.rand(size, generator=gen) < 0.5, -1.0, 1.0).double()
     return mag * sign
 
 
-def _exl3_tensors(slot: LinearSlot, bits: float, codebook: fmt.Codebook, legacy: bool,
-                  gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _exl3_tensors(
+    slot: LinearSlot,
+    bits: float,
+    codebook: fmt.Codebook,
+    legacy: bool,
+    gen: torch.Generator,
+) -> dict[str, torch.Tensor]:
     k_pad, n_pad = slot.padded
     width = int(bits * fmt.WORDS_PER_BIT)
-    trellis = torch.randint(-(1 << 15), 1 << 15, (k_pad // fmt.TILE, n_pad // fmt.TILE, width),
-                            generator=gen, dtype=torch.int32).to(torch.int16)
+    trellis = torch.randint(
+        -(1 << 15),
+        1 << 15,
+        (k_pad // fmt.TILE, n_pad // fmt.TILE, width),
+        generator=gen,
+        dtype=torch.int32,
+    ).to(torch.int16)
     out: dict[str, torch.Tensor] = {}
     if legacy:
-        out[f"{slot.name}.su"] = torch.randint(-(1 << 15), 1 << 15, (k_pad // fmt.TILE,),
-                                               generator=gen, dtype=torch.int32).to(torch.int16)
-        out[f"{slot.name}.sv"] = torch.randint(-(1 << 15), 1 << 15, (n_pad // fmt.TILE,),
-                                               generator=gen, dtype=torch.int32).to(torch.int16)
+        out[f"{slot.name}.su"] = torch.randint(
+            -(1 << 15), 1 << 15, (k_pad // fmt.TILE,), generator=gen, dtype=torch.int32
+        ).to(torch.int16)
+        out[f"{slot.name}.sv"] = torch.randint(
+            -(1 << 15), 1 << 15, (n_pad // fmt.TILE,), generator=gen, dtype=torch.int32
+        ).to(torch.int16)
     else:
         out[f"{slot.name}.suh"] = _signed_uniform(gen, k_pad, *SUH_RANGE).half()
         svh = _signed_uniform(gen, n_pad, *SVH_RANGE) / CODEBOOK_RMS[codebook]
-        svh[slot.out_features:] = 0.0  # padded output columns come out exactly 0 (§1.7)
+        svh[slot.out_features :] = (
+            0.0  # padded output columns come out exactly 0 (§1.7)
+        )
         out[f"{slot.name}.svh"] = svh.half()
     if codebook in MARKERS:
         suffix, value = MARKERS[codebook]
@@ -288,13 +495,14 @@ def _exl3_tensors(slot: LinearSlot, bits: float, codebook: fmt.Codebook, legacy:
     out[f"{slot.name}.trellis"] = trellis
     if slot.has_bias:
         bias = 0.02 * torch.randn(n_pad, generator=gen, dtype=torch.float64)
-        bias[slot.out_features:] = 0.0
+        bias[slot.out_features :] = 0.0
         out[f"{slot.name}.bias"] = bias.half()
     return out
 
 
-def _plain_tensor(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
-                  gen: torch.Generator) -> torch.Tensor:
+def _plain_tensor(
+    kind: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
     if kind == "norm":
         return (1.0 + 0.05 * torch.randn(shape, generator=gen)).to(dtype)
     if kind == "router_bias":
@@ -303,8 +511,14 @@ def _plain_tensor(kind: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def _storage_entry(tensors: dict[str, torch.Tensor]) -> dict:
-    return {name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(),
-                   "dtype": _TORCH_DTYPE_NAMES[t.dtype]} for name, t in tensors.items()}
+    return {
+        name: {
+            "shape": list(t.shape),
+            "n_bytes": t.numel() * t.element_size(),
+            "dtype": _TORCH_DTYPE_NAMES[t.dtype],
+        }
+        for name, t in tensors.items()
+    }
 
 
 def write_checkpoint(
@@ -325,11 +539,13 @@ def write_checkpoint(
     seed: int = 0,
     progress: bool = False,
 ) -> dict[str, tuple[float, fmt.Codebook]]:
-    """Write the checkpoint; returns {module: (bits, codebook)} of every EXL3 linear written.
+    """Write the checkpoint; returns {module: (bits, codebook)} of every EXL3 linear
+    written.
 
-    bits_overrides / codebook_overrides map fnmatch patterns of module names to a rate / codebook
-    (first match wins), e.g. {"*.mlp.down_proj": 6, "*.experts.*": 2.5}. `layers` overrides
-    num_hidden_layers; `mtp=False` drops an MTP head, True requires one.
+    bits_overrides / codebook_overrides map fnmatch patterns of module names to a rate /
+    codebook (first match wins), e.g. {"*.mlp.down_proj": 6, "*.experts.*": 2.5}.
+    `layers` overrides num_hidden_layers; `mtp=False` drops an MTP head, True requires
+    one.
     """
     cfg = load_config(config)
     if layers is not None:
@@ -343,10 +559,15 @@ def write_checkpoint(
     elif mtp and not cfg.get("num_nextn_predict_layers"):
         raise ValueError("mtp=True but the config has no num_nextn_predict_layers")
     default_cb = _codebook(codebook)
-    rates = {"bits": bits, "head_bits": head_bits,
-             "mtp_bits": bits if mtp_bits is None else mtp_bits}
+    rates = {
+        "bits": bits,
+        "head_bits": head_bits,
+        "mtp_bits": bits if mtp_bits is None else mtp_bits,
+    }
     plan: ModelPlan = plan_model(cfg)
-    dtype = _DTYPES.get(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16", torch.bfloat16)
+    dtype = _DTYPES.get(
+        cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16", torch.bfloat16
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -363,11 +584,18 @@ def write_checkpoint(
         tensors: dict[str, torch.Tensor] = {}
         entry: dict = {}
         slot = linears.get(module)
-        if slot is not None and slot.quantized and not (
-                slot.bits_key == "head_bits" and rates["head_bits"] == UNQUANTIZED_HEAD_BITS):
+        if (
+            slot is not None
+            and slot.quantized
+            and not (
+                slot.bits_key == "head_bits"
+                and rates["head_bits"] == UNQUANTIZED_HEAD_BITS
+            )
+        ):
             cb = _codebook(_pick(module, codebook_overrides, default_cb))
-            k_bits = _check_rate(module, float(_pick(module, bits_overrides,
-                                                     rates[slot.bits_key])), cb)
+            k_bits = _check_rate(
+                module, float(_pick(module, bits_overrides, rates[slot.bits_key])), cb
+            )
             tensors = _exl3_tensors(slot, k_bits, cb, legacy_signs, gen)
             written[module] = (k_bits, cb)
             k_pad, n_pad = slot.padded
@@ -379,14 +607,15 @@ def write_checkpoint(
                 key, value = MULTIPLIER_KEYS[cb]
                 entry[key] = value & 0xFFFFFFFF
         elif slot is not None:
-            # Unquantized linear: fp16 in HF orientation (out, in). The lm_head at head_bits 16
-            # keeps the padded shape like every pad_to=128 Linear; routers etc. use pad_to=1.
+            # Unquantized linear: fp16 in HF orientation (out, in). The lm_head at
+            # head_bits 16 keeps the padded shape like every pad_to=128 Linear; routers
+            # etc. use pad_to=1.
             n, k = slot.out_features, slot.in_features
             if slot.bits_key == "head_bits":
                 n, k = round_up(n), round_up(k)
             w = 0.02 * torch.randn((n, k), generator=gen)
             if slot.bits_key == "head_bits":
-                w[slot.out_features:] = 0.0
+                w[slot.out_features :] = 0.0
             tensors[f"{module}.weight"] = w.half()
         for p in plain_by_module.get(module, []):
             tensors[p.name] = _plain_tensor(p.kind, p.shape, dtype, gen)
@@ -399,7 +628,9 @@ def write_checkpoint(
     qcfg = {
         "quant_method": "exl3",
         "version": EXLLAMAV3_VERSION,
-        "bits": round(budget_bits / budget_weights, 2) if budget_weights else float(bits),
+        "bits": round(budget_bits / budget_weights, 2)
+        if budget_weights
+        else float(bits),
         "head_bits": head_bits,
         "calibration": dict(CALIBRATION),
         "out_scales": "auto",
@@ -408,7 +639,9 @@ def write_checkpoint(
     if cfg.get("num_nextn_predict_layers"):
         qcfg["mtp_bits"] = rates["mtp_bits"]
     if "tie_word_embeddings" in cfg:
-        cfg["tie_word_embeddings"] = False  # the converter always writes a separate lm_head
+        cfg["tie_word_embeddings"] = (
+            False  # the converter always writes a separate lm_head
+        )
     cfg["quantization_config"] = qcfg
     with open(out / "config.json", "w") as f:
         json.dump(cfg, f, indent=4)
@@ -416,7 +649,11 @@ def write_checkpoint(
         json.dump({**qcfg, "tensor_storage": storage}, f, indent=4)
     if copy_from is not None:
         for src in Path(copy_from).iterdir():
-            if (src.is_file() and src.suffix in COPIED_SUFFIXES and src.name not in NOT_COPIED):
+            if (
+                src.is_file()
+                and src.suffix in COPIED_SUFFIXES
+                and src.name not in NOT_COPIED
+            ):
                 shutil.copy2(src, out / src.name)
     return written
 
@@ -433,31 +670,62 @@ def _parse_overrides(items: list[str]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True,
-                   help=f"config.json (or its directory) or a preset: {', '.join(PRESETS)}")
+    p.add_argument(
+        "--config",
+        required=True,
+        help=f"config.json (or its directory) or a preset: {', '.join(PRESETS)}",
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--bits", type=float, default=4, help="rate of the decoder linears")
     p.add_argument("--codebook", default="mul1", choices=sorted(CODEBOOK_NAMES))
-    p.add_argument("--head-bits", type=float, default=DEFAULT_HEAD_BITS,
-                   help="lm_head rate (16 = unquantized fp16)")
-    p.add_argument("--mtp-bits", type=float, default=None, help="MTP layer rate (default --bits)")
+    p.add_argument(
+        "--head-bits",
+        type=float,
+        default=DEFAULT_HEAD_BITS,
+        help="lm_head rate (16 = unquantized fp16)",
+    )
+    p.add_argument(
+        "--mtp-bits", type=float, default=None, help="MTP layer rate (default --bits)"
+    )
     p.add_argument("--no-mtp", action="store_true", help="drop the config's MTP layers")
-    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
-    p.add_argument("--bits-override", action="append", metavar="PATTERN=BITS",
-                   help="per-module rate by fnmatch pattern, e.g. '*.down_proj=6' (repeatable)")
+    p.add_argument(
+        "--layers", type=int, default=None, help="override num_hidden_layers"
+    )
+    p.add_argument(
+        "--bits-override",
+        action="append",
+        metavar="PATTERN=BITS",
+        help="per-module rate by fnmatch pattern, e.g. '*.down_proj=6' (repeatable)",
+    )
     p.add_argument("--codebook-override", action="append", metavar="PATTERN=CODEBOOK")
     p.add_argument("--legacy-signs", action="store_true", help="write su/sv bitfields")
-    p.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_MIB, help="shard cap in MiB")
-    p.add_argument("--copy-from", default=None, help="copy tokenizer etc. files from this dir")
+    p.add_argument(
+        "--shard-size", type=int, default=DEFAULT_SHARD_MIB, help="shard cap in MiB"
+    )
+    p.add_argument(
+        "--copy-from", default=None, help="copy tokenizer etc. files from this dir"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     written = write_checkpoint(
-        args.config, args.out, bits=args.bits, codebook=args.codebook, head_bits=args.head_bits,
-        mtp_bits=args.mtp_bits, layers=args.layers, mtp=False if args.no_mtp else None,
-        bits_overrides={k: float(v) for k, v in _parse_overrides(args.bits_override).items()},
+        args.config,
+        args.out,
+        bits=args.bits,
+        codebook=args.codebook,
+        head_bits=args.head_bits,
+        mtp_bits=args.mtp_bits,
+        layers=args.layers,
+        mtp=False if args.no_mtp else None,
+        bits_overrides={
+            k: float(v) for k, v in _parse_overrides(args.bits_override).items()
+        },
         codebook_overrides=_parse_overrides(args.codebook_override),
-        legacy_signs=args.legacy_signs, shard_size_bytes=args.shard_size << 20,
-        copy_from=args.copy_from, seed=args.seed, progress=True)
+        legacy_signs=args.legacy_signs,
+        shard_size_bytes=args.shard_size << 20,
+        copy_from=args.copy_from,
+        seed=args.seed,
+        progress=True,
+    )
     print(f"wrote {len(written)} EXL3 linears to {args.out}", file=sys.stderr)
     return 0
 

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Shared setup of the codec tests: import paths, fixture locations, the codec modules.
 
-The codec is imported from this repository's overlay sources through scripts/vllm_exl3/codec.py
-(a private package), so these tests check the files in the tree whether or not the series has
-been applied to an installed vLLM.
+The codec is imported from this repository's overlay sources through
+scripts/vllm_exl3/codec.py (a private package), so these tests check the files in the
+tree whether or not the series has been applied to an installed vLLM.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def val_windows():
 @pytest.fixture(scope="session")
 def reconstructed_ppl(fmt, ref, val_windows):
     """ckpt name -> perplexity of the fixture model with reference-reconstructed weights
-    (computed once per session; the dequantize test compares against the same number)."""
+    (computed once per session; the dequantize test compares against the same number).
+    """
     from fixture_paths import FIXTURES
     from perplexity import model_from_state_dict, perplexity, reconstructed_state_dict
 

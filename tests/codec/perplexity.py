@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Perplexity on the fixture validation text, with the method of the recorded ExLlamaV3 values
-(tests/fixtures/README.md): tokenized without special tokens, non-overlapping 512-token windows
-(last partial one dropped), each window scored alone, its first token context only."""
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Perplexity on the fixture validation text, with the method of the recorded ExLlamaV3
+values (tests/fixtures/README.md): tokenized without special tokens, non-overlapping
+512-token windows (last partial one dropped), each window scored alone, its first token
+context only."""
 
 from __future__ import annotations
 
@@ -13,12 +15,12 @@ from pathlib import Path
 
 import torch
 import transformers
-
 from fixture_paths import TOKENIZER, VAL_TEXT
 
 WINDOW = 512
-# Windows per forward pass: large enough to keep the 2 CPU cores busy with few Python round
-# trips, small enough that fp32 logits (8 x 512 x 4096 x 4 B = 64 MiB) stay modest.
+# Windows per forward pass: large enough to keep the 2 CPU cores busy with few Python
+# round trips, small enough that fp32 logits (8 x 512 x 4096 x 4 B = 64 MiB) stay
+# modest.
 BATCH = 8
 # The CI machine has 2 cores; more threads than cores only adds contention.
 THREADS = 2
@@ -26,8 +28,11 @@ THREADS = 2
 
 def validation_windows() -> torch.Tensor:
     tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(TOKENIZER / "tokenizer.json"))
-    ids = tokenizer(VAL_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        tokenizer_file=str(TOKENIZER / "tokenizer.json")
+    )
+    ids = tokenizer(VAL_TEXT.read_text(encoding="utf-8"), add_special_tokens=False)[
+        "input_ids"
+    ]
     count = len(ids) // WINDOW
     return torch.tensor(ids[: count * WINDOW]).view(count, WINDOW)
 
@@ -47,17 +52,23 @@ def perplexity(model: torch.nn.Module, windows: torch.Tensor) -> float:
     nll, scored = 0.0, 0
     with _threads(THREADS), torch.inference_mode():
         for start in range(0, windows.shape[0], BATCH):
-            batch = windows[start:start + BATCH]
+            batch = windows[start : start + BATCH]
             logits = model(batch).logits[:, :-1].float()
             targets = batch[:, 1:]
             nll += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
+                logits.reshape(-1, logits.shape[-1]),
+                targets.reshape(-1),
+                reduction="sum",
+            ).item()
             scored += targets.numel()
     return math.exp(nll / scored)
 
 
-def model_from_state_dict(config_path: Path, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """An fp32 transformers model of the config (its quantization block dropped) with `state`."""
+def model_from_state_dict(
+    config_path: Path, state: dict[str, torch.Tensor]
+) -> torch.nn.Module:
+    """An fp32 transformers model of the config (its quantization block dropped) with
+    `state`."""
     cfg = json.loads(Path(config_path).read_text())
     cfg.pop("quantization_config", None)
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
@@ -67,15 +78,17 @@ def model_from_state_dict(config_path: Path, state: dict[str, torch.Tensor]) -> 
 
 
 def reconstructed_state_dict(fmt, ref, ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """HF-layout weights of an EXL3 checkpoint: every EXL3 linear reconstructed (fp32, W^T),
-    every other tensor as stored. The fixture model has no padding to trim."""
+    """HF-layout weights of an EXL3 checkpoint: every EXL3 linear reconstructed (fp32,
+    W^T), every other tensor as stored. The fixture model has no padding to trim."""
     index = fmt.read_safetensors_index(ckpt_dir)
     specs = fmt.find_exl3_modules(index)
     owned = {n for s in specs.values() for n in s.tensor_names}
     state = {}
     for prefix, spec in specs.items():
         w = fmt.load_module(ckpt_dir, spec, index=index)
-        state[f"{prefix}.weight"] = ref.reconstruct(w.trellis, w.suh, w.svh, w.codebook).t()
+        state[f"{prefix}.weight"] = ref.reconstruct(
+            w.trellis, w.suh, w.svh, w.codebook
+        ).t()
     for name, entry in index.items():
         if name not in owned:
             state[name] = fmt.read_tensor(ckpt_dir, name, entry)

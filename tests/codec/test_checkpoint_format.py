@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The checkpoint format: the synthetic checkpoint writer produces the layout ExLlamaV3 writes and
-the reader and reference decode it; every malformed checkpoint is refused with a message naming
-the offending tensor and the rule it breaks.
+"""The checkpoint format: the synthetic checkpoint writer produces the layout ExLlamaV3
+writes and the reader and reference decode it; every malformed checkpoint is refused
+with a message naming the offending tensor and the rule it breaks.
 """
 
 from __future__ import annotations
@@ -13,37 +13,45 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from safetensors.torch import save_file
-
 import synthetic_checkpoint as synth
+import torch
 from fixture_paths import FIXTURES, REPO
+from safetensors.torch import save_file
 
 
 def test_qwen3_tiny_layout_equals_real_exllamav3_conversion(fmt, tmp_path):
-    # Same config, rate and codebook as the real 3.0 bpw mcg conversion: every tensor name,
-    # shape and dtype, the tensor_storage map and config.json must come out identical.
+    # Same config, rate and codebook as the real 3.0 bpw mcg conversion: every tensor
+    # name, shape and dtype, the tensor_storage map and config.json must come out
+    # identical.
     real = FIXTURES / "exl3-3.0bpw-mcg"
-    synth.write_checkpoint(FIXTURES / "bf16" / "config.json", tmp_path, bits=3, codebook="mcg")
-    ours, theirs = fmt.read_safetensors_index(tmp_path), fmt.read_safetensors_index(real)
+    synth.write_checkpoint(
+        FIXTURES / "bf16" / "config.json", tmp_path, bits=3, codebook="mcg"
+    )
+    ours, theirs = (
+        fmt.read_safetensors_index(tmp_path),
+        fmt.read_safetensors_index(real),
+    )
     assert {n: (e.dtype, e.shape) for n, e in ours.items()} == {
-        n: (e.dtype, e.shape) for n, e in theirs.items()}
+        n: (e.dtype, e.shape) for n, e in theirs.items()
+    }
     q_ours = json.loads((tmp_path / "quantization_config.json").read_text())
     q_real = json.loads((real / "quantization_config.json").read_text())
     assert q_ours == q_real
     assert json.loads((tmp_path / "config.json").read_text()) == json.loads(
-        (real / "config.json").read_text())
+        (real / "config.json").read_text()
+    )
     # No __metadata__ in the shard, as the converter writes it.
     raw = (tmp_path / "model.safetensors").read_bytes()
-    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     assert "__metadata__" not in header
 
 
 @pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny"])
 @pytest.mark.parametrize("bits,codebook", [(2, "3inst"), (3.5, "mul1"), (5, "mcg")])
 def test_presets_read_and_decode(fmt, ref, tmp_path, preset, bits, codebook):
-    written = synth.write_checkpoint(preset, tmp_path, bits=bits, codebook=codebook,
-                                     layers=2, head_bits=4)
+    written = synth.write_checkpoint(
+        preset, tmp_path, bits=bits, codebook=codebook, layers=2, head_bits=4
+    )
     index = fmt.read_safetensors_index(tmp_path)
     specs = fmt.find_exl3_modules(index)
     assert set(specs) == set(written)
@@ -65,8 +73,11 @@ def test_moe_layout(fmt, tmp_path):
     index = fmt.read_safetensors_index(tmp_path)
     specs = fmt.find_exl3_modules(index)
     for e in range(8):
-        for proj, (k, n) in {"gate_proj": (256, 256), "up_proj": (256, 256),
-                             "down_proj": (256, 256)}.items():
+        for proj, (k, n) in {
+            "gate_proj": (256, 256),
+            "up_proj": (256, 256),
+            "down_proj": (256, 256),
+        }.items():
             spec = specs[f"model.layers.0.mlp.experts.{e}.{proj}"]
             assert (spec.in_features, spec.out_features) == (k, n)
     assert index["model.layers.0.mlp.gate.weight"].dtype == "F16"
@@ -76,7 +87,9 @@ def test_moe_layout(fmt, tmp_path):
 
 
 def test_mla_padding_and_mtp(fmt, ref, tmp_path):
-    synth.write_checkpoint("deepseek-v3-tiny", tmp_path, bits=3, codebook="mul1", mtp_bits=5)
+    synth.write_checkpoint(
+        "deepseek-v3-tiny", tmp_path, bits=3, codebook="mul1", mtp_bits=5
+    )
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["quantization_config"]["mtp_bits"] == 5
     assert cfg["tie_word_embeddings"] is False
@@ -87,15 +100,22 @@ def test_mla_padding_and_mtp(fmt, ref, tmp_path):
     w = ref.reconstruct(head.trellis, head.suh, head.svh, head.codebook)
     assert w.shape == (256, 4096)
     assert (w[:, 4000:] == 0).all() and (w[:, :4000].abs().sum(0) > 0).all()
-    # MLA: q_a 256->192 (n padded to 256), q_b 192->384 (k padded), kv_a 256->160 (n padded).
+    # MLA: q_a 256->192 (n padded to 256), q_b 192->384 (k padded), kv_a 256->160 (n
+    # padded).
     a = "model.layers.0.self_attn"
-    assert (specs[f"{a}.q_a_proj"].in_features, specs[f"{a}.q_a_proj"].out_features) == (256, 256)
-    assert (specs[f"{a}.q_b_proj"].in_features, specs[f"{a}.q_b_proj"].out_features) == (256, 384)
+    assert (
+        specs[f"{a}.q_a_proj"].in_features,
+        specs[f"{a}.q_a_proj"].out_features,
+    ) == (256, 256)
+    assert (
+        specs[f"{a}.q_b_proj"].in_features,
+        specs[f"{a}.q_b_proj"].out_features,
+    ) == (256, 384)
     assert specs[f"{a}.kv_a_proj_with_mqa"].out_features == 256
     assert index[f"{a}.kv_b_proj.weight"].shape == (4 * (64 + 64), 128)
     assert index[f"{a}.kv_b_proj.weight"].dtype == "F16"
-    # Layer 0 dense (first_k_dense_replace = 1), layers 1-2 MoE with a shared expert, layer 3
-    # the MTP layer at mtp_bits.
+    # Layer 0 dense (first_k_dense_replace = 1), layers 1-2 MoE with a shared expert,
+    # layer 3 the MTP layer at mtp_bits.
     assert "model.layers.0.mlp.gate_proj" in specs
     assert "model.layers.1.mlp.experts.7.down_proj" in specs
     assert "model.layers.1.mlp.shared_experts.up_proj" in specs
@@ -108,18 +128,32 @@ def test_mla_padding_and_mtp(fmt, ref, tmp_path):
 
     no_mtp = tmp_path / "no-mtp"
     synth.write_checkpoint("deepseek-v3-tiny", no_mtp, bits=3, mtp=False)
-    assert not any(n.startswith("model.layers.3.") for n in fmt.read_safetensors_index(no_mtp))
-    assert "mtp_bits" not in json.loads((no_mtp / "config.json").read_text())[
-        "quantization_config"]
+    assert not any(
+        n.startswith("model.layers.3.") for n in fmt.read_safetensors_index(no_mtp)
+    )
+    assert (
+        "mtp_bits"
+        not in json.loads((no_mtp / "config.json").read_text())["quantization_config"]
+    )
 
 
 def test_mixed_per_tensor_rates_and_codebooks(fmt, tmp_path):
     written = synth.write_checkpoint(
-        "qwen3-moe-tiny", tmp_path, bits=4, codebook="mcg", layers=2,
+        "qwen3-moe-tiny",
+        tmp_path,
+        bits=4,
+        codebook="mcg",
+        layers=2,
         bits_overrides={"*.experts.*.down_proj": 6, "*.experts.*": 2.5, "*.q_proj": 1},
-        codebook_overrides={"*.experts.*": "mul1", "model.layers.1.self_attn.*": "3inst"})
+        codebook_overrides={
+            "*.experts.*": "mul1",
+            "model.layers.1.self_attn.*": "3inst",
+        },
+    )
     specs = fmt.find_exl3_modules(fmt.read_safetensors_index(tmp_path))
-    storage = json.loads((tmp_path / "quantization_config.json").read_text())["tensor_storage"]
+    storage = json.loads((tmp_path / "quantization_config.json").read_text())[
+        "tensor_storage"
+    ]
     expect = {
         "model.layers.0.mlp.experts.3.down_proj": (6, 2),
         "model.layers.1.mlp.experts.5.gate_proj": (2.5, 2),
@@ -134,12 +168,17 @@ def test_mixed_per_tensor_rates_and_codebooks(fmt, tmp_path):
         assert written[name] == (bits, cb)
         entry = storage[name]
         assert entry["bits_per_weight"] == bits
-        assert ("mcg_multiplier" in entry, "mul1_multiplier" in entry) == (cb == 1, cb == 2)
-    # config.json bits = the weighted average over the decoder linears (lm_head excluded).
+        assert ("mcg_multiplier" in entry, "mul1_multiplier" in entry) == (
+            cb == 1,
+            cb == 2,
+        )
+    # config.json bits = the weighted average over the decoder linears (lm_head
+    # excluded).
     q = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     decoder = [s for n, s in specs.items() if n != "lm_head"]
     avg = sum(s.bits * s.in_features * s.out_features for s in decoder) / sum(
-        s.in_features * s.out_features for s in decoder)
+        s.in_features * s.out_features for s in decoder
+    )
     assert q["bits"] == round(avg, 2) and q["codebook"] == "mcg"
 
 
@@ -147,8 +186,9 @@ def test_invalid_rate_requests_are_refused(tmp_path):
     with pytest.raises(ValueError, match="half rate 2.5 needs the mul1 codebook"):
         synth.write_checkpoint("qwen3-tiny", tmp_path, bits=2.5, codebook="mcg")
     with pytest.raises(ValueError, match="not an EXL3 rate"):
-        synth.write_checkpoint("qwen3-tiny", tmp_path / "b", bits=4,
-                               bits_overrides={"*.o_proj": 9})
+        synth.write_checkpoint(
+            "qwen3-tiny", tmp_path / "b", bits=4, bits_overrides={"*.o_proj": 9}
+        )
 
 
 def test_shards_and_index_over_the_cap(fmt, tmp_path):
@@ -159,15 +199,17 @@ def test_shards_and_index_over_the_cap(fmt, tmp_path):
     entries = fmt.read_safetensors_index(tmp_path)
     assert set(index["weight_map"]) == set(entries)
     assert index["metadata"]["total_size"] == sum(
-        (e.offsets[1] - e.offsets[0]) for e in entries.values())
+        (e.offsets[1] - e.offsets[0]) for e in entries.values()
+    )
     # A module is never split across shards.
     for spec in fmt.find_exl3_modules(entries).values():
         assert len({entries[n].file for n in spec.tensor_names}) == 1
 
 
 def test_legacy_signs_and_unquantized_head(fmt, ref, tmp_path):
-    synth.write_checkpoint("qwen3-tiny", tmp_path, bits=3, legacy_signs=True, head_bits=16,
-                           layers=1)
+    synth.write_checkpoint(
+        "qwen3-tiny", tmp_path, bits=3, legacy_signs=True, head_bits=16, layers=1
+    )
     index = fmt.read_safetensors_index(tmp_path)
     specs = fmt.find_exl3_modules(index)
     assert "lm_head" not in specs and index["lm_head.weight"].dtype == "F16"
@@ -194,11 +236,28 @@ def test_plan_of_qwen3_8b(tmp_path):
 def test_script_mode(fmt, tmp_path):
     out = tmp_path / "ckpt"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "synthetic_checkpoint.py"), "--config",
-         "qwen3-moe-tiny", "--bits", "2.5", "--codebook", "mul1", "--layers", "1",
-         "--bits-override", "*.down_proj=5", "--out", str(out), "--copy-from",
-         str(FIXTURES / "tokenizer")],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(REPO / "tests" / "synthetic_checkpoint.py"),
+            "--config",
+            "qwen3-moe-tiny",
+            "--bits",
+            "2.5",
+            "--codebook",
+            "mul1",
+            "--layers",
+            "1",
+            "--bits-override",
+            "*.down_proj=5",
+            "--out",
+            str(out),
+            "--copy-from",
+            str(FIXTURES / "tokenizer"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     specs = fmt.find_exl3_modules(fmt.read_safetensors_index(out))
     assert specs["model.layers.0.mlp.experts.0.down_proj"].bits == 5
@@ -206,15 +265,20 @@ def test_script_mode(fmt, tmp_path):
     assert (out / "tokenizer.json").is_file()
 
 
-# Every fail-closed rule of format.py: the error is an Exl3FormatError (a ValueError) whose
-# message names the offending tensor and the rule it breaks.
+# Every fail-closed rule of format.py: the error is an Exl3FormatError (a ValueError)
+# whose message names the offending tensor and the rule it breaks.
 
 P = "model.layers.0.mlp.down_proj"
 
 
-def good(k: int = 256, n: int = 128, width: int = 64, marker: str | None = None) -> dict:
-    t = {"trellis": ((k // 16, n // 16, width), "I16"), "suh": ((k,), "F16"),
-         "svh": ((n,), "F16")}
+def good(
+    k: int = 256, n: int = 128, width: int = 64, marker: str | None = None
+) -> dict:
+    t = {
+        "trellis": ((k // 16, n // 16, width), "I16"),
+        "suh": ((k,), "F16"),
+        "svh": ((n,), "F16"),
+    }
     if marker:
         t[marker] = ((), "I32")
     return t
@@ -235,14 +299,36 @@ CASES = [
     ("missing trellis", with_(good(), trellis=None), f"{P}.trellis", "missing tensor"),
     ("missing suh and su", with_(good(), suh=None), f"{P}.suh", "missing tensor"),
     ("missing svh and sv", with_(good(), svh=None), f"{P}.svh", "missing tensor"),
-    ("unexpected tensor", with_(good(), weight=((128, 256), "F16")), f"{P}.weight",
-     "unexpected tensor"),
-    ("unknown suffix", with_(good(), zeros=((128,), "F16")), f"{P}.zeros", "unexpected tensor"),
-    ("quantized embedding", with_(good(), signs=((1, 256), "F16")), f"{P}.signs",
-     "not supported"),
-    ("trellis dtype", with_(good(), trellis=((16, 8, 64), "F16")), f"{P}.trellis",
-     "wrong dtype"),
-    ("trellis rank", with_(good(), trellis=((16, 512), "I16")), f"{P}.trellis", "wrong shape"),
+    (
+        "unexpected tensor",
+        with_(good(), weight=((128, 256), "F16")),
+        f"{P}.weight",
+        "unexpected tensor",
+    ),
+    (
+        "unknown suffix",
+        with_(good(), zeros=((128,), "F16")),
+        f"{P}.zeros",
+        "unexpected tensor",
+    ),
+    (
+        "quantized embedding",
+        with_(good(), signs=((1, 256), "F16")),
+        f"{P}.signs",
+        "not supported",
+    ),
+    (
+        "trellis dtype",
+        with_(good(), trellis=((16, 8, 64), "F16")),
+        f"{P}.trellis",
+        "wrong dtype",
+    ),
+    (
+        "trellis rank",
+        with_(good(), trellis=((16, 512), "I16")),
+        f"{P}.trellis",
+        "wrong shape",
+    ),
     ("suh dtype", with_(good(), suh=((256,), "F32")), f"{P}.suh", "wrong dtype"),
     ("suh length", with_(good(), suh=((128,), "F16")), f"{P}.suh", "wrong shape"),
     ("svh dtype", with_(good(), svh=((128,), "BF16")), f"{P}.svh", "wrong dtype"),
@@ -252,23 +338,48 @@ CASES = [
     ("sv length", with_(good(), svh=None, sv=((16,), "I16")), f"{P}.sv", "wrong shape"),
     ("bias dtype", with_(good(), bias=((128,), "I32")), f"{P}.bias", "wrong dtype"),
     ("bias length", with_(good(), bias=((256,), "F16")), f"{P}.bias", "wrong shape"),
-    ("both markers", good(marker="mcg") | {"mul1": ((), "I32")}, f"{P}.mcg / {P}.mul1",
-     "both codebook markers"),
-    ("marker dtype", good(marker="mcg") | {"mcg": ((), "I16")}, f"{P}.mcg", "wrong dtype"),
-    ("marker shape", good(marker="mul1") | {"mul1": ((1,), "I32")}, f"{P}.mul1", "wrong shape"),
+    (
+        "both markers",
+        good(marker="mcg") | {"mul1": ((), "I32")},
+        f"{P}.mcg / {P}.mul1",
+        "both codebook markers",
+    ),
+    (
+        "marker dtype",
+        good(marker="mcg") | {"mcg": ((), "I16")},
+        f"{P}.mcg",
+        "wrong dtype",
+    ),
+    (
+        "marker shape",
+        good(marker="mul1") | {"mul1": ((1,), "I32")},
+        f"{P}.mul1",
+        "wrong shape",
+    ),
     ("bitrate 9", good(width=144), f"{P}.trellis", "valid rates"),
     ("bitrate 0.5", good(width=8), f"{P}.trellis", "valid rates"),
     ("bitrate 1.25", good(width=20), f"{P}.trellis", "valid rates"),
     ("bitrate 4.5", good(width=72, marker="mul1"), f"{P}.trellis", "valid rates"),
-    ("half rate with 3inst", good(width=40), f"{P}.trellis", "half rates are MUL1 only"),
-    ("half rate with mcg", good(width=24, marker="mcg"), f"{P}.trellis",
-     "half rates are MUL1 only"),
+    (
+        "half rate with 3inst",
+        good(width=40),
+        f"{P}.trellis",
+        "half rates are MUL1 only",
+    ),
+    (
+        "half rate with mcg",
+        good(width=24, marker="mcg"),
+        f"{P}.trellis",
+        "half rates are MUL1 only",
+    ),
     ("k not multiple of 128", good(k=192), f"{P}.trellis", "not a multiple of 128"),
     ("n not multiple of 128", good(n=64), f"{P}.trellis", "not a multiple of 128"),
 ]
 
 
-@pytest.mark.parametrize("tensors,name,rule", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "tensors,name,rule", [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_module_spec_fails_closed(fmt, tensors, name, rule):
     with pytest.raises(fmt.Exl3FormatError) as info:
         fmt.module_spec(P, tensors)
@@ -283,18 +394,22 @@ def test_module_spec_accepts_valid(fmt, marker, codebook):
     spec = fmt.module_spec(P, good(marker=marker) | {"bias": ((128,), "F32")})
     assert (spec.in_features, spec.out_features, spec.bits) == (256, 128, 4)
     assert spec.codebook == codebook and spec.has_bias and not spec.legacy_signs
-    assert set(spec.tensor_names) == {f"{P}.{s}" for s in ("trellis", "suh", "svh", "bias")} | (
-        {f"{P}.{marker}"} if marker else set())
+    assert set(spec.tensor_names) == {
+        f"{P}.{s}" for s in ("trellis", "suh", "svh", "bias")
+    } | ({f"{P}.{marker}"} if marker else set())
 
 
-@pytest.mark.parametrize("width,bits", [(16, 1), (24, 1.5), (40, 2.5), (56, 3.5), (128, 8)])
+@pytest.mark.parametrize(
+    "width,bits", [(16, 1), (24, 1.5), (40, 2.5), (56, 3.5), (128, 8)]
+)
 def test_bits_from_trellis_width(fmt, width, bits):
     assert fmt.bits_from_trellis_width(width, "x") == bits
 
 
 def test_legacy_bitfields_stand_in_for_scales(fmt):
-    spec = fmt.module_spec(P, with_(good(), suh=None, svh=None, su=((16,), "I16"),
-                                    sv=((8,), "I16")))
+    spec = fmt.module_spec(
+        P, with_(good(), suh=None, svh=None, su=((16,), "I16"), sv=((8,), "I16"))
+    )
     assert spec.legacy_signs
 
 
@@ -311,9 +426,11 @@ def _write(path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _module(prefix: str = P, **extra: torch.Tensor) -> dict[str, torch.Tensor]:
-    t = {f"{prefix}.trellis": torch.zeros(16, 8, 64, dtype=torch.int16),
-         f"{prefix}.suh": torch.ones(256, dtype=torch.float16),
-         f"{prefix}.svh": torch.ones(128, dtype=torch.float16)}
+    t = {
+        f"{prefix}.trellis": torch.zeros(16, 8, 64, dtype=torch.int16),
+        f"{prefix}.suh": torch.ones(256, dtype=torch.float16),
+        f"{prefix}.svh": torch.ones(128, dtype=torch.float16),
+    }
     t.update({f"{prefix}.{k}": v for k, v in extra.items()})
     return t
 
@@ -343,8 +460,10 @@ def test_scale_tensor_warns_and_is_not_applied(fmt, ref, tmp_path, caplog):
     _write(tmp_path / "plain", plain)
     _write(tmp_path / "scaled", scaled)
     with caplog.at_level(logging.WARNING):
-        specs = {d: fmt.find_exl3_modules(fmt.read_safetensors_index(tmp_path / d))[P]
-                 for d in ("plain", "scaled")}
+        specs = {
+            d: fmt.find_exl3_modules(fmt.read_safetensors_index(tmp_path / d))[P]
+            for d in ("plain", "scaled")
+        }
     assert f"{P}.scale is present but not applied" in caplog.text
     w = {d: fmt.load_module(tmp_path / d, s) for d, s in specs.items()}
     a = ref.reconstruct(w["plain"].trellis, w["plain"].suh, w["plain"].svh, 0)
@@ -367,11 +486,18 @@ def test_legacy_bitfields_load_as_signs(fmt, ref, tmp_path):
 
 def test_index_pointing_at_missing_shard_data(fmt, tmp_path):
     _write(tmp_path, _module())
-    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
-    index = {"metadata": {}, "weight_map": {f"{P}.trellis": "model-00001-of-00001.safetensors",
-                                            f"{P}.suh": "model-00001-of-00001.safetensors",
-                                            f"{P}.svh": "model-00001-of-00001.safetensors",
-                                            "lm_head.trellis": "model-00001-of-00001.safetensors"}}
+    (tmp_path / "model.safetensors").rename(
+        tmp_path / "model-00001-of-00001.safetensors"
+    )
+    index = {
+        "metadata": {},
+        "weight_map": {
+            f"{P}.trellis": "model-00001-of-00001.safetensors",
+            f"{P}.suh": "model-00001-of-00001.safetensors",
+            f"{P}.svh": "model-00001-of-00001.safetensors",
+            "lm_head.trellis": "model-00001-of-00001.safetensors",
+        },
+    }
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(fmt.Exl3FormatError, match=r"^lm_head\.trellis: listed in"):
         fmt.read_safetensors_index(tmp_path)
@@ -389,7 +515,11 @@ def test_truncated_file(fmt, tmp_path):
 def test_reference_rejects_mismatched_scales(ref):
     trellis = torch.zeros(16, 8, 32, dtype=torch.int16)
     with pytest.raises(ValueError, match="suh"):
-        ref.reconstruct(trellis, torch.ones(128, dtype=torch.float16),
-                        torch.ones(128, dtype=torch.float16), 0)
+        ref.reconstruct(
+            trellis,
+            torch.ones(128, dtype=torch.float16),
+            torch.ones(128, dtype=torch.float16),
+            0,
+        )
     with pytest.raises(ValueError, match="trellis"):
         ref.decode_rotated(trellis.float(), 0)

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The MoE end-to-end pieces on the CPU: staging copies the right files and its checksums catch
-damage, working copies get what vLLM needs, and (faked) engine runs turn into the right checks,
-judged against the original bf16 model when staged and the dequantized twin otherwise."""
+"""The MoE end-to-end pieces on the CPU: staging copies the right files and its
+checksums catch damage, working copies get what vLLM needs, and (faked) engine runs turn
+into the right checks, judged against the original bf16 model when staged and the
+dequantized twin otherwise."""
 
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ import run_fixture_e2e as fx  # noqa: E402
 import run_moe_e2e as moe  # noqa: E402
 
 STAGE = E2E / "stage_fixtures.sh"
-# ExLlamaV3 1.6.5's recorded perplexities (shared fixture set's logs/), restated for the fakes.
+# ExLlamaV3 1.6.5's recorded perplexities (shared fixture set's logs/), restated for the
+# fakes.
 RECORDED = {
-    "qwen3moe-e16-tiny": {"bf16": 7.117916945287313, "exl3-3.0bpw-mcg": 7.333234444649828,
-                          "exl3-5.0bpw-mul1": 7.134741738780715},
+    "qwen3moe-e16-tiny": {
+        "bf16": 7.117916945287313,
+        "exl3-3.0bpw-mcg": 7.333234444649828,
+        "exl3-5.0bpw-mul1": 7.134741738780715,
+    },
     "dsv3-tiny": {"bf16": 7.026745608869658, "exl3-4.0bpw-mcg": 7.084639828990078},
 }
 SCORED = 183960
@@ -39,37 +44,71 @@ def fake_fixture_set(root: Path) -> Path:
             cfg = {"model_type": "deepseek_v3" if model == "dsv3-tiny" else "qwen3_moe"}
             (d / "config.json").write_text(json.dumps(cfg))
             (d / "tokenizer.json").write_text("{}")
-            (d / ("model-00001-of-00002.safetensors" if conv == "bf16"
-                  else "model.safetensors")).write_bytes(f"{model}/{conv}".encode())
+            (
+                d
+                / (
+                    "model-00001-of-00002.safetensors"
+                    if conv == "bf16"
+                    else "model.safetensors"
+                )
+            ).write_bytes(f"{model}/{conv}".encode())
             if conv != "bf16":
                 (d / "quantization_config.json").write_text("{}")
     logs = root / "logs"
     logs.mkdir()
-    for model, name in (("qwen3moe-e16-tiny", "ppl_exllamav3_moe_e16.json"),
-                        ("dsv3-tiny", "ppl_exllamav3_dsv3.json")):
-        (logs / name).write_text(json.dumps([
-            {"label": conv, "ppl": ppl, "scored_tokens": SCORED, "n_tokens": 184368}
-            for conv, ppl in RECORDED[model].items()]))
+    for model, name in (
+        ("qwen3moe-e16-tiny", "ppl_exllamav3_moe_e16.json"),
+        ("dsv3-tiny", "ppl_exllamav3_dsv3.json"),
+    ):
+        (logs / name).write_text(
+            json.dumps(
+                [
+                    {
+                        "label": conv,
+                        "ppl": ppl,
+                        "scored_tokens": SCORED,
+                        "n_tokens": 184368,
+                    }
+                    for conv, ppl in RECORDED[model].items()
+                ]
+            )
+        )
     (logs / "train_dense.json").write_text("{}")  # not staged
     return root
 
 
 def stage(src: Path, dest: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(STAGE), *flags, str(dest), str(src)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(STAGE), *flags, str(dest), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_staging_copies_the_exl3_conversions_and_records(tmp_path):
     src = fake_fixture_set(tmp_path / "fixtures")
     r = stage(src, tmp_path / "moe")
     assert r.returncode == 0, r.stderr
-    got = sorted(str(p.relative_to(tmp_path / "moe")) for p in (tmp_path / "moe").rglob("*")
-                 if p.is_file())
+    got = sorted(
+        str(p.relative_to(tmp_path / "moe"))
+        for p in (tmp_path / "moe").rglob("*")
+        if p.is_file()
+    )
     convs = [f"{m}/{c}" for m, cs in RECORDED.items() for c in cs if c != "bf16"]
-    assert got == sorted(["SHA256SUMS", "ppl_exllamav3_dsv3.json", "ppl_exllamav3_moe_e16.json"]
-                         + [f"{c}/{f}" for c in convs for f in (
-                             "config.json", "model.safetensors", "quantization_config.json",
-                             "tokenizer.json")])
+    assert got == sorted(
+        ["SHA256SUMS", "ppl_exllamav3_dsv3.json", "ppl_exllamav3_moe_e16.json"]
+        + [
+            f"{c}/{f}"
+            for c in convs
+            for f in (
+                "config.json",
+                "model.safetensors",
+                "quantization_config.json",
+                "tokenizer.json",
+            )
+        ]
+    )
     assert moe.verify_staged(tmp_path / "moe") == {"checked": len(got) - 1}
 
 
@@ -78,7 +117,9 @@ def test_staging_with_bf16_adds_the_originals(tmp_path):
     r = stage(src, tmp_path / "moe", "--with-bf16")
     assert r.returncode == 0, r.stderr
     for model in RECORDED:
-        assert (tmp_path / "moe" / model / "bf16" / "model-00001-of-00002.safetensors").is_file()
+        assert (
+            tmp_path / "moe" / model / "bf16" / "model-00001-of-00002.safetensors"
+        ).is_file()
 
 
 def test_staging_refuses_a_directory_that_is_not_the_fixture_set(tmp_path):
@@ -93,8 +134,9 @@ def test_damaged_staged_file_is_named(tmp_path):
     assert stage(src, tmp_path / "moe").returncode == 0
     weights = tmp_path / "moe" / "dsv3-tiny" / "exl3-4.0bpw-mcg" / "model.safetensors"
     weights.write_bytes(b"truncated")
-    with pytest.raises(SystemExit, match="dsv3-tiny/exl3-4.0bpw-mcg/model.safetensors: "
-                                         "SHA-256 differs"):
+    with pytest.raises(
+        SystemExit, match="dsv3-tiny/exl3-4.0bpw-mcg/model.safetensors: SHA-256 differs"
+    ):
         moe.verify_staged(tmp_path / "moe")
     weights.unlink()
     with pytest.raises(SystemExit, match="model.safetensors: missing"):
@@ -110,20 +152,34 @@ def test_working_copy_of_deepseek_v3_gets_its_routing(tmp_path):
     assert cfg["topk_method"] == "noaux_tc" and cfg["scoring_func"] == "sigmoid"
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert any("topk_method='noaux_tc'" in n for n in notes)
-    assert json.loads((src / "config.json").read_text()) == {"model_type": "deepseek_v3"}
+    assert json.loads((src / "config.json").read_text()) == {
+        "model_type": "deepseek_v3"
+    }
 
 
 def test_arguments(tmp_path):
     def err(*argv):
-        r = subprocess.run([sys.executable, str(E2E / "run_moe_e2e.py"), *argv],
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, str(E2E / "run_moe_e2e.py"), *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2
         return r.stderr
 
     assert "--moe-dir" in err()
-    assert "unknown models ['mixtral']" in err("--moe-dir", str(tmp_path), "--models", "mixtral")
-    assert "not an EXL3 conversion" in err("--moe-dir", str(tmp_path), "--models", "dsv3-tiny",
-                                           "--serve", "qwen3moe-e16-tiny/exl3-3.0bpw-mcg")
+    assert "unknown models ['mixtral']" in err(
+        "--moe-dir", str(tmp_path), "--models", "mixtral"
+    )
+    assert "not an EXL3 conversion" in err(
+        "--moe-dir",
+        str(tmp_path),
+        "--models",
+        "dsv3-tiny",
+        "--serve",
+        "qwen3moe-e16-tiny/exl3-3.0bpw-mcg",
+    )
     assert "not a directory" in err("--moe-dir", str(tmp_path / "nope"))
     args = moe.parse_args(["--moe-dir", str(tmp_path), "--models", "dsv3-tiny"])
     assert args.models == ["dsv3-tiny"] and args.eager and args.reference == "auto"
@@ -133,16 +189,32 @@ def test_arguments(tmp_path):
 
 def _fake_run(ppl: float, jitter: float) -> dict:
     tokens = [[1, 2, 3], [4, 5, 6]]
-    return {"ppl": ppl, "mean_nll": 1.0, "scored": SCORED, "windows": 360,
-            "probe_logprobs": [[-1.0 - jitter, -2.0], [-0.5]],
-            "greedy_tokens": tokens, "greedy_logprobs": [[-0.1 - jitter] * 3 for _ in tokens],
-            "offline_text": "    return n\n"}
+    return {
+        "ppl": ppl,
+        "mean_nll": 1.0,
+        "scored": SCORED,
+        "windows": 360,
+        "probe_logprobs": [[-1.0 - jitter, -2.0], [-0.5]],
+        "greedy_tokens": tokens,
+        "greedy_logprobs": [[-0.1 - jitter] * 3 for _ in tokens],
+        "offline_text": "    return n\n",
+    }
 
 
-def _run(monkeypatch, tmp_path, *, bf16: bool, ppl_scale: dict[str, float] | None = None,
-         jitter: dict[str, float] | None = None, budget: float = 3600, **argv) -> dict:
+def _run(
+    monkeypatch,
+    tmp_path,
+    *,
+    bf16: bool,
+    ppl_scale: dict[str, float] | None = None,
+    jitter: dict[str, float] | None = None,
+    budget: float = 3600,
+    **argv,
+) -> dict:
     src = fake_fixture_set(tmp_path / "fixtures")
-    assert stage(src, tmp_path / "moe", *(["--with-bf16"] if bf16 else [])).returncode == 0
+    assert (
+        stage(src, tmp_path / "moe", *(["--with-bf16"] if bf16 else [])).returncode == 0
+    )
     engines, twins = [], []
 
     def run_mode(name, model_dir, windows, *, eager, tp, full_ppl, engine_args):
@@ -160,13 +232,27 @@ def _run(monkeypatch, tmp_path, *, bf16: bool, ppl_scale: dict[str, float] | Non
         (out / "config.json").write_text("{}")
 
     monkeypatch.setattr(fx, "run_mode", run_mode)
-    monkeypatch.setattr(fx, "serve_once", lambda name, d, tp, work, timeout, extra: {
-        "checkpoint": name, "text": "    return n\n", "extra": extra})
+    monkeypatch.setattr(
+        fx,
+        "serve_once",
+        lambda name, d, tp, work, timeout, extra: {
+            "checkpoint": name,
+            "text": "    return n\n",
+            "extra": extra,
+        },
+    )
     monkeypatch.setattr(moe, "dequantized_twin", twin)
-    args = moe.parse_args(["--moe-dir", str(tmp_path / "moe"), "--work", str(tmp_path / "w"),
-                           "--out", str(tmp_path / "out"),
-                           *[x for k, v in argv.items() for x in (f"--{k.replace('_', '-')}",
-                                                                    v)]])
+    args = moe.parse_args(
+        [
+            "--moe-dir",
+            str(tmp_path / "moe"),
+            "--work",
+            str(tmp_path / "w"),
+            "--out",
+            str(tmp_path / "out"),
+            *[x for k, v in argv.items() for x in (f"--{k.replace('_', '-')}", v)],
+        ]
+    )
     args.out.mkdir()
     out = moe.run(args, windows=[], deadline=fx.Deadline(budget))
     out["engines"], out["twins"] = engines, twins
@@ -178,10 +264,13 @@ def test_checks_pass_against_the_dequantized_twin(monkeypatch, tmp_path):
     assert out["checks"] and all(c["pass"] for c in out["checks"]), out["checks"]
     assert not out["errors"] and not out["skipped"]
     assert out["twins"] == ["exl3-5.0bpw-mul1", "exl3-4.0bpw-mcg"]
-    assert set(out["summary"]) == {"qwen3moe-e16-tiny/exl3-3.0bpw-mcg",
-                                   "qwen3moe-e16-tiny/exl3-5.0bpw-mul1",
-                                   "qwen3moe-e16-tiny/bf16-dequantized",
-                                   "dsv3-tiny/exl3-4.0bpw-mcg", "dsv3-tiny/bf16-dequantized"}
+    assert set(out["summary"]) == {
+        "qwen3moe-e16-tiny/exl3-3.0bpw-mcg",
+        "qwen3moe-e16-tiny/exl3-5.0bpw-mul1",
+        "qwen3moe-e16-tiny/bf16-dequantized",
+        "dsv3-tiny/exl3-4.0bpw-mcg",
+        "dsv3-tiny/bf16-dequantized",
+    }
     # Every engine default then eager, the backend passed to each and to the server.
     assert len(out["engines"]) == 10
     assert all(e[2] == {"attention_backend": "TRITON_MLA"} for e in out["engines"])
@@ -190,8 +279,12 @@ def test_checks_pass_against_the_dequantized_twin(monkeypatch, tmp_path):
     assert out["serve"]["matches_offline"] is True
     assert any("topk_method" in n for n in out["notes"]["dsv3-tiny/exl3-4.0bpw-mcg"])
     judged = [c["check"] for c in out["checks"] if "eager" in c["check"]]
-    assert "dsv3-tiny/exl3-4.0bpw-mcg: eager vs default mean |dlogprob| (decode) vs " \
-           "bf16-dequantized's" in judged and len(judged) == 6
+    assert (
+        "dsv3-tiny/exl3-4.0bpw-mcg: eager vs default mean |dlogprob| (decode) vs "
+        "bf16-dequantized's"
+        in judged
+        and len(judged) == 6
+    )
     progress = json.loads((tmp_path / "out" / "moe_e2e.progress.json").read_text())
     assert len(progress["runs"]) == 5
 
@@ -200,23 +293,34 @@ def test_original_bf16_is_the_reference_when_staged(monkeypatch, tmp_path):
     out = _run(monkeypatch, tmp_path, bf16=True, models="dsv3-tiny", serve="none")
     assert out["twins"] == [] and out["serve"] is None
     assert set(out["summary"]) == {"dsv3-tiny/exl3-4.0bpw-mcg", "dsv3-tiny/bf16"}
-    assert out["summary"]["dsv3-tiny/bf16"]["exllamav3_ppl"] == RECORDED["dsv3-tiny"]["bf16"]
+    assert (
+        out["summary"]["dsv3-tiny/bf16"]["exllamav3_ppl"]
+        == RECORDED["dsv3-tiny"]["bf16"]
+    )
     assert all(c["pass"] for c in out["checks"]), out["checks"]
-    cfg = json.loads((tmp_path / "w" / "models" / "dsv3-tiny" / "bf16" / "config.json")
-                     .read_text())
+    cfg = json.loads(
+        (tmp_path / "w" / "models" / "dsv3-tiny" / "bf16" / "config.json").read_text()
+    )
     assert cfg["scoring_func"] == "sigmoid"
 
 
 def test_checks_fail_on_perplexity_and_eager_disagreement(monkeypatch, tmp_path):
-    out = _run(monkeypatch, tmp_path, bf16=False, models="qwen3moe-e16-tiny",
-               ppl_scale={"qwen3moe-e16-tiny/exl3-3.0bpw-mcg": 1.004},
-               jitter={"qwen3moe-e16-tiny/exl3-5.0bpw-mul1": 0.05})
+    out = _run(
+        monkeypatch,
+        tmp_path,
+        bf16=False,
+        models="qwen3moe-e16-tiny",
+        ppl_scale={"qwen3moe-e16-tiny/exl3-3.0bpw-mcg": 1.004},
+        jitter={"qwen3moe-e16-tiny/exl3-5.0bpw-mul1": 0.05},
+    )
     failed = {c["check"] for c in out["checks"] if not c["pass"]}
     assert failed == {
         "qwen3moe-e16-tiny/exl3-3.0bpw-mcg: ppl vs ExLlamaV3",
-        "qwen3moe-e16-tiny/exl3-5.0bpw-mul1: eager vs default mean |dlogprob| (prompt) vs "
+        "qwen3moe-e16-tiny/exl3-5.0bpw-mul1: eager vs default mean |dlogprob| (prompt) "
+        "vs "
         "bf16-dequantized's",
-        "qwen3moe-e16-tiny/exl3-5.0bpw-mul1: eager vs default mean |dlogprob| (decode) vs "
+        "qwen3moe-e16-tiny/exl3-5.0bpw-mul1: eager vs default mean |dlogprob| (decode) "
+        "vs "
         "bf16-dequantized's",
     }
 
@@ -224,28 +328,48 @@ def test_checks_fail_on_perplexity_and_eager_disagreement(monkeypatch, tmp_path)
 def test_time_budget_skips_stages(monkeypatch, tmp_path):
     out = _run(monkeypatch, tmp_path, bf16=False, models="dsv3-tiny", budget=10)
     assert out["engines"] == []
-    assert out["skipped"] == ["dsv3-tiny/exl3-4.0bpw-mcg default (time budget)",
-                              "dsv3-tiny/bf16-dequantized default (time budget)",
-                              "serve (no EXL3 conversion ran)"]
+    assert out["skipped"] == [
+        "dsv3-tiny/exl3-4.0bpw-mcg default (time budget)",
+        "dsv3-tiny/bf16-dequantized default (time budget)",
+        "serve (no EXL3 conversion ran)",
+    ]
 
 
-def test_failing_twin_is_recorded_and_the_conversions_still_judged(monkeypatch, tmp_path):
+def test_failing_twin_is_recorded_and_the_conversions_still_judged(
+    monkeypatch, tmp_path
+):
     def broken(src_dir, out):
         raise RuntimeError("no CUDA")
 
     monkeypatch.setattr(moe, "dequantized_twin", broken)
     src = fake_fixture_set(tmp_path / "fixtures")
     assert stage(src, tmp_path / "moe").returncode == 0
-    monkeypatch.setattr(fx, "run_mode", lambda name, *a, **k: _fake_run(
-        RECORDED["dsv3-tiny"]["exl3-4.0bpw-mcg"], 0.0))
-    args = moe.parse_args(["--moe-dir", str(tmp_path / "moe"), "--work", str(tmp_path / "w"),
-                           "--out", str(tmp_path / "w"), "--models", "dsv3-tiny",
-                           "--serve", "none"])
+    monkeypatch.setattr(
+        fx,
+        "run_mode",
+        lambda name, *a, **k: _fake_run(RECORDED["dsv3-tiny"]["exl3-4.0bpw-mcg"], 0.0),
+    )
+    args = moe.parse_args(
+        [
+            "--moe-dir",
+            str(tmp_path / "moe"),
+            "--work",
+            str(tmp_path / "w"),
+            "--out",
+            str(tmp_path / "w"),
+            "--models",
+            "dsv3-tiny",
+            "--serve",
+            "none",
+        ]
+    )
     (tmp_path / "w").mkdir()
     out = moe.run(args, windows=[], deadline=fx.Deadline(3600))
     assert list(out["errors"]) == ["dsv3-tiny/bf16-dequantized prepare"]
-    assert [c["check"] for c in out["checks"]] == ["dsv3-tiny/exl3-4.0bpw-mcg: ppl vs ExLlamaV3",
-                                                   "dsv3-tiny/exl3-4.0bpw-mcg: scored tokens"]
+    assert [c["check"] for c in out["checks"]] == [
+        "dsv3-tiny/exl3-4.0bpw-mcg: ppl vs ExLlamaV3",
+        "dsv3-tiny/exl3-4.0bpw-mcg: scored tokens",
+    ]
 
 
 def test_dequantized_twin_is_a_plain_checkpoint(tmp_path):
@@ -254,7 +378,9 @@ def test_dequantized_twin_is_a_plain_checkpoint(tmp_path):
     from safetensors import safe_open
 
     src = tmp_path / "exl3"
-    synth.write_checkpoint("qwen3-moe-tiny", src, bits=3, codebook="mcg", layers=1, seed=1)
+    synth.write_checkpoint(
+        "qwen3-moe-tiny", src, bits=3, codebook="mcg", layers=1, seed=1
+    )
     moe.assemble(src, tmp_path / "copy")
     moe.dequantized_twin(tmp_path / "copy", tmp_path / "twin")
     cfg = json.loads((tmp_path / "twin" / "config.json").read_text())
@@ -263,6 +389,8 @@ def test_dequantized_twin_is_a_plain_checkpoint(tmp_path):
     assert not (tmp_path / "twin" / "quantization_config.json").exists()
     with safe_open(str(tmp_path / "twin" / "model.safetensors"), "pt") as f:
         w = f.get_tensor("model.layers.0.mlp.experts.3.down_proj.weight")
-        assert not any(k.endswith(".trellis") for k in f.keys())
+        assert not any(k.endswith(".trellis") for k in f.keys())  # noqa: SIM118 (safe_open)
     assert str(w.dtype) == "torch.bfloat16" and tuple(w.shape) == (
-        cfg["hidden_size"], cfg["moe_intermediate_size"])
+        cfg["hidden_size"],
+        cfg["moe_intermediate_size"],
+    )

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The fixture end-to-end pieces of scripts/e2e/ on the CPU: the perplexity windows (against a
-logprob source shaped like vLLM's prompt logprobs, with the expected perplexity computed
-independently here), the agreement measures, and the runner that stages the fixtures, checks
-the recorded windows and turns (faked) engine runs into the right pass/fail checks.
+"""The fixture end-to-end pieces of scripts/e2e/ on the CPU: the perplexity windows
+(against a logprob source shaped like vLLM's prompt logprobs, with the expected
+perplexity computed independently here), the agreement measures, and the runner that
+stages the fixtures, checks the recorded windows and turns (faked) engine runs into the
+right pass/fail checks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[2]
 E2E = REPO / "scripts" / "e2e"
 sys.path.insert(0, str(E2E))
@@ -27,15 +27,23 @@ import run_fixture_e2e as fx  # noqa: E402
 
 @pytest.mark.parametrize("script", ["run_fixture_e2e.py", "throughput.py"])
 def test_help(script):
-    r = subprocess.run([sys.executable, str(E2E / script), "--help"], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(E2E / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "usage:" in r.stdout
 
 
 def test_unknown_checkpoint_is_refused():
-    r = subprocess.run([sys.executable, str(E2E / "run_fixture_e2e.py"), "--checkpoints",
-                        "exl3-9bpw"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(E2E / "run_fixture_e2e.py"), "--checkpoints", "exl3-9bpw"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "unknown checkpoints ['exl3-9bpw']" in r.stderr
 
 
@@ -49,29 +57,55 @@ def test_validation_windows_match_the_recorded_runs():
 def test_assembled_checkpoint_is_complete(tmp_path):
     d = fx.assemble_checkpoint("exl3-4.0bpw", tmp_path)
     names = {p.name for p in d.iterdir()}
-    assert {"config.json", "model.safetensors", "quantization_config.json", "tokenizer.json",
-            "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "quantization_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
 
 
 def _fake_run(ppl: float, jitter: float, tokens: list[list[int]]) -> dict:
-    return {"ppl": ppl, "mean_nll": 1.0, "scored": 183960, "windows": 360,
-            "probe_logprobs": [[-1.0 - jitter, -2.0], [-0.5]],
-            "greedy_tokens": tokens, "greedy_logprobs": [[-0.1 - jitter] * len(t) for t in tokens],
-            "offline_text": "    return n\n"}
+    return {
+        "ppl": ppl,
+        "mean_nll": 1.0,
+        "scored": 183960,
+        "windows": 360,
+        "probe_logprobs": [[-1.0 - jitter, -2.0], [-0.5]],
+        "greedy_tokens": tokens,
+        "greedy_logprobs": [[-0.1 - jitter] * len(t) for t in tokens],
+        "offline_text": "    return n\n",
+    }
 
 
-def _run_tp1(monkeypatch, tmp_path, ppl: dict[str, float], jitter: dict[str, float]) -> dict:
-    """run_tp1 with engines faked: eager runs differ from default ones by `jitter` nats."""
+def _run_tp1(
+    monkeypatch, tmp_path, ppl: dict[str, float], jitter: dict[str, float]
+) -> dict:
+    """run_tp1 with engines faked: eager runs differ from default ones by `jitter`
+    nats.
+    """
     tokens = [[1, 2, 3], [4, 5, 6]]
 
     def run_mode(name, model_dir, windows, *, eager, tp, full_ppl):
         return _fake_run(ppl[name], jitter[name] if eager else 0.0, tokens)
 
     monkeypatch.setattr(fx, "run_mode", run_mode)
-    monkeypatch.setattr(fx, "serve_once", lambda name, d, tp, work, ready_timeout: {
-        "checkpoint": name, "text": "    return n\n"})
-    args = fx.argparse.Namespace(checkpoints=list(fx.CHECKPOINTS), eager_for={"exl3-4.0bpw",
-                                 "bf16"}, serve="exl3-4.0bpw", work=tmp_path, out=tmp_path)
+    monkeypatch.setattr(
+        fx,
+        "serve_once",
+        lambda name, d, tp, work, ready_timeout: {
+            "checkpoint": name,
+            "text": "    return n\n",
+        },
+    )
+    args = fx.argparse.Namespace(
+        checkpoints=list(fx.CHECKPOINTS),
+        eager_for={"exl3-4.0bpw", "bf16"},
+        serve="exl3-4.0bpw",
+        work=tmp_path,
+        out=tmp_path,
+    )
     return fx.run_tp1(args, windows=[], deadline=fx.Deadline(3600))
 
 
@@ -80,8 +114,12 @@ RECORDED = {"exl3-4.0bpw": 6.5846706, "exl3-3.0bpw-mcg": 7.0023777, "bf16": 6.46
 
 def test_checks_pass_when_within_limits(monkeypatch, tmp_path):
     ppl = {k: v * 1.001 for k, v in RECORDED.items()}
-    out = _run_tp1(monkeypatch, tmp_path, ppl, {"exl3-4.0bpw": 1e-3, "bf16": 1e-3,
-                                                "exl3-3.0bpw-mcg": 0.0})
+    out = _run_tp1(
+        monkeypatch,
+        tmp_path,
+        ppl,
+        {"exl3-4.0bpw": 1e-3, "bf16": 1e-3, "exl3-3.0bpw-mcg": 0.0},
+    )
     assert out["checks"] and all(c["pass"] for c in out["checks"]), out["checks"]
     assert out["serve"]["matches_offline"] is True
     assert not out["errors"] and not out["skipped"]
@@ -91,8 +129,12 @@ def test_checks_pass_when_within_limits(monkeypatch, tmp_path):
 
 def test_checks_fail_on_perplexity_and_eager_disagreement(monkeypatch, tmp_path):
     ppl = dict(RECORDED, **{"exl3-3.0bpw-mcg": RECORDED["exl3-3.0bpw-mcg"] * 1.004})
-    out = _run_tp1(monkeypatch, tmp_path, ppl, {"exl3-4.0bpw": 0.05, "bf16": 1e-3,
-                                                "exl3-3.0bpw-mcg": 0.0})
+    out = _run_tp1(
+        monkeypatch,
+        tmp_path,
+        ppl,
+        {"exl3-4.0bpw": 0.05, "bf16": 1e-3, "exl3-3.0bpw-mcg": 0.0},
+    )
     failed = {c["check"] for c in out["checks"] if not c["pass"]}
     assert failed == {
         "exl3-3.0bpw-mcg: ppl vs ExLlamaV3",
@@ -108,12 +150,20 @@ def test_a_failing_stage_is_recorded_and_the_rest_runs(monkeypatch, tmp_path):
         return _fake_run(RECORDED[name], 0.0, [[1, 2]])
 
     monkeypatch.setattr(fx, "run_mode", run_mode)
-    monkeypatch.setattr(fx, "serve_once", lambda *a: {"checkpoint": "exl3-4.0bpw", "text": "x"})
-    args = fx.argparse.Namespace(checkpoints=list(fx.CHECKPOINTS), eager_for=set(),
-                                 serve="exl3-4.0bpw", work=tmp_path)
+    monkeypatch.setattr(
+        fx, "serve_once", lambda *a: {"checkpoint": "exl3-4.0bpw", "text": "x"}
+    )
+    args = fx.argparse.Namespace(
+        checkpoints=list(fx.CHECKPOINTS),
+        eager_for=set(),
+        serve="exl3-4.0bpw",
+        work=tmp_path,
+    )
     out = fx.run_tp1(args, windows=[], deadline=fx.Deadline(3600))
     assert list(out["errors"]) == ["exl3-3.0bpw-mcg default"]
-    assert "engine core initialization failed" in out["errors"]["exl3-3.0bpw-mcg default"]
+    assert (
+        "engine core initialization failed" in out["errors"]["exl3-3.0bpw-mcg default"]
+    )
     assert set(out["summary"]) == {"exl3-4.0bpw", "bf16"}
 
 
@@ -126,18 +176,22 @@ def test_tp2_checks(monkeypatch, tmp_path):
         return _fake_run(ppl, 0.0, toks)
 
     monkeypatch.setattr(fx, "run_mode", run_mode)
-    args = fx.argparse.Namespace(checkpoints=list(fx.CHECKPOINTS), tp=2, baseline=None,
-                                 work=tmp_path)
+    args = fx.argparse.Namespace(
+        checkpoints=list(fx.CHECKPOINTS), tp=2, baseline=None, work=tmp_path
+    )
     out = fx.run_tp2(args, windows=[], deadline=fx.Deadline(3600))
     failed = {c["check"] for c in out["checks"] if not c["pass"]}
-    assert failed == {"exl3-4.0bpw: ppl tp2 vs tp1",
-                      "exl3-3.0bpw-mcg: greedy tp2 vs tp1 matched fraction vs bf16's"}
+    assert failed == {
+        "exl3-4.0bpw: ppl tp2 vs tp1",
+        "exl3-3.0bpw-mcg: greedy tp2 vs tp1 matched fraction vs bf16's",
+    }
 
 
 def test_time_budget_skips_stages(monkeypatch, tmp_path):
     monkeypatch.setattr(fx, "run_mode", lambda *a, **k: pytest.fail("should not run"))
-    args = fx.argparse.Namespace(checkpoints=["bf16"], eager_for={"bf16"}, serve="none",
-                                 work=tmp_path)
+    args = fx.argparse.Namespace(
+        checkpoints=["bf16"], eager_for={"bf16"}, serve="none", work=tmp_path
+    )
     out = fx.run_tp1(args, windows=[], deadline=fx.Deadline(10))
     assert out["skipped"] == ["bf16 default (time budget)"]
 
@@ -145,9 +199,12 @@ def test_time_budget_skips_stages(monkeypatch, tmp_path):
 def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch):
     import throughput as th
 
-    monkeypatch.setattr(th, "PRESET", "qwen3-tiny")  # the 8B preset's 5.7 GB is for the host
+    monkeypatch.setattr(
+        th, "PRESET", "qwen3-tiny"
+    )  # the 8B preset's 5.7 GB is for the host
     target = th.checkpoint_dir(tmp_path, 2, 4.0, "mcg")
-    # A writer that died half-way leaves target.partial with its pid: rewritten, not waited on.
+    # A writer that died half-way leaves target.partial with its pid: rewritten, not
+    # waited on.
     partial = target.with_name(target.name + ".partial")
     partial.mkdir(parents=True)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -156,7 +213,10 @@ def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch)
     got = th.ensure_checkpoint(target, 2, 4.0, "mcg")
     assert got == target and not partial.exists()
     cfg = th.json.loads((target / "config.json").read_text())
-    assert cfg["num_hidden_layers"] == 2 and cfg["quantization_config"]["quant_method"] == "exl3"
+    assert (
+        cfg["num_hidden_layers"] == 2
+        and cfg["quantization_config"]["quant_method"] == "exl3"
+    )
     stamp = (target / "model.safetensors").stat().st_mtime_ns
     assert th.ensure_checkpoint(target, 2, 4.0, "mcg") == target  # reused as it is
     assert (target / "model.safetensors").stat().st_mtime_ns == stamp
@@ -173,35 +233,56 @@ def test_throughput_repeats_each_concurrency_in_one_engine(monkeypatch):
 
     def fake_measure(llm, batch, output_len):
         batches.append((llm, len(batch), output_len))
-        return {"concurrency": len(batch), "output_tok_s": 1.0, "tpot_ms": 1.0, "ttft_ms": 1.0}
+        return {
+            "concurrency": len(batch),
+            "output_tok_s": 1.0,
+            "tpot_ms": 1.0,
+            "ttft_ms": 1.0,
+        }
 
-    monkeypatch.setattr(th, "make_llm", lambda *a, **k: engines.append(object()) or engines[-1])
+    monkeypatch.setattr(
+        th, "make_llm", lambda *a, **k: engines.append(object()) or engines[-1]
+    )
     monkeypatch.setattr(th, "free_llm", lambda llm: None)
     monkeypatch.setattr(th, "measure", fake_measure)
-    args = th.argparse.Namespace(input_len=8, output_len=4, concurrency=[1, 4], repeat=3)
+    args = th.argparse.Namespace(
+        input_len=8, output_len=4, concurrency=[1, 4], repeat=3
+    )
     out = th.run_model("exl3", Path("unused"), dummy=False, args=args, vocab=100)
     assert len(engines) == 1
-    # The warm-up request, then each concurrency three times in a row, all in that engine.
-    assert batches == [(engines[0], 1, th.WARMUP_TOKENS)] + [(engines[0], c, 4)
-                                                          for c in (1, 4) for _ in range(3)]
+    # The warm-up request, then each concurrency three times in a row, all in that
+    # engine.
+    assert batches == [(engines[0], 1, th.WARMUP_TOKENS)] + [
+        (engines[0], c, 4) for c in (1, 4) for _ in range(3)
+    ]
     assert [(r["concurrency"], r["repeat"]) for r in out["runs"]] == [
-        (c, rep) for c in (1, 4) for rep in range(3)]
+        (c, rep) for c in (1, 4) for rep in range(3)
+    ]
 
 
 def test_throughput_refuses_a_repeat_below_one():
-    r = subprocess.run([sys.executable, str(E2E / "throughput.py"), "--repeat", "0"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, str(E2E / "throughput.py"), "--repeat", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "--repeat must be at least 1" in r.stderr
 
 
-# The perplexity arithmetic of the GPU e2e record (scripts/e2e/windows.py), fed by a fake
-# logprob source shaped like vLLM's prompt logprobs: a known next-token distribution per position,
-# so the expected perplexity is computed independently here.
+# The perplexity arithmetic of the GPU e2e record (scripts/e2e/windows.py), fed by a
+# fake logprob source shaped like vLLM's prompt logprobs: a known next-token
+# distribution per position, so the expected perplexity is computed independently here.
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
 
-from windows import (WINDOW, next_token_logprobs, perplexity,  # noqa: E402
-                     relative_difference, split_windows)
+from windows import (  # noqa: E402
+    WINDOW,
+    next_token_logprobs,
+    perplexity,
+    relative_difference,
+    split_windows,
+)
 
 FIXTURE_TOKENS = 184368  # tests/fixtures/README.md: val.txt's token count
 FIXTURE_SCORED = 183960  # ... and the scored tokens of the recorded runs
@@ -215,8 +296,9 @@ class FakeLogprob:  # vLLM's Logprob: the value is in .logprob
 
 
 class FakeModel:
-    """p(next = t | prefix) depends on the previous token only: a fixed random bigram table, so
-    the true log-likelihood of a window is a plain sum the test computes on its own."""
+    """p(next = t | prefix) depends on the previous token only: a fixed random bigram
+    table, so the true log-likelihood of a window is a plain sum the test computes on
+    its own."""
 
     def __init__(self, vocab: int, seed: int = 0) -> None:
         rng = random.Random(seed)
@@ -236,8 +318,8 @@ class FakeModel:
         return ids
 
     def prompt_logprobs(self, window: list[int], top: int = 0) -> list:
-        """As vLLM returns them: None at position 0, then {token: Logprob} holding the actual
-        token and the `top` most likely ones."""
+        """As vLLM returns them: None at position 0, then {token: Logprob} holding the
+        actual token and the `top` most likely ones."""
         out: list = [None]
         for pos in range(1, len(window)):
             row = self.logp[window[pos - 1]]
@@ -253,7 +335,8 @@ def test_fixture_window_count_matches_the_recorded_runs():
     assert len(windows) == 360
     assert all(len(w) == WINDOW for w in windows)
     assert sum(len(w) - 1 for w in windows) == FIXTURE_SCORED
-    # Non-overlapping and in order: window i starts at token i * WINDOW; the tail is dropped.
+    # Non-overlapping and in order: window i starts at token i * WINDOW; the tail is
+    # dropped.
     assert [w[0] for w in windows[:3]] == [0, 512, 1024]
     assert windows[-1][-1] == 360 * 512 - 1
 
@@ -271,8 +354,11 @@ def test_perplexity_from_fake_prompt_logprobs(top):
     rng = random.Random(1)
     ids = [rng.randrange(vocab) for _ in range(5 * 40 + 17)]
     windows = split_windows(ids, window=40)
-    got = perplexity(next_token_logprobs(w, model.prompt_logprobs(w, top)) for w in windows)
-    # Independent computation: the bigram log-likelihood, first token of each window unscored.
+    got = perplexity(
+        next_token_logprobs(w, model.prompt_logprobs(w, top)) for w in windows
+    )
+    # Independent computation: the bigram log-likelihood, first token of each window
+    # unscored.
     nll = -sum(model.logp[w[i - 1]][w[i]] for w in windows for i in range(1, len(w)))
     assert got.scored == 5 * 39 and got.windows == 5
     assert got.nll_sum == pytest.approx(nll, rel=1e-12)
@@ -280,10 +366,13 @@ def test_perplexity_from_fake_prompt_logprobs(top):
 
 
 def test_off_by_one_target_changes_the_answer():
-    """Scoring the token at p with the distribution for p+1 (a classic slip) is detected."""
+    """Scoring the token at p with the distribution for p+1 (a classic slip) is
+    detected."""
     vocab, model = 23, FakeModel(23, seed=3)
     w = model.sample(random.Random(2), 64)
-    right = perplexity([next_token_logprobs(w, model.prompt_logprobs(w, top=vocab))]).ppl
+    right = perplexity(
+        [next_token_logprobs(w, model.prompt_logprobs(w, top=vocab))]
+    ).ppl
     shifted = model.prompt_logprobs(w, top=vocab)
     shifted = [None] + shifted[2:] + [shifted[-1]]
     wrong = perplexity([next_token_logprobs(w, shifted)]).ppl
@@ -294,7 +383,9 @@ def test_missing_or_bad_logprobs_are_errors():
     w = [3, 4, 5]
     with pytest.raises(ValueError, match="3 prompt logprob positions"):
         next_token_logprobs(w + [6], [None, {4: -1.0}, {5: -1.0}])
-    with pytest.raises(ValueError, match="position 2: no logprob for the actual token 5"):
+    with pytest.raises(
+        ValueError, match="position 2: no logprob for the actual token 5"
+    ):
         next_token_logprobs(w, [None, {4: -1.0}, {6: -1.0}])
     with pytest.raises(ValueError, match="position 1: no logprob"):
         next_token_logprobs(w, [None, None, {5: -1.0}])
@@ -313,8 +404,12 @@ def test_relative_difference():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
 
-from agreement import (common_prefix, continuation_agreement,  # noqa: E402
-                       decode_logprob_agreement, logprob_agreement)
+from agreement import (  # noqa: E402
+    common_prefix,
+    continuation_agreement,
+    decode_logprob_agreement,
+    logprob_agreement,
+)
 
 
 def test_logprob_agreement_max_and_mean():
@@ -336,10 +431,14 @@ def test_logprob_agreement_rejects_mismatched_shapes():
 
 
 def test_decode_agreement_stops_at_the_first_divergence():
-    # Tokens agree for 2 positions; after that the logprobs condition on different text and
-    # their (large) difference must not count.
-    got = decode_logprob_agreement([[5, 6, 7, 8]], [[-0.1, -0.2, -0.3, -0.4]],
-                                   [[5, 6, 9, 8]], [[-0.1, -0.25, -5.0, -9.0]])
+    # Tokens agree for 2 positions; after that the logprobs condition on different text
+    # and their (large) difference must not count.
+    got = decode_logprob_agreement(
+        [[5, 6, 7, 8]],
+        [[-0.1, -0.2, -0.3, -0.4]],
+        [[5, 6, 9, 8]],
+        [[-0.1, -0.25, -5.0, -9.0]],
+    )
     assert got["positions"] == 2
     assert got["max_abs"] == pytest.approx(0.05)
 

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Print the plan `_C::exl3_linear` runs for every linear of a checkpoint at every token-count
-bucket, one line each, as the layers' load-time preparation resolves them (the checked-in
-table for this GPU if the overlay is installed, else the cost model). Two processes' outputs
-must be identical (test_workspace_and_plans.py runs it twice).
+"""Print the plan `_C::exl3_linear` runs for every linear of a checkpoint at every
+token-count bucket, one line each, as the layers' load-time preparation resolves them
+(the checked-in table for this GPU if the overlay is installed, else the cost model).
+Two processes' outputs must be identical (test_workspace_and_plans.py runs it twice).
 
     python tests/gpu/plan_log.py [CHECKPOINT_DIR] [--max-tokens 8192] [--dtype bfloat16]
 """
@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     key, table = f"k={k},n={n},bits={bits:g},codebook={cb}", vk.header()
                 for m in buckets:
-                    plan = torch.ops._C.exl3_plan(trellis, 1, cb, dtype == torch.bfloat16, m,
-                                                  table, 1 << 27)
+                    plan = torch.ops._C.exl3_plan(
+                        trellis, 1, cb, dtype == torch.bfloat16, m, table, 1 << 27
+                    )
                     print(f"{prefix} {key} m<={m}: {list(plan)}")
     return 0
 

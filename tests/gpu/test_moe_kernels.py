@@ -1,22 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """GPU tests of the EXL3 MoE op (torch.ops._C.exl3_moe) against a float64 reference.
 
 Needs a CUDA GPU and the extension (build/exl3/_exl3_C.abi3.so from
 `cd scripts && python3 -m vllm_exl3.kernels_build --out ../build/exl3 --arch 9.0`, or
-$VLLM_EXL3_EXT, or an installed vllm._exl3_C). The oracle (scripts/bench/moe_layers.py) decodes
-every expert with the overlay codec in float64, routes, applies SiLU(gate) * up, the down
-projection and the routing weights, and sums each token's top-k. Every case draws fresh random
-weights and routings, leaves a NaN-filled block for the output to reuse, and fails on any
-non-finite output.
+$VLLM_EXL3_EXT, or an installed vllm._exl3_C). The oracle (scripts/bench/moe_layers.py)
+decodes every expert with the overlay codec in float64, routes, applies SiLU(gate) * up,
+the down projection and the routing weights, and sums each token's top-k. Every case
+draws fresh random weights and routings, leaves a NaN-filled block for the output to
+reuse, and fails on any non-finite output.
 
-Error bound. Against the dense op (tests/gpu/test_kernels.py: fused path 3e-4 fp16 / 1.7e-3
-bf16, relative RMS) the layer adds three roundings: the gate/up outputs to the activation dtype,
-the SwiGLU product to fp16 after its Hadamard (the down GEMM's operand), and, in the
-deterministic combine, each (token, k) row to the activation dtype before the fp32 sum. SiLU's
-slope is below 1.1, so each rounding passes through at most about its own size; summed in
-quadrature the layer's expected relative Frobenius error is ~4e-4 (fp16) / ~3.5e-3 (bf16).
-Bounds: rel_fro <= 2e-3 (fp16), 1e-2 (bf16); max |err| / rms(ref) <= 1.5e-2 (fp16), 1e-1
-(bf16). A wrong expert, role, block, sign or routing weight gives O(1) errors.
+Error bound. Against the dense op (tests/gpu/test_kernels.py: fused path 3e-4 fp16 /
+1.7e-3 bf16, relative RMS) the layer adds three roundings: the gate/up outputs to the
+activation dtype, the SwiGLU product to fp16 after its Hadamard (the down GEMM's
+operand), and, in the deterministic combine, each (token, k) row to the activation dtype
+before the fp32 sum. SiLU's slope is below 1.1, so each rounding passes through at most
+about its own size; summed in quadrature the layer's expected relative Frobenius error
+is ~4e-4 (fp16) / ~3.5e-3 (bf16). Bounds: rel_fro <= 2e-3 (fp16), 1e-2 (bf16); max |err|
+/ rms(ref) <= 1.5e-2 (fp16), 1e-1 (bf16). A wrong expert, role, block, sign or routing
+weight gives O(1) errors.
 
     pytest -q tests/gpu/test_moe_kernels.py
 """
@@ -40,16 +42,22 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-import moe_layers as ml  # noqa: E402
 import exl3_oracle as vk  # noqa: E402
+import moe_layers as ml  # noqa: E402
 
 try:
     vk.load_extension()
-except (ImportError, OSError, RuntimeError) as e:  # pragma: no cover - depends on the host
+except (
+    ImportError,
+    OSError,
+    RuntimeError,
+) as e:  # pragma: no cover - depends on the host
     pytest.skip(f"EXL3 extension not available: {e}", allow_module_level=True)
 if not hasattr(torch.ops._C, "exl3_moe"):
-    pytest.skip("the EXL3 extension has no exl3_moe op (an older build)",
-                allow_module_level=True)
+    pytest.skip(
+        "the EXL3 extension has no exl3_moe op (an older build)",
+        allow_module_level=True,
+    )
 
 TOLERANCE = {torch.float16: (2e-3, 1.5e-2), torch.bfloat16: (1e-2, 1e-1)}
 BLOCKS = (16, 32, 64, 128)
@@ -65,8 +73,11 @@ def gen() -> torch.Generator:
     return g
 
 
-def activations(gen: torch.Generator, m: int, h: int, dtype: torch.dtype) -> torch.Tensor:
-    # Unit-RMS gate/up outputs: the sums over h of unit-variance weights are scaled back.
+def activations(
+    gen: torch.Generator, m: int, h: int, dtype: torch.dtype
+) -> torch.Tensor:
+    # Unit-RMS gate/up outputs: the sums over h of unit-variance weights are scaled
+    # back.
     return (torch.randn(m, h, generator=gen, device="cuda") / math.sqrt(h)).to(dtype)
 
 
@@ -76,19 +87,50 @@ def check(y: torch.Tensor, ref: torch.Tensor, **info: object) -> None:
     assert rel <= tol_rel and mx <= tol_max, dict(rel=rel, max=mx, **info)
 
 
-def run_checked(gen: torch.Generator, layer: ml.MoeLayer, m: int, top_k: int,
-                global_experts: int, dtype: torch.dtype, block: int, deterministic: bool,
-                expert_map: torch.Tensor | None = None, only: int | None = None,
-                weight_on_input: bool = False, ids_dtype: torch.dtype = torch.int32,
-                **info: object) -> torch.Tensor:
+def run_checked(
+    gen: torch.Generator,
+    layer: ml.MoeLayer,
+    m: int,
+    top_k: int,
+    global_experts: int,
+    dtype: torch.dtype,
+    block: int,
+    deterministic: bool,
+    expert_map: torch.Tensor | None = None,
+    only: int | None = None,
+    weight_on_input: bool = False,
+    ids_dtype: torch.dtype = torch.int32,
+    **info: object,
+) -> torch.Tensor:
     x = activations(gen, m, layer.hidden, dtype)
-    w, ids = ml.random_routing(gen, m, top_k, global_experts, ids_dtype=ids_dtype, only=only)
-    ref = ml.reference_moe(x, w, ids, layer, expert_map, global_experts, weight_on_input)
+    w, ids = ml.random_routing(
+        gen, m, top_k, global_experts, ids_dtype=ids_dtype, only=only
+    )
+    ref = ml.reference_moe(
+        x, w, ids, layer, expert_map, global_experts, weight_on_input
+    )
     vk.poison_next((m, layer.hidden), dtype)
-    y = ml.run_op(x, w, ids, layer, block, global_experts, expert_map, deterministic,
-                  weight_on_input)
-    check(y, ref, m=m, top_k=top_k, block=block, dtype=str(dtype),
-          deterministic=deterministic, **info)
+    y = ml.run_op(
+        x,
+        w,
+        ids,
+        layer,
+        block,
+        global_experts,
+        expert_map,
+        deterministic,
+        weight_on_input,
+    )
+    check(
+        y,
+        ref,
+        m=m,
+        top_k=top_k,
+        block=block,
+        dtype=str(dtype),
+        deterministic=deterministic,
+        **info,
+    )
     return y
 
 
@@ -102,40 +144,83 @@ def test_nan_never_passes() -> None:
 
 
 @pytest.mark.parametrize("bits,codebook", COMBOS)
-def test_every_rate_and_codebook(gen: torch.Generator, bits: float, codebook: int) -> None:
+def test_every_rate_and_codebook(
+    gen: torch.Generator, bits: float, codebook: int
+) -> None:
     layer = ml.random_moe_layer(gen, 8, 256, 256, [bits], codebook)
-    for i, (block, dtype, det) in enumerate([(16, torch.float16, True),
-                                             (32, torch.bfloat16, False),
-                                             (64, torch.bfloat16, True),
-                                             (128, torch.float16, True)]):
-        run_checked(gen, layer, (5, 37, 200, 300)[i], 2, 8, dtype, block, det, bits=bits,
-                    codebook=codebook)
+    for i, (block, dtype, det) in enumerate(
+        [
+            (16, torch.float16, True),
+            (32, torch.bfloat16, False),
+            (64, torch.bfloat16, True),
+            (128, torch.float16, True),
+        ]
+    ):
+        run_checked(
+            gen,
+            layer,
+            (5, 37, 200, 300)[i],
+            2,
+            8,
+            dtype,
+            block,
+            det,
+            bits=bits,
+            codebook=codebook,
+        )
 
 
-@pytest.mark.parametrize("codebook,bits", [(1, (2, 3, 4, 5)), (2, (1.5, 2.5, 3.5, 4, 8)),
-                                           (0, (1, 6, 7, 8))])
+@pytest.mark.parametrize(
+    "codebook,bits", [(1, (2, 3, 4, 5)), (2, (1.5, 2.5, 3.5, 4, 8)), (0, (1, 6, 7, 8))]
+)
 @pytest.mark.parametrize("block", BLOCKS)
-def test_mixed_bitrates_in_one_layer(gen: torch.Generator, codebook: int,
-                                     bits: tuple[float, ...], block: int) -> None:
-    """Every (expert, role) draws its own rate: gate, up and down of one expert differ."""
+def test_mixed_bitrates_in_one_layer(
+    gen: torch.Generator, codebook: int, bits: tuple[float, ...], block: int
+) -> None:
+    """Every (expert, role) draws its own rate: gate, up and down of one expert
+    differ.
+    """
     layer = ml.random_moe_layer(gen, 16, 384, 256, bits, codebook)
     assert len(layer.k2s[0]) > 1 and len(layer.k2s[1]) > 1, layer.k2s
     for det in (True, False):
         run_checked(gen, layer, 77, 4, 16, torch.bfloat16, block, det, bits=bits)
 
 
-@pytest.mark.parametrize("experts,top_k,m", [
-    (8, 1, 1), (8, 8, 3), (16, 2, 8192), (64, 4, 100), (128, 8, 1), (128, 8, 1024),
-    (256, 8, 16), (512, 8, 64), (512, 2, 4096), (32, 6, 2000)])
+@pytest.mark.parametrize(
+    "experts,top_k,m",
+    [
+        (8, 1, 1),
+        (8, 8, 3),
+        (16, 2, 8192),
+        (64, 4, 100),
+        (128, 8, 1),
+        (128, 8, 1024),
+        (256, 8, 16),
+        (512, 8, 64),
+        (512, 2, 4096),
+        (32, 6, 2000),
+    ],
+)
 def test_routings(gen: torch.Generator, experts: int, top_k: int, m: int) -> None:
     layer = ml.random_moe_layer(gen, experts, 256, 128, [2, 4], 1)
     for block in BLOCKS:
-        run_checked(gen, layer, m, top_k, experts, torch.bfloat16, block, block == 16,
-                    experts=experts)
+        run_checked(
+            gen,
+            layer,
+            m,
+            top_k,
+            experts,
+            torch.bfloat16,
+            block,
+            block == 16,
+            experts=experts,
+        )
 
 
 @pytest.mark.parametrize("block", BLOCKS)
-def test_all_tokens_to_one_expert_and_empty_experts(gen: torch.Generator, block: int) -> None:
+def test_all_tokens_to_one_expert_and_empty_experts(
+    gen: torch.Generator, block: int
+) -> None:
     layer = ml.random_moe_layer(gen, 32, 256, 256, [3], 1)
     for m, top_k in ((1, 1), (300, 1), (300, 4)):
         run_checked(gen, layer, m, top_k, 32, torch.float16, block, True, only=5)
@@ -144,13 +229,19 @@ def test_all_tokens_to_one_expert_and_empty_experts(gen: torch.Generator, block:
 
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("drop_nonlocal", (True, False))
-def test_expert_parallel_map(gen: torch.Generator, block: int, drop_nonlocal: bool) -> None:
-    """Rank 1 of 3: 10 of 30 global experts local; the others contribute nothing, whether the
-    alignment leaves them out or places them in -1 blocks."""
+def test_expert_parallel_map(
+    gen: torch.Generator, block: int, drop_nonlocal: bool
+) -> None:
+    """Rank 1 of 3: 10 of 30 global experts local; the others contribute nothing,
+    whether the alignment leaves them out or places them in -1 blocks."""
     global_experts, local = 30, 10
     emap = torch.full((global_experts,), -1, dtype=torch.int32)
-    owned = torch.randperm(global_experts, generator=torch.Generator().manual_seed(
-        int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device="cuda"))))[:local]
+    owned = torch.randperm(
+        global_experts,
+        generator=torch.Generator().manual_seed(
+            int(torch.randint(0, 2**31 - 1, (1,), generator=gen, device="cuda"))
+        ),
+    )[:local]
     emap[owned] = torch.arange(local, dtype=torch.int32)
     emap = emap.cuda()
     layer = ml.random_moe_layer(gen, local, 256, 128, [2, 3, 4], 1)
@@ -158,9 +249,13 @@ def test_expert_parallel_map(gen: torch.Generator, block: int, drop_nonlocal: bo
         x = activations(gen, 200, 256, torch.bfloat16)
         w, ids = ml.random_routing(gen, 200, 6, global_experts, ids_dtype=torch.int64)
         ref = ml.reference_moe(x, w, ids, layer, emap, global_experts)
-        aligned = ml.align(ids, block, global_experts, emap, drop_nonlocal=drop_nonlocal)
+        aligned = ml.align(
+            ids, block, global_experts, emap, drop_nonlocal=drop_nonlocal
+        )
         vk.poison_next((200, 256), torch.bfloat16)
-        y = ml.run_op(x, w, ids, layer, block, global_experts, emap, det, aligned=aligned)
+        y = ml.run_op(
+            x, w, ids, layer, block, global_experts, emap, det, aligned=aligned
+        )
         check(y, ref, det=det)
 
 
@@ -171,7 +266,8 @@ def test_router_weight_on_input(gen: torch.Generator) -> None:
 
 
 def test_real_shape_qwen3_30b_a3b(gen: torch.Generator) -> None:
-    """One Qwen3-30B-A3B layer (hidden 2048, expert width 768, 128 experts, top-8) at 4 bits."""
+    """One Qwen3-30B-A3B layer (hidden 2048, expert width 768, 128 experts, top-8) at 4
+    bits."""
     layer = ml.random_moe_layer(gen, 128, 2048, 768, [4], 1, gap=False)
     for m, block in ((1, 16), (16, 16), (256, 64)):
         run_checked(gen, layer, m, 8, 128, torch.bfloat16, block, True)
@@ -190,23 +286,29 @@ def test_deterministic_mode_bit_exact(gen: torch.Generator) -> None:
 
 
 @pytest.mark.parametrize("deterministic", (True, False))
-def test_cuda_graph_replay_equals_eager(gen: torch.Generator, deterministic: bool) -> None:
+def test_cuda_graph_replay_equals_eager(
+    gen: torch.Generator, deterministic: bool
+) -> None:
     layer = ml.random_moe_layer(gen, 32, 256, 256, [2, 4], 1)
     m, top_k = 48, 4
     x = activations(gen, m, 256, torch.bfloat16)
     w, ids = ml.random_routing(gen, m, top_k, 32)
     aligned = ml.align(ids, 16, 32)
-    ml.run_op(x, w, ids, layer, 16, 32, deterministic=deterministic, aligned=aligned)  # warm
+    ml.run_op(
+        x, w, ids, layer, 16, 32, deterministic=deterministic, aligned=aligned
+    )  # warm
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y_graph = ml.run_op(x, w, ids, layer, 16, 32, deterministic=deterministic,
-                            aligned=aligned)
+        y_graph = ml.run_op(
+            x, w, ids, layer, 16, 32, deterministic=deterministic, aligned=aligned
+        )
     for _ in range(3):
         x.copy_(activations(gen, m, 256, torch.bfloat16))
         graph.replay()
-        eager = ml.run_op(x, w, ids, layer, 16, 32, deterministic=deterministic,
-                          aligned=aligned)
+        eager = ml.run_op(
+            x, w, ids, layer, 16, 32, deterministic=deterministic, aligned=aligned
+        )
         if deterministic:
             assert torch.equal(y_graph.view(torch.int16), eager.view(torch.int16))
         else:
@@ -215,11 +317,14 @@ def test_cuda_graph_replay_equals_eager(gen: torch.Generator, deterministic: boo
 
 
 def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> None:
-    """CudaExl3MoEKernel.apply: vLLM's moe_align_block_size, the block-size rule, the rate
-    table read once, expert_map; needs vLLM (with the overlay) importable."""
+    """CudaExl3MoEKernel.apply: vLLM's moe_align_block_size, the block-size rule, the
+    rate table read once, expert_map; needs vLLM (with the overlay) importable."""
     try:
         from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
-            CudaExl3MoEKernel, Exl3MoEWeights)
+            CudaExl3MoEKernel,
+            Exl3MoEWeights,
+        )
+
         align = "vllm.model_executor.layers.fused_moe.moe_align_block_size"
         if importlib.util.find_spec(align) is None:
             raise ImportError(f"no {align}")
@@ -235,9 +340,18 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
             w, ids = ml.random_routing(gen, m, 4, 16)
             ref = ml.reference_moe(x, w, ids, layer, None, 16)
             vk.poison_next((m, 256), torch.float16)
-            y = kernel.apply(x, w, ids, weights, activation="silu",
-                             apply_router_weight_on_input=False, expert_map=expert_map,
-                             global_num_experts=16, codebook=2, deterministic=det)
+            y = kernel.apply(
+                x,
+                w,
+                ids,
+                weights,
+                activation="silu",
+                apply_router_weight_on_input=False,
+                expert_map=expert_map,
+                global_num_experts=16,
+                codebook=2,
+                deterministic=det,
+            )
             check(y, ref, m=m, det=det)
 
 
@@ -249,14 +363,39 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
     k13, k2 = layer.k2s
 
     def call(**over: object) -> None:
-        args = dict(x=x, w=w, ids=ids, sorted=aligned[0], blocks=aligned[1], pad=aligned[2],
-                    emap=None, tensors=layer.tensors(), block=16, k13=k13, k2=k2, ge=4,
-                    cb=1)
+        args = dict(
+            x=x,
+            w=w,
+            ids=ids,
+            sorted=aligned[0],
+            blocks=aligned[1],
+            pad=aligned[2],
+            emap=None,
+            tensors=layer.tensors(),
+            block=16,
+            k13=k13,
+            k2=k2,
+            ge=4,
+            cb=1,
+        )
         args.update(over)
-        torch.ops._C.exl3_moe(args["x"], args["w"], args["ids"], args["sorted"],
-                              args["blocks"], args["pad"], args["emap"], *args["tensors"],
-                              args["block"], args["k13"], args["k2"], args["ge"], args["cb"],
-                              False, True)
+        torch.ops._C.exl3_moe(
+            args["x"],
+            args["w"],
+            args["ids"],
+            args["sorted"],
+            args["blocks"],
+            args["pad"],
+            args["emap"],
+            *args["tensors"],
+            args["block"],
+            args["k13"],
+            args["k2"],
+            args["ge"],
+            args["cb"],
+            False,
+            True,
+        )
 
     call()
     t = layer.tensors()
@@ -273,7 +412,10 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
         (dict(tensors=t[:2] + [t[2][:, :1].contiguous()] + t[3:]), "w13_suh must be"),
         (dict(tensors=t[:7] + [t[7][:, :64].contiguous()]), "w2_svh must be"),
         (dict(ge=8), "without an expert_map"),
-        (dict(emap=torch.zeros(5, dtype=torch.int32, device="cuda")), "expert_map must be"),
+        (
+            dict(emap=torch.zeros(5, dtype=torch.int32, device="cuda")),
+            "expert_map must be",
+        ),
         (dict(blocks=aligned[1][:-1]), "expert_ids must be"),
         (dict(x=x.cpu()), "x must be a CUDA tensor"),
     ]

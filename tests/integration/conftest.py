@@ -1,17 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fixtures of the CPU integration tests (real vLLM 0.26 layer classes, gloo world)."""
 
 from __future__ import annotations
 
 import pytest
-
 from exl3_harness import FIXTURES, gloo_world
 
 
 @pytest.fixture(scope="session")
 def world1(tmp_path_factory: pytest.TempPathFactory):
-    """A world of size 1 over gloo; layers must be built inside it (parameters read the TP
-    rank when constructed)."""
+    """A world of size 1 over gloo; layers must be built inside it (parameters read the
+    TP rank when constructed)."""
     if not FIXTURES.is_dir():
         pytest.fail(f"fixture checkpoints missing: {FIXTURES}")
     init_file = tmp_path_factory.mktemp("dist") / "init"

@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared pieces of the CPU integration tests: a gloo world, fixture tensors, configs and the
-dense oracle (reference.reconstruct, the plain-PyTorch decode of the same tensors).
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Shared pieces of the CPU integration tests: a gloo world, fixture tensors, configs
+and the dense oracle (reference.reconstruct, the plain-PyTorch decode of the same
+tensors).
 
 Fixtures: tests/fixtures/qwen3-tiny/exl3-{4.0bpw,3.0bpw-mcg} are real ExLlamaV3 1.6.5
 conversions (3inst and mcg codebooks); see tests/fixtures for their provenance.
@@ -18,10 +20,12 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-from vllm.distributed import (cleanup_dist_env_and_memory, init_distributed_environment,
-                              initialize_model_parallel)
+from vllm.distributed import (
+    cleanup_dist_env_and_memory,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
 from vllm.model_executor.layers.quantization.exl3 import reference
 from vllm.model_executor.layers.quantization.exl3.config import Exl3Config, find_modules
 from vllm.model_executor.layers.quantization.exl3.format import module_spec
@@ -31,8 +35,13 @@ FIXTURES = REPO / "tests" / "fixtures" / "qwen3-tiny"
 CKPT_3INST = FIXTURES / "exl3-4.0bpw"  # 4 bpw decoder, 6 bpw head, 3inst codebook
 CKPT_MCG = FIXTURES / "exl3-3.0bpw-mcg"  # 3 bpw decoder, 6 bpw head, mcg codebook
 
-DTYPE_NAMES = {torch.int16: "I16", torch.int32: "I32", torch.float16: "F16",
-               torch.bfloat16: "BF16", torch.float32: "F32"}
+DTYPE_NAMES = {
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+}
 
 
 @contextlib.contextmanager
@@ -40,9 +49,13 @@ def gloo_world(world_size: int, rank: int, init_file: str) -> Iterator[VllmConfi
     """vLLM's distributed state on CPU (VllmConfig() alone fails without a GPU)."""
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=world_size, rank=rank, local_rank=rank,
-                                     distributed_init_method=f"file://{init_file}",
-                                     backend="gloo")
+        init_distributed_environment(
+            world_size=world_size,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"file://{init_file}",
+            backend="gloo",
+        )
         initialize_model_parallel(world_size, 1)
         try:
             yield vllm_config
@@ -61,19 +74,26 @@ def tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def module_tensors(ckpt: Path, prefix: str) -> dict[str, torch.Tensor]:
-    return {k.rpartition(".")[2]: v for k, v in tensors(ckpt).items()
-            if k.rpartition(".")[0] == prefix}
+    return {
+        k.rpartition(".")[2]: v
+        for k, v in tensors(ckpt).items()
+        if k.rpartition(".")[0] == prefix
+    }
 
 
 def config_for(ckpt: Path) -> Exl3Config:
-    """What vLLM builds: from_config on config.json's block, then maybe_update_config."""
+    """What vLLM builds: from_config on config.json's block, then
+    maybe_update_config.
+    """
     block = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     config = Exl3Config.from_config(block)
     config.maybe_update_config(str(ckpt))
     return config
 
 
-def headers_of(named: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+def headers_of(
+    named: Mapping[str, torch.Tensor],
+) -> dict[str, tuple[tuple[int, ...], str]]:
     return {name: (tuple(t.shape), DTYPE_NAMES[t.dtype]) for name, t in named.items()}
 
 
@@ -85,8 +105,11 @@ def config_from_tensors(named: Mapping[str, torch.Tensor]) -> Exl3Config:
 
 
 def codebook_of(named: Mapping[str, torch.Tensor], prefix: str) -> int:
-    members = {k.rpartition(".")[2]: (tuple(v.shape), DTYPE_NAMES[v.dtype])
-               for k, v in named.items() if k.rpartition(".")[0] == prefix}
+    members = {
+        k.rpartition(".")[2]: (tuple(v.shape), DTYPE_NAMES[v.dtype])
+        for k, v in named.items()
+        if k.rpartition(".")[0] == prefix
+    }
     return int(module_spec(prefix, members).codebook)
 
 
@@ -100,14 +123,23 @@ def dense(named: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor:
         suh = unpack_sign_bits(named[f"{prefix}.su"])
     if svh is None:
         svh = unpack_sign_bits(named[f"{prefix}.sv"])
-    return reference.reconstruct(named[f"{prefix}.trellis"], suh, svh,
-                                 codebook_of(named, prefix), dtype=torch.float32)
+    return reference.reconstruct(
+        named[f"{prefix}.trellis"],
+        suh,
+        svh,
+        codebook_of(named, prefix),
+        dtype=torch.float32,
+    )
 
 
-def load_module(layer: torch.nn.Module, named: Mapping[str, torch.Tensor], prefix: str,
-                shard_id: int | str | None = None) -> None:
-    """Feed one checkpoint module's tensors to the layer's parameters, as a model's hand-written
-    load_weights does (param.weight_loader(param, tensor[, shard_id]))."""
+def load_module(
+    layer: torch.nn.Module,
+    named: Mapping[str, torch.Tensor],
+    prefix: str,
+    shard_id: int | str | None = None,
+) -> None:
+    """Feed one checkpoint module's tensors to the layer's parameters, as a model's
+    hand-written load_weights does (param.weight_loader(param, tensor[, shard_id]))."""
     for name, tensor in named.items():
         mod, _, suffix = name.rpartition(".")
         if mod != prefix or suffix == "bias":
@@ -121,14 +153,22 @@ def load_module(layer: torch.nn.Module, named: Mapping[str, torch.Tensor], prefi
 
 def assert_matches(y: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     """y (in its dtype) against the fp32 oracle: within the rounding of y's dtype."""
-    eps = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[y.dtype]
+    eps = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-11}[y.dtype]
     scale = expected.abs().max().item()
     err = (y.float() - expected).abs().max().item()
-    assert err <= 4 * eps * scale + 1e-6, f"{what}: max |err| {err:.3g} vs scale {scale:.3g}"
+    assert err <= 4 * eps * scale + 1e-6, (
+        f"{what}: max |err| {err:.3g} vs scale {scale:.3g}"
+    )
 
 
-def checkpoint_copy(src: Path, dst: Path, *, weights: bool = True,
-                    storage: dict | None | bool = True, tokenizer: bool = False) -> Path:
+def checkpoint_copy(
+    src: Path,
+    dst: Path,
+    *,
+    weights: bool = True,
+    storage: dict | None | bool = True,
+    tokenizer: bool = False,
+) -> Path:
     """A checkpoint directory assembled from fixture files; `storage` replaces
     quantization_config.json (False: no such file)."""
     dst.mkdir(parents=True)

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Every MoE block of a model loaded by vLLM, run on random hidden states, against the oracle:
-the routing of each architecture written out in plain torch from the block's own router logits
-(vLLM's gate module, unquantized, so both sides rank the same numbers), the experts and shared
-experts decoded from the checkpoint by the reference codec, summed in fp64."""
+"""Every MoE block of a model loaded by vLLM, run on random hidden states, against the
+oracle: the routing of each architecture written out in plain torch from the block's own
+router logits (vLLM's gate module, unquantized, so both sides rank the same numbers),
+the experts and shared experts decoded from the checkpoint by the reference codec,
+summed in fp64."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
 from moe_checkpoints import decoded_modules
 from moe_oracle import expert_mlp, moe_reference
+from safetensors.torch import load_file
 
-# Relative max error of the fp16 model's block output against the fp64 oracle: fp16 inputs and
-# outputs (2^-11 each) plus fp16 intermediates in the shared expert; a wrong expert, a misplaced
-# block or a wrong routing weight is off by O(1).
+# Relative max error of the fp16 model's block output against the fp64 oracle: fp16
+# inputs and outputs (2^-11 each) plus fp16 intermediates in the shared expert; a wrong
+# expert, a misplaced block or a wrong routing weight is off by O(1).
 BLOCK_RTOL = 4e-3
 TOKENS = 20
 
@@ -31,20 +31,24 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def moe_blocks(model) -> list[tuple[str, torch.nn.Module]]:
-    """(checkpoint prefix, block) of every MoE block: the modules holding an `experts` runner."""
+    """(checkpoint prefix, block) of every MoE block: the modules holding an `experts`
+    runner."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     out = []
     for name, module in model.named_modules():
         if isinstance(getattr(module, "experts", None), MoERunner):
-            # An MTP draft nests its decoder layer as `mtp_block`; the checkpoint does not.
+            # An MTP draft nests its decoder layer as `mtp_block`; the checkpoint does
+            # not.
             name = name.replace(".mtp_block", "")
             out.append((name if name.startswith("model.") else f"model.{name}", module))
     return out
 
 
 def route(cfg: dict, logits: torch.Tensor, bias: torch.Tensor | None):
-    """(weights fp64 [T, k], ids [T, k]) as the architecture routes, from router logits."""
+    """(weights fp64 [T, k], ids [T, k]) as the architecture routes, from router
+    logits.
+    """
     top_k = cfg["num_experts_per_tok"]
     logits = logits.double()
     if cfg["model_type"] in ("deepseek_v3", "glm4_moe"):
@@ -53,7 +57,8 @@ def route(cfg: dict, logits: torch.Tensor, bias: torch.Tensor | None):
         t, groups = logits.shape[0], cfg["n_group"]
         group_scores = biased.view(t, groups, -1).topk(2, dim=-1)[0].sum(-1)
         kept = torch.zeros_like(group_scores).scatter_(
-            1, group_scores.topk(cfg["topk_group"], dim=-1)[1], 1.0)
+            1, group_scores.topk(cfg["topk_group"], dim=-1)[1], 1.0
+        )
         mask = kept.repeat_interleave(logits.shape[1] // groups, dim=1).bool()
         ids = biased.masked_fill(~mask, float("-inf")).topk(top_k, dim=-1)[1]
         weights = scores.gather(1, ids)
@@ -66,15 +71,22 @@ def route(cfg: dict, logits: torch.Tensor, bias: torch.Tensor | None):
     return weights, ids
 
 
-def block_oracle(cfg: dict, named: dict, dense: dict, prefix: str, x: torch.Tensor,
-                 logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def block_oracle(
+    cfg: dict,
+    named: dict,
+    dense: dict,
+    prefix: str,
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     """The block's output as vLLM defines it for x's dtype."""
     weights, ids = route(cfg, logits, bias)
     scale = cfg.get("routed_scaling_factor", 1.0) if "n_group" in cfg else 1.0
     if x.dtype == torch.float16 and cfg.get("n_shared_experts"):
-        # vLLM's fp16 overflow guard (MoERunner.apply_routed_output_transform): with shared
-        # experts the block returns routed + shared / factor, i.e. the output / factor, and
-        # the decoder layers carry the residual scaled the same way.
+        # vLLM's fp16 overflow guard (MoERunner.apply_routed_output_transform): with
+        # shared experts the block returns routed + shared / factor, i.e. the output /
+        # factor, and the decoder layers carry the residual scaled the same way.
         weights = weights / scale
     mixtral = cfg["model_type"] == "mixtral"
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
@@ -83,21 +95,32 @@ def block_oracle(cfg: dict, named: dict, dense: dict, prefix: str, x: torch.Tens
     if cfg.get("n_shared_experts"):
         s = f"{prefix}.shared_experts"
         w = width * cfg["n_shared_experts"]
-        shared = expert_mlp(x, dense[f"{s}.gate_proj"][:, :w], dense[f"{s}.up_proj"][:, :w],
-                            dense[f"{s}.down_proj"][:w])
+        shared = expert_mlp(
+            x,
+            dense[f"{s}.gate_proj"][:, :w],
+            dense[f"{s}.up_proj"][:, :w],
+            dense[f"{s}.down_proj"][:w],
+        )
         out += shared / scale if x.dtype == torch.float16 else shared
     if cfg.get("shared_expert_intermediate_size"):
         s = f"{prefix}.shared_expert"
         w = cfg["shared_expert_intermediate_size"]
-        gate = torch.sigmoid(x.double() @ named[f"{prefix}.shared_expert_gate.weight"]
-                             .double().t())
-        out += gate * expert_mlp(x, dense[f"{s}.gate_proj"][:, :w],
-                                 dense[f"{s}.up_proj"][:, :w], dense[f"{s}.down_proj"][:w])
+        gate = torch.sigmoid(
+            x.double() @ named[f"{prefix}.shared_expert_gate.weight"].double().t()
+        )
+        out += gate * expert_mlp(
+            x,
+            dense[f"{s}.gate_proj"][:, :w],
+            dense[f"{s}.up_proj"][:, :w],
+            dense[f"{s}.down_proj"][:w],
+        )
     return out
 
 
 def check_moe_blocks(ckpt: Path, model, vllm_config, seed: int = 0) -> int:
-    """Run every MoE block of `model` against the oracle; returns how many were checked."""
+    """Run every MoE block of `model` against the oracle; returns how many were
+    checked.
+    """
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
@@ -109,8 +132,12 @@ def check_moe_blocks(ckpt: Path, model, vllm_config, seed: int = 0) -> int:
     gen = torch.Generator().manual_seed(seed)
     for prefix, block in blocks:
         x = torch.randn(TOKENS, cfg["hidden_size"], generator=gen).to(dtype)
-        with (set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config),
-              torch.no_grad(), torch.compiler.set_stance("force_eager")):
+        with (
+            set_current_vllm_config(vllm_config),
+            set_forward_context(None, vllm_config),
+            torch.no_grad(),
+            torch.compiler.set_stance("force_eager"),
+        ):
             logits = block.gate(x.to(block.gate.weight.dtype))
             logits = logits[0] if isinstance(logits, tuple) else logits
             y = block(x)
@@ -122,5 +149,7 @@ def check_moe_blocks(ckpt: Path, model, vllm_config, seed: int = 0) -> int:
         err = (y.double() - expected).abs().max().item()
         scale = expected.abs().max().item()
         assert torch.isfinite(y).all() and scale > 0, prefix
-        assert err <= BLOCK_RTOL * scale, f"{prefix}: max |err| {err:.3g}, scale {scale:.3g}"
+        assert err <= BLOCK_RTOL * scale, (
+            f"{prefix}: max |err| {err:.3g}, scale {scale:.3g}"
+        )
     return len(blocks)

@@ -1,27 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM 0.26's real linear classes built with Exl3LinearMethod at world size 1 (gloo, CPU),
-loaded with real fixture tensors through vLLM's own weight loaders, against the dense product
-decoded by the reference. One test per loading/padding rule and per error rule."""
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""vLLM 0.26's real linear classes built with Exl3LinearMethod at world size 1 (gloo,
+CPU), loaded with real fixture tensors through vLLM's own weight loaders, against the
+dense product decoded by the reference. One test per loading/padding rule and per error
+rule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from exl3_harness import (
+    CKPT_3INST,
+    CKPT_MCG,
+    assert_matches,
+    config_for,
+    config_from_tensors,
+    dense,
+    load_module,
+    tensors,
+)
 from torch import nn
-
-from exl3_harness import (CKPT_3INST, CKPT_MCG, assert_matches, config_for,
-                          config_from_tensors, dense, load_module, tensors)
-from vllm.model_executor.layers.linear import (ColumnParallelLinear,
-                                               MergedColumnParallelLinear, QKVParallelLinear,
-                                               ReplicatedLinear, RowParallelLinear,
-                                               UnquantizedLinearMethod)
-from vllm.model_executor.layers.quantization.exl3.format import (MCG_MARKER_VALUE,
-                                                                 Exl3FormatError)
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.quantization.exl3.format import (
+    MCG_MARKER_VALUE,
+    Exl3FormatError,
+)
 from vllm.model_executor.layers.quantization.exl3.kernels import ReferenceExl3Kernel
 from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
 from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
 from vllm.model_executor.layers.quantization.exl3.padding import (
-    Exl3PaddedUnquantizedLinearMethod)
+    Exl3PaddedUnquantizedLinearMethod,
+)
 from vllm.model_executor.models.qwen2 import Qwen2Model
 from vllm.model_executor.models.utils import AutoWeightsLoader
 
@@ -33,18 +49,34 @@ HIDDEN, HEAD_DIM, HEADS, KV_HEADS, INTER = 256, 64, 4, 2, 768
 
 
 def x_for(k: int, dtype: torch.dtype, rows: int = 7) -> torch.Tensor:
-    return torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows)).to(dtype)
+    return torch.randn(rows, k, generator=torch.Generator().manual_seed(k + rows)).to(
+        dtype
+    )
 
 
 def finish(layer: nn.Module) -> None:
     layer.quant_method.process_weights_after_loading(layer)
 
 
-def qkv_layer(config, prefix: str = f"{ATTN}.qkv_proj", dtype=torch.float32,
-              head_dim: int = HEAD_DIM, heads: int = HEADS, kv_heads: int = KV_HEADS,
-              bias: bool = False) -> QKVParallelLinear:
-    return QKVParallelLinear(HIDDEN, head_dim, heads, kv_heads, bias=bias, quant_config=config,
-                             prefix=prefix, params_dtype=dtype)
+def qkv_layer(
+    config,
+    prefix: str = f"{ATTN}.qkv_proj",
+    dtype=torch.float32,
+    head_dim: int = HEAD_DIM,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+    bias: bool = False,
+) -> QKVParallelLinear:
+    return QKVParallelLinear(
+        HIDDEN,
+        head_dim,
+        heads,
+        kv_heads,
+        bias=bias,
+        quant_config=config,
+        prefix=prefix,
+        params_dtype=dtype,
+    )
 
 
 def load_qkv(layer: nn.Module, named) -> None:
@@ -56,7 +88,9 @@ def dense_cat(named, *prefixes: str) -> torch.Tensor:
     return torch.cat([dense(named, p) for p in prefixes], dim=1)
 
 
-# ---- every layer type, real tensors, vLLM's loaders -------------------------------------------
+# ---- every layer type, real tensors, vLLM's loaders
+# -------------------------------------------
+
 
 @pytest.mark.parametrize("ckpt", [CKPT_3INST, CKPT_MCG], ids=["3inst-4bpw", "mcg-3bpw"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -77,11 +111,22 @@ def test_qkv_shards_by_id(ckpt, dtype):
 @pytest.mark.parametrize("ckpt", [CKPT_3INST, CKPT_MCG], ids=["3inst-4bpw", "mcg-3bpw"])
 def test_merged_gate_up_and_row_down(ckpt):
     named, config = tensors(ckpt), config_for(ckpt)
-    gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False,
-                                         quant_config=config, prefix=f"{MLP}.gate_up_proj",
-                                         params_dtype=torch.float32)
-    down = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=config,
-                             prefix=f"{MLP}.down_proj", params_dtype=torch.float32)
+    gate_up = MergedColumnParallelLinear(
+        HIDDEN,
+        [INTER, INTER],
+        bias=False,
+        quant_config=config,
+        prefix=f"{MLP}.gate_up_proj",
+        params_dtype=torch.float32,
+    )
+    down = RowParallelLinear(
+        INTER,
+        HIDDEN,
+        bias=False,
+        quant_config=config,
+        prefix=f"{MLP}.down_proj",
+        params_dtype=torch.float32,
+    )
     load_module(gate_up, named, f"{MLP}.gate_proj", 0)
     load_module(gate_up, named, f"{MLP}.up_proj", 1)
     load_module(down, named, f"{MLP}.down_proj")
@@ -89,17 +134,31 @@ def test_merged_gate_up_and_row_down(ckpt):
     finish(down)
     x = x_for(HIDDEN, torch.float32)
     h, _ = gate_up(x)
-    assert_matches(h, x @ dense_cat(named, f"{MLP}.gate_proj", f"{MLP}.up_proj"), "gate_up")
+    assert_matches(
+        h, x @ dense_cat(named, f"{MLP}.gate_proj", f"{MLP}.up_proj"), "gate_up"
+    )
     y, _ = down(h[:, INTER:])
     assert_matches(y, h[:, INTER:] @ dense(named, f"{MLP}.down_proj"), "down")
 
 
 def test_column_and_replicated_single_modules():
     named, config = tensors(CKPT_MCG), config_for(CKPT_MCG)
-    q = ColumnParallelLinear(HIDDEN, HEADS * HEAD_DIM, bias=False, quant_config=config,
-                             prefix=f"{ATTN}.q_proj", params_dtype=torch.float32)
-    o = ReplicatedLinear(HEADS * HEAD_DIM, HIDDEN, bias=False, quant_config=config,
-                         prefix=f"{ATTN}.o_proj", params_dtype=torch.float32)
+    q = ColumnParallelLinear(
+        HIDDEN,
+        HEADS * HEAD_DIM,
+        bias=False,
+        quant_config=config,
+        prefix=f"{ATTN}.q_proj",
+        params_dtype=torch.float32,
+    )
+    o = ReplicatedLinear(
+        HEADS * HEAD_DIM,
+        HIDDEN,
+        bias=False,
+        quant_config=config,
+        prefix=f"{ATTN}.o_proj",
+        params_dtype=torch.float32,
+    )
     load_module(q, named, f"{ATTN}.q_proj")
     load_module(o, named, f"{ATTN}.o_proj")  # ReplicatedLinear: v1 loader path
     finish(q)
@@ -113,19 +172,35 @@ class _Attn(nn.Module):
     def __init__(self, config, prefix):
         super().__init__()
         self.qkv_proj = qkv_layer(config, f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(HIDDEN, HIDDEN, bias=False, quant_config=config,
-                                        prefix=f"{prefix}.o_proj", params_dtype=torch.float32)
+        self.o_proj = RowParallelLinear(
+            HIDDEN,
+            HIDDEN,
+            bias=False,
+            quant_config=config,
+            prefix=f"{prefix}.o_proj",
+            params_dtype=torch.float32,
+        )
 
 
 class _Mlp(nn.Module):
     def __init__(self, config, prefix):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            HIDDEN, [INTER, INTER], bias=False, quant_config=config,
-            prefix=f"{prefix}.gate_up_proj", params_dtype=torch.float32)
-        self.down_proj = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=config,
-                                           prefix=f"{prefix}.down_proj",
-                                           params_dtype=torch.float32)
+            HIDDEN,
+            [INTER, INTER],
+            bias=False,
+            quant_config=config,
+            prefix=f"{prefix}.gate_up_proj",
+            params_dtype=torch.float32,
+        )
+        self.down_proj = RowParallelLinear(
+            INTER,
+            HIDDEN,
+            bias=False,
+            quant_config=config,
+            prefix=f"{prefix}.down_proj",
+            params_dtype=torch.float32,
+        )
 
 
 class _Layer(nn.Module):
@@ -143,16 +218,25 @@ class _Model(nn.Module):
 
 
 def test_auto_weights_loader_with_stacked_mapper():
-    """The new-style model path: WeightsMapper sets tensor.shard_id, AutoWeightsLoader hands the
-    group to QKVParallelLinear/MergedColumnParallelLinear.load_weights."""
+    """The new-style model path: WeightsMapper sets tensor.shard_id, AutoWeightsLoader
+    hands the group to QKVParallelLinear/MergedColumnParallelLinear.load_weights."""
     named, config = tensors(CKPT_3INST), config_for(CKPT_3INST)
     root = _Model(config)
-    layer0 = {k: v.clone() for k, v in named.items() if k.startswith("model.layers.0.")
-              and not k.endswith("norm.weight")}
-    loaded = AutoWeightsLoader(root).load_weights(layer0.items(),
-                                                  mapper=Qwen2Model.hf_to_vllm_mapper)
-    stacked = {".q_proj.": ".qkv_proj.", ".k_proj.": ".qkv_proj.", ".v_proj.": ".qkv_proj.",
-               ".gate_proj.": ".gate_up_proj.", ".up_proj.": ".gate_up_proj."}
+    layer0 = {
+        k: v.clone()
+        for k, v in named.items()
+        if k.startswith("model.layers.0.") and not k.endswith("norm.weight")
+    }
+    loaded = AutoWeightsLoader(root).load_weights(
+        layer0.items(), mapper=Qwen2Model.hf_to_vllm_mapper
+    )
+    stacked = {
+        ".q_proj.": ".qkv_proj.",
+        ".k_proj.": ".qkv_proj.",
+        ".v_proj.": ".qkv_proj.",
+        ".gate_proj.": ".gate_up_proj.",
+        ".up_proj.": ".gate_up_proj.",
+    }
     expected = set()
     for name in layer0:
         for old, new in stacked.items():
@@ -165,10 +249,16 @@ def test_auto_weights_loader_with_stacked_mapper():
     layer = root.model.layers[0]
     x = x_for(HIDDEN, torch.float32)
     w_qkv = dense_cat(named, f"{ATTN}.q_proj", f"{ATTN}.k_proj", f"{ATTN}.v_proj")
-    assert_matches(layer.self_attn.qkv_proj(x)[0], x @ w_qkv, "qkv via AutoWeightsLoader")
-    assert_matches(layer.self_attn.o_proj(x)[0], x @ dense(named, f"{ATTN}.o_proj"), "o_proj")
+    assert_matches(
+        layer.self_attn.qkv_proj(x)[0], x @ w_qkv, "qkv via AutoWeightsLoader"
+    )
+    assert_matches(
+        layer.self_attn.o_proj(x)[0], x @ dense(named, f"{ATTN}.o_proj"), "o_proj"
+    )
     w_gu = dense_cat(named, f"{MLP}.gate_proj", f"{MLP}.up_proj")
-    assert_matches(layer.mlp.gate_up_proj(x)[0], x @ w_gu, "gate_up via AutoWeightsLoader")
+    assert_matches(
+        layer.mlp.gate_up_proj(x)[0], x @ w_gu, "gate_up via AutoWeightsLoader"
+    )
 
 
 def test_memory_is_exactly_trellis_suh_svh():
@@ -180,19 +270,31 @@ def test_memory_is_exactly_trellis_suh_svh():
     params = dict(layer.named_parameters())
     assert set(params) == {"trellis", "suh", "svh"}
     assert all(type(p) is nn.Parameter for p in params.values())
-    stored = sum(named[f"{ATTN}.{p}.{s}"].nbytes for p in ("q_proj", "k_proj", "v_proj")
-                 for s in ("trellis", "suh", "svh"))
+    stored = sum(
+        named[f"{ATTN}.{p}.{s}"].nbytes
+        for p in ("q_proj", "k_proj", "v_proj")
+        for s in ("trellis", "suh", "svh")
+    )
     assert sum(p.nbytes for p in params.values()) == stored
 
 
-# ---- fused shards of different bitrates / codebooks: one kernel call per run ------------------
+# ---- fused shards of different bitrates / codebooks: one kernel call per run
+# ------------------
+
 
 def _mixed_qkv() -> dict[str, torch.Tensor]:
-    """q from the 4 bpw 3inst checkpoint, k and v from the 3 bpw mcg one (real tensors)."""
+    """q from the 4 bpw 3inst checkpoint, k and v from the 3 bpw mcg one (real
+    tensors).
+    """
     a, b = tensors(CKPT_3INST), tensors(CKPT_MCG)
     out = {k: v for k, v in a.items() if k.startswith(f"{ATTN}.q_proj.")}
-    out.update({k: v for k, v in b.items()
-                if k.startswith((f"{ATTN}.k_proj.", f"{ATTN}.v_proj."))})
+    out.update(
+        {
+            k: v
+            for k, v in b.items()
+            if k.startswith((f"{ATTN}.k_proj.", f"{ATTN}.v_proj."))
+        }
+    )
     return out
 
 
@@ -217,19 +319,32 @@ def test_marker_for_a_shard_without_one_is_rejected():
         layer.mcg.weight_loader(layer.mcg, stray, "q")
 
 
-# ---- legacy sign bitfields --------------------------------------------------------------------
+# ---- legacy sign bitfields
+# --------------------------------------------------------------------
+
 
 def test_legacy_su_sv_are_consumed_into_suh_svh():
     src = tensors(CKPT_MCG)
     gen = torch.Generator().manual_seed(3)
     prefix = f"{ATTN}.q_proj"
-    named = {f"{prefix}.trellis": src[f"{prefix}.trellis"], f"{prefix}.mcg": src[f"{prefix}.mcg"],
-             f"{prefix}.su": torch.randint(-2**15, 2**15, (HIDDEN // 16,), generator=gen,
-                                           dtype=torch.int32).to(torch.int16),
-             f"{prefix}.sv": torch.randint(-2**15, 2**15, (256 // 16,), generator=gen,
-                                           dtype=torch.int32).to(torch.int16)}
-    layer = ColumnParallelLinear(HIDDEN, 256, bias=False, quant_config=config_from_tensors(named),
-                                 prefix=prefix, params_dtype=torch.float32)
+    named = {
+        f"{prefix}.trellis": src[f"{prefix}.trellis"],
+        f"{prefix}.mcg": src[f"{prefix}.mcg"],
+        f"{prefix}.su": torch.randint(
+            -(2**15), 2**15, (HIDDEN // 16,), generator=gen, dtype=torch.int32
+        ).to(torch.int16),
+        f"{prefix}.sv": torch.randint(
+            -(2**15), 2**15, (256 // 16,), generator=gen, dtype=torch.int32
+        ).to(torch.int16),
+    }
+    layer = ColumnParallelLinear(
+        HIDDEN,
+        256,
+        bias=False,
+        quant_config=config_from_tensors(named),
+        prefix=prefix,
+        params_dtype=torch.float32,
+    )
     load_module(layer, named, prefix)
     finish(layer)
     assert set(dict(layer.named_parameters())) == {"trellis", "suh", "svh"}
@@ -237,12 +352,20 @@ def test_legacy_su_sv_are_consumed_into_suh_svh():
     assert_matches(layer(x)[0], x @ dense(named, prefix), "legacy signs")
 
 
-# ---- padding: the format's (k, n to 128) and vLLM's (whole blocks past the checkpoint) ---------
+# ---- padding: the format's (k, n to 128) and vLLM's (whole blocks past the checkpoint)
+# ---------
+
 
 def test_row_input_narrower_than_checkpoint_is_zero_extended():
     named, config = tensors(CKPT_MCG), config_for(CKPT_MCG)
-    down = RowParallelLinear(700, HIDDEN, bias=False, quant_config=config,
-                             prefix=f"{MLP}.down_proj", params_dtype=torch.float32)
+    down = RowParallelLinear(
+        700,
+        HIDDEN,
+        bias=False,
+        quant_config=config,
+        prefix=f"{MLP}.down_proj",
+        params_dtype=torch.float32,
+    )
     load_module(down, named, f"{MLP}.down_proj")
     finish(down)
     x = x_for(700, torch.float32)
@@ -252,33 +375,57 @@ def test_row_input_narrower_than_checkpoint_is_zero_extended():
 
 def test_row_input_padded_past_checkpoint_contributes_zero():
     named, config = tensors(CKPT_MCG), config_for(CKPT_MCG)
-    down = RowParallelLinear(INTER + 128, HIDDEN, bias=False, quant_config=config,
-                             prefix=f"{MLP}.down_proj", params_dtype=torch.float32)
+    down = RowParallelLinear(
+        INTER + 128,
+        HIDDEN,
+        bias=False,
+        quant_config=config,
+        prefix=f"{MLP}.down_proj",
+        params_dtype=torch.float32,
+    )
     load_module(down, named, f"{MLP}.down_proj")
     finish(down)
     assert torch.all(down.suh[0, INTER:] == 0)
     x = x_for(INTER + 128, torch.float32)  # non-zero in the padded block too
-    assert_matches(down(x)[0], x[:, :INTER] @ dense(named, f"{MLP}.down_proj"), "k padded")
+    assert_matches(
+        down(x)[0], x[:, :INTER] @ dense(named, f"{MLP}.down_proj"), "k padded"
+    )
 
 
 def test_column_output_narrower_than_checkpoint_is_cut():
     named, config = tensors(CKPT_3INST), config_for(CKPT_3INST)
-    gate_up = MergedColumnParallelLinear(HIDDEN, [700, 700], bias=False, quant_config=config,
-                                         prefix=f"{MLP}.gate_up_proj",
-                                         params_dtype=torch.float32)
+    gate_up = MergedColumnParallelLinear(
+        HIDDEN,
+        [700, 700],
+        bias=False,
+        quant_config=config,
+        prefix=f"{MLP}.gate_up_proj",
+        params_dtype=torch.float32,
+    )
     load_module(gate_up, named, f"{MLP}.gate_proj", 0)
     load_module(gate_up, named, f"{MLP}.up_proj", 1)
     finish(gate_up)
     x = x_for(HIDDEN, torch.float32)
-    w = torch.cat([dense(named, f"{MLP}.gate_proj")[:, :700],
-                   dense(named, f"{MLP}.up_proj")[:, :700]], dim=1)
+    w = torch.cat(
+        [
+            dense(named, f"{MLP}.gate_proj")[:, :700],
+            dense(named, f"{MLP}.up_proj")[:, :700],
+        ],
+        dim=1,
+    )
     assert_matches(gate_up(x)[0], x @ w, "n 700+700 from n=768 shards")
 
 
 def test_column_output_padded_past_checkpoint_is_exactly_zero():
     named, config = tensors(CKPT_3INST), config_for(CKPT_3INST)
-    up = ColumnParallelLinear(HIDDEN, INTER + 128, bias=False, quant_config=config,
-                              prefix=f"{MLP}.up_proj", params_dtype=torch.float32)
+    up = ColumnParallelLinear(
+        HIDDEN,
+        INTER + 128,
+        bias=False,
+        quant_config=config,
+        prefix=f"{MLP}.up_proj",
+        params_dtype=torch.float32,
+    )
     load_module(up, named, f"{MLP}.up_proj")
     finish(up)
     x = x_for(HIDDEN, torch.float32)
@@ -290,60 +437,93 @@ def test_column_output_padded_past_checkpoint_is_exactly_zero():
 def test_padding_that_is_not_whole_blocks_is_an_error():
     config = config_for(CKPT_3INST)
     with pytest.raises(Exl3LayoutError, match=r"whole 128-wide blocks.*got 64"):
-        RowParallelLinear(INTER + 64, HIDDEN, bias=False, quant_config=config,
-                          prefix=f"{MLP}.down_proj")
+        RowParallelLinear(
+            INTER + 64,
+            HIDDEN,
+            bias=False,
+            quant_config=config,
+            prefix=f"{MLP}.down_proj",
+        )
 
 
 def test_checkpoint_wider_than_layer_is_an_error():
     config = config_for(CKPT_3INST)
-    with pytest.raises(Exl3LayoutError, match=r"has 768 output features but the layer has 512"):
-        ColumnParallelLinear(HIDDEN, 512, bias=False, quant_config=config,
-                             prefix=f"{MLP}.up_proj")
+    with pytest.raises(
+        Exl3LayoutError, match=r"has 768 output features but the layer has 512"
+    ):
+        ColumnParallelLinear(
+            HIDDEN, 512, bias=False, quant_config=config, prefix=f"{MLP}.up_proj"
+        )
 
 
-# ---- bias: the layer's own parameter ----------------------------------------------------------
+# ---- bias: the layer's own parameter
+# ----------------------------------------------------------
+
 
 def _with_bias(prefix: str, n: int) -> dict[str, torch.Tensor]:
-    named = {k: v for k, v in tensors(CKPT_MCG).items() if k.rpartition(".")[0] == prefix}
+    named = {
+        k: v for k, v in tensors(CKPT_MCG).items() if k.rpartition(".")[0] == prefix
+    }
     gen = torch.Generator().manual_seed(5)
     named[f"{prefix}.bias"] = torch.randn(n, generator=gen).to(torch.float16)
     return named
 
 
-@pytest.mark.parametrize("width", [INTER, 700], ids=["fused-into-kernel", "added-after-cut"])
+@pytest.mark.parametrize(
+    "width", [INTER, 700], ids=["fused-into-kernel", "added-after-cut"]
+)
 def test_bias_is_the_layers_own(width):
     prefix = f"{MLP}.up_proj"
     named = _with_bias(prefix, INTER)
-    layer = ColumnParallelLinear(HIDDEN, width, bias=True, quant_config=config_from_tensors(named),
-                                 prefix=prefix, params_dtype=torch.float32)
+    layer = ColumnParallelLinear(
+        HIDDEN,
+        width,
+        bias=True,
+        quant_config=config_from_tensors(named),
+        prefix=prefix,
+        params_dtype=torch.float32,
+    )
     load_module(layer, named, prefix)
     layer.bias.weight_loader(layer.bias, named[f"{prefix}.bias"])
     finish(layer)
     assert set(dict(layer.named_parameters())) == {"trellis", "suh", "svh", "bias"}
     x = x_for(HIDDEN, torch.float32)
-    expected = x @ dense(named, prefix)[:, :width] + named[f"{prefix}.bias"][:width].float()
+    expected = (
+        x @ dense(named, prefix)[:, :width] + named[f"{prefix}.bias"][:width].float()
+    )
     assert_matches(layer(x)[0], expected, f"bias width {width}")
 
 
 def test_bias_mismatch_is_an_error():
     prefix = f"{MLP}.up_proj"
-    with pytest.raises(Exl3LayoutError, match="checkpoint has a bias but the model builds"):
-        ColumnParallelLinear(HIDDEN, INTER, bias=False,
-                             quant_config=config_from_tensors(_with_bias(prefix, INTER)),
-                             prefix=prefix)
+    with pytest.raises(
+        Exl3LayoutError, match="checkpoint has a bias but the model builds"
+    ):
+        ColumnParallelLinear(
+            HIDDEN,
+            INTER,
+            bias=False,
+            quant_config=config_from_tensors(_with_bias(prefix, INTER)),
+            prefix=prefix,
+        )
     with pytest.raises(Exl3LayoutError, match="checkpoint lacks a bias"):
-        ColumnParallelLinear(HIDDEN, INTER, bias=True, quant_config=config_for(CKPT_MCG),
-                             prefix=prefix)
+        ColumnParallelLinear(
+            HIDDEN, INTER, bias=True, quant_config=config_for(CKPT_MCG), prefix=prefix
+        )
 
 
-# ---- what the checkpoint must deliver ---------------------------------------------------------
+# ---- what the checkpoint must deliver
+# ---------------------------------------------------------
+
 
 def test_shard_never_loaded_is_an_error():
     named = tensors(CKPT_MCG)
     layer = qkv_layer(config_for(CKPT_MCG))
     load_module(layer, named, f"{ATTN}.q_proj", "q")
     load_module(layer, named, f"{ATTN}.k_proj", "k")
-    with pytest.raises(Exl3LayoutError, match=r"never loaded: .*v_proj\.mcg.*v_proj\.trellis"):
+    with pytest.raises(
+        Exl3LayoutError, match=r"never loaded: .*v_proj\.mcg.*v_proj\.trellis"
+    ):
         finish(layer)
 
 
@@ -359,52 +539,69 @@ def test_wrong_marker_value_is_an_error():
 def test_tensor_of_the_wrong_shape_is_an_error():
     named = tensors(CKPT_MCG)
     layer = qkv_layer(config_for(CKPT_MCG))
-    with pytest.raises(Exl3LayoutError, match=r"q_proj\.trellis.*got \[16, 8, 48\].*\[16, 16, 48\]"):
+    with pytest.raises(
+        Exl3LayoutError, match=r"q_proj\.trellis.*got \[16, 8, 48\].*\[16, 16, 48\]"
+    ):
         layer.trellis.weight_loader(layer.trellis, named[f"{ATTN}.k_proj.trellis"], "q")
 
 
 def test_fused_on_disk_tensor_is_an_error():
     named = tensors(CKPT_MCG)
     layer = qkv_layer(config_for(CKPT_MCG))
-    fused = torch.cat([named[f"{ATTN}.{p}.svh"] for p in ("q_proj", "k_proj", "v_proj")])
+    fused = torch.cat(
+        [named[f"{ATTN}.{p}.svh"] for p in ("q_proj", "k_proj", "v_proj")]
+    )
     with pytest.raises(AttributeError, match="fused-on-disk"):
         layer.svh.weight_loader(layer.svh, fused)  # no shard id
 
 
 def test_checkpoint_module_fused_on_disk_is_an_error():
     src = tensors(CKPT_MCG)
-    named = {k.replace(".q_proj.", ".qkv_proj."): v for k, v in src.items()
-             if k.startswith(f"{ATTN}.q_proj.")}
+    named = {
+        k.replace(".q_proj.", ".qkv_proj."): v
+        for k, v in src.items()
+        if k.startswith(f"{ATTN}.q_proj.")
+    }
     with pytest.raises(Exl3LayoutError, match="stores this 3-shard layer fused"):
         qkv_layer(config_from_tensors(named))
 
 
 def test_fused_layer_mixing_exl3_and_plain_shards_is_an_error():
     src = tensors(CKPT_MCG)
-    named = {k: v for k, v in src.items() if k.startswith((f"{ATTN}.q_proj.", f"{ATTN}.k_proj."))}
+    named = {
+        k: v
+        for k, v in src.items()
+        if k.startswith((f"{ATTN}.q_proj.", f"{ATTN}.k_proj."))
+    }
     named[f"{ATTN}.v_proj.weight"] = torch.zeros(128, HIDDEN, dtype=torch.float16)
-    with pytest.raises(Exl3LayoutError, match=r"mixes EXL3 and non-EXL3 shards.*v_proj -> not EXL3"):
+    with pytest.raises(
+        Exl3LayoutError, match=r"mixes EXL3 and non-EXL3 shards.*v_proj -> not EXL3"
+    ):
         qkv_layer(config_from_tensors(named))
 
 
 def test_non_exl3_linear_falls_through_unquantized():
     config = config_for(CKPT_MCG)
-    layer = ReplicatedLinear(HIDDEN, 8, bias=False, quant_config=config,
-                             prefix="model.layers.0.mlp.gate")
+    layer = ReplicatedLinear(
+        HIDDEN, 8, bias=False, quant_config=config, prefix="model.layers.0.mlp.gate"
+    )
     # vLLM's unquantized method, with a loader that trims the format's 128-padding.
     assert type(layer.quant_method) is Exl3PaddedUnquantizedLinearMethod
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
 
 
 def test_unknown_tensor_suffix_fails_at_config_time():
-    named = {k: v for k, v in tensors(CKPT_MCG).items() if k.startswith(f"{ATTN}.q_proj.")}
+    named = {
+        k: v for k, v in tensors(CKPT_MCG).items() if k.startswith(f"{ATTN}.q_proj.")
+    }
     named[f"{ATTN}.q_proj.extra"] = torch.zeros(4, dtype=torch.float16)
     with pytest.raises(Exl3FormatError, match=r"q_proj\.extra: unexpected tensor"):
         config_from_tensors(named)
 
 
 def test_dummy_load_needs_no_checkpoint():
-    """load_format=dummy: nothing is loaded, process_weights_after_loading still finishes."""
+    """load_format=dummy: nothing is loaded, process_weights_after_loading still
+    finishes."""
     layer = qkv_layer(config_for(CKPT_MCG))
     finish(layer)
     assert set(dict(layer.named_parameters())) == {"trellis", "suh", "svh"}
@@ -425,8 +622,9 @@ def test_unsupported_linear_class_is_an_error():
         def __init__(self, config):
             self.output_partition_sizes = [256]
             super().__init__(HIDDEN, 256, quant_config=config, prefix=f"{ATTN}.q_proj")
-            self.quant_method.create_weights(self, HIDDEN, [256], HIDDEN, 256, torch.float32,
-                                             weight_loader=None)
+            self.quant_method.create_weights(
+                self, HIDDEN, [256], HIDDEN, 256, torch.float32, weight_loader=None
+            )
 
     with pytest.raises(Exl3LayoutError, match="unsupported linear class OddLinear"):
         OddLinear(config_for(CKPT_MCG))

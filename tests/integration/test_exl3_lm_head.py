@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ParallelLMHead with Exl3LMHeadMethod at world size 1: its own loader (the vocab is the
-trellis' dim 1), vLLM's 64-padding of the vocab, and the logits processor on top."""
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""ParallelLMHead with Exl3LMHeadMethod at world size 1: its own loader (the vocab is
+the trellis' dim 1), vLLM's 64-padding of the vocab, and the logits processor on top."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
 from exl3_harness import CKPT_MCG, assert_matches, config_for, dense, tensors
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
 from vllm.model_executor.layers.quantization.exl3.lm_head import Exl3LMHeadMethod
-from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
-                                                                 VocabParallelEmbedding)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 
 pytestmark = pytest.mark.usefixtures("world1")
 
@@ -20,8 +22,14 @@ HIDDEN, CKPT_VOCAB = 256, 4096
 
 
 def head(vocab: int, **kwargs) -> ParallelLMHead:
-    return ParallelLMHead(vocab, HIDDEN, quant_config=config_for(CKPT_MCG), prefix="lm_head",
-                          params_dtype=torch.float32, **kwargs)
+    return ParallelLMHead(
+        vocab,
+        HIDDEN,
+        quant_config=config_for(CKPT_MCG),
+        prefix="lm_head",
+        params_dtype=torch.float32,
+        **kwargs,
+    )
 
 
 def load_head(layer: ParallelLMHead) -> None:
@@ -32,7 +40,9 @@ def load_head(layer: ParallelLMHead) -> None:
     layer.quant_method.process_weights_after_loading(layer)
 
 
-@pytest.mark.parametrize("vocab", [CKPT_VOCAB, 4000], ids=["vocab-4096", "vocab-4000-padded"])
+@pytest.mark.parametrize(
+    "vocab", [CKPT_VOCAB, 4000], ids=["vocab-4096", "vocab-4000-padded"]
+)
 def test_lm_head_logits(vocab):
     layer = head(vocab)
     assert isinstance(layer.quant_method, Exl3LMHeadMethod)
@@ -52,8 +62,11 @@ def test_lm_head_logits(vocab):
 
 
 def test_lm_head_with_vocab_mismatch_is_an_error():
-    with pytest.raises(Exl3LayoutError, match=r"4096 vocab columns, expected the model's vocab "
-                                              r"3900 padded to 3968"):
+    with pytest.raises(
+        Exl3LayoutError,
+        match=r"4096 vocab columns, expected the model's vocab "
+        r"3900 padded to 3968",
+    ):
         head(3900)
 
 
@@ -64,7 +77,11 @@ def test_lm_head_added_vocab_is_an_error():
 
 def test_lm_head_cannot_be_tied():
     layer = head(CKPT_VOCAB)
-    embed = VocabParallelEmbedding(CKPT_VOCAB, HIDDEN, quant_config=config_for(CKPT_MCG),
-                                   prefix="model.embed_tokens")
+    embed = VocabParallelEmbedding(
+        CKPT_VOCAB,
+        HIDDEN,
+        quant_config=config_for(CKPT_MCG),
+        prefix="model.embed_tokens",
+    )
     with pytest.raises(Exl3LayoutError, match="cannot be tied"):
         layer.tie_weights(embed)

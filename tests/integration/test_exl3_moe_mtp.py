@@ -1,22 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""MTP draft layers of an EXL3 checkpoint (DeepSeek-V3 and GLM-4.5 layouts: enorm, hnorm, an EXL3
-eh_proj, a whole decoder layer with EXL3 attention and MoE, shared_head.norm; the MTP head is not
-stored, vLLM's proposer shares the target's) load through vLLM's MTP model classes with the
-target's own quant config: target and draft built from one VllmConfig, their layers distinct, the
-draft's eh_proj and MoE block equal to the checkpoint decoded by the reference."""
+"""MTP draft layers of an EXL3 checkpoint (DeepSeek-V3 and GLM-4.5 layouts: enorm,
+hnorm, an EXL3 eh_proj, a whole decoder layer with EXL3 attention and MoE,
+shared_head.norm; the MTP head is not stored, vLLM's proposer shares the target's) load
+through vLLM's MTP model classes with the target's own quant config: target and draft
+built from one VllmConfig, their layers distinct, the draft's eh_proj and MoE block
+equal to the checkpoint decoded by the reference."""
 
 from __future__ import annotations
 
 import pytest
+import synthetic_checkpoint as synth
 import torch
-
 from moe_blocks import check_moe_blocks
 from moe_checkpoints import decoded_modules, link_tokenizer
 from moe_model_run import load_target_and_draft
 from test_exl3_moe_synthetic import ARCHITECTURES, LAYERS, MODEL_DTYPE
-
-import synthetic_checkpoint as synth
 
 MTP_BITS = 5  # the draft layers at their own rate (the converter's mtp_bits)
 
@@ -30,8 +29,15 @@ def test_mtp_draft_loads_exl3_layers(arch, tmp_path, monkeypatch, world1):
     cfg = synth.load_config(preset)
     cfg["num_nextn_predict_layers"] = 1
     ckpt = tmp_path / arch
-    written = synth.write_checkpoint(cfg, ckpt, bits=bits, codebook=codebook,
-                                     mtp_bits=MTP_BITS, layers=LAYERS, seed=9)
+    written = synth.write_checkpoint(
+        cfg,
+        ckpt,
+        bits=bits,
+        codebook=codebook,
+        mtp_bits=MTP_BITS,
+        layers=LAYERS,
+        seed=9,
+    )
     link_tokenizer(ckpt)
     mtp = f"model.layers.{LAYERS}"
     assert written[f"{mtp}.eh_proj"][0] == MTP_BITS
@@ -49,7 +55,9 @@ def test_mtp_draft_loads_exl3_layers(arch, tmp_path, monkeypatch, world1):
     assert f"{mtp}.mlp.experts" in names and "model.layers.1.mlp.experts" in names
     assert draft_moe is not target.model.layers[1].mlp.experts.routed_experts
 
-    x = torch.randn(6, 2 * cfg["hidden_size"], generator=torch.Generator().manual_seed(4))
+    x = torch.randn(
+        6, 2 * cfg["hidden_size"], generator=torch.Generator().manual_seed(4)
+    )
     with torch.no_grad():
         y = layer.eh_proj(x.to(getattr(torch, MODEL_DTYPE)))
     w = decoded_modules(ckpt, (f"{mtp}.eh_proj",))[f"{mtp}.eh_proj"]

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The MoE op's wrapper, fake implementation and host-side checks without a GPU.
 
-A spawned process defines `_C::exl3_moe` from the schema in csrc (so the two cannot drift)
-with a CPU stand-in (the reference MoE kernel, ignoring the alignment), after which
-`load_exl3_moe_op` finds it and registers the fake: fake tensors and torch.compile get the
-output's shape and dtype from it, and the wrapper reaches the op. The CUDA kernel class's
-host-side parts (rate table checks, block-size rule) are plain Python and are checked here too.
+A spawned process defines `_C::exl3_moe` from the schema in csrc (so the two cannot
+drift) with a CPU stand-in (the reference MoE kernel, ignoring the alignment), after
+which `load_exl3_moe_op` finds it and registers the fake: fake tensors and torch.compile
+get the output's shape and dtype from it, and the wrapper reaches the op. The CUDA
+kernel class's host-side parts (rate table checks, block-size rule) are plain Python and
+are checked here too.
 """
 
 from __future__ import annotations
@@ -36,40 +38,85 @@ def moe_schema() -> str:
 
 def _layer(experts: int, h: int, i: int, bits: float):
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import Exl3MoEWeights
+
     g = torch.Generator().manual_seed(3)
     k2 = int(2 * bits)
     size13 = (h // 16) * (i // 16) * 8 * k2
     size2 = (i // 16) * (h // 16) * 8 * k2
-    meta13 = torch.tensor([[[(2 * e + r) * size13, k2] for r in (0, 1)] for e in range(experts)])
+    meta13 = torch.tensor(
+        [[[(2 * e + r) * size13, k2] for r in (0, 1)] for e in range(experts)]
+    )
     meta2 = torch.tensor([[e * size2, k2] for e in range(experts)])
 
     def scales(*shape: int) -> torch.Tensor:
         return (0.5 + torch.rand(shape, generator=g)).half()
 
     def words(n: int) -> torch.Tensor:
-        return torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+        return torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(
+            torch.int16
+        )
 
-    return Exl3MoEWeights(words(2 * experts * size13), meta13, scales(experts, 2, h),
-                          scales(experts, 2 * i), words(experts * size2), meta2,
-                          scales(experts, i), scales(experts, h), experts, h, i)
+    return Exl3MoEWeights(
+        words(2 * experts * size13),
+        meta13,
+        scales(experts, 2, h),
+        scales(experts, 2 * i),
+        words(experts * size2),
+        meta2,
+        scales(experts, i),
+        scales(experts, h),
+        experts,
+        h,
+        i,
+    )
 
 
 def _main(_: int) -> None:
     from vllm.model_executor.layers.quantization.exl3 import moe_ops
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
-        ReferenceExl3MoEKernel)
+        ReferenceExl3MoEKernel,
+    )
 
     assert moe_ops.ops.load_exl3_ops.__wrapped__()[0] is False  # nothing registered yet
     w = _layer(4, 128, 128, 2)
     ref = ReferenceExl3MoEKernel()
 
-    def stand_in(x, topk_weights, topk_ids, sorted_ids, expert_ids, post_pad, expert_map,
-                 w13_trellis, w13_meta, w13_suh, w13_svh, w2_trellis, w2_meta, w2_suh, w2_svh,
-                 block_size, w13_k2s, w2_k2s, global_num_experts, codebook, on_input, det):
-        return ref.apply(x, topk_weights, topk_ids, w, activation="silu",
-                         apply_router_weight_on_input=on_input, expert_map=expert_map,
-                         global_num_experts=global_num_experts, codebook=codebook,
-                         deterministic=det)
+    def stand_in(
+        x,
+        topk_weights,
+        topk_ids,
+        sorted_ids,
+        expert_ids,
+        post_pad,
+        expert_map,
+        w13_trellis,
+        w13_meta,
+        w13_suh,
+        w13_svh,
+        w2_trellis,
+        w2_meta,
+        w2_suh,
+        w2_svh,
+        block_size,
+        w13_k2s,
+        w2_k2s,
+        global_num_experts,
+        codebook,
+        on_input,
+        det,
+    ):
+        return ref.apply(
+            x,
+            topk_weights,
+            topk_ids,
+            w,
+            activation="silu",
+            apply_router_weight_on_input=on_input,
+            expert_map=expert_map,
+            global_num_experts=global_num_experts,
+            codebook=codebook,
+            deterministic=det,
+        )
 
     lib = torch.library.Library("_C", "FRAGMENT")
     for schema in schemas(LINEAR_OPS_CPP):  # the dense ops the loader checks for first
@@ -90,23 +137,54 @@ def _main(_: int) -> None:
     sorted_ids = torch.arange(m * top_k, dtype=torch.int32)
     expert_ids = torch.zeros(1, dtype=torch.int32)
     post_pad = torch.tensor([16], dtype=torch.int32)
-    args = (topk_w, topk_ids, sorted_ids, expert_ids, post_pad, None, w.w13_trellis,
-            w.w13_meta, w.w13_suh, w.w13_svh, w.w2_trellis, w.w2_meta, w.w2_suh, w.w2_svh, 16,
-            [4], [4], 4, 1, False, True)
+    args = (
+        topk_w,
+        topk_ids,
+        sorted_ids,
+        expert_ids,
+        post_pad,
+        None,
+        w.w13_trellis,
+        w.w13_meta,
+        w.w13_suh,
+        w.w13_svh,
+        w.w2_trellis,
+        w.w2_meta,
+        w.w2_suh,
+        w.w2_svh,
+        16,
+        [4],
+        [4],
+        4,
+        1,
+        False,
+        True,
+    )
 
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode(allow_non_fake_inputs=True):
         fx = torch.empty(7, 128, dtype=torch.float16)
         out = torch.ops._C.exl3_moe(fx, *args)
         assert out.shape == (7, 128) and out.dtype == torch.float16
 
-    compiled = torch.compile(lambda t: moe_ops.exl3_moe(t, *args), backend="aot_eager",
-                             fullgraph=True)
+    compiled = torch.compile(
+        lambda t: moe_ops.exl3_moe(t, *args), backend="aot_eager", fullgraph=True
+    )
     y = compiled(x)
     assert y.shape == (m, 128) and y.dtype == torch.bfloat16
-    expected = ref.apply(x, topk_w, topk_ids, w, activation="silu",
-                         apply_router_weight_on_input=False, expert_map=None,
-                         global_num_experts=4, codebook=1, deterministic=True)
+    expected = ref.apply(
+        x,
+        topk_w,
+        topk_ids,
+        w,
+        activation="silu",
+        apply_router_weight_on_input=False,
+        expert_map=None,
+        global_num_experts=4,
+        codebook=1,
+        deterministic=True,
+    )
     assert torch.equal(y, expected)
 
 
@@ -115,7 +193,10 @@ def test_moe_op_fake_and_wrapper() -> None:
 
 
 def test_rate_table_checks_name_the_entry() -> None:
-    from vllm.model_executor.layers.quantization.exl3.moe_kernels import CudaExl3MoEKernel
+    from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+        CudaExl3MoEKernel,
+    )
+
     kernel = CudaExl3MoEKernel()
     w = _layer(3, 128, 256, 3)
     assert kernel.rates(w, 1) == ([6], [6])
@@ -134,8 +215,11 @@ def test_rate_table_checks_name_the_entry() -> None:
 
 
 def test_block_size_rule() -> None:
-    from vllm.model_executor.layers.quantization.exl3.moe_kernels import CudaExl3MoEKernel
+    from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+        CudaExl3MoEKernel,
+    )
     from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
+
     rule = CudaExl3MoEKernel.block_size
     assert rule(1, 8, 128) == BLOCK_SIZES[0]  # decode: a 16-row block per routed pair
     assert rule(256, 8, 128) == 16

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensor parallel 2 on CPU: two spawned processes in one gloo world build vLLM's real layers
-with the EXL3 methods, load the full checkpoint tensors through vLLM's loaders (each rank takes
-its slice), and check each rank's output, the row-parallel all-reduce and the gathered logits
-against the dense product; the fixture's own qkv, whose 64-wide KV heads put half a Hadamard block
-on each rank; the whole fixture model at TP=2 against TP=1; plus the per-rank 128-block errors."""
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tensor parallel 2 on CPU: two spawned processes in one gloo world build vLLM's real
+layers with the EXL3 methods, load the full checkpoint tensors through vLLM's loaders
+(each rank takes its slice), and check each rank's output, the row-parallel all-reduce
+and the gathered logits against the dense product; the fixture's own qkv, whose 64-wide
+KV heads put half a Hadamard block on each rank; the whole fixture model at TP=2 against
+TP=1; plus the per-rank 128-block errors."""
 
 from __future__ import annotations
 
@@ -20,20 +22,25 @@ ATTN = "model.layers.0.self_attn"
 MLP = "model.layers.0.mlp"
 TP2_LOGITS = "tp2_logits.pt"
 MODEL_DTYPE = "float16"  # the finer of the two activation dtypes EXL3 accepts
-# TP=2 differs from TP=1 only in summation order (all-reduces, GEMM blocking) and the fp16
-# roundings after it: measured 1.5 ulps of the largest logit; a misplaced column costs far more.
+# TP=2 differs from TP=1 only in summation order (all-reduces, GEMM blocking) and the
+# fp16 roundings after it: measured 1.5 ulps of the largest logit; a misplaced column
+# costs far more.
 LOGITS_ULPS = 8
-# The issue's GPU acceptance bound for TP=2 vs TP=1 perplexity, checked here on the fixture text.
+# The issue's GPU acceptance bound for TP=2 vs TP=1 perplexity, checked here on the
+# fixture text.
 PPL_RTOL = 1e-3
 
 
 def _whole_model(rank: int, ckpt_dir: str, out_dir: str) -> None:
-    """The fixture model through vLLM's loader at this rank's TP; rank 0 saves the logits."""
+    """The fixture model through vLLM's loader at this rank's TP; rank 0 saves the
+    logits."""
     from test_exl3_model import token_ids, vllm_logits
     from vllm.model_executor.layers.quantization.exl3.weights import OUT_INDEX
 
     with pytest.MonkeyPatch.context() as monkeypatch:
-        logits, model = vllm_logits(ckpt_dir, token_ids(), monkeypatch, dtype=MODEL_DTYPE)
+        logits, model = vllm_logits(
+            ckpt_dir, token_ids(), monkeypatch, dtype=MODEL_DTYPE
+        )
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.output_partition_sizes == [HEADS // WORLD * HEAD_DIM, HEAD_DIM, HEAD_DIM]
     assert hasattr(qkv, OUT_INDEX)  # k/v run with partial-block ownership
@@ -43,12 +50,23 @@ def _whole_model(rank: int, ckpt_dir: str, out_dir: str) -> None:
 
 def _rank_main(rank: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
     # Runs in a spawned process: imports vLLM there.
-    from exl3_harness import (CKPT_MCG, assert_matches, config_for, config_from_tensors, dense,
-                              gloo_world, load_module, tensors)
+    from exl3_harness import (
+        CKPT_MCG,
+        assert_matches,
+        config_for,
+        config_from_tensors,
+        dense,
+        gloo_world,
+        load_module,
+        tensors,
+    )
     from vllm.distributed import tensor_model_parallel_all_gather
-    from vllm.model_executor.layers.linear import (ColumnParallelLinear,
-                                                   MergedColumnParallelLinear,
-                                                   QKVParallelLinear, RowParallelLinear)
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
     from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
     from vllm.model_executor.layers.quantization.exl3.weights import OUT_INDEX
@@ -64,42 +82,75 @@ def _rank_main(rank: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
     with gloo_world(WORLD, rank, init_file):
         config = config_for(CKPT_MCG)
 
-        # QKV, the fixture's heads read as head_dim 128: q = 2 heads (one per rank), k/v = one
-        # head replicated on both ranks (num_kv_head_replicas = 2).
-        qkv = QKVParallelLinear(HIDDEN, 128, 2, 1, bias=False, quant_config=config,
-                                prefix=f"{ATTN}.qkv_proj", params_dtype=f32)
+        # QKV, the fixture's heads read as head_dim 128: q = 2 heads (one per rank), k/v
+        # = one head replicated on both ranks (num_kv_head_replicas = 2).
+        qkv = QKVParallelLinear(
+            HIDDEN,
+            128,
+            2,
+            1,
+            bias=False,
+            quant_config=config,
+            prefix=f"{ATTN}.qkv_proj",
+            params_dtype=f32,
+        )
         assert qkv.num_kv_head_replicas == 2
         for shard, proj in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
             load_module(qkv, named, f"{ATTN}.{proj}", shard)
         finish(qkv)
-        wq = dense(named, f"{ATTN}.q_proj")[:, 128 * rank:128 * (rank + 1)]
-        w = torch.cat([wq, dense(named, f"{ATTN}.k_proj"), dense(named, f"{ATTN}.v_proj")], 1)
+        wq = dense(named, f"{ATTN}.q_proj")[:, 128 * rank : 128 * (rank + 1)]
+        w = torch.cat(
+            [wq, dense(named, f"{ATTN}.k_proj"), dense(named, f"{ATTN}.v_proj")], 1
+        )
         assert_matches(qkv(x)[0], x @ w, f"rank {rank} qkv")
 
-        # gate_up column-parallel (384 per rank), then down row-parallel with the all-reduce.
-        gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False,
-                                             quant_config=config, prefix=f"{MLP}.gate_up_proj",
-                                             params_dtype=f32)
-        down = RowParallelLinear(INTER, HIDDEN, bias=False, quant_config=config,
-                                 prefix=f"{MLP}.down_proj", params_dtype=f32)
+        # gate_up column-parallel (384 per rank), then down row-parallel with the
+        # all-reduce.
+        gate_up = MergedColumnParallelLinear(
+            HIDDEN,
+            [INTER, INTER],
+            bias=False,
+            quant_config=config,
+            prefix=f"{MLP}.gate_up_proj",
+            params_dtype=f32,
+        )
+        down = RowParallelLinear(
+            INTER,
+            HIDDEN,
+            bias=False,
+            quant_config=config,
+            prefix=f"{MLP}.down_proj",
+            params_dtype=f32,
+        )
         load_module(gate_up, named, f"{MLP}.gate_proj", 0)
         load_module(gate_up, named, f"{MLP}.up_proj", 1)
         load_module(down, named, f"{MLP}.down_proj")
         finish(gate_up)
         finish(down)
         cols = slice(384 * rank, 384 * (rank + 1))
-        w_gu = torch.cat([dense(named, f"{MLP}.gate_proj")[:, cols],
-                          dense(named, f"{MLP}.up_proj")[:, cols]], 1)
+        w_gu = torch.cat(
+            [
+                dense(named, f"{MLP}.gate_proj")[:, cols],
+                dense(named, f"{MLP}.up_proj")[:, cols],
+            ],
+            1,
+        )
         h = gate_up(x)[0]
         assert_matches(h, x @ w_gu, f"rank {rank} gate_up")
-        h_full = tensor_model_parallel_all_gather(h[:, 384:].contiguous())  # the up halves
-        assert_matches(down(h[:, 384:])[0], h_full @ dense(named, f"{MLP}.down_proj"),
-                       f"rank {rank} down + all-reduce")
+        h_full = tensor_model_parallel_all_gather(
+            h[:, 384:].contiguous()
+        )  # the up halves
+        assert_matches(
+            down(h[:, 384:])[0],
+            h_full @ dense(named, f"{MLP}.down_proj"),
+            f"rank {rank} down + all-reduce",
+        )
 
         # lm_head, vocab 4000: vLLM gives each rank 2016 columns (not 128-aligned).
         vocab = 4000
-        head = ParallelLMHead(vocab, HIDDEN, quant_config=config, prefix="lm_head",
-                              params_dtype=f32)
+        head = ParallelLMHead(
+            vocab, HIDDEN, quant_config=config, prefix="lm_head", params_dtype=f32
+        )
         for name, tensor in named.items():
             if name.startswith("lm_head."):
                 param = getattr(head, name.rpartition(".")[2])
@@ -109,27 +160,41 @@ def _rank_main(rank: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
         full[:, :vocab] = x @ dense(named, "lm_head")[:, :vocab]
         part = head.quant_method.apply(head, x)
         assert part.shape == (6, 2016)
-        assert_matches(part, full[:, 2016 * rank:2016 * (rank + 1)], f"rank {rank} lm_head")
+        assert_matches(
+            part, full[:, 2016 * rank : 2016 * (rank + 1)], f"rank {rank} lm_head"
+        )
         if rank == 1:
-            assert torch.all(part[:, vocab - 2016:] == 0)
+            assert torch.all(part[:, vocab - 2016 :] == 0)
         logits = LogitsProcessor(vocab)(head, x)  # gathered on rank 0
         if rank == 0:
             assert_matches(logits, full[:, :vocab], "gathered logits")
 
-        # The fixture's real heads (head_dim 64, one KV head per rank): each rank computes the
-        # whole 128-column k and v blocks and keeps its 64 columns of each.
-        qkv = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, bias=False,
-                                quant_config=config, prefix=f"{ATTN}.qkv_proj",
-                                params_dtype=f32)
+        # The fixture's real heads (head_dim 64, one KV head per rank): each rank
+        # computes the whole 128-column k and v blocks and keeps its 64 columns of each.
+        qkv = QKVParallelLinear(
+            HIDDEN,
+            HEAD_DIM,
+            HEADS,
+            KV_HEADS,
+            bias=False,
+            quant_config=config,
+            prefix=f"{ATTN}.qkv_proj",
+            params_dtype=f32,
+        )
         assert qkv.output_partition_sizes == [128, 64, 64]
         assert tuple(qkv.trellis.shape) == (HIDDEN // 16, 3 * 128 // 16, 48)
         for shard, proj in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
             load_module(qkv, named, f"{ATTN}.{proj}", shard)
         finish(qkv)
         kv_cols = slice(64 * rank, 64 * (rank + 1))
-        w = torch.cat([dense(named, f"{ATTN}.q_proj")[:, 128 * rank:128 * (rank + 1)],
-                       dense(named, f"{ATTN}.k_proj")[:, kv_cols],
-                       dense(named, f"{ATTN}.v_proj")[:, kv_cols]], 1)
+        w = torch.cat(
+            [
+                dense(named, f"{ATTN}.q_proj")[:, 128 * rank : 128 * (rank + 1)],
+                dense(named, f"{ATTN}.k_proj")[:, kv_cols],
+                dense(named, f"{ATTN}.v_proj")[:, kv_cols],
+            ],
+            1,
+        )
         y = qkv(x)[0]
         assert y.shape == (6, 256)
         assert_matches(y, x @ w, f"rank {rank} qkv, 64-column k/v")
@@ -138,25 +203,40 @@ def _rank_main(rank: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
         assert getattr(qkv, OUT_INDEX).shape == (256,)
         assert {n for n, _ in qkv.named_parameters()} == {"trellis", "suh", "svh"}
 
-        # A partial column-parallel layer with a bias: vLLM's bias is per rank (kept columns).
+        # A partial column-parallel layer with a bias: vLLM's bias is per rank (kept
+        # columns).
         prefix = f"{ATTN}.k_proj"
         biased = {k: v for k, v in named.items() if k.rpartition(".")[0] == prefix}
         biased[f"{prefix}.bias"] = torch.randn(
-            128, generator=torch.Generator().manual_seed(5)).to(torch.float16)
-        k_proj = ColumnParallelLinear(HIDDEN, 128, bias=True,
-                                      quant_config=config_from_tensors(biased), prefix=prefix,
-                                      params_dtype=f32)
+            128, generator=torch.Generator().manual_seed(5)
+        ).to(torch.float16)
+        k_proj = ColumnParallelLinear(
+            HIDDEN,
+            128,
+            bias=True,
+            quant_config=config_from_tensors(biased),
+            prefix=prefix,
+            params_dtype=f32,
+        )
         load_module(k_proj, biased, prefix)
         k_proj.bias.weight_loader(k_proj.bias, biased[f"{prefix}.bias"])
         finish(k_proj)
-        assert_matches(k_proj(x)[0], x @ dense(named, prefix)[:, kv_cols]
-                       + biased[f"{prefix}.bias"][kv_cols].float(), f"rank {rank} k_proj + bias")
+        assert_matches(
+            k_proj(x)[0],
+            x @ dense(named, prefix)[:, kv_cols]
+            + biased[f"{prefix}.bias"][kv_cols].float(),
+            f"rank {rank} k_proj + bias",
+        )
         # A k split off the block: 640 inputs / 2 = 320 per rank.
         try:
-            RowParallelLinear(640, HIDDEN, bias=False, quant_config=config,
-                              prefix=f"{MLP}.down_proj")
+            RowParallelLinear(
+                640, HIDDEN, bias=False, quant_config=config, prefix=f"{MLP}.down_proj"
+            )
         except Exl3LayoutError as e:
-            assert f"(rank {rank} of 2): row-parallel input slice of 320 features" in str(e), e
+            assert (
+                f"(rank {rank} of 2): row-parallel input slice of 320 features"
+                in str(e)
+            ), e
         else:
             raise AssertionError("a 320-row k split was accepted")
 
@@ -173,20 +253,28 @@ def test_tensor_parallel_2(tmp_path, monkeypatch, world1):
     from test_exl3_model import token_ids, vllm_logits
 
     ckpt = checkpoint_copy(CKPT_3INST, tmp_path / "ckpt", tokenizer=True)
-    # Spawned children re-import this module and exl3_harness from the parent's sys.path.
-    mp.spawn(_rank_main, args=(str(tmp_path / "init"), str(ckpt), str(tmp_path)),
-             nprocs=WORLD, join=True)
+    # Spawned children re-import this module and exl3_harness from the parent's
+    # sys.path.
+    mp.spawn(
+        _rank_main,
+        args=(str(tmp_path / "init"), str(ckpt), str(tmp_path)),
+        nprocs=WORLD,
+        join=True,
+    )
     tp2 = torch.load(tmp_path / TP2_LOGITS)
     ids = token_ids()
-    tp1, _ = vllm_logits(ckpt, ids, monkeypatch, dtype=MODEL_DTYPE)  # this process: TP=1
+    tp1, _ = vllm_logits(
+        ckpt, ids, monkeypatch, dtype=MODEL_DTYPE
+    )  # this process: TP=1
     assert tp2.shape == tp1.shape == (len(ids), CKPT_VOCAB)
     err = (tp2 - tp1).abs().max().item()
     scale = tp1.abs().max().item()
     bound = LOGITS_ULPS * torch.finfo(getattr(torch, MODEL_DTYPE)).eps * scale
     assert err <= bound, f"TP=2 vs TP=1: max |logit diff| {err:.3g} > {bound:.3g}"
     nll1, nll2 = _nll(tp1, ids), _nll(tp2, ids)
-    assert abs(math.exp(nll2 - nll1) - 1) <= PPL_RTOL, f"perplexity {math.exp(nll1):.4f} at " \
-        f"TP=1, {math.exp(nll2):.4f} at TP=2"
+    assert abs(math.exp(nll2 - nll1) - 1) <= PPL_RTOL, (
+        f"perplexity {math.exp(nll1):.4f} at TP=1, {math.exp(nll2):.4f} at TP=2"
+    )
 
 
 if __name__ == "__main__":

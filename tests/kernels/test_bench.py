@@ -14,15 +14,23 @@ from pathlib import Path
 
 import pytest
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import bench_linear  # noqa: E402
 
-# 4-bit MCG k loop at BM = 16 (sass_loop_h200_76c291d_2026-11-30.json) and that run's ceilings.
-LOOP = {"per_stage": 198.75, "per_weight": 6.2109375,
-        "by_pipe": {"alu": 90.25, "fma": 76.75, "lsu": 19.0, "tensor": 8.0}}
-CEIL = {"copy_bytes_per_s": 3.98e12, "bf16_flops": 7.43e14, "mma_flops": 6.33e14,
-        "int_instr_per_s": 1.604e13, "issue_instr_per_s": 132 * 4 * 32 * 1.98e9}
+# 4-bit MCG k loop at BM = 16 (sass_loop_h200_76c291d_2026-11-30.json) and that run's
+# ceilings.
+LOOP = {
+    "per_stage": 198.75,
+    "per_weight": 6.2109375,
+    "by_pipe": {"alu": 90.25, "fma": 76.75, "lsu": 19.0, "tensor": 8.0},
+}
+CEIL = {
+    "copy_bytes_per_s": 3.98e12,
+    "bf16_flops": 7.43e14,
+    "mma_flops": 6.33e14,
+    "int_instr_per_s": 1.604e13,
+    "issue_instr_per_s": 132 * 4 * 32 * 1.98e9,
+}
 
 
 def test_decode_term_takes_the_slower_of_issue_and_the_busiest_pipe():
@@ -33,35 +41,45 @@ def test_decode_term_takes_the_slower_of_issue_and_the_busiest_pipe():
     # An ALU-heavy mix of the same length is bound by the pipe, not by issue.
     heavy = {**LOOP, "by_pipe": {"alu": 150.0, "fma": 20.0}}
     assert bench_linear.decode_s_per_weight(heavy, CEIL) == pytest.approx(
-        150.0 / 32 / CEIL["int_instr_per_s"])
+        150.0 / 32 / CEIL["int_instr_per_s"]
+    )
     assert bench_linear.decode_s_per_weight(None, CEIL) is None
 
 
 def test_sol_of_the_small_m_shape_is_the_decode_and_stays_below_the_measured_time():
-    # 5120 x 12288, m = 1: measured 24.1 us in that run (bench_ours); the bound must be lower.
+    # 5120 x 12288, m = 1: measured 24.1 us in that run (bench_ours); the bound must be
+    # lower.
     sol = bench_linear.sol_us(5120, 12288, 1, 4.0, CEIL, LOOP)
-    assert 5120 * 12288 * bench_linear.decode_s_per_weight(LOOP, CEIL) * 1e6 == pytest.approx(sol)
+    assert 5120 * 12288 * bench_linear.decode_s_per_weight(
+        LOOP, CEIL
+    ) * 1e6 == pytest.approx(sol)
     assert sol < 24.1
     # Without the loop counts only bytes and matrix work remain.
     assert bench_linear.sol_us(5120, 12288, 1, 4.0, CEIL, None) < sol
 
 
 def test_the_ratio_to_bf16_uses_the_faster_of_the_two_bf16_timings():
-    rows = [{"m": 1, "ours_us": 30.0, "bf16_us": 40.0, "ratio_bf16": 0.75},
-            {"m": 4096, "ours_us": 1100.0, "bf16_us": 950.0, "ratio_bf16": 1.158}]
+    rows = [
+        {"m": 1, "ours_us": 30.0, "bf16_us": 40.0, "ratio_bf16": 0.75},
+        {"m": 4096, "ours_us": 1100.0, "bf16_us": 950.0, "ratio_bf16": 1.158},
+    ]
     bench_linear.rebase_on_second_bf16(rows, {1: 41.0, 4096: 900.0})
     assert rows[0]["bf16_us"] == 40.0 and rows[0]["ratio_bf16"] == 0.75
-    assert rows[1]["bf16_us"] == 900.0 and rows[1]["ratio_bf16"] == pytest.approx(1100 / 900, 1e-3)
+    assert rows[1]["bf16_us"] == 900.0 and rows[1]["ratio_bf16"] == pytest.approx(
+        1100 / 900, 1e-3
+    )
     assert (rows[1]["bf16_first_us"], rows[1]["bf16_second_us"]) == (950.0, 900.0)
 
 
-# The benchmark's ExLlamaV3 anchor guard (scripts/bench/exllamav3_anchor.py), on a stand-in.
+# The benchmark's ExLlamaV3 anchor guard (scripts/bench/exllamav3_anchor.py), on a
+# stand-in.
 #
-# A fake `exllamav3` package plays the JIT build (ext.py) and the import (modules/quant/exl3.py):
-# the background build writes its done-file, a leftover torch `lock` is removed before the
-# import, an import that never finishes fails with the reason after its timeout instead of
-# hanging, and a failed build is reported with its exit status. Each load runs in a fresh
-# interpreter because the guard imports into sys.modules.
+# A fake `exllamav3` package plays the JIT build (ext.py) and the import
+# (modules/quant/exl3.py): the background build writes its done-file, a leftover torch
+# `lock` is removed before the import, an import that never finishes fails with the
+# reason after its timeout instead of hanging, and a failed build is reported with its
+# exit status. Each load runs in a fresh interpreter because the guard imports into
+# sys.modules.
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "scripts" / "bench"
@@ -77,7 +95,8 @@ while os.path.exists(lock) or os.environ.get("FAKE_HANG"):
 class LinearEXL3:
     pass
 """
-# The stand-in build leaves a lock behind (an earlier import killed mid-build) and exits rc.
+# The stand-in build leaves a lock behind (an earlier import killed mid-build) and exits
+# rc.
 FAKE_EXT = """
 import os, sys
 d = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "exllamav3_ext")
@@ -99,8 +118,9 @@ def make_state(tmp_path: Path) -> Path:
     return state
 
 
-def load_in_subprocess(state: Path, env: dict[str, str] | None = None,
-                       import_timeout: float = 5) -> subprocess.CompletedProcess:
+def load_in_subprocess(
+    state: Path, env: dict[str, str] | None = None, import_timeout: float = 5
+) -> subprocess.CompletedProcess:
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(BENCH)!r})
@@ -112,8 +132,13 @@ def load_in_subprocess(state: Path, env: dict[str, str] | None = None,
         except a.AnchorUnavailable as e:
             print("UNAVAILABLE", e)
     """)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_background_build_then_guarded_import(tmp_path: Path) -> None:
@@ -133,17 +158,23 @@ def test_import_that_never_finishes_times_out_with_reason(tmp_path: Path) -> Non
     exllamav3_anchor.start_build(state, jobs=2)
     assert exllamav3_anchor.wait_built(state, timeout_s=30) == 0
     r = load_in_subprocess(state, env={"FAKE_HANG": "1"}, import_timeout=1)
-    assert "UNAVAILABLE import of ExLlamaV3 did not finish in 1 s" in r.stdout, r.stdout + r.stderr
+    assert "UNAVAILABLE import of ExLlamaV3 did not finish in 1 s" in r.stdout, (
+        r.stdout + r.stderr
+    )
     assert "TORCH_CUDA_ARCH_LIST=9.0" in r.stdout
 
 
-def test_failed_build_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_build_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state = make_state(tmp_path)
     monkeypatch.setenv("FAKE_BUILD_RC", "3")
     exllamav3_anchor.start_build(state, jobs=2)
     assert exllamav3_anchor.wait_built(state, timeout_s=30) == 3
     r = load_in_subprocess(state)
-    assert "UNAVAILABLE ExLlamaV3 build failed (exit 3)" in r.stdout, r.stdout + r.stderr
+    assert "UNAVAILABLE ExLlamaV3 build failed (exit 3)" in r.stdout, (
+        r.stdout + r.stderr
+    )
 
 
 def test_no_build_started(tmp_path: Path) -> None:

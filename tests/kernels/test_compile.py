@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CI (no GPU): every EXL3 CUDA source compiles for sm_90 (as sm_90a), sm_120 and sm_121 with the
-local nvcc, and the Hopper wgmma engine compiles without ptxas serializing its MMAs.
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""CI (no GPU): every EXL3 CUDA source compiles for sm_90 (as sm_90a), sm_120 and sm_121
+with the local nvcc, and the Hopper wgmma engine compiles without ptxas serializing its
+MMAs.
 
 Compile only (objects, no link), through the same quick-build script that makes
 vllm/_exl3_C.abi3.so, against the venv's torch 2.11 stable-ABI headers, into the folder
-`scripts/vllm-exl3 build` uses: objects that `build` compiled for the same architectures are
-reused (and the other way round), so `build` followed by `ci/test.sh` compiles the kernels once.
-The whole set for the three architectures compiled in 164 s on 2 shared cores (measured
-2026-11-30, nvcc 13.0), well inside CI's 20-minute budget, so every translation unit is compiled for every architecture.
+`scripts/vllm-exl3 build` uses: objects that `build` compiled for the same architectures
+are reused (and the other way round), so `build` followed by `ci/test.sh` compiles the
+kernels once. The whole set for the three architectures compiled in 164 s on 2 shared
+cores (measured 2026-11-30, nvcc 13.0), well inside CI's 20-minute budget, so every
+translation unit is compiled for every architecture.
 """
 
 from __future__ import annotations
@@ -32,10 +35,14 @@ ARCHS = ["9.0", "12.0", "12.1"]
 def test_all_sources_compile_for_every_arch() -> None:
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
-    obj_dir = kernels_build.build_extension(kernels_build.DEFAULT_OUT, ARCHS,
-                                            jobs=os.cpu_count() or 1, compile_only=True)
-    sources = sorted(p for p in kernels_build.SOURCES.iterdir()
-                     if p.suffix in (".cu", ".cpp") and p.name != kernels_build.STANDALONE)
+    obj_dir = kernels_build.build_extension(
+        kernels_build.DEFAULT_OUT, ARCHS, jobs=os.cpu_count() or 1, compile_only=True
+    )
+    sources = sorted(
+        p
+        for p in kernels_build.SOURCES.iterdir()
+        if p.suffix in (".cu", ".cpp") and p.name != kernels_build.STANDALONE
+    )
     for src in sources:
         obj = obj_dir / f"{src.name}.o"
         assert obj.is_file() and obj.stat().st_size > 0, obj
@@ -49,41 +56,68 @@ def test_build_and_this_test_share_one_object_folder() -> None:
 
 
 def test_arch_names_normalise() -> None:
-    assert [kernels_build.normalize_arch(a) for a in ("9.0", "sm_120", "12.1", "90")] == \
-        ["90", "120", "121", "90"]
+    assert [
+        kernels_build.normalize_arch(a) for a in ("9.0", "sm_120", "12.1", "90")
+    ] == ["90", "120", "121", "90"]
     with pytest.raises(kernels_build.BuildError):
         kernels_build.normalize_arch("hopper")
 
 
 def test_hopper_builds_carry_the_arch_specific_features() -> None:
     assert kernels_build.gencode_flags(["90", "120"]) == [
-        "-gencode", "arch=compute_90a,code=sm_90a", "-gencode", "arch=compute_120,code=sm_120"]
+        "-gencode",
+        "arch=compute_90a,code=sm_90a",
+        "-gencode",
+        "arch=compute_120,code=sm_120",
+    ]
 
 
 @pytest.mark.slow
 def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
-    """ptxas silently serializes a wgmma (waits for it before the next instruction) when it cannot
-    prove the asynchronous operands are left alone, and says so only as an info line (C7513);
-    every tier of the engine must compile without it, without spills, and within the register
-    budget its occupancy assumes (GemmShape::kMinBlocks: 1 block of 256 threads at 256 tokens,
-    2 at 128, 3 at 64), in both its grids (classic; stream-k at 128 and 256)."""
+    """ptxas silently serializes a wgmma (waits for it before the next instruction) when
+    it cannot prove the asynchronous operands are left alone, and says so only as an
+    info line (C7513); every tier of the engine must compile without it, without spills,
+    and within the register budget its occupancy assumes (GemmShape::kMinBlocks: 1 block
+    of 256 threads at 256 tokens, 2 at 128, 3 at 64), in both its grids (classic;
+    stream-k at 128 and 256)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
     src = tmp_path / "wgmma_tiers.cu"
-    src.write_text('#include "exl3_gemm.cuh"\nnamespace vllm_exl3 {\n' + "".join(
-        f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}, true, {sk}>"
-        "(const __grid_constant__ GemmParams);\n"
-        for k2, cb in ((4, 1), (8, 0), (8, 1), (8, 2), (5, 2), (12, 1)) for mt in (4, 8, 16)
-        for sk in (("false", "true") if mt >= 8 else ("false",)))
-        + "}\n")
+    src.write_text(
+        '#include "exl3_gemm.cuh"\nnamespace vllm_exl3 {\n'
+        + "".join(
+            f"template __global__ void exl3_gemm_kernel<{k2}, {cb}, {mt}, true, {sk}>"
+            "(const __grid_constant__ GemmParams);\n"
+            for k2, cb in ((4, 1), (8, 0), (8, 1), (8, 2), (5, 2), (12, 1))
+            for mt in (4, 8, 16)
+            for sk in (("false", "true") if mt >= 8 else ("false",))
+        )
+        + "}\n"
+    )
     flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
-    r = subprocess.run(["nvcc", *flags, "-cubin", "-arch=sm_90a", f"-I{kernels_build.SOURCES}",
-                        "-Xptxas", "-v", str(src), "-o", str(tmp_path / "w.cubin")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            "nvcc",
+            *flags,
+            "-cubin",
+            "-arch=sm_90a",
+            f"-I{kernels_build.SOURCES}",
+            "-Xptxas",
+            "-v",
+            str(src),
+            "-o",
+            str(tmp_path / "w.cubin"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "C7513" not in r.stderr and "serialized" not in r.stderr, r.stderr[-3000:]
-    entries = re.findall(r"Compiling entry function '(\S+)'.*?Used (\d+) registers([^\n]*)",
-                         r.stderr, re.S)
+    entries = re.findall(
+        r"Compiling entry function '(\S+)'.*?Used (\d+) registers([^\n]*)",
+        r.stderr,
+        re.S,
+    )
     assert len(entries) == 30, r.stderr[-3000:]
     for name, regs, rest in entries:
         mt = int(re.search(r"ELi(\d+)ELb1E", name).group(1))
@@ -93,20 +127,37 @@ def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
-    """The grouped MoE GEMM runs the dense k loop with the routed-row epilogues: at the widest
-    windows (1.5, 3.5 and 8 bits) every codebook x tier x stage fits its register budget
-    (kMoeMinBlocks) without local memory."""
+    """The grouped MoE GEMM runs the dense k loop with the routed-row epilogues: at the
+    widest windows (1.5, 3.5 and 8 bits) every codebook x tier x stage fits its register
+    budget (kMoeMinBlocks) without local memory."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
     flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
     for k2 in (3, 7, 16):
         src = kernels_build.SOURCES / f"exl3_rate_k{k2}.cu"
-        r = subprocess.run(["nvcc", *flags, "-cubin", "-arch=sm_90a",
-                            f"-I{kernels_build.SOURCES}", "-Xptxas", "-v", str(src), "-o",
-                            str(tmp_path / f"moe{k2}.cubin")], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                "nvcc",
+                *flags,
+                "-cubin",
+                "-arch=sm_90a",
+                f"-I{kernels_build.SOURCES}",
+                "-Xptxas",
+                "-v",
+                str(src),
+                "-o",
+                str(tmp_path / f"moe{k2}.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
-        entries = re.findall(r"Compiling entry function '(\S*exl3_moe_gemm\S*)'.*?"
-                             r"(\d+) bytes spill stores.*?Used (\d+) registers", r.stderr, re.S)
+        entries = re.findall(
+            r"Compiling entry function '(\S*exl3_moe_gemm\S*)'.*?"
+            r"(\d+) bytes spill stores.*?Used (\d+) registers",
+            r.stderr,
+            re.S,
+        )
         # MUL1 only at the half rates; 4 tiers x 2 stages per codebook.
         assert len(entries) == (8 if k2 % 2 else 24), r.stderr[-3000:]
         for name, spills, regs in entries:

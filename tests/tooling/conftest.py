@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Fixtures for the tooling tests (builders in minitree.py)."""
 
 from __future__ import annotations
@@ -6,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from minitree import MINI_SDIST, MadeSeries, make_series, write_tree
 
 

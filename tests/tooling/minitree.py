@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What the tooling tests build on: the CLI run as a subprocess, a miniature vLLM source tree, and
-a series whose patches are made with `git format-patch` on a scratch checkout of it."""
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""What the tooling tests build on: the CLI run as a subprocess, a miniature vLLM source
+tree, and a series whose patches are made with `git format-patch` on a scratch checkout
+of it."""
 
 from __future__ import annotations
 
@@ -18,19 +20,32 @@ sys.path.insert(0, str(ROOT / "scripts"))
 GIT_ENV = {
     "GIT_CONFIG_GLOBAL": os.devnull,
     "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@localhost",
-    "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@localhost",
+    "GIT_AUTHOR_NAME": "test",
+    "GIT_AUTHOR_EMAIL": "test@localhost",
+    "GIT_COMMITTER_NAME": "test",
+    "GIT_COMMITTER_EMAIL": "test@localhost",
 }
 
 
-def run_tool(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})})
+def run_tool(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TOOL), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def git(cwd: Path, *args: str) -> str:
-    r = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                       env={**os.environ, **GIT_ENV})
+    r = subprocess.run(
+        ["git", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **GIT_ENV},
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -52,7 +67,7 @@ def tree_hash(root: Path) -> str:
 ENVS = "".join(f"VAR_{i} = {i}\n" for i in range(60))
 MINI_SDIST = {
     "PKG-INFO": "Metadata-Version: 2.4\nName: vllm\nVersion: 0.26.0\n",
-    "CMakeLists.txt": "project(vllm)\nset(VLLM_STABLE_EXT_SRC a.cu)\ndefine_extension_target()\n",
+    "CMakeLists.txt": "project(vllm)\nset(VLLM_STABLE_EXT_SRC a.cu)\ndefine_extension_target()\n",  # noqa: E501
     "csrc/libtorch_stable/torch_bindings.cpp": "// bindings\n",
     "vllm/__init__.py": "__version__ = '0.26.0'\n",
     "vllm/envs.py": ENVS,
@@ -72,12 +87,15 @@ def write_tree(root: Path, files: dict[str, str]) -> Path:
 @dataclass
 class MadeSeries:
     root: Path  # series root: overlay/, csrc/, patches/
-    patched: dict[str, bytes]  # expected content of each patched file (from the git checkout)
+    patched: dict[
+        str, bytes
+    ]  # expected content of each patched file (from the git checkout)
 
 
 def make_series(base: Path, dest: Path, variant: str = "a") -> MadeSeries:
-    """Patches from real commits (git format-patch) on a scratch checkout of `base`, plus an
-    overlay and csrc. `variant` changes the content, to model an older/newer series."""
+    """Patches from real commits (git format-patch) on a scratch checkout of `base`,
+    plus an overlay and csrc. `variant` changes the content, to model an older/newer
+    series."""
     work = dest.parent / f"scratch-{dest.name}"
     subprocess.run(["cp", "-a", str(base), str(work)], check=True)
     git(work, "init", "-q")
@@ -87,39 +105,72 @@ def make_series(base: Path, dest: Path, variant: str = "a") -> MadeSeries:
     envs[3] = f"VAR_3 = 'patched-{variant}'\n"
     envs.insert(50, f"EXL3_{variant.upper()} = True\n")
     (work / "vllm/envs.py").write_text("".join(envs))
-    git(work, "commit", "-q", "-am", f"envs: two far-apart hunks ({variant})\n\nWhy: test.")
+    git(
+        work,
+        "commit",
+        "-q",
+        "-am",
+        f"envs: two far-apart hunks ({variant})\n\nWhy: test.",
+    )
     (work / "CMakeLists.txt").write_text(
-        (work / "CMakeLists.txt").read_text().replace("a.cu)", f"a.cu exl3_{variant}.cu)"))
+        (work / "CMakeLists.txt")
+        .read_text()
+        .replace("a.cu)", f"a.cu exl3_{variant}.cu)")
+    )
     (work / "vllm/tail.txt").write_text(f"line one\nno newline at end\nadded {variant}")
-    git(work, "commit", "-q", "-am", "cmake and a file without final newline\n\nWhy: test.")
+    git(
+        work,
+        "commit",
+        "-q",
+        "-am",
+        "cmake and a file without final newline\n\nWhy: test.",
+    )
     (dest / "patches").mkdir(parents=True)
     git(work, "format-patch", "-q", "-o", str(dest / "patches"), "HEAD~2..HEAD")
-    write_tree(dest, {
-        "overlay/vllm/model_executor/layers/quantization/exl3/__init__.py": f"# {variant}\n",
-        "overlay/vllm/exl3_new_module.py": f"X = '{variant}'\n",
-        "overlay/tests/quantization/test_exl3_harness.py": "def test_x():\n    pass\n",
-        "csrc/quantization/exl3/kernel.cu": f"// kernel {variant}\n",
-    })
-    patched = {rel: (work / rel).read_bytes()
-               for rel in ("vllm/envs.py", "CMakeLists.txt", "vllm/tail.txt")}
+    write_tree(
+        dest,
+        {
+            "overlay/vllm/model_executor/layers/quantization/exl3/__init__.py": f"# {variant}\n",  # noqa: E501
+            "overlay/vllm/exl3_new_module.py": f"X = '{variant}'\n",
+            "overlay/tests/quantization/test_exl3_harness.py": "def test_x():\n    pass\n",  # noqa: E501
+            "csrc/quantization/exl3/kernel.cu": f"// kernel {variant}\n",
+        },
+    )
+    patched = {
+        rel: (work / rel).read_bytes()
+        for rel in ("vllm/envs.py", "CMakeLists.txt", "vllm/tail.txt")
+    }
     return MadeSeries(dest, patched)
 
 
-def make_wheel(dest_dir: Path, files: dict[str, bytes | str], version: str = "0.26.0",
-               name: str = "vllm", tag: str = "cp38-abi3-manylinux_2_28_x86_64") -> Path:
-    """A wheel archive holding `files` plus minimal dist-info (METADATA, WHEEL, RECORD)."""
+def make_wheel(
+    dest_dir: Path,
+    files: dict[str, bytes | str],
+    version: str = "0.26.0",
+    name: str = "vllm",
+    tag: str = "cp38-abi3-manylinux_2_28_x86_64",
+) -> Path:
+    """A wheel archive holding `files` plus minimal dist-info (METADATA, WHEEL,
+    RECORD).
+    """
     import base64
     import zipfile
 
     dist_info = f"{name}-{version}.dist-info"
     members = {k: v.encode() if isinstance(v, str) else v for k, v in files.items()}
     members[f"{dist_info}/METADATA"] = (
-        f"Metadata-Version: 2.4\nName: {name}\nVersion: {version}\n".encode())
+        f"Metadata-Version: 2.4\nName: {name}\nVersion: {version}\n".encode()
+    )
     members[f"{dist_info}/WHEEL"] = (
-        f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {tag}\n".encode())
+        f"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: {tag}\n".encode()
+    )
     record = []
     for path, data in members.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        digest = (
+            base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+            .rstrip(b"=")
+            .decode()
+        )
         record.append(f"{path},sha256={digest},{len(data)}")
     record.append(f"{dist_info}/RECORD,,")
     members[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
@@ -134,8 +185,8 @@ def make_wheel(dest_dir: Path, files: dict[str, bytes | str], version: str = "0.
 
 
 def check_record(wheel: Path) -> dict[str, bytes]:
-    """Asserts the wheel's RECORD lists every member with its true hash and size; returns the
-    members' contents."""
+    """Asserts the wheel's RECORD lists every member with its true hash and size;
+    returns the members' contents."""
     import base64
     import csv
     import io
@@ -145,12 +196,18 @@ def check_record(wheel: Path) -> dict[str, bytes]:
         contents = {n: zf.read(n) for n in zf.namelist()}
     (record_name,) = [n for n in contents if n.endswith(".dist-info/RECORD")]
     rows = list(csv.reader(io.StringIO(contents[record_name].decode())))
-    assert sorted(r[0] for r in rows) == sorted(contents), "RECORD does not list every member"
+    assert sorted(r[0] for r in rows) == sorted(contents), (
+        "RECORD does not list every member"
+    )
     for path, h, size in rows:
         if path == record_name:
             assert h == "" and size == ""
             continue
         data = contents[path]
-        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        digest = (
+            base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+            .rstrip(b"=")
+            .decode()
+        )
         assert h == f"sha256={digest}" and int(size) == len(data), path
     return contents

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The environments the project runs in: ci/setup-env.sh (cache location, hash-keyed venv path,
-pinned CUDA libraries), the docker/ image recipe kept in step with the tool it runs, and the
-setup of vLLM's own test harness on the EXL3 test files.
+"""The environments the project runs in: ci/setup-env.sh (cache location, hash-keyed
+venv path, pinned CUDA libraries), the docker/ image recipe kept in step with the tool
+it runs, and the setup of vLLM's own test harness on the EXL3 test files.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from minitree import ROOT, run_tool
 from vllm_exl3 import pins
 from vllm_exl3.build import DEFAULT_ARCHS
 from vllm_exl3.cli import build_parser
 from vllm_exl3.kernels_build import normalize_arch
-
 
 DOCKER = ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
@@ -45,30 +43,46 @@ def instructions() -> list[tuple[str, str]]:
 
 
 def arg_defaults() -> dict[str, str]:
-    return {m.group(1): m.group(2) for kind, rest in instructions() if kind == "ARG"
-            for m in [re.fullmatch(r"(\w+)=(\S+)", rest)] if m}
+    return {
+        m.group(1): m.group(2)
+        for kind, rest in instructions()
+        if kind == "ARG"
+        for m in [re.fullmatch(r"(\w+)=(\S+)", rest)]
+        if m
+    }
 
 
 def build_command() -> list[str]:
-    (run,) = [rest for kind, rest in instructions()
-              if kind == "RUN" and rest.startswith("scripts/vllm-exl3 build")]
+    (run,) = [
+        rest
+        for kind, rest in instructions()
+        if kind == "RUN" and rest.startswith("scripts/vllm-exl3 build")
+    ]
     return shlex.split(run)[1:]
 
 
 def test_build_step_parses_with_the_tools_own_parser():
-    argv = [a.replace("${CUDA_ARCHS}", DEFAULT_ARCHS.split(";")[0]) for a in build_command()]
+    argv = [
+        a.replace("${CUDA_ARCHS}", DEFAULT_ARCHS.split(";")[0]) for a in build_command()
+    ]
     assert argv[0] == "build"
-    args = build_parser().parse_args(argv)  # exits (SystemExit) on an option `build` lacks
+    args = build_parser().parse_args(
+        argv
+    )  # exits (SystemExit) on an option `build` lacks
     assert args.dist_dir == Path("/dist")
     # The serving stage installs what this step wrote.
     (install,) = [r for k, r in instructions() if k == "RUN" and "pip install" in r]
     assert f"/tmp/dist/vllm-{pins.VLLM_VERSION}+exl3" in install
-    assert ["COPY", "--from=build /dist/ /tmp/dist/"] in [list(i) for i in instructions()]
+    assert ["COPY", "--from=build /dist/ /tmp/dist/"] in [
+        list(i) for i in instructions()
+    ]
 
 
 def test_documented_architectures_are_the_supported_ones():
     supported = {normalize_arch(a) for a in DEFAULT_ARCHS.split(";")}
-    documented = set(re.findall(r"CUDA_ARCHS=([0-9.]+)", (DOCKER / "README.md").read_text()))
+    documented = set(
+        re.findall(r"CUDA_ARCHS=([0-9.]+)", (DOCKER / "README.md").read_text())
+    )
     documented |= set(re.findall(r"CUDA_ARCHS=([0-9.]+)", DOCKERFILE.read_text()))
     assert {normalize_arch(a) for a in documented} == supported
     assert normalize_arch(arg_defaults()["CUDA_ARCHS"]) in supported
@@ -76,7 +90,9 @@ def test_documented_architectures_are_the_supported_ones():
 
 def test_base_images_are_cuda_13_with_a_supported_python():
     args = arg_defaults()
-    assert args["CUDA_IMAGE_VERSION"].split(".")[0] == "13", "torch 2.11.0 / vLLM 0.26.0 use CUDA 13"
+    assert args["CUDA_IMAGE_VERSION"].split(".")[0] == "13", (
+        "torch 2.11.0 / vLLM 0.26.0 use CUDA 13"
+    )
     # Ubuntu 24.04's python3 is 3.12; ci/setup-env.sh takes 3.10-3.13.
     assert args["UBUNTU"] == "ubuntu24.04"
     froms = [rest for kind, rest in instructions() if kind == "FROM"]
@@ -85,7 +101,8 @@ def test_base_images_are_cuda_13_with_a_supported_python():
 
 
 def _pattern(pattern: str) -> re.Pattern:
-    """A .dockerignore pattern as a regex over slash-separated paths (`**/` any directories)."""
+    """A .dockerignore pattern as a regex over slash-separated paths (`**/` any
+    directories)."""
     out, i, p = "", 0, pattern.strip().rstrip("/")
     while i < len(p):
         if p.startswith("**/", i):
@@ -99,8 +116,8 @@ def _pattern(pattern: str) -> re.Pattern:
 
 
 def _sent(rel: str, rules: list[tuple[bool, str]]) -> bool:
-    """Whether the build context holds `rel`: the last rule matching it or a directory above it
-    decides, as in Docker."""
+    """Whether the build context holds `rel`: the last rule matching it or a directory
+    above it decides, as in Docker."""
     parts = rel.split("/")
     keep = True
     for negated, pattern in rules:
@@ -111,21 +128,41 @@ def _sent(rel: str, rules: list[tuple[bool, str]]) -> bool:
 
 
 def test_build_context_keeps_what_the_build_reads_and_drops_the_records():
-    rules = [(line.startswith("!"), line.lstrip("!"))
-             for line in IGNORE.read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
-    tracked = [p.relative_to(ROOT).as_posix() for d in ("patches", "overlay", "csrc", "scripts", "ci")
-               for p in (ROOT / d).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
-    needed = [t for t in tracked if not t.startswith(("scripts/bench/results/",
-                                                       "scripts/e2e/results/"))]
-    assert needed and all(_sent(t, rules) for t in needed), \
-        [t for t in needed if not _sent(t, rules)][:5]
-    for rel in ("scripts/vllm-exl3", "ci/setup-env.sh", "scripts/vllm_exl3/pins.py",
-                "README.md", "NOTICE"):
+    rules = [
+        (line.startswith("!"), line.lstrip("!"))
+        for line in IGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    tracked = [
+        p.relative_to(ROOT).as_posix()
+        for d in ("patches", "overlay", "csrc", "scripts", "ci")
+        for p in (ROOT / d).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    ]
+    needed = [
+        t
+        for t in tracked
+        if not t.startswith(("scripts/bench/results/", "scripts/e2e/results/"))
+    ]
+    assert needed and all(_sent(t, rules) for t in needed), [
+        t for t in needed if not _sent(t, rules)
+    ][:5]
+    for rel in (
+        "scripts/vllm-exl3",
+        "ci/setup-env.sh",
+        "scripts/vllm_exl3/pins.py",
+        "README.md",
+        "NOTICE",
+    ):
         assert _sent(rel, rules), rel
-    for rel in ("tests/fixtures/qwen3-tiny/bf16/model.safetensors", "build/x.o", "dist/a.whl",
-                ".git/HEAD", "scripts/bench/results/README.md",
-                "scripts/vllm_exl3/__pycache__/cli.cpython-311.pyc"):
+    for rel in (
+        "tests/fixtures/qwen3-tiny/bf16/model.safetensors",
+        "build/x.o",
+        "dist/a.whl",
+        ".git/HEAD",
+        "scripts/bench/results/README.md",
+        "scripts/vllm_exl3/__pycache__/cli.cpython-311.pyc",
+    ):
         assert not _sent(rel, rules), rel
 
 
@@ -137,8 +174,8 @@ def test_every_machine_the_images_target_has_a_pinned_wheel(machine):
 
 # ci/setup-env.sh as a newcomer meets it: one variable moves the whole cache, the
 # environment's path is keyed by the script's hash (checkouts at different commits keep
-# their own), the tool finds the same path, and the CUDA libraries are pinned where torch
-# 2.11.0 pins them.
+# their own), the tool finds the same path, and the CUDA libraries are pinned where
+# torch 2.11.0 pins them.
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ci" / "setup-env.sh"
@@ -236,9 +273,9 @@ def test_no_cuda_library_is_left_unpinned():
     assert named <= set(_script_pins()), sorted(named - set(_script_pins()))
 
 
-# The set-up of ci/test_vllm_harness.sh (vLLM's own conftest on overlay/tests/): its extra
-# requirements agree with the offline bundle's pins, and the overlay's test files only add to
-# vLLM's tests tree, never replace one of its files.
+# The set-up of ci/test_vllm_harness.sh (vLLM's own conftest on overlay/tests/): its
+# extra requirements agree with the offline bundle's pins, and the overlay's test files
+# only add to vLLM's tests tree, never replace one of its files.
 
 HARNESS = ROOT / "ci" / "test_vllm_harness.sh"
 REQUIREMENTS = ROOT / "ci" / "requirements-harness.txt"
@@ -256,9 +293,14 @@ def requirement_pins(path: Path) -> dict[str, str]:
 
 
 def test_requirements_are_pinned_as_in_the_bundle():
-    harness, bundle = requirement_pins(REQUIREMENTS), requirement_pins(BUNDLE_REQUIREMENTS)
+    harness, bundle = (
+        requirement_pins(REQUIREMENTS),
+        requirement_pins(BUNDLE_REQUIREMENTS),
+    )
     assert harness and "tblib" in harness
-    differ = {n: (v, bundle[n]) for n, v in harness.items() if n in bundle and bundle[n] != v}
+    differ = {
+        n: (v, bundle[n]) for n, v in harness.items() if n in bundle and bundle[n] != v
+    }
     assert not differ, f"ci/requirements-harness.txt vs the bundle's pins: {differ}"
 
 
@@ -268,13 +310,17 @@ def test_script_parses():
 
 
 def test_overlay_tests_only_add_to_vllms_tests_tree():
-    ours = sorted(p.relative_to(ROOT / "overlay").as_posix()
-                  for p in (ROOT / "overlay" / "tests").rglob("*.py"))
+    ours = sorted(
+        p.relative_to(ROOT / "overlay").as_posix()
+        for p in (ROOT / "overlay" / "tests").rglob("*.py")
+    )
     assert "tests/quantization/test_exl3.py" in ours
     r = run_tool("fetch")
     if r.returncode != 0:
         if "unreachable" in r.stderr or "offline" in r.stderr:
-            pytest.skip(f"pinned sdist not cached and the index is unreachable: {r.stderr}")
+            pytest.skip(
+                f"pinned sdist not cached and the index is unreachable: {r.stderr}"
+            )
         pytest.fail(r.stderr)
     sdist = Path(r.stdout.strip().splitlines()[-1])
     assert (sdist / "tests" / "conftest.py").is_file()

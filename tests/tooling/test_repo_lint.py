@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Repository hygiene: every Python file passes pyflakes, the lint configuration accepts good code
-and rejects bad, and the user-facing documents (README, docs) stay short, name only files that
-exist and document exactly the settings vLLM's envs.py declares.
+"""Repository hygiene: every Python file passes pyflakes, the lint configuration accepts
+good code and rejects bad, and the user-facing documents (README, docs) stay short, name
+only files that exist and document exactly the settings vLLM's envs.py declares.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from pyflakes.api import check
 from pyflakes.reporter import Reporter
-
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -137,10 +136,11 @@ def test_ci_test_names_the_lint_step():
     assert "bash ci/lint.sh" in text
 
 
-# Every Python file of the repository passes pyflakes: no undefined names, unused imports or
-# redefinitions. The GPU benchmarks and device scripts never run in CI, so this is what catches
-# a name left behind by a refactor there before a device call finds it (bench_linear.py crashed
-# at its first row from fed6495 to 85994cc on an undefined `n_copies`).
+# Every Python file of the repository passes pyflakes: no undefined names, unused
+# imports or redefinitions. The GPU benchmarks and device scripts never run in CI, so
+# this is what catches a name left behind by a refactor there before a device call finds
+# it (bench_linear.py crashed at its first row from fed6495 to 85994cc on an undefined
+# `n_copies`).
 
 REPO = Path(__file__).resolve().parents[2]
 # Python files without the .py suffix.
@@ -148,8 +148,12 @@ SCRIPTS = ("scripts/vllm-exl3",)
 
 
 def python_files() -> list[Path]:
-    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "*.py", *SCRIPTS],
-                             capture_output=True, text=True, check=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "*.py", *SCRIPTS],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return [REPO / f for f in tracked]
 
 
@@ -166,15 +170,25 @@ class _Collect:
 
 def test_every_python_file_passes_pyflakes() -> None:
     files = python_files()
-    assert len(files) > 50 and (REPO / "scripts/bench/bench_linear.py") in files, files[:5]
+    assert len(files) > 50 and (REPO / "scripts/bench/bench_linear.py") in files, files[
+        :5
+    ]
     out, err = _Collect(), _Collect()
     reporter = Reporter(out, err)
-    problems = sum(check(f.read_text(), str(f.relative_to(REPO)), reporter) for f in files)
+    problems = sum(
+        check(f.read_text(), str(f.relative_to(REPO)), reporter) for f in files
+    )
     assert problems == 0 and not err.lines, "".join(out.lines + err.lines)
 
 
 def test_the_lint_sees_an_undefined_name() -> None:
     out = _Collect()
-    assert check("def f():\n    return {'copies': n_copies}\n", "probe.py",
-                 Reporter(out, _Collect())) == 1
+    assert (
+        check(
+            "def f():\n    return {'copies': n_copies}\n",
+            "probe.py",
+            Reporter(out, _Collect()),
+        )
+        == 1
+    )
     assert "undefined name 'n_copies'" in "".join(out.lines)

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The `vllm-exl3` tool's series commands: `apply` (apply, re-apply, --check, --revert, --replace
-and every refusal path) and the patch workflow (dev-tree, export-patches) on a miniature sdist
-and wheel tree; `fetch` without the network; the series recorded in an installed tree; and the
-real series on the real pinned vLLM 0.26.0 sdist and a wheel-shaped copy of its package.
+"""The `vllm-exl3` tool's series commands: `apply` (apply, re-apply, --check, --revert,
+--replace and every refusal path) and the patch workflow (dev-tree, export-patches) on a
+miniature sdist and wheel tree; `fetch` without the network; the series recorded in an
+installed tree; and the real series on the real pinned vLLM 0.26.0 sdist and a
+wheel-shaped copy of its package.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from minitree import MINI_SDIST, make_series, run_tool, tree_hash, write_tree, git, ROOT
+from minitree import MINI_SDIST, ROOT, git, make_series, run_tool, tree_hash, write_tree
 from vllm_exl3 import pins
-
 
 EXL3_INIT = "vllm/model_executor/layers/quantization/exl3/__init__.py"
 STATE = ".vllm-exl3"
@@ -43,8 +42,9 @@ def test_apply_reapply_check_revert(mini_sdist, series):
         assert (mini_sdist / rel).read_bytes() == expected, rel
     assert (mini_sdist / EXL3_INIT).read_text() == "# a\n"
     assert (mini_sdist / "tests/quantization/test_exl3_harness.py").is_file()
-    assert (mini_sdist / "csrc/libtorch_stable/quantization/exl3/kernel.cu").read_text() == (
-        "// kernel a\n")
+    assert (
+        mini_sdist / "csrc/libtorch_stable/quantization/exl3/kernel.cu"
+    ).read_text() == ("// kernel a\n")
     applied = tree_hash(mini_sdist)
 
     again = run_tool("apply", mini_sdist, "--series", series.root)
@@ -71,8 +71,10 @@ def test_revert_after_python_imported_added_modules(mini_sdist, series):
     before = tree_hash(mini_sdist)
     assert run_tool("apply", mini_sdist, "--series", series.root).returncode == 0
     # What importing the added modules leaves behind in an installed tree.
-    pycs = ["vllm/__pycache__/exl3_new_module.cpython-311.pyc",
-            "vllm/model_executor/layers/quantization/exl3/__pycache__/__init__.cpython-311.pyc"]
+    pycs = [
+        "vllm/__pycache__/exl3_new_module.cpython-311.pyc",
+        "vllm/model_executor/layers/quantization/exl3/__pycache__/__init__.cpython-311.pyc",
+    ]
     write_tree(mini_sdist, {p: "bytecode" for p in pycs})
     rev = run_tool("apply", "--revert", mini_sdist)
     assert rev.returncode == 0, rev.stderr
@@ -93,8 +95,12 @@ def _expect_refusal(tree: Path, series_root: Path, *needles: str) -> str:
 
 
 def test_refuses_wrong_version(mini_sdist, series):
-    (mini_sdist / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: vllm\nVersion: 0.25.1\n")
-    err = _expect_refusal(mini_sdist, series.root, "vLLM 0.25.1 (PKG-INFO)", "for vLLM 0.26.0")
+    (mini_sdist / "PKG-INFO").write_text(
+        "Metadata-Version: 2.4\nName: vllm\nVersion: 0.25.1\n"
+    )
+    err = _expect_refusal(
+        mini_sdist, series.root, "vLLM 0.25.1 (PKG-INFO)", "for vLLM 0.26.0"
+    )
     assert "1 problem(s)" in err
 
 
@@ -102,8 +108,10 @@ def test_refuses_locally_modified_patched_file(mini_sdist, series):
     envs = mini_sdist / "vllm/envs.py"
     envs.write_text(envs.read_text().replace("VAR_49 = 49", "VAR_49 = 'local edit'"))
     err = _expect_refusal(
-        mini_sdist, series.root,
-        "patch 0001-envs-two-far-apart-hunks-a.patch: vllm/envs.py: hunk 2 (@@ -48,6 +48,7 @@",
+        mini_sdist,
+        series.root,
+        "patch 0001-envs-two-far-apart-hunks-a.patch: vllm/envs.py: hunk 2 (@@ -48,6 "
+        "+48,7 @@",
         "modified locally",
     )
     assert "hunk 1" not in err  # hunk 1 still applies and is not blamed
@@ -116,26 +124,38 @@ def test_refuses_locally_modified_patched_file(mini_sdist, series):
 
 def test_refuses_locally_modified_overlay_target(mini_sdist, series):
     write_tree(mini_sdist, {"vllm/exl3_new_module.py": "X = 'someone else'\n"})
-    _expect_refusal(mini_sdist, series.root,
-                    "vllm/exl3_new_module.py: the tree already has this file with different "
-                    "content, not written by vllm-exl3")
+    _expect_refusal(
+        mini_sdist,
+        series.root,
+        "vllm/exl3_new_module.py: the tree already has this file with different "
+        "content, not written by vllm-exl3",
+    )
 
 
 def test_refusal_lists_every_reason(mini_sdist, series):
-    (mini_sdist / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: vllm\nVersion: 0.27.0\n")
+    (mini_sdist / "PKG-INFO").write_text(
+        "Metadata-Version: 2.4\nName: vllm\nVersion: 0.27.0\n"
+    )
     envs = mini_sdist / "vllm/envs.py"
     envs.write_text(envs.read_text().replace("VAR_2 = 2", "VAR_2 = 'x'"))
     (mini_sdist / "CMakeLists.txt").write_text("project(other)\n")
-    write_tree(mini_sdist, {"vllm/exl3_new_module.py": "other\n",
-                            "csrc/libtorch_stable/quantization/exl3/kernel.cu": "// theirs\n"})
+    write_tree(
+        mini_sdist,
+        {
+            "vllm/exl3_new_module.py": "other\n",
+            "csrc/libtorch_stable/quantization/exl3/kernel.cu": "// theirs\n",
+        },
+    )
     err = _expect_refusal(
-        mini_sdist, series.root,
+        mini_sdist,
+        series.root,
         "5 problem(s)",
         "the tree is vLLM 0.27.0",
         "vllm/envs.py: hunk 1",
         "0002-cmake-and-a-file-without-final-newline.patch: CMakeLists.txt: hunk 1",
         "vllm/exl3_new_module.py: the tree already has this file",
-        "csrc/libtorch_stable/quantization/exl3/kernel.cu: the tree already has this file",
+        "csrc/libtorch_stable/quantization/exl3/kernel.cu: the tree already has this "
+        "file",
     )
     assert "vllm/tail.txt" not in err  # applies; not a reason
 
@@ -143,7 +163,9 @@ def test_refusal_lists_every_reason(mini_sdist, series):
 def test_refuses_patches_applied_outside_the_tool(mini_sdist, series):
     assert run_tool("apply", mini_sdist, "--series", series.root).returncode == 0
     shutil.rmtree(mini_sdist / STATE)
-    _expect_refusal(mini_sdist, series.root, "already applied to this tree, but not by vllm-exl3")
+    _expect_refusal(
+        mini_sdist, series.root, "already applied to this tree, but not by vllm-exl3"
+    )
 
 
 def test_refuses_missing_file(mini_sdist, series):
@@ -160,9 +182,12 @@ def test_revert_refuses_files_modified_after_apply(mini_sdist, series):
     edited = tree_hash(mini_sdist)
     r = run_tool("apply", "--revert", mini_sdist)
     assert r.returncode == 1
-    for n in ("vllm/envs.py: modified after vllm-exl3 wrote it",
-              f"{EXL3_INIT}: modified after vllm-exl3 wrote it",
-              "vllm/exl3_new_module.py: written by vllm-exl3, now missing", "--force"):
+    for n in (
+        "vllm/envs.py: modified after vllm-exl3 wrote it",
+        f"{EXL3_INIT}: modified after vllm-exl3 wrote it",
+        "vllm/exl3_new_module.py: written by vllm-exl3, now missing",
+        "--force",
+    ):
         assert n in r.stderr
     assert tree_hash(mini_sdist) == edited
 
@@ -214,7 +239,8 @@ def _pristine_copy(tmp_path: Path) -> Path:
 def _mini_wheel_tree(root: Path, version: str = "0.26.0") -> Path:
     files = {k: v for k, v in MINI_SDIST.items() if k.startswith("vllm/")}
     files["vllm-0.26.0.dist-info/METADATA"] = (
-        f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n")
+        f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n"
+    )
     files["other_package/__init__.py"] = ""
     return write_tree(root, files)
 
@@ -228,7 +254,10 @@ def test_wheel_tree_mode(tmp_path, series):
     r = run_tool("apply", site, "--series", series.root)
     assert r.returncode == 0, r.stderr
     assert "skipped csrc/ (1 files)" in r.stdout
-    assert "skipped 0002-cmake-and-a-file-without-final-newline.patch: CMakeLists.txt" in r.stdout
+    assert (
+        "skipped 0002-cmake-and-a-file-without-final-newline.patch: CMakeLists.txt"
+        in r.stdout
+    )
     harness = "overlay/tests/quantization/test_exl3_harness.py"
     assert f"{harness}: outside the installed vllm/" in r.stdout
     assert not (site / "CMakeLists.txt").exists() and not (site / "csrc").exists()
@@ -250,11 +279,14 @@ def test_wheel_tree_refusals(tmp_path, series):
     _expect_refusal(bare, series.root, "cannot tell the vLLM version")
 
 
-# The patch workflow: dev-tree (pristine base + `git am` of the series) and export-patches
-# (`git format-patch` back into patches/), on a miniature tree.
+# The patch workflow: dev-tree (pristine base + `git am` of the series) and
+# export-patches (`git format-patch` back into patches/), on a miniature tree.
+
 
 def _dev_tree(base: Path, series_root: Path, dest: Path):
-    return run_tool("dev-tree", dest, "--base", base, "--series", series_root, "--label", "mini")
+    return run_tool(
+        "dev-tree", dest, "--base", base, "--series", series_root, "--label", "mini"
+    )
 
 
 def test_dev_tree_then_export_is_stable(tmp_path, mini_sdist, series):
@@ -262,8 +294,11 @@ def test_dev_tree_then_export_is_stable(tmp_path, mini_sdist, series):
     r = _dev_tree(mini_sdist, series.root, dev)
     assert r.returncode == 0, r.stderr
     log = git(dev, "log", "--format=%s").splitlines()
-    assert log == ["cmake and a file without final newline", "envs: two far-apart hunks (a)",
-                   "mini pristine"]
+    assert log == [
+        "cmake and a file without final newline",
+        "envs: two far-apart hunks (a)",
+        "mini pristine",
+    ]
     assert git(dev, "status", "--porcelain") == ""
     for rel, expected in series.patched.items():
         assert (dev / rel).read_bytes() == expected
@@ -275,8 +310,10 @@ def test_dev_tree_then_export_is_stable(tmp_path, mini_sdist, series):
     assert e.returncode == 0, e.stderr
     assert "removed: 9999-stale.patch" in e.stdout
     names = sorted(p.name for p in (exported / "patches").glob("*.patch"))
-    assert names == ["0001-envs-two-far-apart-hunks-a.patch",
-                     "0002-cmake-and-a-file-without-final-newline.patch"]
+    assert names == [
+        "0001-envs-two-far-apart-hunks-a.patch",
+        "0002-cmake-and-a-file-without-final-newline.patch",
+    ]
     first = (exported / "patches/0001-envs-two-far-apart-hunks-a.patch").read_text()
     assert first.startswith("From 0000000000000000000000000000000000000000 ")
     assert "Why: test." in first
@@ -288,7 +325,9 @@ def test_dev_tree_then_export_is_stable(tmp_path, mini_sdist, series):
     (again / "patches").mkdir(parents=True)
     assert run_tool("export-patches", dev2, "--series", again).returncode == 0
     for name in names:
-        assert (again / "patches" / name).read_bytes() == (exported / "patches" / name).read_bytes()
+        assert (again / "patches" / name).read_bytes() == (
+            exported / "patches" / name
+        ).read_bytes()
     same = run_tool("export-patches", dev2, "--series", again)
     assert "added 0, changed 0, removed 0" in same.stdout
 
@@ -323,17 +362,23 @@ def test_dev_tree_stops_at_a_patch_that_does_not_apply(tmp_path, mini_sdist, ser
     dev = tmp_path / "dev"
     r = _dev_tree(base, series.root, dev)
     assert r.returncode == 1
-    assert "patch 0002-cmake-and-a-file-without-final-newline.patch does not apply" in r.stderr
+    assert (
+        "patch 0002-cmake-and-a-file-without-final-newline.patch does not apply"
+        in r.stderr
+    )
     assert "git am --continue" in r.stderr
-    assert git(dev, "log", "-1", "--format=%s").strip() == "envs: two far-apart hunks (a)"
+    assert (
+        git(dev, "log", "-1", "--format=%s").strip() == "envs: two far-apart hunks (a)"
+    )
 
     nonempty = write_tree(tmp_path / "nonempty", {"x": "y"})
     r = _dev_tree(mini_sdist, series.root, nonempty)
     assert r.returncode == 1 and "is not empty" in r.stderr
 
 
-# `fetch` without the network: a cold cache offline, an unreachable index, a corrupt cached
-# file, and a local (file://) index serving a file whose hash is not the pinned one.
+# `fetch` without the network: a cold cache offline, an unreachable index, a corrupt
+# cached file, and a local (file://) index serving a file whose hash is not the pinned
+# one.
 
 # An index nobody listens on (port 9, "discard", is closed on ordinary machines).
 UNREACHABLE = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_EXTRA_INDEX_URL": ""}
@@ -372,37 +417,55 @@ def _local_index(root: Path, payload: bytes, with_hash: bool) -> str:
     frag = f"#sha256={hashlib.sha256(payload).hexdigest()}" if with_hash else ""
     page = root / "simple/vllm/index.html"
     page.parent.mkdir(parents=True)
-    page.write_text(f'<html><body><a href="../../files/{pins.SDIST_NAME}{frag}">'
-                    f"{pins.SDIST_NAME}</a></body></html>")
+    page.write_text(
+        f'<html><body><a href="../../files/{pins.SDIST_NAME}{frag}">'
+        f"{pins.SDIST_NAME}</a></body></html>"
+    )
     return (root / "simple").as_uri()
 
 
 def test_index_hash_differing_from_pin_is_refused(tmp_path):
     url = _local_index(tmp_path / "index", b"an impostor", with_hash=True)
-    r = run_tool("fetch", "--cache-dir", tmp_path / "cache",
-                 env={"PIP_INDEX_URL": url, "PIP_EXTRA_INDEX_URL": ""})
+    r = run_tool(
+        "fetch",
+        "--cache-dir",
+        tmp_path / "cache",
+        env={"PIP_INDEX_URL": url, "PIP_EXTRA_INDEX_URL": ""},
+    )
     assert r.returncode == 1
     assert "but this repository pins" in r.stderr
 
 
 def test_download_differing_from_pin_is_discarded(tmp_path):
-    url = _local_index(tmp_path / "index", b"an impostor without a published hash",
-                       with_hash=False)
-    r = run_tool("fetch", "--cache-dir", tmp_path / "cache",
-                 env={"PIP_INDEX_URL": url, "PIP_EXTRA_INDEX_URL": ""})
+    url = _local_index(
+        tmp_path / "index", b"an impostor without a published hash", with_hash=False
+    )
+    r = run_tool(
+        "fetch",
+        "--cache-dir",
+        tmp_path / "cache",
+        env={"PIP_INDEX_URL": url, "PIP_EXTRA_INDEX_URL": ""},
+    )
     assert r.returncode == 1
     assert f"expected {pins.SDIST_SHA256}; the download was discarded" in r.stderr
     assert not (tmp_path / "cache/sdist" / pins.SDIST_NAME).exists()
     assert not list((tmp_path / "cache").rglob("*.part"))
 
 
-# What patches 0001 and 0002 do to the installed vLLM (ci/test.sh applies the series onto the
-# test venv's site-packages first): the exl3 method is registered, and every VLLM_EXL3_* variable
-# is registered with a getter that works unset and parses set values; logging and warm-up
-# variables stay out of the torch.compile cache key.
+# What patches 0001 and 0002 do to the installed vLLM (ci/test.sh applies the series
+# onto the test venv's site-packages first): the exl3 method is registered, and every
+# VLLM_EXL3_* variable is registered with a getter that works unset and parses set
+# values; logging and warm-up variables stay out of the torch.compile cache key.
 
-NAMES = ("VLLM_EXL3_DETERMINISTIC", "VLLM_EXL3_PLAN", "VLLM_EXL3_TUNE", "VLLM_EXL3_LOG_PLANS",
-         "VLLM_EXL3_DEBUG_NAMES", "VLLM_EXL3_FORCE_REFERENCE", "VLLM_EXL3_WARMUP")
+NAMES = (
+    "VLLM_EXL3_DETERMINISTIC",
+    "VLLM_EXL3_PLAN",
+    "VLLM_EXL3_TUNE",
+    "VLLM_EXL3_LOG_PLANS",
+    "VLLM_EXL3_DEBUG_NAMES",
+    "VLLM_EXL3_FORCE_REFERENCE",
+    "VLLM_EXL3_WARMUP",
+)
 PROBE = """
 import json
 import vllm.envs as envs
@@ -419,8 +482,12 @@ print(json.dumps({
 
 def _probe(extra_env: dict[str, str]) -> dict:
     env = {k: v for k, v in os.environ.items() if "EXL3_" not in k}
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                       env={**env, **extra_env})
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        env={**env, **extra_env},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -441,32 +508,49 @@ def test_registered(unset):
 
 def test_getters_unset_give_defaults(unset):
     assert unset["values"] == {
-        "VLLM_EXL3_DETERMINISTIC": False, "VLLM_EXL3_PLAN": None, "VLLM_EXL3_TUNE": False,
-        "VLLM_EXL3_LOG_PLANS": False, "VLLM_EXL3_DEBUG_NAMES": False,
-        "VLLM_EXL3_FORCE_REFERENCE": False, "VLLM_EXL3_WARMUP": True,
+        "VLLM_EXL3_DETERMINISTIC": False,
+        "VLLM_EXL3_PLAN": None,
+        "VLLM_EXL3_TUNE": False,
+        "VLLM_EXL3_LOG_PLANS": False,
+        "VLLM_EXL3_DEBUG_NAMES": False,
+        "VLLM_EXL3_FORCE_REFERENCE": False,
+        "VLLM_EXL3_WARMUP": True,
     }
 
 
 def test_getters_parse_set_values(unset):
-    out = _probe({"VLLM_EXL3_DETERMINISTIC": "1", "VLLM_EXL3_PLAN": "bm=64,split_k=4",
-                  "VLLM_EXL3_TUNE": "1", "VLLM_EXL3_LOG_PLANS": "1",
-                  "VLLM_EXL3_DEBUG_NAMES": "1", "VLLM_EXL3_FORCE_REFERENCE": "1",
-                  "VLLM_EXL3_WARMUP": "0"})
+    out = _probe(
+        {
+            "VLLM_EXL3_DETERMINISTIC": "1",
+            "VLLM_EXL3_PLAN": "bm=64,split_k=4",
+            "VLLM_EXL3_TUNE": "1",
+            "VLLM_EXL3_LOG_PLANS": "1",
+            "VLLM_EXL3_DEBUG_NAMES": "1",
+            "VLLM_EXL3_FORCE_REFERENCE": "1",
+            "VLLM_EXL3_WARMUP": "0",
+        }
+    )
     assert out["values"] == {
-        "VLLM_EXL3_DETERMINISTIC": True, "VLLM_EXL3_PLAN": "bm=64,split_k=4",
-        "VLLM_EXL3_TUNE": True, "VLLM_EXL3_LOG_PLANS": True, "VLLM_EXL3_DEBUG_NAMES": True,
-        "VLLM_EXL3_FORCE_REFERENCE": True, "VLLM_EXL3_WARMUP": False,
+        "VLLM_EXL3_DETERMINISTIC": True,
+        "VLLM_EXL3_PLAN": "bm=64,split_k=4",
+        "VLLM_EXL3_TUNE": True,
+        "VLLM_EXL3_LOG_PLANS": True,
+        "VLLM_EXL3_DEBUG_NAMES": True,
+        "VLLM_EXL3_FORCE_REFERENCE": True,
+        "VLLM_EXL3_WARMUP": False,
     }
 
 
 def test_compile_cache_key(unset):
-    assert unset["factors"] == sorted(set(NAMES) - {"VLLM_EXL3_DEBUG_NAMES",
-                                                     "VLLM_EXL3_LOG_PLANS", "VLLM_EXL3_WARMUP"})
+    assert unset["factors"] == sorted(
+        set(NAMES)
+        - {"VLLM_EXL3_DEBUG_NAMES", "VLLM_EXL3_LOG_PLANS", "VLLM_EXL3_WARMUP"}
+    )
 
 
-# The real series on the real pinned vLLM 0.26.0 sdist (fetched once into the cache): --check,
-# apply, re-apply, revert to a byte-identical tree; and the same on a wheel-shaped copy of its
-# Python package (CMake patch skipped).
+# The real series on the real pinned vLLM 0.26.0 sdist (fetched once into the cache):
+# --check, apply, re-apply, revert to a byte-identical tree; and the same on a
+# wheel-shaped copy of its Python package (CMake patch skipped).
 
 PATCH_NAMES = sorted(p.name for p in (ROOT / "patches").glob("*.patch"))
 
@@ -476,15 +560,22 @@ def pristine_sdist() -> Path:
     r = run_tool("fetch")
     if r.returncode != 0:
         if "unreachable" in r.stderr or "offline" in r.stderr:
-            pytest.skip(f"pinned sdist not cached and the index is unreachable: {r.stderr.strip()}")
+            pytest.skip(
+                "pinned sdist not cached and the index is unreachable: "
+                f"{r.stderr.strip()}"
+            )
         pytest.fail(r.stderr)
     return Path(r.stdout.strip().splitlines()[-1])
 
 
 def test_series_on_real_sdist(tmp_path, pristine_sdist):
     tree = tmp_path / f"vllm-{pins.VLLM_VERSION}"
-    shutil.copytree(pristine_sdist, tree, symlinks=True,
-                    ignore=shutil.ignore_patterns(".vllm-exl3-unpacked"))
+    shutil.copytree(
+        pristine_sdist,
+        tree,
+        symlinks=True,
+        ignore=shutil.ignore_patterns(".vllm-exl3-unpacked"),
+    )
     before = tree_hash(tree)
 
     check = run_tool("apply", "--check", tree)
@@ -495,7 +586,9 @@ def test_series_on_real_sdist(tmp_path, pristine_sdist):
 
     r = run_tool("apply", tree)
     assert r.returncode == 0, r.stderr
-    registry = (tree / "vllm/model_executor/layers/quantization/__init__.py").read_text()
+    registry = (
+        tree / "vllm/model_executor/layers/quantization/__init__.py"
+    ).read_text()
     assert '"exl3",' in registry and '"exl3": Exl3Config' in registry
     assert "from .exl3 import Exl3Config" in registry
     assert '"VLLM_EXL3_LOG_PLANS":' in (tree / "vllm/envs.py").read_text()
@@ -518,7 +611,9 @@ def test_series_on_real_wheel_shaped_tree(tmp_path, pristine_sdist):
     shutil.copytree(pristine_sdist / "vllm", site / "vllm")
     meta = site / f"vllm-{pins.VLLM_VERSION}.dist-info/METADATA"
     meta.parent.mkdir()
-    meta.write_text(f"Metadata-Version: 2.4\nName: vllm\nVersion: {pins.VLLM_VERSION}\n")
+    meta.write_text(
+        f"Metadata-Version: 2.4\nName: vllm\nVersion: {pins.VLLM_VERSION}\n"
+    )
     before = tree_hash(site)
     r = run_tool("apply", site)
     assert r.returncode == 0, r.stderr

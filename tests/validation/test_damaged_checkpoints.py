@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The damaged-checkpoint corpus (damage.py) through the three readers of a checkpoint, each run
-the way a user runs it (`inspect --values`, `dequantize`, vLLM's real loader on the CPU): the
-same verdict from each and a message naming the file and the rule; the tools' messages in a new
-process (one line on stderr, exit code 1, no traceback unless `--debug`); and the load ledger
-(every parameter of every EXL3-owned and padding-owned layer written exactly once, at TP=1 and
-TP=2).
+"""The damaged-checkpoint corpus (damage.py) through the three readers of a checkpoint,
+each run the way a user runs it (`inspect --values`, `dequantize`, vLLM's real loader on
+the CPU): the same verdict from each and a message naming the file and the rule; the
+tools' messages in a new process (one line on stderr, exit code 1, no traceback unless
+`--debug`); and the load ledger (every parameter of every EXL3-owned and padding-owned
+layer written exactly once, at TP=1 and TP=2).
 """
 
 from __future__ import annotations
@@ -23,22 +23,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from damage import (
+    BASE,
     CASES,
     ERROR,
     LOADS,
     PATHS,
-    WARNING,
     REPO,
-    BASE,
+    WARNING,
     copy_of,
     edit_json,
     save,
     sharded,
     tensors_of,
 )
-
 
 CPU_ATTENTION_BACKEND = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 EXL3_LOGGER = "vllm.model_executor.layers.quantization.exl3"
@@ -111,11 +109,10 @@ class _Records(logging.Handler):
 def run_vllm(ckpt: Path) -> Outcome:
     """vLLM's loader on the CPU, in the current vLLM world (TP from the distributed
     state)."""
+    import torch
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.platforms import current_platform
-
-    import torch
 
     # vLLM's set_default_torch_dtype does not restore the default when loading raises.
     default_dtype = torch.get_default_dtype()
@@ -231,11 +228,11 @@ if __name__ == "__main__":
         print(text)
 
 
-# Every case of damage.py through the three readers of a checkpoint (`inspect
-# --values`,
-# `dequantize`, vLLM's real loader on the CPU): the same verdict from each, a message that
-# names the file or tensor and the rule, and never a crash (a traceback, a MemoryError, a
-# KeyError...). Valid but unusual checkpoints load everywhere without a word.
+# Every case of damage.py through the three readers of a checkpoint (`inspect --values`,
+# `dequantize`, vLLM's real loader on the CPU): the same verdict from each, a message
+# that names the file or tensor and the rule, and never a crash (a traceback, a
+# MemoryError, a KeyError...). Valid but unusual checkpoints load everywhere without a
+# word.
 
 # The issue's bar for the corpus: at least this many cases across every class of damage.
 MIN_CASES = 40
@@ -361,8 +358,8 @@ def test_debug_shows_the_traceback(tmp_path):
 #
 # The checkpoint validation names all of these cases before loading; here it is bypassed
 # (the directory is described from its headers alone, as for a hub model), so what is
-# under test is the last line of defence: the load ledger (load_ledger.py) inside the real
-# loader.
+# under test is the last line of defence: the load ledger (load_ledger.py) inside the
+# real loader.
 
 WORLD = 2
 CONFIG_MODULE = "vllm.model_executor.layers.quantization.exl3.config"
@@ -455,7 +452,6 @@ def _headers_only(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_tp1_every_owned_parameter_written_once(
     case, tmp_path, monkeypatch, vllm_world
 ):
-
     build, phrases = LEDGER_CASES[case]
     build(tmp_path / case)
     _headers_only(monkeypatch)
