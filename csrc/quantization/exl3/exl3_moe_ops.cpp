@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "exl3_moe.h"
+#include "exl3_tensor_checks.h"
 
 namespace vllm_exl3 {
 
@@ -60,51 +61,6 @@ constexpr int64_t kGateUpRoles = 2;
 constexpr uintptr_t kRowAlign = 16;
 constexpr uintptr_t kVectorAlign = 8;
 constexpr uintptr_t kWordAlign = 4;
-
-std::string shape_str(const Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d)
-    s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
-
-const char* dtype_str(ScalarType t) {
-  switch (t) {
-    case ScalarType::Half:
-      return "float16";
-    case ScalarType::BFloat16:
-      return "bfloat16";
-    case ScalarType::Float:
-      return "float32";
-    case ScalarType::Short:
-      return "int16";
-    case ScalarType::Int:
-      return "int32";
-    case ScalarType::Long:
-      return "int64";
-    default:
-      return "another dtype";
-  }
-}
-
-void check_tensor(const char* name, const Tensor& t, int64_t dim,
-                  int32_t device, uintptr_t align) {
-  STD_TORCH_CHECK(t.is_cuda(), kOp, ": ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.get_device_index() == device, kOp, ": ", name,
-                  " is on cuda:", t.get_device_index(),
-                  " but x is on cuda:", device);
-  STD_TORCH_CHECK(dim < 0 || t.dim() == dim, kOp, ": ", name, " must have ",
-                  dim, " dimensions, got ", shape_str(t));
-  STD_TORCH_CHECK(t.is_contiguous(), kOp, ": ", name, " must be contiguous");
-  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0, kOp,
-                  ": ", name, " must be ", align,
-                  "-byte aligned (a sliced view with an odd offset?)");
-}
-
-void check_dtype(const char* name, const Tensor& t, ScalarType want) {
-  STD_TORCH_CHECK(t.scalar_type() == want, kOp, ": ", name, " must be ",
-                  dtype_str(want), ", got ", dtype_str(t.scalar_type()));
-}
 
 void check_shape(const char* name, const Tensor& t, std::vector<int64_t> want) {
   bool same = t.dim() == static_cast<int64_t>(want.size());
@@ -168,7 +124,7 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
                 bool apply_router_weight_on_input, bool deterministic) {
   STD_TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const int32_t dev = x.get_device_index();
-  check_tensor("x", x, 2, dev, kRowAlign);
+  check_tensor(kOp, "x", x, 2, dev, kRowAlign);
   const ScalarType dtype = x.scalar_type();
   STD_TORCH_CHECK(dtype == ScalarType::BFloat16 || dtype == ScalarType::Half,
                   kOp, ": x must be bfloat16 or float16, got ",
@@ -178,7 +134,7 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
                   " has hidden size ", h,
                   ", which must be a positive multiple of 128");
 
-  check_tensor("topk_ids", topk_ids, 2, dev, kWordAlign);
+  check_tensor(kOp, "topk_ids", topk_ids, 2, dev, kWordAlign);
   STD_TORCH_CHECK(topk_ids.scalar_type() == ScalarType::Int ||
                       topk_ids.scalar_type() == ScalarType::Long,
                   kOp, ": topk_ids must be int32 or int64, got ",
@@ -187,41 +143,41 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   STD_TORCH_CHECK(topk >= 1 && topk <= kMaxTopk, kOp, ": top-k = ", topk,
                   " is outside 1..", kMaxTopk);
   check_shape("topk_ids", topk_ids, {m, topk});
-  check_tensor("topk_weights", topk_weights, 2, dev, kWordAlign);
-  check_dtype("topk_weights", topk_weights, ScalarType::Float);
+  check_tensor(kOp, "topk_weights", topk_weights, 2, dev, kWordAlign);
+  check_dtype(kOp, "topk_weights", topk_weights, ScalarType::Float);
   check_shape("topk_weights", topk_weights, {m, topk});
 
   // Experts and widths from the weights.
-  check_tensor("w13_meta", w13_meta, 3, dev, kVectorAlign);
-  check_dtype("w13_meta", w13_meta, ScalarType::Long);
+  check_tensor(kOp, "w13_meta", w13_meta, 3, dev, kVectorAlign);
+  check_dtype(kOp, "w13_meta", w13_meta, ScalarType::Long);
   const int64_t experts = w13_meta.size(0);
   STD_TORCH_CHECK(experts >= 1, kOp,
                   ": the layer has no local experts (w13_meta ",
                   shape_str(w13_meta), ")");
   check_shape("w13_meta", w13_meta, {experts, kGateUpRoles, kMetaFields});
-  check_tensor("w13_svh", w13_svh, 2, dev, kVectorAlign);
-  check_dtype("w13_svh", w13_svh, ScalarType::Half);
+  check_tensor(kOp, "w13_svh", w13_svh, 2, dev, kVectorAlign);
+  check_dtype(kOp, "w13_svh", w13_svh, ScalarType::Half);
   const int64_t inter = w13_svh.size(1) / 2;
   STD_TORCH_CHECK(inter > 0 && inter % kHadamardBlock == 0, kOp, ": w13_svh ",
                   shape_str(w13_svh), " gives an expert width of ", inter,
                   ", which must be a positive multiple of 128");
   check_shape("w13_svh", w13_svh, {experts, 2 * inter});
-  check_tensor("w13_suh", w13_suh, 3, dev, kVectorAlign);
-  check_dtype("w13_suh", w13_suh, ScalarType::Half);
+  check_tensor(kOp, "w13_suh", w13_suh, 3, dev, kVectorAlign);
+  check_dtype(kOp, "w13_suh", w13_suh, ScalarType::Half);
   check_shape("w13_suh", w13_suh, {experts, kGateUpRoles, h});
-  check_tensor("w2_meta", w2_meta, 2, dev, kVectorAlign);
-  check_dtype("w2_meta", w2_meta, ScalarType::Long);
+  check_tensor(kOp, "w2_meta", w2_meta, 2, dev, kVectorAlign);
+  check_dtype(kOp, "w2_meta", w2_meta, ScalarType::Long);
   check_shape("w2_meta", w2_meta, {experts, kMetaFields});
-  check_tensor("w2_suh", w2_suh, 2, dev, kVectorAlign);
-  check_dtype("w2_suh", w2_suh, ScalarType::Half);
+  check_tensor(kOp, "w2_suh", w2_suh, 2, dev, kVectorAlign);
+  check_dtype(kOp, "w2_suh", w2_suh, ScalarType::Half);
   check_shape("w2_suh", w2_suh, {experts, inter});
-  check_tensor("w2_svh", w2_svh, 2, dev, kVectorAlign);
-  check_dtype("w2_svh", w2_svh, ScalarType::Half);
+  check_tensor(kOp, "w2_svh", w2_svh, 2, dev, kVectorAlign);
+  check_dtype(kOp, "w2_svh", w2_svh, ScalarType::Half);
   check_shape("w2_svh", w2_svh, {experts, h});
-  check_tensor("w13_trellis", w13_trellis, -1, dev, kRowAlign);
-  check_dtype("w13_trellis", w13_trellis, ScalarType::Short);
-  check_tensor("w2_trellis", w2_trellis, -1, dev, kRowAlign);
-  check_dtype("w2_trellis", w2_trellis, ScalarType::Short);
+  check_tensor(kOp, "w13_trellis", w13_trellis, -1, dev, kRowAlign);
+  check_dtype(kOp, "w13_trellis", w13_trellis, ScalarType::Short);
+  check_tensor(kOp, "w2_trellis", w2_trellis, -1, dev, kRowAlign);
+  check_dtype(kOp, "w2_trellis", w2_trellis, ScalarType::Short);
   STD_TORCH_CHECK(codebook >= 0 && codebook <= 2, kOp,
                   ": codebook must be 0 (3INST), 1 (MCG) or 2 (MUL1), got ",
                   codebook);
@@ -234,8 +190,8 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
                   " is below the ", experts, " local experts");
   const int32_t* map_ptr = nullptr;
   if (expert_map.has_value()) {
-    check_tensor("expert_map", *expert_map, 1, dev, kWordAlign);
-    check_dtype("expert_map", *expert_map, ScalarType::Int);
+    check_tensor(kOp, "expert_map", *expert_map, 1, dev, kWordAlign);
+    check_dtype(kOp, "expert_map", *expert_map, ScalarType::Int);
     check_shape("expert_map", *expert_map, {global_num_experts});
     map_ptr = static_cast<const int32_t*>(expert_map->data_ptr());
   } else {
@@ -251,12 +207,13 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   }
   STD_TORCH_CHECK(tier, kOp, ": block_size ", block_size,
                   " is not a tier of the grouped GEMM (", tiers, ")");
-  check_tensor("sorted_ids", sorted_ids, 1, dev, kWordAlign);
-  check_dtype("sorted_ids", sorted_ids, ScalarType::Int);
-  check_tensor("expert_ids", expert_ids, 1, dev, kWordAlign);
-  check_dtype("expert_ids", expert_ids, ScalarType::Int);
-  check_tensor("num_tokens_post_pad", num_tokens_post_pad, 1, dev, kWordAlign);
-  check_dtype("num_tokens_post_pad", num_tokens_post_pad, ScalarType::Int);
+  check_tensor(kOp, "sorted_ids", sorted_ids, 1, dev, kWordAlign);
+  check_dtype(kOp, "sorted_ids", sorted_ids, ScalarType::Int);
+  check_tensor(kOp, "expert_ids", expert_ids, 1, dev, kWordAlign);
+  check_dtype(kOp, "expert_ids", expert_ids, ScalarType::Int);
+  check_tensor(kOp, "num_tokens_post_pad", num_tokens_post_pad, 1, dev,
+               kWordAlign);
+  check_dtype(kOp, "num_tokens_post_pad", num_tokens_post_pad, ScalarType::Int);
   check_shape("num_tokens_post_pad", num_tokens_post_pad, {1});
   const int64_t sorted_len = sorted_ids.size(0);
   const int64_t row_blocks = (sorted_len + block_size - 1) / block_size;

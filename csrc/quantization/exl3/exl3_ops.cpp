@@ -26,6 +26,7 @@
 #include "exl3_kernels.h"
 #include "exl3_plan.h"
 #include "exl3_resources.h"
+#include "exl3_tensor_checks.h"
 
 namespace vllm_exl3 {
 
@@ -44,50 +45,6 @@ constexpr int64_t kWordsPerK2 = 8;
 // bytes.
 constexpr uintptr_t kCpAsyncAlign = 16;
 constexpr uintptr_t kVectorAlign = 8;
-
-std::string shape_str(const Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d)
-    s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
-
-const char* dtype_str(ScalarType t) {
-  switch (t) {
-    case ScalarType::Half:
-      return "float16";
-    case ScalarType::BFloat16:
-      return "bfloat16";
-    case ScalarType::Float:
-      return "float32";
-    case ScalarType::Short:
-      return "int16";
-    case ScalarType::Int:
-      return "int32";
-    default:
-      return "another dtype";
-  }
-}
-
-void check_tensor(const char* op, const char* name, const Tensor& t,
-                  int64_t dim, int32_t device, uintptr_t align) {
-  STD_TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
-  STD_TORCH_CHECK(t.get_device_index() == device, op, ": ", name,
-                  " is on cuda:", t.get_device_index(),
-                  " but x is on cuda:", device);
-  STD_TORCH_CHECK(t.dim() == dim, op, ": ", name, " must have ", dim,
-                  " dimensions, got ", shape_str(t));
-  STD_TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
-  STD_TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0, op,
-                  ": ", name, " must be ", align,
-                  "-byte aligned (a sliced view with an odd offset?)");
-}
-
-void check_dtype(const char* op, const char* name, const Tensor& t,
-                 ScalarType want) {
-  STD_TORCH_CHECK(t.scalar_type() == want, op, ": ", name, " must be ",
-                  dtype_str(want), ", got ", dtype_str(t.scalar_type()));
-}
 
 // Validates the trellis and returns K2 (= 2 * bits).
 int check_trellis(const char* op, const Tensor& trellis, int64_t codebook,
