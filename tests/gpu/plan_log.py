@@ -3,7 +3,7 @@
 """Print the plan `_C::exl3_linear` runs for every linear of a checkpoint at every
 token-count bucket, one line each, as the layers' load-time preparation resolves them
 (the checked-in table for this GPU if the overlay is installed, else the cost model).
-Two processes' outputs must be identical (test_workspace_and_plans.py runs it twice).
+Two processes' outputs must be identical (test_kernels.py runs it twice).
 
     python tests/gpu/plan_log.py [CHECKPOINT_DIR] [--max-tokens 8192] [--dtype bfloat16]
 """

@@ -5,19 +5,21 @@
 Needs a CUDA GPU and the extension: $VLLM_EXL3_EXT, build/exl3/_exl3_C.abi3.so (quick
 build: `python -m vllm_exl3.kernels_build` from scripts/), or an installed vllm._exl3_C.
 The oracle is the overlay's reference codec in float64; the error bounds and their
-derivation are in the oracle's docstring.
+derivation are in the oracle's docstring. Also here: batch invariance, the split-k
+workspace and the plan table's errors and reproducibility (sections below).
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 pytestmark = pytest.mark.gpu
 
@@ -153,3 +155,258 @@ def test_timer_candidates(gen: torch.Generator) -> None:
             if (r["early"], r["spread"]) == (early, spread)
         } == shapes, small
     assert not [r for r in small if (r["early"], r["spread"]) == (0, 1)], small
+
+
+# Batch invariance of `_C::exl3_linear` (vLLM's VLLM_BATCH_INVARIANT=1 sets the table's
+# FLAG_BATCH_INVARIANT): each row's output is bit-identical whether computed alone or
+# inside a call of 2..4096 rows, for every bitrate and codebook, bf16 and fp16, with and
+# without bias.
+
+# Row counts crossing every BM tier and bucket boundary up to 4096.
+M_VALUES = (
+    2,
+    3,
+    15,
+    16,
+    17,
+    31,
+    33,
+    63,
+    64,
+    65,
+    100,
+    127,
+    128,
+    129,
+    255,
+    256,
+    257,
+    511,
+    512,
+    513,
+    1000,
+    1024,
+    1025,
+    2047,
+    2048,
+    2049,
+    4095,
+    4096,
+)
+K = 512
+WIDTHS = [256, 128]
+INVARIANT = vk.header(batch_invariant=1)
+
+
+@pytest.mark.parametrize("bits, codebook", vk.combos())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rows_do_not_depend_on_the_batch(
+    bits: float, codebook: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator(device="cuda")
+    gen.seed()
+    layer = vk.random_layer(gen, K, WIDTHS, bits, codebook)
+    x = torch.randn(max(M_VALUES), K, generator=gen, device="cuda").to(dtype)
+    bias = (
+        torch.randn(layer.n, generator=gen, device="cuda").to(dtype)
+        if bits % 2
+        else None
+    )
+
+    def op(rows: torch.Tensor) -> torch.Tensor:
+        return vk.exl3_op(
+            rows,
+            layer.trellis,
+            layer.suh,
+            layer.svh,
+            bias,
+            layer.widths,
+            layer.codebook,
+            plans=INVARIANT,
+        )
+
+    alone = torch.cat([op(x[i : i + 1]) for i in range(x.shape[0])])
+    assert bool(torch.isfinite(alone).all()), "non-finite output"
+    for m in M_VALUES:
+        y = op(x[:m])
+        diff = (y != alone[:m]).any(dim=1).nonzero().flatten()
+        assert diff.numel() == 0, (
+            f"bits {bits} cb {codebook} {dtype} m = {m}: rows "
+            f"{diff[:8].tolist()} differ from the same rows alone"
+        )
+
+
+def test_invariant_mode_refuses_other_plans() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layer = vk.random_layer(gen, K, [256], 4.0, 1)
+    x = torch.randn(8, K, generator=gen, device="cuda").to(torch.bfloat16)
+    split_entry = [8, 0, 16, 2, 0, 0, 1, 0]
+    with pytest.raises(RuntimeError, match="batch-invariant mode admits only"):
+        vk.exl3_op(
+            x,
+            layer.trellis,
+            layer.suh,
+            layer.svh,
+            None,
+            layer.widths,
+            1,
+            plans=INVARIANT + split_entry,
+        )
+    # The cost model keeps to the invariant engine whatever the pins ask for.
+    for m in (1, 64, 4096):
+        plan = torch.ops._C.exl3_plan(
+            layer.trellis,
+            1,
+            1,
+            True,
+            m,
+            vk.header(batch_invariant=1, reconstruct_m=1, wgmma=1, split_k=4),
+            1 << 30,
+        )
+        assert plan[1] == 0 and plan[3] == 1 and plan[4] == 0 and plan[5] == 0, (
+            m,
+            plan,
+        )
+
+
+# The op's memory and plans on a GPU: the split-k workspace is a torch allocation (it
+# shows in torch.cuda.memory_allocated, and the op allocates nothing outside torch's
+# allocator), the plan table's errors, and two fresh processes resolve identical plans
+# for every layer of the 4.0bpw fixture at every token-count bucket (plan_log.py).
+
+
+def non_torch_bytes() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free - torch.cuda.memory_reserved()
+
+
+def test_workspace_is_a_torch_allocation() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layer = vk.random_layer(gen, 1024, [16384], 4.0, 1)
+    split = vk.header(bm=128, split_k=2, reconstruct_m=0)
+    m = 4096
+    x = torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    ws = torch.zeros(m * layer.n, dtype=torch.float32, device="cuda")  # 256 MiB
+    assert torch.cuda.memory_allocated() - before >= m * layer.n * 4
+    # The op runs split-k through it and leaves it all zeros; outside torch's allocator
+    # the process gains nothing (the cuBLAS path's workspace is torch's too).
+    torch.ops._C.exl3_linear(
+        x[:1], layer.trellis, layer.suh, layer.svh, None, layer.widths, 1, split, ws
+    )  # context and first launches
+    torch.ops._C.exl3_linear(
+        x[:1],
+        layer.trellis,
+        layer.suh,
+        layer.svh,
+        None,
+        layer.widths,
+        1,
+        vk.header(reconstruct_m=1),
+        ws,
+    )
+    torch.cuda.synchronize()
+    base = non_torch_bytes()
+    plan = torch.ops._C.exl3_plan(layer.trellis, 1, 1, True, m, split, ws.numel())
+    assert plan[3] == 2, plan
+    y = torch.ops._C.exl3_linear(
+        x, layer.trellis, layer.suh, layer.svh, None, layer.widths, 1, split, ws
+    )
+    y2 = torch.ops._C.exl3_linear(
+        x,
+        layer.trellis,
+        layer.suh,
+        layer.svh,
+        None,
+        layer.widths,
+        1,
+        vk.header(reconstruct_m=1),
+        ws,
+    )
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(y).all()) and bool(torch.isfinite(y2).all())
+    assert not ws.any(), "the finish kernel must leave the workspace zeroed"
+    grown = non_torch_bytes() - base
+    assert grown < 8 << 20, f"{grown >> 20} MiB allocated outside torch's allocator"
+
+
+def test_too_small_workspace_runs_split_one() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    layer = vk.random_layer(gen, 1024, [1280], 4.0, 1)
+    split = vk.header(bm=16, split_k=4, reconstruct_m=0)
+    x = torch.randn(16, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    small = torch.zeros(16 * layer.n - 1, dtype=torch.float32, device="cuda")
+    assert (
+        torch.ops._C.exl3_plan(layer.trellis, 1, 1, True, 16, split, small.numel())[3]
+        == 1
+    )
+    y = torch.ops._C.exl3_linear(
+        x, layer.trellis, layer.suh, layer.svh, None, layer.widths, 1, split, small
+    )
+    ok, rel, mx = vk.within(y, vk.reference_y(x, layer, None))
+    assert ok, (rel, mx)
+
+
+@pytest.mark.parametrize(
+    "plans, message",
+    [
+        ([2, 0, -1, 0, 0, -1, -1, -1, -1, 250], "plans version 2"),
+        ([1, 8, -1, 0, 0, -1, -1, -1, -1, 250], "unknown plan flags"),
+        ([1, 0, -1, 0, 0, -1, -1, -1, -1], "the header alone"),
+        (vk.FREE_HEADER + [16, 3, 16, 1, 0, 0, 1, 0], "unknown path 3"),
+        (vk.FREE_HEADER + [16, 0, 48, 1, 0, 0, 1, 0], "is not an mma.sync tier"),
+        (vk.FREE_HEADER + [16, 0, 16, 64, 0, 0, 1, 0], "split_k 64 is outside"),
+        (vk.FREE_HEADER + [16, 0, 64, 1, 0, 12, 1, 0], "stream-k is built only"),
+        (vk.FREE_HEADER + [16, 0, 16, 1, 0, 0, 1], "not a multiple of 8"),
+        (
+            vk.FREE_HEADER + [16, 0, 16, 1, 0, 0, 1, 0, 8, 0, 16, 1, 0, 0, 1, 0],
+            "above the previous",
+        ),
+        (vk.header(deterministic=1) + [16, 0, 16, 2, 0, 0, 1, 0], "deterministic mode"),
+    ],
+)
+def test_plan_table_errors(plans: list[int], message: str) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    layer = vk.random_layer(gen, 1024, [256], 4.0, 1)
+    x = torch.randn(4, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=message):
+        vk.exl3_op(
+            x, layer.trellis, layer.suh, layer.svh, None, layer.widths, 1, plans=plans
+        )
+
+
+def test_wgmma_entry_needs_the_engine() -> None:
+    if vk.wgmma_engine():
+        pytest.skip("this device has the wgmma engine")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    layer = vk.random_layer(gen, 1024, [256], 4.0, 1)
+    x = torch.randn(64, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="sm_90a build"):
+        vk.exl3_op(
+            x,
+            layer.trellis,
+            layer.suh,
+            layer.svh,
+            None,
+            layer.widths,
+            1,
+            plans=vk.FREE_HEADER + [64, 0, 64, 1, 1, 0, 1, 0],
+        )
+
+
+def test_two_processes_log_identical_plans(tmp_path) -> None:
+    logs = []
+    for i in range(2):
+        r = subprocess.run(
+            [sys.executable, str(HERE / "plan_log.py")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        logs.append(r.stdout)
+        (tmp_path / f"plans_{i}.log").write_text(r.stdout)
+    lines = logs[0].splitlines()
+    assert len(lines) > 100, logs[0][-2000:]
+    assert logs[0] == logs[1], "two fresh processes resolved different plans"
