@@ -4,8 +4,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from exl3_harness import FIXTURES, gloo_world
+
+# tests/synthetic_checkpoint.py lives one folder up; importable before any test
+# module imports it.
+TESTS = str(Path(__file__).resolve().parents[1])
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,447 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""EXL3 MoE checks: bad checkpoints fail closed, and the op's host side without a GPU.
+
+Bad EXL3 MoE checkpoints name the checkpoint tensor and the rule: a missing expert, an
+expert of another shape, a bitrate quantization_config.json does not claim, mixed
+codebooks in one layer, a tensor never loaded, a tensor loaded twice. Each starts from
+the real qwen3moe-e16 3.0 bpw subset and changes one thing.
+
+A spawned process defines `_C::exl3_moe` from the schema in csrc (so the two cannot
+drift) with a CPU stand-in (the reference MoE kernel, ignoring the alignment), after
+which `load_exl3_moe_op` finds it and registers the fake: fake tensors and torch.compile
+get the output's shape and dtype from it, and the wrapper reaches the op. The CUDA
+kernel class's host-side parts (rate table checks, block-size rule) are plain Python and
+are checked here too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from moe_checkpoints import assemble
+from safetensors.torch import load_file, save_file
+from test_exl3_moe import build_moe, run_moe
+
+NAME = "qwen3moe-e16-3.0bpw-mcg"
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def edited(tmp_path, edit_tensors=None, edit_storage=None):
+    """The assembled fixture with its safetensors and/or tensor_storage edited in
+    place.
+    """
+    ckpt = assemble(NAME, tmp_path / "ckpt")
+    if edit_tensors is not None:
+        named = load_file(str(ckpt / "model.safetensors"))
+        edit_tensors(named)
+        save_file(named, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    if edit_storage is not None:
+        path = ckpt / "quantization_config.json"
+        document = json.loads(path.read_text())
+        edit_storage(document["tensor_storage"])
+        path.write_text(json.dumps(document))
+    return ckpt
+
+
+def drop(prefix):
+    def edit(named):
+        for k in [k for k in named if k.startswith(prefix + ".")]:
+            del named[k]
+
+    return edit
+
+
+def test_missing_expert(tmp_path, world1):
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    ckpt = edited(
+        tmp_path, drop(f"{EXPERTS}.5.up_proj"), lambda s: s.pop(f"{EXPERTS}.5.up_proj")
+    )
+    with pytest.raises(
+        Exl3LayoutError,
+        match=rf"{EXPERTS}\.5\.up_proj\.trellis: missing "
+        r"tensor \(expert 5's up projection",
+    ):
+        build_moe(ckpt, EXPERTS)
+
+
+def test_expert_of_another_shape(tmp_path, world1):
+    from exl3_harness import config_from_tensors
+    from vllm.model_executor.layers.quantization.exl3.checkpoint_files import (
+        Exl3FormatError,
+    )
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    def widen(named):
+        p = f"{EXPERTS}.3.gate_proj"
+        named[f"{p}.trellis"] = torch.cat([named[f"{p}.trellis"]] * 2, dim=1)
+        named[f"{p}.svh"] = torch.cat([named[f"{p}.svh"]] * 2)
+
+    ckpt = edited(tmp_path, widen)
+    # A local checkpoint: the whole-checkpoint validation rejects it against
+    # config.json.
+    with pytest.raises(
+        Exl3FormatError,
+        match=rf"{EXPERTS}\.3\.gate_proj\.trellis: stored "
+        r"k x n = 256 x 256, but config.json .* implies 256 x 128",
+    ):
+        build_moe(ckpt, EXPERTS)
+    # Described from its headers alone (as a hub checkpoint is): the MoE layer rejects
+    # it.
+    config = config_from_tensors(load_file(str(ckpt / "model.safetensors")))
+    with pytest.raises(
+        Exl3LayoutError,
+        match=rf"{EXPERTS}\.3\.gate_proj\.trellis: expert of "
+        r"shape k=256, n=256; the model's gate projection is k=256, n=128",
+    ):
+        build_moe(ckpt, EXPERTS, config=config)
+
+
+def test_bitrate_the_config_does_not_claim(tmp_path, world1):
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    def four_bits(named):
+        p = f"{EXPERTS}.7.down_proj"
+        t = named[f"{p}.trellis"]
+        named[f"{p}.trellis"] = torch.cat(
+            [t, t[..., :16]], dim=-1
+        )  # 48 -> 64 words: 4 bits
+
+    ckpt = edited(tmp_path, four_bits)
+    with pytest.raises(
+        Exl3LayoutError,
+        match=rf"{EXPERTS}\.7\.down_proj\.trellis: 4 bits per "
+        r"weight \(trellis width 64\), but quantization_config.json claims 3",
+    ):
+        build_moe(ckpt, EXPERTS)
+
+
+def test_mixed_codebooks(tmp_path, world1):
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    def three_inst(named):
+        del named[f"{EXPERTS}.2.up_proj.mcg"]
+
+    def storage(s):
+        s[f"{EXPERTS}.2.up_proj"].pop("mcg_multiplier")
+        s[f"{EXPERTS}.2.up_proj"]["stored_tensors"].pop(f"{EXPERTS}.2.up_proj.mcg")
+
+    ckpt = edited(tmp_path, three_inst, storage)
+    with pytest.raises(
+        Exl3LayoutError,
+        match=rf"{EXPERTS}: the experts of one layer mix "
+        r"codebooks \(.*THREE_INST",
+    ):
+        build_moe(ckpt, EXPERTS)
+
+
+def _load_all_but(ckpt, skip: str | None, twice: str | None = None):
+    """FusedMoE for the fixture layer, fed every expert tensor except `skip` (one
+    `twice`)."""
+    from exl3_harness import config_for
+    from moe_oracle import softmax_topk
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+
+    get_current_vllm_config().compilation_config.static_forward_context.pop(
+        EXPERTS, None
+    )
+    moe = FusedMoE(
+        num_experts=16,
+        top_k=4,
+        hidden_size=256,
+        intermediate_size=128,
+        params_dtype=torch.float32,
+        quant_config=config_for(ckpt),
+        prefix=EXPERTS,
+        custom_routing_function=softmax_topk,
+    )
+    named = load_file(str(ckpt / "model.safetensors"))
+    weights = [
+        (k[len(EXPERTS) + 1 :], v)
+        for k, v in named.items()
+        if k.startswith(EXPERTS + ".") and k != skip
+    ]
+    if twice is not None:
+        weights.append((twice[len(EXPERTS) + 1 :], named[twice]))
+    for _ in moe.load_weights(iter(weights)):
+        pass
+    moe.routed_experts.quant_method.process_weights_after_loading(moe.routed_experts)
+    return moe
+
+
+def test_tensor_never_loaded(tmp_path, world1):
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    ckpt = assemble(NAME, tmp_path / "ckpt")
+    with pytest.raises(
+        Exl3LayoutError,
+        match=rf"checkpoint tensors never loaded: "
+        rf"{EXPERTS}\.9\.down_proj\.svh$",
+    ):
+        _load_all_but(ckpt, f"{EXPERTS}.9.down_proj.svh")
+
+
+def test_tensor_loaded_twice(tmp_path, world1):
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    ckpt = assemble(NAME, tmp_path / "ckpt")
+    name = f"{EXPERTS}.4.gate_proj.trellis"
+    with pytest.raises(
+        Exl3LayoutError,
+        match=rf"{name} -> {EXPERTS} \(rank 0\): region "
+        rf"already written by {name}",
+    ):
+        _load_all_but(ckpt, None, twice=name)
+
+
+def test_wrong_marker_value(tmp_path, world1):
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    def corrupt(named):
+        named[f"{EXPERTS}.11.down_proj.mcg"] = torch.tensor(12345, dtype=torch.int32)
+
+    ckpt = edited(tmp_path, corrupt)
+    with pytest.raises(
+        Exl3LayoutError,
+        match=rf"{EXPERTS}\.11\.down_proj\.mcg \(rank 0\): "
+        r"marker value 12345",
+    ):
+        _load_all_but(ckpt, None)
+
+
+def test_complete_load_runs(tmp_path, world1):
+    """The control: the unedited subset loads by the same path and computes finite
+    output."""
+    ckpt = assemble(NAME, tmp_path / "ckpt")
+    moe = _load_all_but(ckpt, None)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    y = run_moe(
+        moe, x, torch.randn(5, 16, generator=torch.Generator().manual_seed(2)), world1
+    )
+    assert y.shape == (5, 256) and torch.isfinite(y).all() and y.abs().max() > 0
+
+
+# The MoE op's wrapper, fake implementation and host-side checks without a GPU.
+#
+# A spawned process defines `_C::exl3_moe` from the schema in csrc (so the two cannot
+# drift) with a CPU stand-in (the reference MoE kernel, ignoring the alignment), after
+# which `load_exl3_moe_op` finds it and registers the fake: fake tensors and
+# torch.compile get the output's shape and dtype from it, and the wrapper reaches the
+# op. The CUDA kernel class's host-side parts (rate table checks, block-size rule) are
+# plain Python and are checked here too.
+
+REPO = Path(__file__).resolve().parents[2]
+OPS_CPP = REPO / "csrc" / "quantization" / "exl3" / "exl3_moe_ops.cpp"
+LINEAR_OPS_CPP = REPO / "csrc" / "quantization" / "exl3" / "exl3_ops.cpp"
+
+
+def schemas(path: Path) -> list[str]:
+    """Every op schema a csrc file defines (its m.def string literals, joined)."""
+    blocks = re.findall(r'm\.def\(\s*((?:"[^"]*"\s*)+)\);', path.read_text())
+    assert blocks, f"no m.def(...) in {path.name}"
+    return ["".join(re.findall(r'"([^"]*)"', block)) for block in blocks]
+
+
+def moe_schema() -> str:
+    return schemas(OPS_CPP)[0]
+
+
+def _layer(experts: int, h: int, i: int, bits: float):
+    from vllm.model_executor.layers.quantization.exl3.moe_kernels import Exl3MoEWeights
+
+    g = torch.Generator().manual_seed(3)
+    k2 = int(2 * bits)
+    size13 = (h // 16) * (i // 16) * 8 * k2
+    size2 = (i // 16) * (h // 16) * 8 * k2
+    meta13 = torch.tensor(
+        [[[(2 * e + r) * size13, k2] for r in (0, 1)] for e in range(experts)]
+    )
+    meta2 = torch.tensor([[e * size2, k2] for e in range(experts)])
+
+    def scales(*shape: int) -> torch.Tensor:
+        return (0.5 + torch.rand(shape, generator=g)).half()
+
+    def words(n: int) -> torch.Tensor:
+        return torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(
+            torch.int16
+        )
+
+    return Exl3MoEWeights(
+        words(2 * experts * size13),
+        meta13,
+        scales(experts, 2, h),
+        scales(experts, 2 * i),
+        words(experts * size2),
+        meta2,
+        scales(experts, i),
+        scales(experts, h),
+        experts,
+        h,
+        i,
+    )
+
+
+def _main(_: int) -> None:
+    from vllm.model_executor.layers.quantization.exl3 import moe_ops
+    from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+        ReferenceExl3MoEKernel,
+    )
+
+    assert moe_ops.ops.load_exl3_ops.__wrapped__()[0] is False  # nothing registered yet
+    w = _layer(4, 128, 128, 2)
+    ref = ReferenceExl3MoEKernel()
+
+    def stand_in(
+        x,
+        topk_weights,
+        topk_ids,
+        sorted_ids,
+        expert_ids,
+        post_pad,
+        expert_map,
+        w13_trellis,
+        w13_meta,
+        w13_suh,
+        w13_svh,
+        w2_trellis,
+        w2_meta,
+        w2_suh,
+        w2_svh,
+        block_size,
+        w13_k2s,
+        w2_k2s,
+        global_num_experts,
+        codebook,
+        on_input,
+        det,
+    ):
+        return ref.apply(
+            x,
+            topk_weights,
+            topk_ids,
+            w,
+            activation="silu",
+            apply_router_weight_on_input=on_input,
+            expert_map=expert_map,
+            global_num_experts=global_num_experts,
+            codebook=codebook,
+            deterministic=det,
+        )
+
+    lib = torch.library.Library("_C", "FRAGMENT")
+    for schema in schemas(LINEAR_OPS_CPP):  # the dense ops the loader checks for first
+        lib.define(schema)
+    schema = moe_schema()
+    lib.define(schema)
+    lib.impl("exl3_moe", stand_in, "CPU")
+    assert moe_ops.load_exl3_moe_op() == (True, None)
+
+    # The fake takes the schema's arguments, by name and in order.
+    names = re.findall(r"(?:Tensor\??|int\[\]|int|bool) (\w+)", schema)
+    assert list(inspect.signature(moe_ops.exl3_moe_fake).parameters) == names
+
+    m, top_k = 5, 2
+    x = torch.randn(m, 128).to(torch.bfloat16)
+    topk_ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 3], [2, 0]], dtype=torch.int32)
+    topk_w = torch.rand(m, top_k)
+    sorted_ids = torch.arange(m * top_k, dtype=torch.int32)
+    expert_ids = torch.zeros(1, dtype=torch.int32)
+    post_pad = torch.tensor([16], dtype=torch.int32)
+    args = (
+        topk_w,
+        topk_ids,
+        sorted_ids,
+        expert_ids,
+        post_pad,
+        None,
+        w.w13_trellis,
+        w.w13_meta,
+        w.w13_suh,
+        w.w13_svh,
+        w.w2_trellis,
+        w.w2_meta,
+        w.w2_suh,
+        w.w2_svh,
+        16,
+        [4],
+        [4],
+        4,
+        1,
+        False,
+        True,
+    )
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fx = torch.empty(7, 128, dtype=torch.float16)
+        out = torch.ops._C.exl3_moe(fx, *args)
+        assert out.shape == (7, 128) and out.dtype == torch.float16
+
+    compiled = torch.compile(
+        lambda t: moe_ops.exl3_moe(t, *args), backend="aot_eager", fullgraph=True
+    )
+    y = compiled(x)
+    assert y.shape == (m, 128) and y.dtype == torch.bfloat16
+    expected = ref.apply(
+        x,
+        topk_w,
+        topk_ids,
+        w,
+        activation="silu",
+        apply_router_weight_on_input=False,
+        expert_map=None,
+        global_num_experts=4,
+        codebook=1,
+        deterministic=True,
+    )
+    assert torch.equal(y, expected)
+
+
+def test_moe_op_fake_and_wrapper() -> None:
+    mp.spawn(_main, nprocs=1, join=True)
+
+
+def test_rate_table_checks_name_the_entry() -> None:
+    from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+        CudaExl3MoEKernel,
+    )
+
+    kernel = CudaExl3MoEKernel()
+    w = _layer(3, 128, 256, 3)
+    assert kernel.rates(w, 1) == ([6], [6])
+    bad = w.w13_meta.clone()
+    bad[2, 1, 1] = 9
+    with pytest.raises(ValueError, match=r"w13_meta\[2, 1\]: k2 = 9"):
+        CudaExl3MoEKernel().rates(type(w)(**{**w.__dict__, "w13_meta": bad}), 1)
+    bad = w.w2_meta.clone()
+    bad[1, 0] += 4
+    with pytest.raises(ValueError, match=r"w2_meta\[1, 0\].*unaligned or outside"):
+        CudaExl3MoEKernel().rates(type(w)(**{**w.__dict__, "w2_meta": bad}), 1)
+    bad = w.w2_meta.clone()
+    bad[2, 0] += 8
+    with pytest.raises(ValueError, match=r"w2_meta\[2, 0\].*outside w2_trellis"):
+        CudaExl3MoEKernel().rates(type(w)(**{**w.__dict__, "w2_meta": bad}), 1)
+
+
+def test_block_size_rule() -> None:
+    from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+        CudaExl3MoEKernel,
+    )
+    from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
+
+    rule = CudaExl3MoEKernel.block_size
+    assert rule(1, 8, 128) == BLOCK_SIZES[0]  # decode: a 16-row block per routed pair
+    assert rule(256, 8, 128) == 16
+    assert rule(257, 8, 128) == 32
+    assert rule(1024, 8, 128) == 64
+    assert rule(4096, 8, 128) == BLOCK_SIZES[-1]
+    assert rule(8192, 2, 16) == BLOCK_SIZES[-1]
