@@ -70,13 +70,27 @@ class Exl3Kernel(ABC):
         raise NotImplementedError
 
 
+def cuda_kernel_unsupported(
+    device: torch.device, act_dtype: torch.dtype, min_capability: int
+) -> str | None:
+    """Why an EXL3 CUDA kernel cannot run weights on `device` with `act_dtype`
+    activations, or None when it can (the dense and the MoE kernels share the rule)."""
+    if device.type != "cuda":
+        return f"weights are on {device}, not a CUDA device"
+    capability = current_platform.get_device_capability()
+    if capability is None or capability.to_int() < min_capability:
+        return f"needs compute capability {min_capability}, have {capability}"
+    if act_dtype not in (torch.float16, torch.bfloat16):
+        return f"activations are {act_dtype}; the kernel takes fp16 or bf16"
+    return None
+
+
 class CudaExl3Kernel(Exl3Kernel):
     """The fused EXL3 GEMM (`torch.ops._C.exl3_linear`)."""
 
     # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
     MIN_CAPABILITY = 80
     uses_plans = True
-    ACT_DTYPES = (torch.float16, torch.bfloat16)
 
     def __init__(self) -> None:
         self.run_plans: list[list[int]] = []
@@ -91,19 +105,9 @@ class CudaExl3Kernel(Exl3Kernel):
 
     @classmethod
     def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:
-        if c.device.type != "cuda":
-            return False, f"weights are on {c.device}, not a CUDA device"
-        capability = current_platform.get_device_capability()
-        if capability is None or capability.to_int() < cls.MIN_CAPABILITY:
-            return (
-                False,
-                f"needs compute capability {cls.MIN_CAPABILITY}, have {capability}",
-            )
-        if c.act_dtype not in cls.ACT_DTYPES:
-            return (
-                False,
-                f"activations are {c.act_dtype}; the kernel takes fp16 or bf16",
-            )
+        why_not = cuda_kernel_unsupported(c.device, c.act_dtype, cls.MIN_CAPABILITY)
+        if why_not:
+            return False, why_not
         return ops.load_exl3_ops()
 
     def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook, run):

@@ -223,7 +223,6 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
 
     # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
     MIN_CAPABILITY = 80
-    ACT_DTYPES = (torch.float16, torch.bfloat16)
     # Block size: the smallest tier holding an expert's average row count. A block
     # decodes its expert's trellis columns once for all its rows, and decoding (not the
     # padded rows' MMAs) bounds the GEMM at these row counts, so fewer, fuller blocks
@@ -242,21 +241,11 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
                 False,
                 f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})",
             )
-        if c.device.type != "cuda":
-            return False, f"weights are on {c.device}, not a CUDA device"
-        from vllm.platforms import current_platform
+        from .kernels import cuda_kernel_unsupported
 
-        capability = current_platform.get_device_capability()
-        if capability is None or capability.to_int() < cls.MIN_CAPABILITY:
-            return (
-                False,
-                f"needs compute capability {cls.MIN_CAPABILITY}, have {capability}",
-            )
-        if c.act_dtype not in cls.ACT_DTYPES:
-            return (
-                False,
-                f"activations are {c.act_dtype}; the kernel takes fp16 or bf16",
-            )
+        why_not = cuda_kernel_unsupported(c.device, c.act_dtype, cls.MIN_CAPABILITY)
+        if why_not:
+            return False, why_not
         from . import moe_ops
 
         return moe_ops.load_exl3_moe_op()
