@@ -78,7 +78,7 @@ fi
 # The CUDA 13 libraries libtorch_cuda.so links against (import torch fails without them), at the
 # versions torch 2.11.0's wheel pins: its Requires-Dist names cudnn, cusparselt, nccl and nvshmem
 # directly and the rest through cuda-toolkit==13.0.2, whose extras pin the versions below
-# (tests/tooling/test_setup_env.py compares them with both wheels' metadata). cusolver, nvrtc
+# (tests/tooling/test_environments.py compares them with both wheels' metadata). cusolver, nvrtc
 # and nvtx, also in torch's list, are loaded only on use and are left out (~300 MB).
 "$P" install -q --no-deps \
   nvidia-cuda-runtime==13.0.96 nvidia-cuda-cupti==13.0.85 nvidia-cublas==13.1.0.3 \
@@ -91,7 +91,7 @@ fi
 # neither.
 "$P" install -q --no-deps nvidia-cuda-cuobjdump==13.2.51 nvidia-cuda-nvdisasm==13.2.51
 "$P" install -q --no-deps compressed-tensors==0.17.0
-# The Python lint test (tests/tooling/test_python_lint.py): scripts the CPU suite cannot run (the
+# The Python lint test (tests/tooling/test_repo_lint.py): scripts the CPU suite cannot run (the
 # GPU benchmarks) still get their names checked.
 "$P" install -q --no-deps pyflakes==4.1.0
 touch "$marker"
