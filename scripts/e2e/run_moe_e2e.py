@@ -147,16 +147,15 @@ def dequantized_twin(src: Path, out: Path) -> None:
     from vllm_exl3.dequantize import dequantize
 
     shutil.rmtree(out, ignore_errors=True)
+    cuda = torch.cuda.is_available()
     dequantize(
-        src,
-        out,
-        dtype="bfloat16",
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        progress=False,
+        src, out, dtype="bfloat16", device="cuda" if cuda else "cpu", progress=False
     )
-    for (
-        f
-    ) in src.iterdir():  # tokenizer and generation files, whatever dequantize left out
+    if cuda:
+        # The next engine sizes its KV cache from the free memory.
+        torch.cuda.empty_cache()
+    # Tokenizer and generation files, whatever dequantize left out.
+    for f in src.iterdir():
         if (
             f.is_file()
             and not (out / f.name).exists()
