@@ -19,7 +19,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch import nn
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed import (
     cleanup_dist_env_and_memory,
@@ -183,3 +185,33 @@ def checkpoint_copy(
         for f in (FIXTURES / "tokenizer").iterdir():
             os.symlink(f, dst / f.name)
     return dst
+
+
+CPU_ATTENTION_BACKEND = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+
+class CausalSdpa(nn.Module):
+    """Stands in for vLLM's Attention op: q/k/v [T, heads * head_dim] of one
+    sequence.
+    """
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.scale = (
+            heads,
+            kv_heads,
+            head_dim,
+            scale,
+        )
+
+    def forward(self, q, k, v):
+        t = q.shape[0]
+        q = q.view(t, self.heads, self.head_dim).transpose(0, 1)
+        k, v = (
+            z.view(t, self.kv_heads, self.head_dim)
+            .transpose(0, 1)
+            .repeat_interleave(self.heads // self.kv_heads, 0)
+            for z in (k, v)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.transpose(0, 1).reshape(t, self.heads * self.head_dim)

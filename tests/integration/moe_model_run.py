@@ -25,39 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from exl3_harness import CPU_ATTENTION_BACKEND, CausalSdpa
 from moe_checkpoints import decoded_modules
 from moe_oracle import expert_mlp, moe_reference
 from safetensors.torch import load_file
 from torch import nn
-
-CPU_ATTENTION_BACKEND = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
-
-
-class CausalSdpa(nn.Module):
-    """Stands in for vLLM's Attention op: q/k/v [T, heads * head_dim] of one
-    sequence.
-    """
-
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.scale = (
-            heads,
-            kv_heads,
-            head_dim,
-            scale,
-        )
-
-    def forward(self, q, k, v):
-        t = q.shape[0]
-        q = q.view(t, self.heads, self.head_dim).transpose(0, 1)
-        k, v = (
-            z.view(t, self.kv_heads, self.head_dim)
-            .transpose(0, 1)
-            .repeat_interleave(self.heads // self.kv_heads, 0)
-            for z in (k, v)
-        )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return out.transpose(0, 1).reshape(t, self.heads * self.head_dim)
 
 
 class CausalMla(nn.Module):

@@ -30,39 +30,19 @@ import math
 import pytest
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from exl3_harness import CKPT_3INST, CKPT_MCG, FIXTURES, checkpoint_copy, dense, tensors
+from exl3_harness import (
+    CKPT_3INST,
+    CKPT_MCG,
+    CPU_ATTENTION_BACKEND,
+    FIXTURES,
+    CausalSdpa,
+    checkpoint_copy,
+    dense,
+    tensors,
+)
 from torch import nn
 
-CPU_ATTENTION_BACKEND = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 TOKENS = 96
-
-
-class CausalSdpa(nn.Module):
-    """Stands in for vLLM's Attention op: q/k/v [T, heads * head_dim] of one
-    sequence.
-    """
-
-    def __init__(self, heads: int, kv_heads: int, head_dim: int, scale: float):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.scale = (
-            heads,
-            kv_heads,
-            head_dim,
-            scale,
-        )
-
-    def forward(self, q, k, v):
-        t = q.shape[0]
-        q = q.view(t, self.heads, self.head_dim).transpose(0, 1)
-        k, v = (
-            z.view(t, self.kv_heads, self.head_dim)
-            .transpose(0, 1)
-            .repeat_interleave(self.heads // self.kv_heads, 0)
-            for z in (k, v)
-        )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        return out.transpose(0, 1).reshape(t, self.heads * self.head_dim)
 
 
 def token_ids() -> torch.Tensor:
