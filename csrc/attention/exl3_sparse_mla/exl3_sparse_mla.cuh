@@ -1,0 +1,494 @@
+// SPDX-License-Identifier: Apache-2.0
+// Sparse MLA decode: for each query token, softmax(scale * q . K^T) . V over
+// the top-k KV rows its indexer selected, all heads sharing the rows (MQA).
+//
+// One CTA serves (token, 16 heads, one split of the top-k list). Its four
+// warps gather 32 selected rows per stage with cp.async (double-buffered), so
+// each row is read from HBM once per head group; the head groups of a token
+// are adjacent in the grid and run together, so with more than 16 heads the
+// repeated reads are served by L2. Tensor cores through mma.sync m16n8k16 bf16
+// (fp32 accumulation): the one MMA that exists on sm_90, sm_120 and sm_121.
+//   S = Q K^T: warp (wd, wn) multiplies half of D for 16 of the 32 rows; the
+//     two D-halves meet in shared memory (Q and K fragments are each loaded
+//     by two warps instead of four).
+//   softmax: 8 threads per head, online in fp32 with log2(e) folded into the
+//     scale; P goes to shared memory as bf16.
+//   O += P V: warp w owns output dims [128 w, 128 w + 128) of all 16 heads
+//     (64 fp32 accumulators per thread).
+// Split-k: with fewer CTAs than SMs, the top-k list is cut into splits whose
+// normalized partials (and log2 sum-exp) go to the workspace and a combine
+// kernel merges them; the split count depends only on (T, H, topk, SMs).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace vllm_exl3::sparse_mla {
+
+// One mma.sync m16 tile: heads of a CTA.
+constexpr int kHeadsPerCta = 16;
+// KV rows per pipeline stage: two warps x 16 rows in S = Q K^T.
+constexpr int kRowsPerTile = 32;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+// The latent (= V) width and the rope width of a 576-wide row.
+constexpr int kLatent = 512;
+constexpr int kRope = 64;
+// fp8_ds_mla row: 512 e4m3, 4 fp32 scales (one per 128 values), 64 bf16 rope.
+constexpr int kFp8ScaleGroup = 128;
+constexpr int kFp8ScaleOffset = kLatent;
+constexpr int kFp8RopeOffset = kFp8ScaleOffset + 4 * (kLatent / kFp8ScaleGroup);
+constexpr int kFp8RowBytes = kFp8RopeOffset + 2 * kRope;
+static_assert(kFp8RowBytes == 656, "vLLM's fp8_ds_mla row is 656 bytes");
+// Split-k: aim for this many CTAs per SM (two fit on Hopper by shared memory;
+// on sm_12x the second wave still hides the tail), never cut a split shorter
+// than kMinTilesPerSplit stages (the combine must stay cheap), and bound the
+// workspace with kMaxSplits.
+constexpr int kSplitTargetCtasPerSm = 2;
+constexpr int kMinTilesPerSplit = 2;
+constexpr int kMaxSplits = 64;
+
+// Split count of a problem: a pure function of its shape and the SM count, so
+// a captured CUDA graph replays the same launch. The Python wrapper mirrors it.
+inline int num_splits(int64_t tokens, int64_t heads, int64_t topk,
+                      int64_t sms) {
+  const int64_t groups = (heads + kHeadsPerCta - 1) / kHeadsPerCta;
+  const int64_t tiles = (topk + kRowsPerTile - 1) / kRowsPerTile;
+  const int64_t base = tokens * groups;
+  if (base <= 0 || base >= sms) return 1;
+  int64_t s = (kSplitTargetCtasPerSm * sms + base - 1) / base;
+  const int64_t by_len = tiles / kMinTilesPerSplit;
+  s = s < by_len ? s : by_len;
+  s = s < kMaxSplits ? s : kMaxSplits;
+  if (s <= 1) return 1;
+  const int64_t per = (tiles + s - 1) / s;
+  return static_cast<int>((tiles + per - 1) / per);
+}
+
+inline int tiles_per_split(int64_t topk, int splits) {
+  const int64_t tiles = (topk + kRowsPerTile - 1) / kRowsPerTile;
+  return static_cast<int>((tiles + splits - 1) / splits);
+}
+
+// Workspace: fp32 partial outputs [splits, T, H, 512] then log2 sum-exps
+// [splits, T, H]; nothing without split-k.
+inline int64_t workspace_bytes(int64_t tokens, int64_t heads, int64_t topk,
+                               int64_t sms) {
+  const int s = num_splits(tokens, heads, topk, sms);
+  if (s <= 1) return 0;
+  return int64_t{4} * s * tokens * heads * (kLatent + 1);
+}
+
+struct Params {
+  const void* q;  // bf16 [T, H, D], last dim contiguous
+  int64_t q_token_stride, q_head_stride;  // elements
+  const uint8_t* kv;                      // cache base
+  int64_t block_stride, row_stride;       // bytes
+  int64_t num_slots;                      // num_blocks * block_size
+  int block_size;
+  const int32_t* indices;  // [T, topk], last dim contiguous
+  int64_t indices_stride;
+  int topk;
+  float scale_log2;  // softmax scale * log2(e)
+  void* out;         // bf16 [T, H, 512], contiguous
+  float* lse;        // fp32 [T, H], contiguous
+  float* part_out;   // workspace (split-k only)
+  float* part_lse;
+  int num_tokens, num_heads, head_groups, num_splits, tiles_per_split;
+};
+
+// Shared-memory layout of one CTA; every region is 16-byte aligned.
+template <int kD, bool kFp8>
+struct SmemLayout {
+  // 16 bytes of padding per row: a row stride of 16 mod 128 bytes makes the
+  // eight row addresses of an ldmatrix hit distinct banks.
+  static constexpr int kPad = 8;
+  static constexpr int kStages = 2;
+  static constexpr int kQStride = kD + kPad;  // elements
+  // bf16 rows of the K/V tile (fp8: the dequantized latent only; the rope is
+  // bf16 already and read from the raw rows, whose 656-byte stride is also
+  // 16 mod 128).
+  static constexpr int kKvStride = (kFp8 ? kLatent : kD) + kPad;
+  static constexpr int kPStride = kRowsPerTile + kPad;
+  static constexpr int kQBytes = kHeadsPerCta * kQStride * 2;
+  static constexpr int kTileBytes = kRowsPerTile * kKvStride * 2;
+  static constexpr int kRawBytes = kFp8 ? kRowsPerTile * kFp8RowBytes : 0;
+  static constexpr int kQ = 0;
+  static constexpr int kKv = kQ + kQBytes;
+  static constexpr int kRaw = kKv + (kFp8 ? 1 : kStages) * kTileBytes;
+  static constexpr int kS = kRaw + kStages * kRawBytes;  // fp32 [2][16][32]
+  static constexpr int kP = kS + 2 * kHeadsPerCta * kRowsPerTile * 4;
+  static constexpr int kAlpha = kP + kHeadsPerCta * kPStride * 2;
+  static constexpr int kM = kAlpha + kHeadsPerCta * 4;
+  static constexpr int kL = kM + kHeadsPerCta * 4;
+  static constexpr int kValid = kL + kHeadsPerCta * 4;  // int [stages][32]
+  static constexpr int kBytes = kValid + kStages * kRowsPerTile * 4;
+};
+
+// sm_120 / sm_121 give a block at most 99 KB of shared memory; one layout
+// serves every arch.
+constexpr int kSmemLimitSm12x = 99 * 1024;
+static_assert(SmemLayout<576, false>::kBytes <= kSmemLimitSm12x, "bf16 576");
+static_assert(SmemLayout<512, false>::kBytes <= kSmemLimitSm12x, "bf16 512");
+static_assert(SmemLayout<576, true>::kBytes <= kSmemLimitSm12x, "fp8 576");
+
+// Launchers: bf16 rows of width d (576 or 512) and the split-k combine in
+// exl3_sparse_mla_bf16.cu, fp8_ds_mla rows (576) in exl3_sparse_mla_fp8.cu.
+void launch_decode_bf16(const Params& p, int d, cudaStream_t stream);
+void launch_decode_fp8(const Params& p, cudaStream_t stream);
+void launch_combine(const Params& p, cudaStream_t stream);
+
+}  // namespace vllm_exl3::sparse_mla
+
+#ifdef __CUDACC__
+  #include <cuda_bf16.h>
+  #include <cuda_fp8.h>
+
+  #include <cmath>
+
+namespace vllm_exl3::sparse_mla {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte cp.async; src_bytes 0 zero-fills the destination without reading.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src,
+                                           int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4],
+                                                  const void* p) {
+  asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, "
+      "[%4];\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "r"(smem_addr(p)));
+}
+
+// c += a . b: a 16x16 (row), b 16x8 (col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4],
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two e4m3 bytes times their group scale, as two bf16.
+__device__ __forceinline__ uint32_t dequant_e4m3x2(uint16_t bits, float s) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(bits), __NV_E4M3);
+  const float2 f = __half22float2(__half2(raw));
+  return pack_bf16(f.x * s, f.y * s);
+}
+
+template <int kD, bool kFp8>
+__global__ void __launch_bounds__(kThreads)
+    sparse_mla_decode_kernel(const __grid_constant__ Params p) {
+  static_assert(kD == 576 || kD == 512, "head size 576 or 512");
+  static_assert(!kFp8 || kD == 576, "fp8_ds_mla rows are 576 wide");
+  using L = SmemLayout<kD, kFp8>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem + L::kQ);
+  __nv_bfloat16* s_kv = reinterpret_cast<__nv_bfloat16*>(smem + L::kKv);
+  uint8_t* s_raw = smem + L::kRaw;
+  float* s_s = reinterpret_cast<float*>(smem + L::kS);
+  __nv_bfloat16* s_p = reinterpret_cast<__nv_bfloat16*>(smem + L::kP);
+  float* s_alpha = reinterpret_cast<float*>(smem + L::kAlpha);
+  float* s_m = reinterpret_cast<float*>(smem + L::kM);
+  float* s_l = reinterpret_cast<float*>(smem + L::kL);
+  int* s_valid = reinterpret_cast<int*>(smem + L::kValid);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tq = lane & 3;
+  // Head groups vary fastest: the CTAs of one token and split run together
+  // and share their KV rows through L2.
+  int bid = blockIdx.x;
+  const int group = bid % p.head_groups;
+  bid /= p.head_groups;
+  const int split = bid % p.num_splits;
+  const int t = bid / p.num_splits;
+  const int h0 = group * kHeadsPerCta;
+  const int begin = split * p.tiles_per_split * kRowsPerTile;
+  const int end = min(p.topk, begin + p.tiles_per_split * kRowsPerTile);
+  const int ntiles =
+      end > begin ? (end - begin + kRowsPerTile - 1) / kRowsPerTile : 0;
+
+  // Q: 16 heads x D; heads past H are zero rows (their results are dropped).
+  {
+    const int row = tid >> 3;
+    const int h = h0 + row;
+    const bool ok = h < p.num_heads;
+    const uint8_t* src =
+        ok ? static_cast<const uint8_t*>(p.q) +
+                 2 * (t * p.q_token_stride + h * p.q_head_stride)
+           : static_cast<const uint8_t*>(p.q);
+    uint8_t* dst = reinterpret_cast<uint8_t*>(s_q + row * L::kQStride);
+    for (int c = tid & 7; c < kD / 8; c += 8)
+      cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
+  }
+
+  // Gathers stage `stage` with the 32 rows of tile `tile`: 4 threads a row.
+  // Rows past the split, -1 and out-of-range slots are zero-filled (never
+  // read) and masked.
+  auto issue = [&](int tile, int stage) {
+    const int row = tid >> 2;
+    const int pos = begin + tile * kRowsPerTile + row;
+    int64_t slot = -1;
+    if (pos < end) slot = __ldg(p.indices + t * p.indices_stride + pos);
+    const bool ok = slot >= 0 && slot < p.num_slots;
+    const uint8_t* src = p.kv;
+    if (ok) {
+      const int64_t blk = slot / p.block_size;
+      src += blk * p.block_stride + (slot - blk * p.block_size) * p.row_stride;
+    }
+    if ((tid & 3) == 0) s_valid[stage * kRowsPerTile + row] = ok;
+    if constexpr (kFp8) {
+      uint8_t* dst = s_raw + stage * L::kRawBytes + row * kFp8RowBytes;
+      for (int c = tid & 3; c < kFp8RowBytes / 16; c += 4)
+        cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
+    } else {
+      uint8_t* dst = smem + L::kKv + stage * L::kTileBytes +
+                     row * L::kKvStride * 2;
+      for (int c = tid & 3; c < kD / 8; c += 4)
+        cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
+    }
+  };
+
+  if (ntiles > 0) issue(0, 0);
+  cp_async_commit();  // Q and the first stage
+
+  float acc[kLatent / kWarps / 8][4];
+  #pragma unroll
+  for (int i = 0; i < kLatent / kWarps / 8; ++i)
+    acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  // Softmax state of head tid / 8, kept identical by its 8 threads.
+  float m_run = -INFINITY, l_run = 0.f;
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    const int stage = tile & 1;
+    cp_async_wait_all();
+    // The stage is complete for every thread, and every warp is done with
+    // the other stage (read in the previous iteration) before it is refilled.
+    __syncthreads();
+    if (tile + 1 < ntiles) {
+      issue(tile + 1, stage ^ 1);
+      cp_async_commit();
+    }
+    const uint8_t* raw = s_raw + stage * L::kRawBytes;
+    const __nv_bfloat16* kv =
+        kFp8 ? s_kv : s_kv + stage * kRowsPerTile * L::kKvStride;
+
+    if constexpr (kFp8) {
+      // e4m3 x scale -> bf16 latent tile, 8 values per step.
+      const int row = tid >> 2;
+      const uint8_t* r = raw + row * kFp8RowBytes;
+      const float* scales = reinterpret_cast<const float*>(r + kFp8ScaleOffset);
+      #pragma unroll
+      for (int i = 0; i < kLatent / 8 / 4; ++i) {
+        const int c = (tid & 3) + 4 * i;  // 8-value group
+        const uint2 v = *reinterpret_cast<const uint2*>(r + 8 * c);
+        const float s = scales[(8 * c) / kFp8ScaleGroup];
+        uint4 o;
+        o.x = dequant_e4m3x2(static_cast<uint16_t>(v.x & 0xffff), s);
+        o.y = dequant_e4m3x2(static_cast<uint16_t>(v.x >> 16), s);
+        o.z = dequant_e4m3x2(static_cast<uint16_t>(v.y & 0xffff), s);
+        o.w = dequant_e4m3x2(static_cast<uint16_t>(v.y >> 16), s);
+        *reinterpret_cast<uint4*>(s_kv + row * L::kKvStride + 8 * c) = o;
+      }
+      __syncthreads();
+    }
+
+    // S = Q K^T: warp (wd, wn) takes D-half wd of rows [16 wn, 16 wn + 16).
+    {
+      const int wd = warp & 1, wn = warp >> 1;
+      constexpr int kHalfSteps = kD / 16 / 2;
+      float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      // ldmatrix lanes: A rows lane % 16, column block lane / 16; B matrices
+      // lane / 8 = (row block, column block) = (mi / 2, mi % 2).
+      const int mi = lane >> 3;
+      const int b_row = wn * 16 + (mi >> 1) * 8 + (lane & 7);
+      const int b_col = (mi & 1) * 8;
+      #pragma unroll
+      for (int ks = wd * kHalfSteps; ks < (wd + 1) * kHalfSteps; ++ks) {
+        const int d0 = ks * 16;
+        uint32_t a[4], b[4];
+        ldmatrix_x4(a, s_q + (lane & 15) * L::kQStride + d0 + (lane >> 4) * 8);
+        if (!kFp8 || d0 < kLatent)
+          ldmatrix_x4(b, kv + b_row * L::kKvStride + d0 + b_col);
+        else
+          ldmatrix_x4(b, raw + b_row * kFp8RowBytes + kFp8RopeOffset +
+                             2 * (d0 - kLatent + b_col));
+        mma_bf16(s_acc[0], a, b[0], b[1]);
+        mma_bf16(s_acc[1], a, b[2], b[3]);
+      }
+      float* ss = s_s + wd * kHeadsPerCta * kRowsPerTile;
+      #pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = wn * 16 + nt * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(ss + g * kRowsPerTile + col) =
+            make_float2(s_acc[nt][0], s_acc[nt][1]);
+        *reinterpret_cast<float2*>(ss + (g + 8) * kRowsPerTile + col) =
+            make_float2(s_acc[nt][2], s_acc[nt][3]);
+      }
+    }
+    __syncthreads();
+
+    // Online softmax: head tid / 8, columns 4 (tid % 8) .. + 3.
+    {
+      const int h = tid >> 3, c = (tid & 7) * 4;
+      const float4 x =
+          *reinterpret_cast<const float4*>(s_s + h * kRowsPerTile + c);
+      const float4 y = *reinterpret_cast<const float4*>(
+          s_s + (kHeadsPerCta + h) * kRowsPerTile + c);
+      const int* valid = s_valid + stage * kRowsPerTile + c;
+      float s[4] = {x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w};
+      float tile_max = -INFINITY;
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s[i] = valid[i] ? s[i] * p.scale_log2 : -INFINITY;
+        tile_max = fmaxf(tile_max, s[i]);
+      }
+      #pragma unroll
+      for (int o = 1; o < 8; o <<= 1)
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+      const float m_new = fmaxf(m_run, tile_max);
+      float alpha = 1.f, e[4] = {0.f, 0.f, 0.f, 0.f};
+      if (m_new != -INFINITY) {
+        alpha = exp2f(m_run - m_new);
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) e[i] = exp2f(s[i] - m_new);
+      }
+      // The sum uses the bf16 probabilities the MMA multiplies.
+      const uint32_t p01 = pack_bf16(e[0], e[1]), p23 = pack_bf16(e[2], e[3]);
+      const float2 f01 =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p01));
+      const float2 f23 =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p23));
+      float sum = (f01.x + f01.y) + (f23.x + f23.y);
+      #pragma unroll
+      for (int o = 1; o < 8; o <<= 1)
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      l_run = l_run * alpha + sum;
+      m_run = m_new;
+      *reinterpret_cast<uint2*>(s_p + h * L::kPStride + c) =
+          make_uint2(p01, p23);
+      if ((tid & 7) == 0) s_alpha[h] = alpha;
+    }
+    __syncthreads();
+
+    // O = alpha O + P V: warp w owns output dims [128 w, 128 w + 128).
+    {
+      const float a_lo = s_alpha[g], a_hi = s_alpha[g + 8];
+      #pragma unroll
+      for (int nt = 0; nt < kLatent / kWarps / 8; ++nt) {
+        acc[nt][0] *= a_lo;
+        acc[nt][1] *= a_lo;
+        acc[nt][2] *= a_hi;
+        acc[nt][3] *= a_hi;
+      }
+      const int mi = lane >> 3;
+      // ldmatrix.trans lanes: matrix mi = (column block mi / 2, row block
+      // mi % 2), so b[0], b[1] serve n-tile 2 np and b[2], b[3] n-tile 2 np+1.
+      const int v_row = (mi & 1) * 8 + (lane & 7);
+      const int v_col = warp * (kLatent / kWarps) + (mi >> 1) * 8;
+      #pragma unroll
+      for (int k0 = 0; k0 < kRowsPerTile; k0 += 16) {
+        uint32_t a[4];
+        ldmatrix_x4(a, s_p + (lane & 15) * L::kPStride + k0 + (lane >> 4) * 8);
+        #pragma unroll
+        for (int np = 0; np < kLatent / kWarps / 16; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(
+              b, kv + (k0 + v_row) * L::kKvStride + v_col + np * 16);
+          mma_bf16(acc[2 * np], a, b[0], b[1]);
+          mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  cp_async_wait_all();  // Q's copy when the split had no rows
+  if ((tid & 7) == 0) {
+    s_m[tid >> 3] = m_run;
+    s_l[tid >> 3] = l_run;
+  }
+  __syncthreads();
+
+  const bool direct = p.num_splits == 1;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = g + 8 * half;
+    const int h = h0 + row;
+    if (h >= p.num_heads) continue;
+    const float l = s_l[row];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int64_t th = static_cast<int64_t>(t) * p.num_heads + h;
+    #pragma unroll
+    for (int nt = 0; nt < kLatent / kWarps / 8; ++nt) {
+      const int dim = warp * (kLatent / kWarps) + nt * 8 + 2 * tq;
+      const float v0 = acc[nt][2 * half] * inv, v1 = acc[nt][2 * half + 1] * inv;
+      if (direct) {
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) +
+                                     th * kLatent + dim) = pack_bf16(v0, v1);
+      } else {
+        const int64_t pt =
+            static_cast<int64_t>(split) * p.num_tokens * p.num_heads + th;
+        *reinterpret_cast<float2*>(p.part_out + pt * kLatent + dim) =
+            make_float2(v0, v1);
+      }
+    }
+  }
+  if (tid < kHeadsPerCta && h0 + tid < p.num_heads) {
+    const float l = s_l[tid];
+    const float lse2 = l > 0.f ? s_m[tid] + log2f(l) : -INFINITY;
+    const int64_t th = static_cast<int64_t>(t) * p.num_heads + h0 + tid;
+    if (direct)
+      p.lse[th] = l > 0.f ? lse2 * kLn2 : -INFINITY;
+    else
+      p.part_lse[static_cast<int64_t>(split) * p.num_tokens * p.num_heads +
+                 th] = lse2;
+  }
+}
+
+template <int kD, bool kFp8>
+void launch_decode_kernel(const Params& p, cudaStream_t stream) {
+  constexpr int bytes = SmemLayout<kD, kFp8>::kBytes;
+  auto* kernel = &sparse_mla_decode_kernel<kD, kFp8>;
+  // A function attribute, not a stream operation: allowed while capturing.
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       bytes);
+  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_splits *
+                       p.head_groups;
+  kernel<<<static_cast<unsigned>(ctas), kThreads, bytes, stream>>>(p);
+}
+
+}  // namespace vllm_exl3::sparse_mla
+#endif  // __CUDACC__
