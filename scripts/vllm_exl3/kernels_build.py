@@ -3,7 +3,7 @@
 """Quick build of the EXL3 kernels into the standalone stable-ABI extension
 `_exl3_C.abi3.so`.
 
-Compiles `csrc/quantization/exl3/*` against the torch headers of the running Python
+Compiles `csrc/quantization/exl3/*` and `csrc/attention/exl3_sparse_mla/*` against the torch headers of the running Python
 (torch 2.11, stable ABI only) with the local nvcc, in parallel, one object per
 translation unit, and links them with `standalone_module.cpp` (the Python entry point).
 Importing the result registers `torch.ops._C.exl3_linear` / `exl3_reconstruct`. The full
@@ -29,6 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = REPO / "csrc" / "quantization" / "exl3"
+# Every directory whose translation units go into the extension (the sparse-MLA
+# attention kernel registers its op the same way).
+SOURCE_DIRS = (SOURCES, REPO / "csrc" / "attention" / "exl3_sparse_mla")
 EXTENSION = "_exl3_C.abi3.so"
 # Where `scripts/vllm-exl3 build` (build.KERNEL_BUILD_DIR) and the compile test both
 # build, so the objects one compiled are reused by the other.
@@ -149,7 +152,7 @@ def _stale(obj: Path, src: Path) -> bool:
     # Any header of the directory may be included by any source, and this file holds the
     # flags: rebuild when either is newer.
     newest = max(
-        [p.stat().st_mtime for p in SOURCES.iterdir() if p.is_file()]
+        [p.stat().st_mtime for d in SOURCE_DIRS for p in d.iterdir() if p.is_file()]
         + [Path(__file__).stat().st_mtime]
     )
     return obj.stat().st_mtime < max(newest, src.stat().st_mtime)
@@ -159,7 +162,7 @@ def _compile_commands(
     tc: Toolchain, archs: list[str], obj_dir: Path, with_standalone: bool
 ) -> list[tuple[Path, Path, list[str]]]:
     jobs = []
-    for src in sorted(SOURCES.iterdir()):
+    for src in sorted(p for d in SOURCE_DIRS for p in d.iterdir()):
         if src.suffix not in (".cu", ".cpp") or (
             src.name == STANDALONE and not with_standalone
         ):

@@ -40,7 +40,8 @@ def test_all_sources_compile_for_every_arch() -> None:
     )
     sources = sorted(
         p
-        for p in kernels_build.SOURCES.iterdir()
+        for d in kernels_build.SOURCE_DIRS
+        for p in d.iterdir()
         if p.suffix in (".cu", ".cpp") and p.name != kernels_build.STANDALONE
     )
     for src in sources:
