@@ -163,3 +163,45 @@ def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
         assert len(entries) == (8 if k2 % 2 else 24), r.stderr[-3000:]
         for name, spills, regs in entries:
             assert int(spills) == 0, (name, spills, regs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120", "sm_121"])
+def test_sparse_mla_kernels_fit_without_spills(tmp_path: Path, arch: str) -> None:
+    """The sparse-MLA decode kernels (bf16 576 / 512, fp8_ds_mla) and the split-k
+    combine compile for every target without local memory, within the register file
+    that two 128-thread CTAs per SM leave (the shared-memory layout fits sm_12x's 99 KB
+    per block: a static_assert of the header)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not available")
+    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
+    sources = kernels_build.SOURCE_DIRS[1]
+    entries = []
+    for unit in ("exl3_sparse_mla_bf16.cu", "exl3_sparse_mla_fp8.cu"):
+        r = subprocess.run(
+            [
+                "nvcc",
+                *flags,
+                "-cubin",
+                f"-arch={arch}",
+                "-Xptxas",
+                "-v",
+                str(sources / unit),
+                "-o",
+                str(tmp_path / f"{unit}.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "warning" not in r.stderr.lower(), r.stderr[-3000:]
+        entries += re.findall(
+            r"Compiling entry function '(\S*sparse_mla\S*)'.*?"
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores.*?Used (\d+) registers",
+            r.stderr,
+            re.S,
+        )
+    assert len(entries) == 4, entries
+    for name, stack, spills, regs in entries:
+        assert int(stack) == 0 and int(spills) == 0, (name, stack, spills)
+        assert int(regs) <= 255, (name, regs)
