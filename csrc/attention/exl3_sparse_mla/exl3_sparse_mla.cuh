@@ -8,9 +8,8 @@
 // are adjacent in the grid and run together, so with more than 16 heads the
 // repeated reads are served by L2. Tensor cores through mma.sync m16n8k16 bf16
 // (fp32 accumulation): the one MMA that exists on sm_90, sm_120 and sm_121.
-//   S = Q K^T: warp (wd, wn) multiplies half of D for 16 of the 32 rows; the
-//     two D-halves meet in shared memory (Q and K fragments are each loaded
-//     by two warps instead of four).
+//   S = Q K^T: warp (wd, wn) multiplies half of D for 16 of the 32 rows, its
+//     Q fragments in registers; the two D-halves meet in shared memory.
 //   softmax: 8 threads per head, online in fp32 with log2(e) folded into the
 //     scale; P goes to shared memory as bf16.
 //   O += P V: warp w owns output dims [128 w, 128 w + 128) of all 16 heads
@@ -285,6 +284,19 @@ __global__ void __launch_bounds__(kThreads)
   if (ntiles > 0) issue(0, 0);
   cp_async_commit();  // Q and the first stage
 
+  // Warp (wd, wn) of S = Q K^T: D-half wd, rows [16 wn, 16 wn + 16) of a
+  // stage. Its Q fragments stay in registers for the whole split (a third of
+  // the ldmatrix traffic otherwise).
+  const int wd = warp & 1, wn = warp >> 1;
+  constexpr int kHalfSteps = kD / 16 / 2;
+  uint32_t q_frag[kHalfSteps][4];
+  cp_async_wait_all();
+  __syncthreads();
+  #pragma unroll
+  for (int i = 0; i < kHalfSteps; ++i)
+    ldmatrix_x4(q_frag[i], s_q + (lane & 15) * L::kQStride +
+                               (wd * kHalfSteps + i) * 16 + (lane >> 4) * 8);
+
   float acc[kLatent / kWarps / 8][4];
   #pragma unroll
   for (int i = 0; i < kLatent / kWarps / 8; ++i)
@@ -328,8 +340,6 @@ __global__ void __launch_bounds__(kThreads)
 
     // S = Q K^T: warp (wd, wn) takes D-half wd of rows [16 wn, 16 wn + 16).
     {
-      const int wd = warp & 1, wn = warp >> 1;
-      constexpr int kHalfSteps = kD / 16 / 2;
       float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       // ldmatrix lanes: A rows lane % 16, column block lane / 16; B matrices
       // lane / 8 = (row block, column block) = (mi / 2, mi % 2).
@@ -337,17 +347,16 @@ __global__ void __launch_bounds__(kThreads)
       const int b_row = wn * 16 + (mi >> 1) * 8 + (lane & 7);
       const int b_col = (mi & 1) * 8;
       #pragma unroll
-      for (int ks = wd * kHalfSteps; ks < (wd + 1) * kHalfSteps; ++ks) {
-        const int d0 = ks * 16;
-        uint32_t a[4], b[4];
-        ldmatrix_x4(a, s_q + (lane & 15) * L::kQStride + d0 + (lane >> 4) * 8);
+      for (int i = 0; i < kHalfSteps; ++i) {
+        const int d0 = (wd * kHalfSteps + i) * 16;
+        uint32_t b[4];
         if (!kFp8 || d0 < kLatent)
           ldmatrix_x4(b, kv + b_row * L::kKvStride + d0 + b_col);
         else
           ldmatrix_x4(b, raw + b_row * kFp8RowBytes + kFp8RopeOffset +
                              2 * (d0 - kLatent + b_col));
-        mma_bf16(s_acc[0], a, b[0], b[1]);
-        mma_bf16(s_acc[1], a, b[2], b[3]);
+        mma_bf16(s_acc[0], q_frag[i], b[0], b[1]);
+        mma_bf16(s_acc[1], q_frag[i], b[2], b[3]);
       }
       float* ss = s_s + wd * kHeadsPerCta * kRowsPerTile;
       #pragma unroll
