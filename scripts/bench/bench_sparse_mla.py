@@ -230,20 +230,37 @@ def main(argv: list[str] | None = None) -> int:
             for context in args.contexts:
                 for batch in args.batches:
                     ours, theirs, note = run_case(
-                        fmt, heads, batch, context, args.topk, cache,
-                        args.block_size, args.iters, mla, fm,
+                        fmt,
+                        heads,
+                        batch,
+                        context,
+                        args.topk,
+                        cache,
+                        args.block_size,
+                        args.iters,
+                        mla,
+                        fm,
                     )
                     sel = batch * args.topk * ROW_BYTES[fmt]
-                    pct = lambda us: (  # noqa: E731
-                        None if us is None else 100 * sel / (us * 1e-6) / (args.copy_tbps * 1e12)
+                    bw = args.copy_tbps * 1e12
+                    pct_ours = 100 * sel / (ours * 1e-6) / bw
+                    pct_theirs = (
+                        None if theirs is None else 100 * sel / (theirs * 1e-6) / bw
                     )
                     rows.append(
                         dict(
-                            format=fmt, heads=heads, batch=batch, context=context,
-                            topk=args.topk, ours_us=ours, flashmla_us=theirs,
+                            format=fmt,
+                            heads=heads,
+                            batch=batch,
+                            context=context,
+                            topk=args.topk,
+                            ours_us=ours,
+                            flashmla_us=theirs,
                             ratio=None if theirs is None else ours / theirs,
-                            ours_pct_copy_bw=pct(ours), flashmla_pct_copy_bw=pct(theirs),
-                            selected_kv_bytes=sel, note=note,
+                            ours_pct_copy_bw=pct_ours,
+                            flashmla_pct_copy_bw=pct_theirs,
+                            selected_kv_bytes=sel,
+                            note=note,
                         )
                     )
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
@@ -253,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     def f(v, spec):
         return "n/a" if v is None else format(v, spec)
 
-    print("| cache | heads | batch | context | ours µs | FlashMLA µs | ours/FlashMLA "
-          "| ours % copy BW | FlashMLA % copy BW |")
+    print(
+        "| cache | heads | batch | context | ours µs | FlashMLA µs | ours/FlashMLA "
+        "| ours % copy BW | FlashMLA % copy BW |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -3,9 +3,10 @@
 """Quick build of the EXL3 kernels into the standalone stable-ABI extension
 `_exl3_C.abi3.so`.
 
-Compiles `csrc/quantization/exl3/*` and `csrc/attention/exl3_sparse_mla/*` against the torch headers of the running Python
-(torch 2.11, stable ABI only) with the local nvcc, in parallel, one object per
-translation unit, and links them with `standalone_module.cpp` (the Python entry point).
+Compiles `csrc/quantization/exl3/*` and `csrc/attention/exl3_sparse_mla/*` against the
+torch headers of the running Python (torch 2.11, stable ABI only) with the local nvcc,
+in parallel, one object per translation unit, and links them with
+`standalone_module.cpp` (the Python entry point).
 Importing the result registers `torch.ops._C.exl3_linear` / `exl3_reconstruct`. The full
 build compiles the same sources into vLLM's `_C_stable_libtorch` instead (a CMake
 source-list patch).
@@ -149,10 +150,16 @@ def _includes(tc: Toolchain) -> list[str]:
 def _stale(obj: Path, src: Path) -> bool:
     if not obj.exists():
         return True
-    # Any header of the directory may be included by any source, and this file holds the
-    # flags: rebuild when either is newer.
+    # Any header of the source's directory (or of the EXL3 directory, whose checks every
+    # op includes) may be included, and this file holds the flags: rebuild when either
+    # is newer.
     newest = max(
-        [p.stat().st_mtime for d in SOURCE_DIRS for p in d.iterdir() if p.is_file()]
+        [
+            p.stat().st_mtime
+            for d in {src.parent, SOURCES}
+            for p in d.iterdir()
+            if p.is_file()
+        ]
         + [Path(__file__).stat().st_mtime]
     )
     return obj.stat().st_mtime < max(newest, src.stat().st_mtime)

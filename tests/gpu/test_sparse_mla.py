@@ -144,12 +144,16 @@ def make_indices(case: Case, nb: int, gen: torch.Generator) -> torch.Tensor:
 
 def run_kernel(q, cache, idx, case, poison=True):
     t, h = q.shape[:2]
-    out = torch.full((t, h, mla.LATENT), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full(
+        (t, h, mla.LATENT), float("nan"), dtype=torch.bfloat16, device="cuda"
+    )
     lse = torch.full((t, h), float("nan"), device="cuda")
     ws = torch.full(
         (mla.workspace_bytes(t, h, case.topk),), 0xFF, dtype=torch.uint8, device="cuda"
     )
-    return mla.sparse_mla_decode(q, cache, idx, case.scale, case.kv_format, out, lse, ws)
+    return mla.sparse_mla_decode(
+        q, cache, idx, case.scale, case.kv_format, out, lse, ws
+    )
 
 
 def reference(q, cache, idx, case):
@@ -178,7 +182,11 @@ def compare(case: Case, seed: int, out, lse, ref_out, ref_lse, cache) -> list[st
     excess = torch.nan_to_num(err - bound, nan=float("inf"))
     if bool((excess > 0).any()):
         i = int(excess.flatten().argmax())
-        t, h, d = (i // (out.shape[1] * out.shape[2]), (i // out.shape[2]) % out.shape[1], i % out.shape[2])
+        t, h, d = (
+            i // (out.shape[1] * out.shape[2]),
+            (i // out.shape[2]) % out.shape[1],
+            i % out.shape[2],
+        )
         errs.append(
             f"out: {int((excess > 0).sum())} values out of bound; worst at "
             f"[t={t}, h={h}, d={d}] got {float(got[t, h, d]):.5g} ref "
@@ -228,7 +236,10 @@ CASES = [
     Case(tokens=5, heads=16, head_size=512),
     Case(tokens=2, heads=128, head_size=512, topk=512, pad_frac=0.3),
     # top-k lengths, -1 padding, contexts shorter than top-k, all -1 tokens
-    *(Case(tokens=3, heads=16, topk=k, context=8192, pad_frac=0.25) for k in (64, 512, 4096)),
+    *(
+        Case(tokens=3, heads=16, topk=k, context=8192, pad_frac=0.25)
+        for k in (64, 512, 4096)
+    ),
     Case(tokens=6, heads=32, topk=2048, context=1000, empty_tokens=2),
     Case(tokens=6, heads=32, topk=2048, context=1000, kv_format=FP8, empty_tokens=3),
     Case(tokens=1, heads=16, topk=64, context=64, empty_tokens=1),
@@ -324,7 +335,9 @@ def test_graph_replay_matches_eager(kv_format: int, tokens: int, heads: int) -> 
     out = torch.empty((tokens, heads, mla.LATENT), dtype=torch.bfloat16, device="cuda")
     lse = torch.empty((tokens, heads), device="cuda")
     ws = torch.empty(
-        (mla.workspace_bytes(tokens, heads, case.topk),), dtype=torch.uint8, device="cuda"
+        (mla.workspace_bytes(tokens, heads, case.topk),),
+        dtype=torch.uint8,
+        device="cuda",
     )
 
     def fill():
@@ -374,8 +387,14 @@ def test_bad_inputs_raise_named_errors() -> None:
     cases = [
         ("q must be bfloat16", dict(q=q.half())),
         ("head size must be 576", dict(q=q[..., :448])),
-        ("heads; 1..128", dict(q=torch.zeros((t, 129, 576), dtype=torch.bfloat16, device="cuda"))),
-        ("last dimension must be contiguous", dict(q=q.transpose(1, 2).contiguous().transpose(1, 2))),
+        (
+            "heads; 1..128",
+            dict(q=torch.zeros((t, 129, 576), dtype=torch.bfloat16, device="cuda")),
+        ),
+        (
+            "last dimension must be contiguous",
+            dict(q=q.transpose(1, 2).contiguous().transpose(1, 2)),
+        ),
         ("kv_format must be 0", dict(fmt=2)),
         ("fp8_ds_mla kv_cache (kv_format 1) must be uint8", dict(fmt=FP8)),
         ("rows do not match", dict(cache=cache[..., :512])),
@@ -405,9 +424,25 @@ def test_workspace_rule_matches_the_kernel() -> None:
     idx = torch.randint(0, 40 * 64, (t, k), dtype=torch.int32, device="cuda")
     out = torch.empty((t, h, 512), dtype=torch.bfloat16, device="cuda")
     lse = torch.empty((t, h), device="cuda")
-    _raw(q, cache, idx, BF16, out, lse, torch.empty(need, dtype=torch.uint8, device="cuda"))
+    _raw(
+        q,
+        cache,
+        idx,
+        BF16,
+        out,
+        lse,
+        torch.empty(need, dtype=torch.uint8, device="cuda"),
+    )
     with pytest.raises(RuntimeError, match="workspace_bytes"):
-        _raw(q, cache, idx, BF16, out, lse, torch.empty(need - 1, dtype=torch.uint8, device="cuda"))
+        _raw(
+            q,
+            cache,
+            idx,
+            BF16,
+            out,
+            lse,
+            torch.empty(need - 1, dtype=torch.uint8, device="cuda"),
+        )
 
 
 def test_wrapper_names_the_argument() -> None:

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The sparse-MLA decode wrapper without a GPU (vllm/v1/attention/ops/exl3_sparse_mla.py):
-its input checks, the split-k / workspace rule (the same as the C++ header's), the fp32
-reference against a float64 loop, the fp8_ds_mla row codec, and the fake implementation
-under torch.compile (a spawned process registers a CPU stand-in for the op)."""
+"""The sparse-MLA decode wrapper (vllm/v1/attention/ops/exl3_sparse_mla.py) without a
+GPU: its input checks, the split-k / workspace rule (the same as the C++ header's), the
+fp32 reference against a float64 loop, the fp8_ds_mla row codec, and the fake
+implementation under torch.compile (a spawned process registers a CPU stand-in)."""
 
 from __future__ import annotations
 
@@ -104,13 +104,18 @@ def test_splits_are_never_empty_and_cover_the_list(sms: int) -> None:
         (lambda a: a.update(cache=a["cache"][0]), "kv_cache must be [num_blocks"),
         (lambda a: a.update(cache=a["cache"][:0]), "is empty"),
         (
-            lambda a: a.update(cache=a["cache"].transpose(0, 2).contiguous().transpose(0, 2)),
+            lambda a: a.update(
+                cache=a["cache"].transpose(0, 2).contiguous().transpose(0, 2)
+            ),
             "kv_cache rows must be contiguous",
         ),
         (lambda a: a.update(idx=a["idx"].long()), "indices must be int32"),
         (lambda a: a.update(idx=a["idx"][:2]), "indices must be [tokens = 3, topk]"),
         (lambda a: a.update(idx=a["idx"][:, :0]), "topk (indices.shape[1]) must be"),
-        (lambda a: a.update(idx=a["idx"].t().contiguous().t()), "indices' last dimension"),
+        (
+            lambda a: a.update(idx=a["idx"].t().contiguous().t()),
+            "indices' last dimension",
+        ),
         (lambda a: a.update(scale=float("nan")), "scale must be finite"),
     ],
 )
@@ -127,11 +132,15 @@ def test_checks_name_the_argument(change, needle) -> None:
 def test_fp8_checks() -> None:
     q, cache, idx = inputs(fmt=1)
     # float8 storage is viewed as the uint8 rows the op reads
-    viewed, fmt = mla.check_inputs(q, cache.view(torch.float8_e4m3fn), idx, 0.1, "fp8_ds_mla")
+    viewed, fmt = mla.check_inputs(
+        q, cache.view(torch.float8_e4m3fn), idx, 0.1, "fp8_ds_mla"
+    )
     assert viewed.dtype == torch.uint8 and fmt == mla.KV_FORMAT_FP8_DS_MLA
     with pytest.raises(mla.SparseMLAInputError, match="656 bytes"):
         mla.check_inputs(q, cache[..., :640], idx, 0.1, 1)
-    with pytest.raises(mla.SparseMLAInputError, match="576-wide rows but q's head size is 512"):
+    with pytest.raises(
+        mla.SparseMLAInputError, match="576-wide rows but q's head size is 512"
+    ):
         mla.check_inputs(q[..., :512], cache, idx, 0.1, 1)
 
 
@@ -229,7 +238,9 @@ def _compile_with_stand_in(conn) -> None:
             q, cache, idx
         )
         ref_out, ref_lse = mla.sparse_mla_reference(q, cache, idx, 0.3, 0)
-        torch.testing.assert_close(got_out.float(), 2 * ref_out.to(torch.bfloat16).float())
+        torch.testing.assert_close(
+            got_out.float(), 2 * ref_out.to(torch.bfloat16).float()
+        )
         torch.testing.assert_close(got_lse, ref_lse)
         conn.send(None)
     except BaseException as e:  # report to the parent

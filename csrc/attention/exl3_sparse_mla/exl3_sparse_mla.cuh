@@ -80,7 +80,7 @@ inline int64_t workspace_bytes(int64_t tokens, int64_t heads, int64_t topk,
 }
 
 struct Params {
-  const void* q;  // bf16 [T, H, D], last dim contiguous
+  const void* q;                          // bf16 [T, H, D], last dim contiguous
   int64_t q_token_stride, q_head_stride;  // elements
   const uint8_t* kv;                      // cache base
   int64_t block_stride, row_stride;       // bytes
@@ -158,10 +158,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte cp.async; src_bytes 0 zero-fills the destination without reading.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src,
                                            int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(src_bytes)
-               : "memory");
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
+      "l"(src), "r"(src_bytes)
+      : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -274,8 +274,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int c = tid & 3; c < kFp8RowBytes / 16; c += 4)
         cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
     } else {
-      uint8_t* dst = smem + L::kKv + stage * L::kTileBytes +
-                     row * L::kKvStride * 2;
+      uint8_t* dst =
+          smem + L::kKv + stage * L::kTileBytes + row * L::kKvStride * 2;
       for (int c = tid & 3; c < kD / 8; c += 4)
         cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
     }
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(kThreads)
       const int row = tid >> 2;
       const uint8_t* r = raw + row * kFp8RowBytes;
       const float* scales = reinterpret_cast<const float*>(r + kFp8ScaleOffset);
-      #pragma unroll
+  #pragma unroll
       for (int i = 0; i < kLatent / 8 / 4; ++i) {
         const int c = (tid & 3) + 4 * i;  // 8-value group
         const uint2 v = *reinterpret_cast<const uint2*>(r + 8 * c);
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads)
       const int mi = lane >> 3;
       const int b_row = wn * 16 + (mi >> 1) * 8 + (lane & 7);
       const int b_col = (mi & 1) * 8;
-      #pragma unroll
+  #pragma unroll
       for (int i = 0; i < kHalfSteps; ++i) {
         const int d0 = (wd * kHalfSteps + i) * 16;
         uint32_t b[4];
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kThreads)
         mma_bf16(s_acc[1], q_frag[i], b[2], b[3]);
       }
       float* ss = s_s + wd * kHeadsPerCta * kRowsPerTile;
-      #pragma unroll
+  #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = wn * 16 + nt * 8 + 2 * tq;
         *reinterpret_cast<float2*>(ss + g * kRowsPerTile + col) =
@@ -380,19 +380,19 @@ __global__ void __launch_bounds__(kThreads)
       const int* valid = s_valid + stage * kRowsPerTile + c;
       float s[4] = {x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w};
       float tile_max = -INFINITY;
-      #pragma unroll
+  #pragma unroll
       for (int i = 0; i < 4; ++i) {
         s[i] = valid[i] ? s[i] * p.scale_log2 : -INFINITY;
         tile_max = fmaxf(tile_max, s[i]);
       }
-      #pragma unroll
+  #pragma unroll
       for (int o = 1; o < 8; o <<= 1)
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
       const float m_new = fmaxf(m_run, tile_max);
       float alpha = 1.f, e[4] = {0.f, 0.f, 0.f, 0.f};
       if (m_new != -INFINITY) {
         alpha = exp2f(m_run - m_new);
-        #pragma unroll
+  #pragma unroll
         for (int i = 0; i < 4; ++i) e[i] = exp2f(s[i] - m_new);
       }
       // The sum uses the bf16 probabilities the MMA multiplies.
@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kThreads)
       const float2 f23 =
           __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p23));
       float sum = (f01.x + f01.y) + (f23.x + f23.y);
-      #pragma unroll
+  #pragma unroll
       for (int o = 1; o < 8; o <<= 1)
         sum += __shfl_xor_sync(0xffffffffu, sum, o);
       l_run = l_run * alpha + sum;
@@ -416,7 +416,7 @@ __global__ void __launch_bounds__(kThreads)
     // O = alpha O + P V: warp w owns output dims [128 w, 128 w + 128).
     {
       const float a_lo = s_alpha[g], a_hi = s_alpha[g + 8];
-      #pragma unroll
+  #pragma unroll
       for (int nt = 0; nt < kLatent / kWarps / 8; ++nt) {
         acc[nt][0] *= a_lo;
         acc[nt][1] *= a_lo;
@@ -428,15 +428,15 @@ __global__ void __launch_bounds__(kThreads)
       // mi % 2), so b[0], b[1] serve n-tile 2 np and b[2], b[3] n-tile 2 np+1.
       const int v_row = (mi & 1) * 8 + (lane & 7);
       const int v_col = warp * (kLatent / kWarps) + (mi >> 1) * 8;
-      #pragma unroll
+  #pragma unroll
       for (int k0 = 0; k0 < kRowsPerTile; k0 += 16) {
         uint32_t a[4];
         ldmatrix_x4(a, s_p + (lane & 15) * L::kPStride + k0 + (lane >> 4) * 8);
-        #pragma unroll
+  #pragma unroll
         for (int np = 0; np < kLatent / kWarps / 16; ++np) {
           uint32_t b[4];
-          ldmatrix_x4_trans(
-              b, kv + (k0 + v_row) * L::kKvStride + v_col + np * 16);
+          ldmatrix_x4_trans(b,
+                            kv + (k0 + v_row) * L::kKvStride + v_col + np * 16);
           mma_bf16(acc[2 * np], a, b[0], b[1]);
           mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
         }
@@ -460,10 +460,11 @@ __global__ void __launch_bounds__(kThreads)
     const float l = s_l[row];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const int64_t th = static_cast<int64_t>(t) * p.num_heads + h;
-    #pragma unroll
+  #pragma unroll
     for (int nt = 0; nt < kLatent / kWarps / 8; ++nt) {
       const int dim = warp * (kLatent / kWarps) + nt * 8 + 2 * tq;
-      const float v0 = acc[nt][2 * half] * inv, v1 = acc[nt][2 * half + 1] * inv;
+      const float v0 = acc[nt][2 * half] * inv,
+                  v1 = acc[nt][2 * half + 1] * inv;
       if (direct) {
         *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) +
                                      th * kLatent + dim) = pack_bf16(v0, v1);
@@ -494,8 +495,8 @@ void launch_decode_kernel(const Params& p, cudaStream_t stream) {
   // A function attribute, not a stream operation: allowed while capturing.
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        bytes);
-  const int64_t ctas = static_cast<int64_t>(p.num_tokens) * p.num_splits *
-                       p.head_groups;
+  const int64_t ctas =
+      static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
   kernel<<<static_cast<unsigned>(ctas), kThreads, bytes, stream>>>(p);
 }
 

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kCombineThreads)
       o[3] += w * v.w;
     }
     const float inv = 1.f / wsum;
-    #pragma unroll
+#pragma unroll
     for (int i = 0; i < 4; ++i) o[i] *= inv;
   }
   *reinterpret_cast<uint2*>(out) =

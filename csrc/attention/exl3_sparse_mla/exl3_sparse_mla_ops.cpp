@@ -73,15 +73,15 @@ void exl3_sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices,
   STD_TORCH_CHECK(q.is_cuda(), kOp, ": q must be a CUDA tensor");
   const int32_t dev = q.get_device_index();
   check_dtype(kOp, "q", q, ScalarType::BFloat16);
-  STD_TORCH_CHECK(q.dim() == 3, kOp, ": q must be [tokens, heads, head_size], got ",
-                  shape_str(q));
+  STD_TORCH_CHECK(q.dim() == 3, kOp,
+                  ": q must be [tokens, heads, head_size], got ", shape_str(q));
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   STD_TORCH_CHECK(D == 576 || D == 512, kOp,
                   ": q's head size must be 576 (512 latent + 64 rope) or 512, "
                   "got ",
                   D);
-  STD_TORCH_CHECK(H >= 1 && H <= kMaxHeads, kOp, ": q has ", H,
-                  " heads; 1..", kMaxHeads, " are supported");
+  STD_TORCH_CHECK(H >= 1 && H <= kMaxHeads, kOp, ": q has ", H, " heads; 1..",
+                  kMaxHeads, " are supported");
   STD_TORCH_CHECK(q.stride(2) == 1, kOp,
                   ": q's last dimension must be contiguous (stride 1), got ",
                   q.stride(2));
@@ -160,14 +160,14 @@ void exl3_sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices,
   // out / lse: written in full.
   check_tensor(kOp, "out", out, 3, dev, kChunk);
   check_dtype(kOp, "out", out, ScalarType::BFloat16);
-  STD_TORCH_CHECK(out.size(0) == T && out.size(1) == H &&
-                      out.size(2) == mla::kLatent,
-                  kOp, ": out must be [", T, ", ", H, ", ", mla::kLatent,
-                  "], got ", shape_str(out));
+  STD_TORCH_CHECK(
+      out.size(0) == T && out.size(1) == H && out.size(2) == mla::kLatent, kOp,
+      ": out must be [", T, ", ", H, ", ", mla::kLatent, "], got ",
+      shape_str(out));
   check_tensor(kOp, "lse", lse, 2, dev, 4);
   check_dtype(kOp, "lse", lse, ScalarType::Float);
-  STD_TORCH_CHECK(lse.size(0) == T && lse.size(1) == H, kOp,
-                  ": lse must be [", T, ", ", H, "], got ", shape_str(lse));
+  STD_TORCH_CHECK(lse.size(0) == T && lse.size(1) == H, kOp, ": lse must be [",
+                  T, ", ", H, "], got ", shape_str(lse));
 
   const int64_t sms = sm_count(dev);
   const int splits = mla::num_splits(T, H, topk, sms);
@@ -179,9 +179,8 @@ void exl3_sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices,
   STD_TORCH_CHECK(workspace.is_contiguous(), kOp,
                   ": workspace must be contiguous");
   STD_TORCH_CHECK(workspace.numel() >= need, kOp, ": workspace has ",
-                  workspace.numel(), " bytes; this problem (", T,
-                  " tokens, ", H, " heads, topk ", topk, ", ", sms,
-                  " SMs) needs ", need,
+                  workspace.numel(), " bytes; this problem (", T, " tokens, ",
+                  H, " heads, topk ", topk, ", ", sms, " SMs) needs ", need,
                   " (exl3_sparse_mla.workspace_bytes)");
   STD_TORCH_CHECK(need == 0 || aligned(workspace, kChunk), kOp,
                   ": workspace must be 16-byte aligned");

@@ -117,9 +117,9 @@ def sparse_mla_decode_fake(
 
 
 def _needs_fake() -> bool:
-    return hasattr(torch.ops._C, OP) and not torch._C._dispatch_has_kernel_for_dispatch_key(
-        f"_C::{OP}", "Meta"
-    )
+    return hasattr(
+        torch.ops._C, OP
+    ) and not torch._C._dispatch_has_kernel_for_dispatch_key(f"_C::{OP}", "Meta")
 
 
 @functools.cache
@@ -150,9 +150,7 @@ def _kv_format_of(kv_format: int | str) -> int:
             "fp8_ds_mla": KV_FORMAT_FP8_DS_MLA,
         }
         if kv_format not in names:
-            _fail(
-                f"kv_format {kv_format!r} is not one of {sorted(names)} (or 0 / 1)"
-            )
+            _fail(f"kv_format {kv_format!r} is not one of {sorted(names)} (or 0 / 1)")
         return names[kv_format]
     if kv_format not in (KV_FORMAT_BF16, KV_FORMAT_FP8_DS_MLA):
         _fail(f"kv_format must be 0 (bf16 rows) or 1 (fp8_ds_mla), got {kv_format}")
@@ -189,13 +187,16 @@ def check_inputs(
     if q.stride(2) != 1:
         _fail(f"q's last dimension must be contiguous (stride 1), got {q.stride(2)}")
     if q.device.type == "cuda" and (
-        not _aligned(q) or (q.stride(0) * 2) % CHUNK_BYTES or (q.stride(1) * 2) % CHUNK_BYTES
+        not _aligned(q)
+        or (q.stride(0) * 2) % CHUNK_BYTES
+        or (q.stride(1) * 2) % CHUNK_BYTES
     ):
         _fail("q's data and its token and head strides must be 16-byte aligned")
     if kv_cache.device != q.device:
         _fail(f"kv_cache is on {kv_cache.device} but q is on {q.device}")
     if kv_cache.dim() != 3:
-        _fail(f"kv_cache must be [num_blocks, block_size, row], got {list(kv_cache.shape)}")
+        shape = list(kv_cache.shape)
+        _fail(f"kv_cache must be [num_blocks, block_size, row], got {shape}")
     if fmt == KV_FORMAT_FP8_DS_MLA:
         if kv_cache.element_size() != 1:
             _fail(
@@ -212,7 +213,9 @@ def check_inputs(
             _fail(f"the fp8_ds_mla cache holds 576-wide rows but q's head size is {d}")
     else:
         if kv_cache.dtype != torch.bfloat16:
-            _fail(f"a bf16 kv_cache (kv_format 0) must be bfloat16, got {kv_cache.dtype}")
+            _fail(
+                f"a bf16 kv_cache (kv_format 0) must be bfloat16, got {kv_cache.dtype}"
+            )
         if kv_cache.shape[2] != d:
             _fail(
                 f"kv_cache {list(kv_cache.shape)} rows do not match q's head size {d}"
@@ -266,7 +269,8 @@ def sparse_mla_decode(
     if lse is None:
         lse = q.new_empty((t, h), dtype=torch.float32)
     if out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h, LATENT):
-        _fail(f"out must be bfloat16 [{t}, {h}, {LATENT}], got {out.dtype} {list(out.shape)}")
+        got = f"{out.dtype} {list(out.shape)}"
+        _fail(f"out must be bfloat16 [{t}, {h}, {LATENT}], got {got}")
     if not out.is_contiguous():
         _fail("out must be contiguous")
     if lse.dtype != torch.float32 or tuple(lse.shape) != (t, h):
