@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # GPU CI for the EXL3 kernels, on a CUDA host: build the standalone extension for one arch, run
-# the GPU kernel tests (oracle, batch invariance, workspace, plan reproducibility), a
-# compute-sanitizer memcheck of the oracle's sample, and the plan tuner, writing everything
+# the GPU kernel tests (oracle, batch invariance, workspace, plan reproducibility, sparse MLA), a
+# compute-sanitizer memcheck of the oracle's sample and of sparse-MLA cases (with racecheck and
+# synccheck), and the plan tuner, writing everything
 # under $OUT (default ./gpu-kernels-out).
 #
 #   PY=python ARCH=9.0 OUT=/tmp/out bash ci/gpu_kernels.sh
@@ -38,6 +39,14 @@ step plan_log_b $PY tests/gpu/plan_log.py
 if cmp -s "$OUT/plan_log_a.log" "$OUT/plan_log_b.log"; then echo "   plans identical across processes"; else echo "   plans DIFFER"; status=1; fi
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 step memcheck "$SAN" --tool memcheck --error-exitcode 1 $PY tests/gpu/exl3_oracle.py --sample
+# Sparse-MLA decode: small cases covering a partial head group, fp8_ds_mla, split-k with the
+# combine, short lists, a strided cache; shared-memory races and barriers too.
+MLA_CASES="T4-H17-D576-bf16 or T3-H17-D576-fp8 or T4-H20-D576 or T1-H16-D576-bf16-k2048-ctx65536 \
+or T8-H16-D576-fp8-k2048-ctx4096-bs256-strided or T5-H16-D512"
+for tool in memcheck racecheck synccheck; do
+  step "sparse_mla_$tool" "$SAN" --tool $tool --error-exitcode 1 $PY -m pytest -q -m gpu \
+    tests/gpu/test_sparse_mla.py -k "test_matches_reference and ($MLA_CASES)"
+done
 step tune_plans $PY scripts/bench/tune_plans.py tests/fixtures/qwen3-tiny/exl3-4.0bpw \
   tests/fixtures/qwen3-tiny/exl3-3.0bpw-mcg --bench-shapes --dtype bfloat16 --dtype float16 \
   --out "$OUT/configs"
