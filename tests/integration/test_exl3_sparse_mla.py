@@ -79,6 +79,19 @@ def test_splits_are_never_empty_and_cover_the_list(sms: int) -> None:
                 assert need == (0 if s == 1 else 4 * s * t * h * 513)
 
 
+def test_max_workspace_covers_every_batch() -> None:
+    for sms in (8, 132, 188):
+        for h in (1, 16, 128):
+            for topk in (64, 2048, 4096):
+                for max_t in (1, 5, 64, 8192):
+                    top = mla.max_workspace_bytes(max_t, h, topk, sm_count=sms)
+                    need = [
+                        mla.workspace_bytes(t, h, topk, sm_count=sms)
+                        for t in range(1, min(max_t, 400) + 1)
+                    ]
+                    assert top == max(need), (sms, h, topk, max_t)
+
+
 # --- input checks -------------------------------------------------------------------
 
 

@@ -84,6 +84,12 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sm_count(device: torch.device | int | None) -> int:
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
 def workspace_bytes(
     num_tokens: int,
     num_heads: int,
@@ -95,11 +101,29 @@ def workspace_bytes(
     log-sum-exps of every split. A host function; `sm_count` defaults to the SM count
     of `device` (the current CUDA device)."""
     if sm_count is None:
-        dev = torch.device("cuda") if device is None else torch.device(device)
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        sm_count = _sm_count(index)
+        sm_count = _device_sm_count(device)
     s = num_splits(num_tokens, num_heads, topk, sm_count)
     return 0 if s <= 1 else 4 * s * num_tokens * num_heads * (LATENT + 1)
+
+
+def max_workspace_bytes(
+    max_tokens: int,
+    num_heads: int,
+    topk: int,
+    sm_count: int | None = None,
+    device: torch.device | int | None = None,
+) -> int:
+    """The largest `workspace_bytes` over 1..max_tokens tokens: one buffer, sized
+    once, serves every batch a backend (and its CUDA graphs) runs. Split-k only runs
+    below one CTA per SM, so the walk is short."""
+    if sm_count is None:
+        sm_count = _device_sm_count(device)
+    groups = -(-num_heads // HEADS_PER_CTA)
+    last = min(max_tokens, -(-sm_count // groups))
+    return max(
+        (workspace_bytes(t, num_heads, topk, sm_count) for t in range(1, last + 1)),
+        default=0,
+    )
 
 
 def sparse_mla_decode_fake(
