@@ -155,7 +155,8 @@ def test_from_source_requirement_check():
 
 # The CMake patch (0003) run by CMake: with vLLM's own cmake/utils.cmake, the EXL3 block
 # of the patched CMakeLists.txt picks the architectures and the sources (all of
-# csrc/quantization/exl3's .cu/.cpp but the quick build's standalone module) and gives
+# csrc/quantization/exl3's and csrc/attention/exl3_sparse_mla's .cu/.cpp but the quick
+# build's standalone module) and gives
 # each its gencode flags. A full configure of vLLM needs CUTLASS and seven other
 # repositories, so only the block runs.
 
@@ -225,9 +226,11 @@ def _configure(tree: Path, work: Path, archs: str) -> tuple[str, dict[str, str]]
     return archs_out, srcs
 
 
+SOURCE_DIRS = ("quantization/exl3", "attention/exl3_sparse_mla")
 EXPECTED = sorted(
     p.name
-    for p in (ROOT / "csrc/quantization/exl3").glob("*")
+    for d in SOURCE_DIRS
+    for p in (ROOT / "csrc" / d).glob("*")
     if p.suffix in (".cu", ".cpp") and p.name != "standalone_module.cpp"
 )
 
@@ -244,7 +247,9 @@ def test_exl3_sources_join_c_stable_libtorch(tmp_path, patched_tree, archs, expe
     got_archs, srcs = _configure(patched_tree, tmp_path, archs)
     assert set(got_archs.split(";")) == expected
     exl3 = {
-        Path(s).name: opts for s, opts in srcs.items() if "/quantization/exl3/" in s
+        Path(s).name: opts
+        for s, opts in srcs.items()
+        if any(f"/{d}/" in s for d in SOURCE_DIRS)
     }
     assert sorted(exl3) == EXPECTED
     for name, opts in exl3.items():
