@@ -342,6 +342,50 @@ def test_nan_never_passes() -> None:
 
 
 @pytest.mark.parametrize("kv_format", [BF16, FP8])
+@pytest.mark.parametrize("tokens", [2, 200])  # split-k and its combine; one pass
+def test_nan_inputs_reach_the_output(kv_format: int, tokens: int) -> None:
+    """A NaN in q or in a selected row gives NaN (out and lse) where the reference
+    has it, never zeros or a finite lse; every other head still matches."""
+    case = Case(tokens=tokens, heads=32, kv_format=kv_format, context=8192)
+    gen = torch.Generator(device="cuda")
+    seed = random.SystemRandom().randrange(2**31)
+    gen.manual_seed(seed)
+    cache, nb = make_cache(case, gen)
+    idx = make_indices(case, nb, gen)
+    q = torch.randn((tokens, 32, 576), generator=gen, device="cuda").to(torch.bfloat16)
+    q[0, 3] = float("nan")  # a whole head
+    q[1, 20, 7] = float("nan")  # one value of another
+    # a NaN in one selected row poisons every head of the token that selected it
+    slot = int(idx[1][idx[1] >= 0][0])
+    row = cache[slot // case.block_size, slot % case.block_size]
+    if kv_format == FP8:
+        row[mla.FP8_ROPE_OFFSET : mla.FP8_ROPE_OFFSET + 2] = torch.tensor(
+            [0xC0, 0x7F], dtype=torch.uint8, device="cuda"
+        )  # bf16 NaN in the rope
+    else:
+        row[100] = float("nan")
+    out, lse = run_kernel(q, cache, idx, case)
+    ref_out, ref_lse = reference(q, cache, idx, case)
+    nan_ref = torch.isnan(ref_lse)
+    assert bool(nan_ref[0, 3]) and bool(nan_ref[1].all()), "reference lost the NaN"
+    assert torch.equal(torch.isnan(lse), nan_ref), f"seed={seed}: lse NaN pattern"
+    assert torch.equal(
+        torch.isnan(out.float()).any(-1), torch.isnan(ref_out).any(-1)
+    ), f"seed={seed}: out NaN pattern"
+    keep = ~nan_ref
+    errs = compare(
+        case,
+        seed,
+        out[keep].unsqueeze(0),
+        lse[keep].unsqueeze(0),
+        ref_out[keep].unsqueeze(0),
+        ref_lse[keep].unsqueeze(0),
+        cache.masked_fill(torch.isnan(cache), 0) if kv_format == BF16 else cache,
+    )
+    assert not errs, "\n".join(errs)
+
+
+@pytest.mark.parametrize("kv_format", [BF16, FP8])
 @pytest.mark.parametrize("tokens,heads", [(1, 16), (3, 128), (200, 16)])
 def test_graph_replay_matches_eager(kv_format: int, tokens: int, heads: int) -> None:
     """Captured once, replayed on new indices and queries written into the same

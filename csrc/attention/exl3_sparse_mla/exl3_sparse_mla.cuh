@@ -380,15 +380,21 @@ __global__ void __launch_bounds__(kThreads)
       const int* valid = s_valid + stage * kRowsPerTile + c;
       float s[4] = {x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w};
       float tile_max = -INFINITY;
+      int nan_seen = 0;
   #pragma unroll
       for (int i = 0; i < 4; ++i) {
         s[i] = valid[i] ? s[i] * p.scale_log2 : -INFINITY;
+        nan_seen |= s[i] != s[i];
         tile_max = fmaxf(tile_max, s[i]);
       }
   #pragma unroll
-      for (int o = 1; o < 8; o <<= 1)
+      for (int o = 1; o < 8; o <<= 1) {
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
-      const float m_new = fmaxf(m_run, tile_max);
+        nan_seen |= __shfl_xor_sync(0xffffffffu, nan_seen, o);
+      }
+      // fmaxf drops NaN: a NaN score (NaN in q or a selected row) must poison
+      // the head's output and lse, not vanish from the maximum.
+      const float m_new = nan_seen ? NAN : fmaxf(m_run, tile_max);
       float alpha = 1.f, e[4] = {0.f, 0.f, 0.f, 0.f};
       if (m_new != -INFINITY) {
         alpha = exp2f(m_run - m_new);
@@ -458,7 +464,8 @@ __global__ void __launch_bounds__(kThreads)
     const int h = h0 + row;
     if (h >= p.num_heads) continue;
     const float l = s_l[row];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    // l = 0: no selected row (zeros); NaN: a NaN score, kept.
+    const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : NAN);
     const int64_t th = static_cast<int64_t>(t) * p.num_heads + h;
   #pragma unroll
     for (int nt = 0; nt < kLatent / kWarps / 8; ++nt) {
@@ -478,10 +485,11 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (tid < kHeadsPerCta && h0 + tid < p.num_heads) {
     const float l = s_l[tid];
-    const float lse2 = l > 0.f ? s_m[tid] + log2f(l) : -INFINITY;
+    const float lse2 =
+        l > 0.f ? s_m[tid] + log2f(l) : (l == 0.f ? -INFINITY : NAN);
     const int64_t th = static_cast<int64_t>(t) * p.num_heads + h0 + tid;
     if (direct)
-      p.lse[th] = l > 0.f ? lse2 * kLn2 : -INFINITY;
+      p.lse[th] = lse2 * kLn2;
     else
       p.part_lse[static_cast<int64_t>(split) * p.num_tokens * p.num_heads +
                  th] = lse2;

@@ -13,8 +13,14 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t th = blockIdx.x;
   const int64_t plane = static_cast<int64_t>(p.num_tokens) * p.num_heads;
   float best = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s)
-    best = fmaxf(best, p.part_lse[s * plane + th]);
+  bool nan_seen = false;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float v = p.part_lse[s * plane + th];
+    nan_seen |= v != v;
+    best = fmaxf(best, v);
+  }
+  // fmaxf drops NaN; a split that saw a NaN score poisons the result.
+  if (nan_seen) best = NAN;
   const int dim = threadIdx.x * 4;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + th * kLatent + dim;
   float o[4] = {0.f, 0.f, 0.f, 0.f};
