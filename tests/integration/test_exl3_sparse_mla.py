@@ -142,6 +142,16 @@ def test_checks_name_the_argument(change, needle) -> None:
     assert needle in str(ei.value), str(ei.value)
 
 
+def test_decode_on_cpu_tensors_says_why() -> None:
+    """Without the extension: the op is not available; with it: CPU tensors are
+    refused (either way an error naming the op, never a dispatcher trace)."""
+    q, cache, idx = inputs()
+    with pytest.raises(
+        (RuntimeError, mla.SparseMLAInputError), match="exl3_sparse_mla_decode"
+    ):
+        mla.sparse_mla_decode(q, cache, idx, 0.1, 0)
+
+
 def test_fp8_checks() -> None:
     q, cache, idx = inputs(fmt=1)
     # float8 storage is viewed as the uint8 rows the op reads

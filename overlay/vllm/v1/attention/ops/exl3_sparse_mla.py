@@ -315,6 +315,13 @@ def sparse_mla_decode(
         ok, why = load_sparse_mla_op()
         if not ok:
             raise RuntimeError(f"{OP} is not available: {why}")
+        if not q.is_cuda and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"_C::{OP}", "CPU"
+        ):
+            _fail(
+                f"q is on {q.device}: the kernel runs on CUDA tensors "
+                "(sparse_mla_reference is the CPU path)"
+            )
     torch.ops._C.exl3_sparse_mla_decode(
         q, kv_cache, indices, float(scale), fmt, out, lse, workspace
     )
