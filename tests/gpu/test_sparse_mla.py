@@ -75,6 +75,7 @@ class Case:
     strided: bool = False  # block and row strides beyond the packed row
     pad_frac: float = 0.0  # share of each token's top-k list set to -1
     empty_tokens: int = 0  # tokens whose list is all -1
+    junk_frac: float = 0.0  # share of slots past the cache or below -1 (count as none)
     scale: float = 192**-0.5
 
     @property
@@ -87,6 +88,7 @@ class Case:
             f"{'-strided' if self.strided else ''}"
             f"{f'-pad{self.pad_frac}' if self.pad_frac else ''}"
             f"{f'-empty{self.empty_tokens}' if self.empty_tokens else ''}"
+            f"{f'-junk{self.junk_frac}' if self.junk_frac else ''}"
             f"{f'-scale{self.scale:g}' if self.scale != 192**-0.5 else ''}"
         )
 
@@ -96,7 +98,8 @@ class Case:
             f"T={self.tokens} H={self.heads} D={self.head_size} {fmt} "
             f"topk={self.topk} ctx={self.context} bs={self.block_size}"
             f"{' strided' if self.strided else ''} pad={self.pad_frac}"
-            f" empty={self.empty_tokens} scale={self.scale:.4g}"
+            f" empty={self.empty_tokens} junk={self.junk_frac}"
+            f" scale={self.scale:.4g}"
         )
 
 
@@ -150,6 +153,14 @@ def make_indices(case: Case, nb: int, gen: torch.Generator) -> torch.Tensor:
     if case.pad_frac:
         drop = torch.rand((t, k), generator=gen, device="cuda") < case.pad_frac
         slots = slots.masked_fill(drop, -1)
+    if case.junk_frac:
+        junk = torch.rand((t, k), generator=gen, device="cuda") < case.junk_frac
+        far = torch.randint(nb * bs, 2**31 - 1, (t, k), generator=gen, device="cuda")
+        low = -torch.randint(2, 2**31 - 1, (t, k), generator=gen, device="cuda")
+        bad = torch.where(
+            torch.rand((t, k), generator=gen, device="cuda") < 0.5, far, low
+        )
+        slots = torch.where(junk, bad, slots)
     if case.empty_tokens:
         which = torch.randperm(t, generator=gen, device="cuda")[: case.empty_tokens]
         slots[which] = -1
@@ -278,6 +289,9 @@ CASES = [
     Case(tokens=128, heads=64, topk=2048, context=8192, kv_format=FP8),
     Case(tokens=512, heads=16, topk=2048, context=8192),
     Case(tokens=512, heads=128, topk=512, context=4096, kv_format=FP8, empty_tokens=5),
+    # slots outside the cache count as none (never read)
+    Case(tokens=4, heads=16, junk_frac=0.2),
+    Case(tokens=2, heads=16, junk_frac=0.3, kv_format=FP8, context=65536),
     # peaky softmax: the online max must rescale correctly
     Case(tokens=4, heads=16, scale=1.0),
     Case(tokens=4, heads=16, scale=1.0, kv_format=FP8),
