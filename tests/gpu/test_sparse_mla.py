@@ -169,7 +169,7 @@ def make_indices(case: Case, nb: int, gen: torch.Generator) -> torch.Tensor:
     return torch.gather(slots, 1, perm).to(torch.int32).contiguous()
 
 
-def run_kernel(q, cache, idx, case, poison=True):
+def run_kernel(q, cache, idx, case):
     t, h = q.shape[:2]
     out = torch.full(
         (t, h, mla.LATENT), float("nan"), dtype=torch.bfloat16, device="cuda"
