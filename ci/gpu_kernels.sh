@@ -39,10 +39,10 @@ step plan_log_b $PY tests/gpu/plan_log.py
 if cmp -s "$OUT/plan_log_a.log" "$OUT/plan_log_b.log"; then echo "   plans identical across processes"; else echo "   plans DIFFER"; status=1; fi
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 step memcheck "$SAN" --tool memcheck --error-exitcode 1 $PY tests/gpu/exl3_oracle.py --sample
-# Sparse-MLA decode: small cases covering a partial head group, fp8_ds_mla, split-k with the
-# combine, short lists, a strided cache; shared-memory races and barriers too.
+# Sparse-MLA decode: small cases covering partial head groups of 16 and 32 heads, fp8_ds_mla,
+# split-k with the combine, short lists, a strided cache; shared-memory races and barriers too.
 MLA_CASES="T4-H17-D576-bf16 or T3-H17-D576-fp8 or T4-H20-D576 or T1-H16-D576-bf16-k2048-ctx65536 \
-or T8-H16-D576-fp8-k2048-ctx4096-bs256-strided or T5-H16-D512"
+or T8-H16-D576-fp8-k2048-ctx4096-bs256-strided or T5-H16-D512 or T4-H100-D576 or T3-H64-D576-fp8"
 for tool in memcheck racecheck synccheck; do
   step "sparse_mla_$tool" "$SAN" --tool $tool --error-exitcode 1 $PY -m pytest -q -m gpu \
     tests/gpu/test_sparse_mla.py -k "test_matches_reference and ($MLA_CASES)"

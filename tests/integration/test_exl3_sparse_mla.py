@@ -36,7 +36,8 @@ def inputs(t=3, h=5, d=576, topk=7, nb=4, bs=8, fmt=0, seed=0):
 def test_constants_mirror_the_cuda_header() -> None:
     text = HEADER.read_text()
     for name, value in {
-        "kHeadsPerCta": mla.HEADS_PER_CTA,
+        "kHeadsPerMma": mla.HEADS_PER_MMA,
+        "kTwoTileMinHeads": mla.TWO_TILE_MIN_HEADS,
         "kRowsPerTile": mla.ROWS_PER_TILE,
         "kSplitTargetCtasPerSm": mla.SPLIT_TARGET_CTAS_PER_SM,
         "kMinTilesPerSplit": mla.MIN_TILES_PER_SPLIT,
@@ -52,12 +53,21 @@ def test_constants_mirror_the_cuda_header() -> None:
 def test_split_rule() -> None:
     # enough CTAs without splitting: one pass, no workspace
     assert mla.num_splits(132, 16, 2048, 132) == 1
-    assert mla.num_splits(17, 128, 2048, 132) == 1
+    assert mla.num_splits(33, 128, 2048, 132) == 1  # 4 groups of 32 heads
+    assert [mla.head_groups(h) for h in (1, 16, 17, 63, 64, 100, 128)] == [
+        1,
+        1,
+        2,
+        4,
+        2,
+        4,
+        4,
+    ]
     assert mla.workspace_bytes(132, 16, 2048, sm_count=132) == 0
     # one token: 64 tiles cut into 32 splits of 2 (the minimum length)
     assert mla.num_splits(1, 16, 2048, 132) == 32
-    # 8 tokens x 8 head groups = 64 CTAs: 5 splits of 13 tiles
-    assert mla.num_splits(8, 128, 2048, 132) == 5
+    # 8 tokens x 4 head groups = 32 CTAs: 9 splits wanted, 8 tiles each, so 8
+    assert mla.num_splits(8, 128, 2048, 132) == 8
     # short lists are not split below two tiles
     assert mla.num_splits(1, 16, 64, 132) == 1
     assert mla.num_splits(1, 16, 96, 132) == 1

@@ -2,18 +2,21 @@
 // Sparse MLA decode: for each query token, softmax(scale * q . K^T) . V over
 // the top-k KV rows its indexer selected, all heads sharing the rows (MQA).
 //
-// One CTA serves (token, 16 heads, one split of the top-k list). Its four
-// warps gather 32 selected rows per stage with cp.async (double-buffered), so
-// each row is read from HBM once per head group; the head groups of a token
-// are adjacent in the grid and run together, so with more than 16 heads the
-// repeated reads are served by L2. Tensor cores through mma.sync m16n8k16 bf16
-// (fp32 accumulation): the one MMA that exists on sm_90, sm_120 and sm_121.
-//   S = Q K^T: warp (wd, wn) multiplies half of D for 16 of the 32 rows, its
-//     Q fragments in registers; the two D-halves meet in shared memory.
+// One CTA serves (token, 16 or 32 heads, one split of the top-k list). It
+// gathers 32 selected rows per stage with cp.async (double-buffered), so each
+// row is read from HBM once per head group; the head groups of a token are
+// adjacent in the grid and run together, so with more heads than one CTA
+// holds the repeated reads are served by L2. Tensor cores through mma.sync
+// m16n8k16 bf16 (fp32 accumulation): the one MMA that exists on sm_90, sm_120
+// and sm_121. A CTA has four warps per 16-head MMA tile (kMTiles of them).
+//   S = Q K^T: warp (mt, wn, wd) multiplies the D-half wd of rows
+//     [16 wn, 16 wn + 16) for head tile mt, its Q fragments held in registers
+//     for the whole split; the two D-halves meet in shared memory.
 //   softmax: 8 threads per head, online in fp32 with log2(e) folded into the
 //     scale; P goes to shared memory as bf16.
-//   O += P V: warp w owns output dims [128 w, 128 w + 128) of all 16 heads
-//     (64 fp32 accumulators per thread).
+//   O += P V: warp w owns output dims [512 w / warps, 512 (w + 1) / warps) of
+//     every head (64 fp32 accumulators per thread); each V fragment serves
+//     all head tiles.
 // Split-k: with fewer CTAs than SMs, the top-k list is cut into splits whose
 // normalized partials (and log2 sum-exp) go to the workspace and a combine
 // kernel merges them; the split count depends only on (T, H, topk, SMs).
@@ -25,12 +28,15 @@
 
 namespace vllm_exl3::sparse_mla {
 
-// One mma.sync m16 tile: heads of a CTA.
-constexpr int kHeadsPerCta = 16;
+// One mma.sync m16 tile of heads.
+constexpr int kHeadsPerMma = 16;
+// From this many heads on a CTA takes two head tiles: a KV row then travels
+// from L2 to shared memory once per 32 heads instead of 16 (the L2 traffic of
+// 64 and 128 heads), at one CTA per SM (registers) instead of two. Below it,
+// two CTAs per SM keep twice the bytes in flight for the memory-bound case.
+constexpr int kTwoTileMinHeads = 64;
 // KV rows per pipeline stage: two warps x 16 rows in S = Q K^T.
 constexpr int kRowsPerTile = 32;
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
 // The latent (= V) width and the rope width of a 576-wide row.
 constexpr int kLatent = 512;
 constexpr int kRope = 64;
@@ -40,21 +46,29 @@ constexpr int kFp8ScaleOffset = kLatent;
 constexpr int kFp8RopeOffset = kFp8ScaleOffset + 4 * (kLatent / kFp8ScaleGroup);
 constexpr int kFp8RowBytes = kFp8RopeOffset + 2 * kRope;
 static_assert(kFp8RowBytes == 656, "vLLM's fp8_ds_mla row is 656 bytes");
-// Split-k: aim for this many CTAs per SM (two fit on Hopper by shared memory;
-// on sm_12x the second wave still hides the tail), never cut a split shorter
-// than kMinTilesPerSplit stages (the combine must stay cheap), and bound the
+// Split-k: aim for this many CTAs per SM (two fit on Hopper at 16 heads; with
+// one the second wave still hides the tail), never cut a split shorter than
+// kMinTilesPerSplit stages (the combine must stay cheap), and bound the
 // workspace with kMaxSplits.
 constexpr int kSplitTargetCtasPerSm = 2;
 constexpr int kMinTilesPerSplit = 2;
 constexpr int kMaxSplits = 64;
 
+// Head tiles per CTA for a head count (1 or 2).
+inline int head_tiles(int64_t heads) {
+  return heads >= kTwoTileMinHeads ? 2 : 1;
+}
+inline int64_t head_groups(int64_t heads) {
+  const int64_t per = kHeadsPerMma * head_tiles(heads);
+  return (heads + per - 1) / per;
+}
+
 // Split count of a problem: a pure function of its shape and the SM count, so
 // a captured CUDA graph replays the same launch. The Python wrapper mirrors it.
 inline int num_splits(int64_t tokens, int64_t heads, int64_t topk,
                       int64_t sms) {
-  const int64_t groups = (heads + kHeadsPerCta - 1) / kHeadsPerCta;
   const int64_t tiles = (topk + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t base = tokens * groups;
+  const int64_t base = tokens * head_groups(heads);
   if (base <= 0 || base >= sms) return 1;
   int64_t s = (kSplitTargetCtasPerSm * sms + base - 1) / base;
   const int64_t by_len = tiles / kMinTilesPerSplit;
@@ -97,40 +111,47 @@ struct Params {
   int num_tokens, num_heads, head_groups, num_splits, tiles_per_split;
 };
 
-// Shared-memory layout of one CTA; every region is 16-byte aligned.
-template <int kD, bool kFp8>
+// Shared-memory layout of one CTA; every region is 16-byte aligned. Stage 0
+// and the row masks come first; Q shares its bytes with what follows (stage
+// 1, the dequantized tile, scores, P), all first written after every warp has
+// moved its Q fragments to registers (the loop's first barrier).
+template <int kD, bool kFp8, int kMTiles>
 struct SmemLayout {
   // 16 bytes of padding per row: a row stride of 16 mod 128 bytes makes the
   // eight row addresses of an ldmatrix hit distinct banks.
   static constexpr int kPad = 8;
   static constexpr int kStages = 2;
+  static constexpr int kHeads = kHeadsPerMma * kMTiles;
   static constexpr int kQStride = kD + kPad;  // elements
   // bf16 rows of the K/V tile (fp8: the dequantized latent only; the rope is
   // bf16 already and read from the raw rows, whose 656-byte stride is also
   // 16 mod 128).
   static constexpr int kKvStride = (kFp8 ? kLatent : kD) + kPad;
   static constexpr int kPStride = kRowsPerTile + kPad;
-  static constexpr int kQBytes = kHeadsPerCta * kQStride * 2;
+  static constexpr int kQBytes = kHeads * kQStride * 2;
   static constexpr int kTileBytes = kRowsPerTile * kKvStride * 2;
-  static constexpr int kRawBytes = kFp8 ? kRowsPerTile * kFp8RowBytes : 0;
-  static constexpr int kQ = 0;
-  static constexpr int kKv = kQ + kQBytes;
-  static constexpr int kRaw = kKv + (kFp8 ? 1 : kStages) * kTileBytes;
-  static constexpr int kS = kRaw + kStages * kRawBytes;  // fp32 [2][16][32]
-  static constexpr int kP = kS + 2 * kHeadsPerCta * kRowsPerTile * 4;
-  static constexpr int kAlpha = kP + kHeadsPerCta * kPStride * 2;
-  static constexpr int kM = kAlpha + kHeadsPerCta * 4;
-  static constexpr int kL = kM + kHeadsPerCta * 4;
-  static constexpr int kValid = kL + kHeadsPerCta * 4;  // int [stages][32]
-  static constexpr int kBytes = kValid + kStages * kRowsPerTile * 4;
+  // One stage of gathered rows: bf16 rows, or raw fp8_ds_mla rows.
+  static constexpr int kStageBytes =
+      kFp8 ? kRowsPerTile * kFp8RowBytes : kTileBytes;
+  static constexpr int kStage0 = 0;
+  static constexpr int kValid = kStage0 + kStageBytes;  // int [stages][32]
+  static constexpr int kStage1 = kValid + kStages * kRowsPerTile * 4;
+  static constexpr int kQ = kStage1;
+  static constexpr int kDeq = kStage1 + kStageBytes;         // fp8 only
+  static constexpr int kS = kDeq + (kFp8 ? kTileBytes : 0);  // fp32 [2][H][32]
+  static constexpr int kP = kS + 2 * kHeads * kRowsPerTile * 4;
+  static constexpr int kAlpha = kP + kHeads * kPStride * 2;
+  static constexpr int kM = kAlpha + kHeads * 4;
+  static constexpr int kL = kM + kHeads * 4;
+  static constexpr int kBytes = kL + kHeads * 4;
+  static_assert(kQ + kQBytes <= kBytes, "Q fits in the bytes it shares");
 };
 
 // sm_120 / sm_121 give a block at most 99 KB of shared memory; one layout
 // serves every arch.
 constexpr int kSmemLimitSm12x = 99 * 1024;
-static_assert(SmemLayout<576, false>::kBytes <= kSmemLimitSm12x, "bf16 576");
-static_assert(SmemLayout<512, false>::kBytes <= kSmemLimitSm12x, "bf16 512");
-static_assert(SmemLayout<576, true>::kBytes <= kSmemLimitSm12x, "fp8 576");
+static_assert(SmemLayout<576, false, 2>::kBytes <= kSmemLimitSm12x, "bf16");
+static_assert(SmemLayout<576, true, 2>::kBytes <= kSmemLimitSm12x, "fp8");
 
 // Launchers: bf16 rows of width d (576 or 512) and the split-k combine in
 // exl3_sparse_mla_bf16.cu, fp8_ds_mla rows (576) in exl3_sparse_mla_fp8.cu.
@@ -148,7 +169,6 @@ void launch_combine(const Params& p, cudaStream_t stream);
 
 namespace vllm_exl3::sparse_mla {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -208,16 +228,23 @@ __device__ __forceinline__ uint32_t dequant_e4m3x2(uint16_t bits, float s) {
   return pack_bf16(f.x * s, f.y * s);
 }
 
-template <int kD, bool kFp8>
-__global__ void __launch_bounds__(kThreads)
+template <int kD, bool kFp8, int kMTiles>
+__global__ void __launch_bounds__(128 * kMTiles)
     sparse_mla_decode_kernel(const __grid_constant__ Params p) {
   static_assert(kD == 576 || kD == 512, "head size 576 or 512");
   static_assert(!kFp8 || kD == 576, "fp8_ds_mla rows are 576 wide");
-  using L = SmemLayout<kD, kFp8>;
+  static_assert(kMTiles == 1 || kMTiles == 2, "16 or 32 heads a CTA");
+  using L = SmemLayout<kD, kFp8, kMTiles>;
+  constexpr int kWarps = 4 * kMTiles;
+  constexpr int kThreads = 32 * kWarps;
+  constexpr int kHeads = L::kHeads;
+  constexpr int kThreadsPerRow = kThreads / kRowsPerTile;  // gathers
+  constexpr int kDimsPerWarp = kLatent / kWarps;           // O = P V
+  constexpr int kNTiles = kDimsPerWarp / 8;
+  static_assert(kThreads == 8 * kHeads, "softmax: 8 threads per head");
   extern __shared__ __align__(16) uint8_t smem[];
   __nv_bfloat16* s_q = reinterpret_cast<__nv_bfloat16*>(smem + L::kQ);
-  __nv_bfloat16* s_kv = reinterpret_cast<__nv_bfloat16*>(smem + L::kKv);
-  uint8_t* s_raw = smem + L::kRaw;
+  __nv_bfloat16* s_deq = reinterpret_cast<__nv_bfloat16*>(smem + L::kDeq);
   float* s_s = reinterpret_cast<float*>(smem + L::kS);
   __nv_bfloat16* s_p = reinterpret_cast<__nv_bfloat16*>(smem + L::kP);
   float* s_alpha = reinterpret_cast<float*>(smem + L::kAlpha);
@@ -234,13 +261,13 @@ __global__ void __launch_bounds__(kThreads)
   bid /= p.head_groups;
   const int split = bid % p.num_splits;
   const int t = bid / p.num_splits;
-  const int h0 = group * kHeadsPerCta;
+  const int h0 = group * kHeads;
   const int begin = split * p.tiles_per_split * kRowsPerTile;
   const int end = min(p.topk, begin + p.tiles_per_split * kRowsPerTile);
   const int ntiles =
       end > begin ? (end - begin + kRowsPerTile - 1) / kRowsPerTile : 0;
 
-  // Q: 16 heads x D; heads past H are zero rows (their results are dropped).
+  // Q: kHeads x D; heads past H are zero rows (their results are dropped).
   {
     const int row = tid >> 3;
     const int h = h0 + row;
@@ -254,11 +281,11 @@ __global__ void __launch_bounds__(kThreads)
       cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
   }
 
-  // Gathers stage `stage` with the 32 rows of tile `tile`: 4 threads a row.
-  // Rows past the split, -1 and out-of-range slots are zero-filled (never
-  // read) and masked.
+  // Gathers stage `stage` with the 32 rows of tile `tile`, kThreadsPerRow
+  // threads a row. Rows past the split, -1 and out-of-range slots are
+  // zero-filled (never read) and masked.
   auto issue = [&](int tile, int stage) {
-    const int row = tid >> 2;
+    const int row = tid / kThreadsPerRow;
     const int pos = begin + tile * kRowsPerTile + row;
     int64_t slot = -1;
     if (pos < end) slot = __ldg(p.indices + t * p.indices_stride + pos);
@@ -268,64 +295,63 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t blk = slot / p.block_size;
       src += blk * p.block_stride + (slot - blk * p.block_size) * p.row_stride;
     }
-    if ((tid & 3) == 0) s_valid[stage * kRowsPerTile + row] = ok;
-    if constexpr (kFp8) {
-      uint8_t* dst = s_raw + stage * L::kRawBytes + row * kFp8RowBytes;
-      for (int c = tid & 3; c < kFp8RowBytes / 16; c += 4)
-        cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
-    } else {
-      uint8_t* dst =
-          smem + L::kKv + stage * L::kTileBytes + row * L::kKvStride * 2;
-      for (int c = tid & 3; c < kD / 8; c += 4)
-        cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
-    }
+    if (tid % kThreadsPerRow == 0) s_valid[stage * kRowsPerTile + row] = ok;
+    constexpr int kRowBytes = kFp8 ? kFp8RowBytes : 2 * L::kKvStride;
+    constexpr int kChunks = kFp8 ? kFp8RowBytes / 16 : kD / 8;
+    uint8_t* dst =
+        smem + L::kStage0 + stage * (L::kStage1 - L::kStage0) + row * kRowBytes;
+    for (int c = tid % kThreadsPerRow; c < kChunks; c += kThreadsPerRow)
+      cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
   };
 
   if (ntiles > 0) issue(0, 0);
   cp_async_commit();  // Q and the first stage
 
-  // Warp (wd, wn) of S = Q K^T: D-half wd, rows [16 wn, 16 wn + 16) of a
-  // stage. Its Q fragments stay in registers for the whole split (a third of
-  // the ldmatrix traffic otherwise).
-  const int wd = warp & 1, wn = warp >> 1;
+  // Warp (mt, wn, wd) of S = Q K^T: head tile mt, rows [16 wn, 16 wn + 16) of
+  // a stage, D-half wd. Its Q fragments stay in registers for the whole split.
+  const int wd = warp & 1, wn = (warp >> 1) & 1, mt = warp >> 2;
   constexpr int kHalfSteps = kD / 16 / 2;
   uint32_t q_frag[kHalfSteps][4];
   cp_async_wait_all();
   __syncthreads();
   #pragma unroll
   for (int i = 0; i < kHalfSteps; ++i)
-    ldmatrix_x4(q_frag[i], s_q + (lane & 15) * L::kQStride +
+    ldmatrix_x4(q_frag[i], s_q +
+                               (mt * kHeadsPerMma + (lane & 15)) * L::kQStride +
                                (wd * kHalfSteps + i) * 16 + (lane >> 4) * 8);
 
-  float acc[kLatent / kWarps / 8][4];
+  float acc[kMTiles][kNTiles][4];
   #pragma unroll
-  for (int i = 0; i < kLatent / kWarps / 8; ++i)
-    acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int m = 0; m < kMTiles; ++m)
+  #pragma unroll
+    for (int i = 0; i < kNTiles; ++i)
+      acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.f;
   // Softmax state of head tid / 8, kept identical by its 8 threads.
   float m_run = -INFINITY, l_run = 0.f;
 
   for (int tile = 0; tile < ntiles; ++tile) {
     const int stage = tile & 1;
     cp_async_wait_all();
-    // The stage is complete for every thread, and every warp is done with
-    // the other stage (read in the previous iteration) before it is refilled.
+    // The stage is complete for every thread; every warp is done with the
+    // other stage (read in the previous iteration) and, the first time, with
+    // Q, whose bytes the other stage reuses, before it is refilled.
     __syncthreads();
     if (tile + 1 < ntiles) {
       issue(tile + 1, stage ^ 1);
       cp_async_commit();
     }
-    const uint8_t* raw = s_raw + stage * L::kRawBytes;
+    const uint8_t* raw = smem + L::kStage0 + stage * (L::kStage1 - L::kStage0);
     const __nv_bfloat16* kv =
-        kFp8 ? s_kv : s_kv + stage * kRowsPerTile * L::kKvStride;
+        kFp8 ? s_deq : reinterpret_cast<const __nv_bfloat16*>(raw);
 
     if constexpr (kFp8) {
       // e4m3 x scale -> bf16 latent tile, 8 values per step.
-      const int row = tid >> 2;
+      const int row = tid / kThreadsPerRow;
       const uint8_t* r = raw + row * kFp8RowBytes;
       const float* scales = reinterpret_cast<const float*>(r + kFp8ScaleOffset);
   #pragma unroll
-      for (int i = 0; i < kLatent / 8 / 4; ++i) {
-        const int c = (tid & 3) + 4 * i;  // 8-value group
+      for (int i = 0; i < kLatent / 8 / kThreadsPerRow; ++i) {
+        const int c = tid % kThreadsPerRow + kThreadsPerRow * i;  // 8 values
         const uint2 v = *reinterpret_cast<const uint2*>(r + 8 * c);
         const float s = scales[(8 * c) / kFp8ScaleGroup];
         uint4 o;
@@ -333,16 +359,16 @@ __global__ void __launch_bounds__(kThreads)
         o.y = dequant_e4m3x2(static_cast<uint16_t>(v.x >> 16), s);
         o.z = dequant_e4m3x2(static_cast<uint16_t>(v.y & 0xffff), s);
         o.w = dequant_e4m3x2(static_cast<uint16_t>(v.y >> 16), s);
-        *reinterpret_cast<uint4*>(s_kv + row * L::kKvStride + 8 * c) = o;
+        *reinterpret_cast<uint4*>(s_deq + row * L::kKvStride + 8 * c) = o;
       }
       __syncthreads();
     }
 
-    // S = Q K^T: warp (wd, wn) takes D-half wd of rows [16 wn, 16 wn + 16).
+    // S = Q K^T for warp (mt, wn, wd).
     {
       float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      // ldmatrix lanes: A rows lane % 16, column block lane / 16; B matrices
-      // lane / 8 = (row block, column block) = (mi / 2, mi % 2).
+      // ldmatrix lanes: B matrices lane / 8 = (row block, column block) =
+      // (mi / 2, mi % 2).
       const int mi = lane >> 3;
       const int b_row = wn * 16 + (mi >> 1) * 8 + (lane & 7);
       const int b_col = (mi & 1) * 8;
@@ -358,7 +384,7 @@ __global__ void __launch_bounds__(kThreads)
         mma_bf16(s_acc[0], q_frag[i], b[0], b[1]);
         mma_bf16(s_acc[1], q_frag[i], b[2], b[3]);
       }
-      float* ss = s_s + wd * kHeadsPerCta * kRowsPerTile;
+      float* ss = s_s + (wd * kHeads + mt * kHeadsPerMma) * kRowsPerTile;
   #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = wn * 16 + nt * 8 + 2 * tq;
@@ -376,7 +402,7 @@ __global__ void __launch_bounds__(kThreads)
       const float4 x =
           *reinterpret_cast<const float4*>(s_s + h * kRowsPerTile + c);
       const float4 y = *reinterpret_cast<const float4*>(
-          s_s + (kHeadsPerCta + h) * kRowsPerTile + c);
+          s_s + (kHeads + h) * kRowsPerTile + c);
       const int* valid = s_valid + stage * kRowsPerTile + c;
       float s[4] = {x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w};
       float tile_max = -INFINITY;
@@ -419,38 +445,52 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
 
-    // O = alpha O + P V: warp w owns output dims [128 w, 128 w + 128).
+    // O = alpha O + P V: warp w owns kDimsPerWarp output dims of every head.
     {
-      const float a_lo = s_alpha[g], a_hi = s_alpha[g + 8];
   #pragma unroll
-      for (int nt = 0; nt < kLatent / kWarps / 8; ++nt) {
-        acc[nt][0] *= a_lo;
-        acc[nt][1] *= a_lo;
-        acc[nt][2] *= a_hi;
-        acc[nt][3] *= a_hi;
+      for (int m = 0; m < kMTiles; ++m) {
+        const float a_lo = s_alpha[m * kHeadsPerMma + g];
+        const float a_hi = s_alpha[m * kHeadsPerMma + g + 8];
+  #pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          acc[m][nt][0] *= a_lo;
+          acc[m][nt][1] *= a_lo;
+          acc[m][nt][2] *= a_hi;
+          acc[m][nt][3] *= a_hi;
+        }
       }
       const int mi = lane >> 3;
       // ldmatrix.trans lanes: matrix mi = (column block mi / 2, row block
       // mi % 2), so b[0], b[1] serve n-tile 2 np and b[2], b[3] n-tile 2 np+1.
       const int v_row = (mi & 1) * 8 + (lane & 7);
-      const int v_col = warp * (kLatent / kWarps) + (mi >> 1) * 8;
+      const int v_col = warp * kDimsPerWarp + (mi >> 1) * 8;
   #pragma unroll
       for (int k0 = 0; k0 < kRowsPerTile; k0 += 16) {
-        uint32_t a[4];
-        ldmatrix_x4(a, s_p + (lane & 15) * L::kPStride + k0 + (lane >> 4) * 8);
+        uint32_t a[kMTiles][4];
   #pragma unroll
-        for (int np = 0; np < kLatent / kWarps / 16; ++np) {
+        for (int m = 0; m < kMTiles; ++m)
+          ldmatrix_x4(a[m], s_p +
+                                (m * kHeadsPerMma + (lane & 15)) * L::kPStride +
+                                k0 + (lane >> 4) * 8);
+  #pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
           uint32_t b[4];
           ldmatrix_x4_trans(b,
                             kv + (k0 + v_row) * L::kKvStride + v_col + np * 16);
-          mma_bf16(acc[2 * np], a, b[0], b[1]);
-          mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+  #pragma unroll
+          for (int m = 0; m < kMTiles; ++m) {
+            mma_bf16(acc[m][2 * np], a[m], b[0], b[1]);
+            mma_bf16(acc[m][2 * np + 1], a[m], b[2], b[3]);
+          }
         }
       }
     }
   }
 
   cp_async_wait_all();  // Q's copy when the split had no rows
+  // Every warp is past its last read of Q and of the stages: s_m / s_l share
+  // Q's bytes.
+  __syncthreads();
   if ((tid & 7) == 0) {
     s_m[tid >> 3] = m_run;
     s_l[tid >> 3] = l_run;
@@ -459,31 +499,34 @@ __global__ void __launch_bounds__(kThreads)
 
   const bool direct = p.num_splits == 1;
   #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = g + 8 * half;
-    const int h = h0 + row;
-    if (h >= p.num_heads) continue;
-    const float l = s_l[row];
-    // l = 0: no selected row (zeros); NaN: a NaN score, kept.
-    const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : NAN);
-    const int64_t th = static_cast<int64_t>(t) * p.num_heads + h;
+  for (int m = 0; m < kMTiles; ++m) {
   #pragma unroll
-    for (int nt = 0; nt < kLatent / kWarps / 8; ++nt) {
-      const int dim = warp * (kLatent / kWarps) + nt * 8 + 2 * tq;
-      const float v0 = acc[nt][2 * half] * inv,
-                  v1 = acc[nt][2 * half + 1] * inv;
-      if (direct) {
-        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) +
-                                     th * kLatent + dim) = pack_bf16(v0, v1);
-      } else {
-        const int64_t pt =
-            static_cast<int64_t>(split) * p.num_tokens * p.num_heads + th;
-        *reinterpret_cast<float2*>(p.part_out + pt * kLatent + dim) =
-            make_float2(v0, v1);
+    for (int half = 0; half < 2; ++half) {
+      const int row = m * kHeadsPerMma + g + 8 * half;
+      const int h = h0 + row;
+      if (h >= p.num_heads) continue;
+      const float l = s_l[row];
+      // l = 0: no selected row (zeros); NaN: a NaN score, kept.
+      const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : NAN);
+      const int64_t th = static_cast<int64_t>(t) * p.num_heads + h;
+  #pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const int dim = warp * kDimsPerWarp + nt * 8 + 2 * tq;
+        const float v0 = acc[m][nt][2 * half] * inv;
+        const float v1 = acc[m][nt][2 * half + 1] * inv;
+        if (direct) {
+          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) +
+                                       th * kLatent + dim) = pack_bf16(v0, v1);
+        } else {
+          const int64_t pt =
+              static_cast<int64_t>(split) * p.num_tokens * p.num_heads + th;
+          *reinterpret_cast<float2*>(p.part_out + pt * kLatent + dim) =
+              make_float2(v0, v1);
+        }
       }
     }
   }
-  if (tid < kHeadsPerCta && h0 + tid < p.num_heads) {
+  if (tid < kHeads && h0 + tid < p.num_heads) {
     const float l = s_l[tid];
     const float lse2 =
         l > 0.f ? s_m[tid] + log2f(l) : (l == 0.f ? -INFINITY : NAN);
@@ -496,16 +539,25 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int kD, bool kFp8>
+template <int kD, bool kFp8, int kMTiles>
 void launch_decode_kernel(const Params& p, cudaStream_t stream) {
-  constexpr int bytes = SmemLayout<kD, kFp8>::kBytes;
-  auto* kernel = &sparse_mla_decode_kernel<kD, kFp8>;
+  constexpr int bytes = SmemLayout<kD, kFp8, kMTiles>::kBytes;
+  auto* kernel = &sparse_mla_decode_kernel<kD, kFp8, kMTiles>;
   // A function attribute, not a stream operation: allowed while capturing.
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        bytes);
   const int64_t ctas =
       static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
-  kernel<<<static_cast<unsigned>(ctas), kThreads, bytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(ctas), 128 * kMTiles, bytes, stream>>>(p);
+}
+
+// The head-tile count the host chose for p (head_tiles of its head count).
+template <int kD, bool kFp8>
+void launch_decode(const Params& p, cudaStream_t stream) {
+  if (head_tiles(p.num_heads) == 2)
+    launch_decode_kernel<kD, kFp8, 2>(p, stream);
+  else
+    launch_decode_kernel<kD, kFp8, 1>(p, stream);
 }
 
 }  // namespace vllm_exl3::sparse_mla

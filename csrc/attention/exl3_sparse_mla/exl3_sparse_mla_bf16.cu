@@ -48,9 +48,9 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 void launch_decode_bf16(const Params& p, int d, cudaStream_t stream) {
   if (d == 576)
-    launch_decode_kernel<576, false>(p, stream);
+    launch_decode<576, false>(p, stream);
   else
-    launch_decode_kernel<512, false>(p, stream);
+    launch_decode<512, false>(p, stream);
 }
 
 void launch_combine(const Params& p, cudaStream_t stream) {

@@ -6,7 +6,7 @@
 namespace vllm_exl3::sparse_mla {
 
 void launch_decode_fp8(const Params& p, cudaStream_t stream) {
-  launch_decode_kernel<576, true>(p, stream);
+  launch_decode<576, true>(p, stream);
 }
 
 }  // namespace vllm_exl3::sparse_mla

@@ -185,7 +185,7 @@ void exl3_sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices,
   STD_TORCH_CHECK(need == 0 || aligned(workspace, kChunk), kOp,
                   ": workspace must be 16-byte aligned");
 
-  const int64_t groups = (H + mla::kHeadsPerCta - 1) / mla::kHeadsPerCta;
+  const int64_t groups = mla::head_groups(H);
   STD_TORCH_CHECK(T * groups * splits <= kMaxInt32, kOp, ": ", T,
                   " tokens is too many");
   if (T == 0) return;

@@ -45,7 +45,8 @@ FP8_ROPE_OFFSET = FP8_SCALE_OFFSET + 4 * (LATENT // FP8_SCALE_GROUP)
 FP8_E4M3_MAX = 448.0
 KV_FORMAT_BF16 = 0
 KV_FORMAT_FP8_DS_MLA = 1
-HEADS_PER_CTA = 16
+HEADS_PER_MMA = 16
+TWO_TILE_MIN_HEADS = 64
 ROWS_PER_TILE = 32
 SPLIT_TARGET_CTAS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 2
@@ -64,11 +65,20 @@ def _fail(msg: str) -> None:
     raise SparseMLAInputError(f"{OP}: {msg}")
 
 
+def head_tiles(num_heads: int) -> int:
+    """16-head MMA tiles per CTA (head_tiles in exl3_sparse_mla.cuh)."""
+    return 2 if num_heads >= TWO_TILE_MIN_HEADS else 1
+
+
+def head_groups(num_heads: int) -> int:
+    """CTAs per token and split."""
+    return -(-num_heads // (HEADS_PER_MMA * head_tiles(num_heads)))
+
+
 def num_splits(num_tokens: int, num_heads: int, topk: int, sm_count: int) -> int:
     """Split-k count: the C++ rule (num_splits in exl3_sparse_mla.cuh), verbatim."""
-    groups = -(-num_heads // HEADS_PER_CTA)
     tiles = -(-topk // ROWS_PER_TILE)
-    base = num_tokens * groups
+    base = num_tokens * head_groups(num_heads)
     if base <= 0 or base >= sm_count:
         return 1
     s = -(-(SPLIT_TARGET_CTAS_PER_SM * sm_count) // base)
@@ -118,8 +128,7 @@ def max_workspace_bytes(
     below one CTA per SM, so the walk is short."""
     if sm_count is None:
         sm_count = _device_sm_count(device)
-    groups = -(-num_heads // HEADS_PER_CTA)
-    last = min(max_tokens, -(-sm_count // groups))
+    last = min(max_tokens, -(-sm_count // head_groups(num_heads)))
     return max(
         (workspace_bytes(t, num_heads, topk, sm_count) for t in range(1, last + 1)),
         default=0,
