@@ -135,7 +135,9 @@ def test_sm12x_auto_with_flashinfer(
 def test_sm12x_without_the_op_is_not_picked(cuda_platform, cpu_vllm_config):
     why = "EXL3_MLA_SPARSE needs torch.ops._C.exl3_sparse_mla_decode (test)"
     platform = cuda_platform((12, 0), flashinfer_sm120=False, op_missing=why)
-    with pytest.raises(ValueError, match=r"EXL3_MLA_SPARSE: \[.*exl3_sparse_mla_decode"):
+    with pytest.raises(
+        ValueError, match=r"EXL3_MLA_SPARSE: \[.*exl3_sparse_mla_decode"
+    ):
         select(platform, "auto")
 
 
@@ -336,7 +338,9 @@ def convert_indices_reference(
     tok = token_indices.long()
     blk = torch.div(tok, BLOCK_SIZE, rounding_mode="floor")
     valid = (tok >= 0) & (blk < block_table.shape[1])
-    base = block_table.long()[req_id.long()[:, None], blk.clamp(0, block_table.shape[1] - 1)]
+    base = block_table.long()[
+        req_id.long()[:, None], blk.clamp(0, block_table.shape[1] - 1)
+    ]
     return torch.where(valid, base * BLOCK_SIZE + tok % BLOCK_SIZE, -1).to(torch.int32)
 
 
@@ -461,9 +465,7 @@ NUM_HEADS = 16
 
 @pytest.mark.parametrize("block_size", [64, 256])
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_ds_mla"])
-@pytest.mark.parametrize(
-    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_forward_mqa(tmp_path, monkeypatch, device, cache_dtype, block_size):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -571,7 +573,9 @@ def test_forward_mqa(tmp_path, monkeypatch, device, cache_dtype, block_size):
     # The indexer's output: per token, up to TOPK request-relative positions among
     # those it may see (causal), -1 padded and shuffled in; one token sees nothing.
     topk_buffer = torch.full(
-        (vllm_config.scheduler_config.max_num_batched_tokens, TOPK), -1, dtype=torch.int32
+        (vllm_config.scheduler_config.max_num_batched_tokens, TOPK),
+        -1,
+        dtype=torch.int32,
     )
     req_of_token, pos_of_token = [], []
     t = 0
@@ -590,7 +594,9 @@ def test_forward_mqa(tmp_path, monkeypatch, device, cache_dtype, block_size):
     topk_buffer[empty_token] = -1
 
     scale = 1.0 / math.sqrt(192)
-    ql_nope = torch.randn(NUM_HEADS, num_tokens, LATENT, generator=gen).to(torch.bfloat16)
+    ql_nope = torch.randn(NUM_HEADS, num_tokens, LATENT, generator=gen).to(
+        torch.bfloat16
+    )
     q_pe = torch.randn(num_tokens, NUM_HEADS, ROPE, generator=gen).to(torch.bfloat16)
 
     # Expected, from logical rows and logical positions.
@@ -606,7 +612,9 @@ def test_forward_mqa(tmp_path, monkeypatch, device, cache_dtype, block_size):
         expected_lse[t] = torch.logsumexp(scores, -1)
         expected[t] = torch.softmax(scores, -1) @ kv[:, :LATENT]
 
-    query_start = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
+    query_start = torch.tensor(
+        np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32
+    )
     slot_mapping = torch.tensor(
         [
             int(block_table[r, p // block_size]) * block_size + p % block_size
@@ -641,7 +649,9 @@ def test_forward_mqa(tmp_path, monkeypatch, device, cache_dtype, block_size):
     workspace.init_workspace_manager(dev)
     try:
         with set_current_vllm_config(vllm_config):
-            builder = Exl3MLASparseMetadataBuilder(spec, ["layer.attn"], vllm_config, dev)
+            builder = Exl3MLASparseMetadataBuilder(
+                spec, ["layer.attn"], vllm_config, dev
+            )
             metadata = builder.build(0, common)
             impl = Exl3MLASparseBackend.get_impl_cls()(
                 num_heads=NUM_HEADS,

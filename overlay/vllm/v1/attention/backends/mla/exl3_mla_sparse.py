@@ -15,8 +15,8 @@ KV-cache dtypes (`--kv-cache-dtype`):
 
 | given | cache | row |
 |---|---|---|
-| auto, bfloat16 | bf16 | 576 bf16 (512 latent + 64 rope) |
-| fp8, fp8_e4m3, fp8_ds_mla | fp8_ds_mla | 656 bytes (512 e4m3, 4 fp32 scales, 64 bf16 rope) |
+| auto, bfloat16 | bf16 | 576 bf16: 512 latent, 64 rope |
+| fp8, fp8_e4m3, fp8_ds_mla | fp8_ds_mla | 656 B: 512 e4m3, 4 fp32 scales, 64 bf16 |
 | anything else | rejected at selection, naming the dtype and the accepted ones |
 
 Head size 576 only: DeepSeek V4 (head 512) builds its own attention layers and backends
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-
 from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.config.cache import CacheDType
