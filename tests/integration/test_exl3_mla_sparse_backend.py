@@ -315,8 +315,16 @@ def test_declared_support():
         "fp8_e4m3",
         "fp8_ds_mla",
     }
-    for cap, ok in [((9, 0), True), ((12, 0), True), ((12, 1), True)]:
-        assert b.supports_compute_capability(DeviceCapability(*cap)) is ok
+    for cap in [(9, 0), (12, 0), (12, 1)]:
+        assert b.supports_compute_capability(DeviceCapability(*cap))
+    # The kinds the kernels are built for, and the class's literal lists, agree.
+    from vllm.v1.attention.backends.mla import exl3_mla_sparse as module
+
+    assert tuple(b.get_supported_kernel_block_sizes()) == module.KERNEL_BLOCK_SIZES
+    assert b.get_supported_head_sizes() == [module.HEAD_SIZE]
+    assert tuple(b.supported_kv_cache_dtypes) == (
+        module.BF16_CACHE_DTYPES + module.FP8_DS_MLA_CACHE_DTYPES
+    )
     for cap in [(8, 0), (8, 9), (10, 0), (10, 3), (11, 0)]:
         assert not b.supports_compute_capability(DeviceCapability(*cap))
     from vllm.v1.attention.backend import AttentionCGSupport

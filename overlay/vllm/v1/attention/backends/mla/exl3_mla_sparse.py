@@ -77,8 +77,10 @@ BF16_CACHE_DTYPES: tuple[str, ...] = ("auto", "bfloat16")
 # (per-128 scales keep the latent accurate where one per-tensor scale does not).
 FP8_DS_MLA_CACHE_DTYPES: tuple[str, ...] = ("fp8", "fp8_e4m3", "fp8_ds_mla")
 
-# The architectures the op is compiled for (Hopper; RTX Blackwell and GB10).
-SUPPORTED_CAPABILITIES: tuple[tuple[int, int], ...] = ((9, 0), (12, 0), (12, 1))
+# The architectures the op is compiled for: sm_90 (Hopper), sm_120 / sm_121 (RTX
+# Blackwell, GB10). The backend class spells these lists out literally: vLLM's
+# attention-backend docs generator reads them from the source.
+BUILT_ARCHS = "sm_90, sm_120, sm_121"
 KERNEL_BLOCK_SIZES: tuple[int, ...] = (64, 256)
 # The op's head range (the contract); DeepSeek's 128 heads at TP 1 is the largest.
 MAX_NUM_HEADS = 128
@@ -144,9 +146,12 @@ def _import_ops() -> "ModuleType":
 class Exl3MLASparseBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16]
     supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = [
-        *BF16_CACHE_DTYPES,
-        *FP8_DS_MLA_CACHE_DTYPES,
-    ]  # type: ignore[list-item]
+        "auto",
+        "bfloat16",
+        "fp8",  # stored as fp8_ds_mla
+        "fp8_e4m3",  # stored as fp8_ds_mla
+        "fp8_ds_mla",
+    ]
 
     @staticmethod
     def get_name() -> str:
@@ -162,11 +167,11 @@ class Exl3MLASparseBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
-        return list(KERNEL_BLOCK_SIZES)
+        return [64, 256]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [HEAD_SIZE]
+        return [576]
 
     @classmethod
     def is_mla(cls) -> bool:
@@ -178,7 +183,7 @@ class Exl3MLASparseBackend(AttentionBackend):
 
     @classmethod
     def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
-        return (capability.major, capability.minor) in SUPPORTED_CAPABILITIES
+        return capability.major in [9, 12]
 
     @classmethod
     def canonicalize_kv_cache_dtype(cls, kv_cache_dtype: CacheDType) -> CacheDType:
@@ -217,11 +222,10 @@ class Exl3MLASparseBackend(AttentionBackend):
                 f"{QK_ROPE_HEAD_DIM})"
             )
         if not cls.supports_compute_capability(device_capability):
-            built = ", ".join(f"sm_{a}{b}" for a, b in SUPPORTED_CAPABILITIES)
             reasons.append(
                 f"{BACKEND_NAME}: compute capability "
                 f"{device_capability.major}.{device_capability.minor} is not "
-                f"supported; the op is built for {built}"
+                f"supported; the op is built for {BUILT_ARCHS}"
             )
         if not reasons:
             missing = sparse_mla_op_unavailable()
