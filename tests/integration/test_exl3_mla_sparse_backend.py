@@ -205,6 +205,29 @@ def test_explicit_selection_rejects(cuda_platform, cpu_vllm_config, change, mess
     assert message in str(err.value)
 
 
+def every_rejected_cache_dtype():
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+
+    accepted = {"auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla"}
+    return [d for d in get_args(CacheDType) if d not in accepted]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", every_rejected_cache_dtype())
+def test_every_other_cache_dtype_is_rejected_by_name(
+    cuda_platform, cpu_vllm_config, kv_cache_dtype
+):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    platform = cuda_platform((12, 0))
+    with pytest.raises(ValueError) as err:
+        select(platform, kv_cache_dtype, AttentionBackendEnum.EXL3_MLA_SPARSE)
+    assert f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of" in str(
+        err.value
+    )
+
+
 def test_attention_config_selects_it(cuda_platform, monkeypatch):
     """--attention-backend EXL3_MLA_SPARSE is parsed into AttentionConfig and honoured
     by the selector the MLA layer calls."""
