@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 import sys
 import types
 from types import SimpleNamespace
@@ -486,6 +487,83 @@ def write_model_config(path, topk):
     (path / "config.json").write_text(json.dumps(config))
 
 
+def make_impl(kv_cache_dtype, topk_buffer, **overrides):
+    """The backend's Impl with the arguments MLAAttention passes for a V3.2 layer."""
+    from vllm.v1.attention.backends.mla.exl3_mla_sparse import Exl3MLASparseBackend
+
+    args = dict(
+        num_heads=NUM_HEADS,
+        head_size=HEAD,
+        scale=1.0 / math.sqrt(192),
+        num_kv_heads=1,
+        alibi_slopes=None,
+        sliding_window=None,
+        kv_cache_dtype=kv_cache_dtype,
+        logits_soft_cap=None,
+        attn_type="decoder",
+        kv_sharing_target_layer_name=None,
+        q_lora_rank=64,
+        kv_lora_rank=LATENT,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=ROPE,
+        qk_head_dim=32 + ROPE,
+        v_head_dim=32,
+        kv_b_proj=None,
+        topk_indices_buffer=topk_buffer,
+    )
+    args.update(overrides)
+    return Exl3MLASparseBackend.get_impl_cls()(**args)
+
+
+@pytest.fixture
+def ops_stand_in(monkeypatch):
+    """The op's wrapper module (a stand-in with the contract's names where the tree
+    has none yet) with `sparse_mla_decode` replaced by the recording reference."""
+    try:
+        ops_module = importlib.import_module(OPS_MODULE)
+    except ImportError:
+        # The host rule for the workspace size is the wrapper's; any size passes here.
+        ops_module = types.ModuleType(OPS_MODULE)
+        ops_module.workspace_bytes = lambda tokens, heads, topk: 256
+        monkeypatch.setitem(sys.modules, OPS_MODULE, ops_module)
+    recorder = RecordingOp()
+    monkeypatch.setattr(ops_module, "sparse_mla_decode", recorder, raising=False)
+    return recorder
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_heads": 129}, "129 query heads per rank; the op takes 1..128"),
+        ({"kv_lora_rank": 448}, "kv_lora_rank 448 + rope 64 (head 576)"),
+        ({"head_size": 512}, "(head 512) is not supported; the op needs 512 + 64"),
+        ({"topk": 100}, "index_topk 100 is not a multiple of 128"),
+        ({"topk_indices_buffer": None}, "needs the indexer's top-k buffer"),
+        ({"kv_cache_dtype": "fp8"}, "'fp8' reached the layer un-canonicalized"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "'fp8_e5m2' is not supported"),
+        ({"sliding_window": 128}, "does not support alibi_slopes, sliding_window"),
+        ({"attn_type": "encoder"}, "supports decoder self-attention only"),
+    ],
+)
+def test_impl_rejects(monkeypatch, ops_stand_in, change, message):
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.worker import workspace
+
+    topk = change.pop("topk", 128)
+    buffer = change.pop("topk_indices_buffer", torch.full((64, topk), -1).int())
+    kv_cache_dtype = change.pop("kv_cache_dtype", "auto")
+    workspace.init_workspace_manager(torch.device("cpu"))
+    try:
+        config = VllmConfig(device_config=DeviceConfig("cpu"))
+        rejected = pytest.raises(
+            (ValueError, NotImplementedError), match=re.escape(message)
+        )
+        with set_current_vllm_config(config), rejected:
+            make_impl(kv_cache_dtype, buffer, **change)
+    finally:
+        workspace.reset_workspace_manager()
+
+
 # (query_len, seq_len) per request, decodes first as vLLM's batch reorder leaves them:
 # two decodes, a short extend (a decode by the builder's threshold), and a prefill
 # chunk longer than the threshold whose context exceeds the top-k (the MQA path).
@@ -497,7 +575,7 @@ NUM_HEADS = 16
 @pytest.mark.parametrize("block_size", [64, 256])
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_ds_mla"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_forward_mqa(tmp_path, monkeypatch, device, cache_dtype, block_size):
+def test_forward_mqa(tmp_path, monkeypatch, request, device, cache_dtype, block_size):
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from vllm.config import (
@@ -553,16 +631,7 @@ def test_forward_mqa(tmp_path, monkeypatch, device, cache_dtype, block_size):
             "triton_convert_req_index_to_global_index",
             convert_indices_reference,
         )
-        try:
-            ops_module = importlib.import_module(OPS_MODULE)
-        except ImportError:
-            # The op's wrapper module is not in this tree yet: the contract's host
-            # rule for the workspace is unknown here, any size passes.
-            ops_module = types.ModuleType(OPS_MODULE)
-            ops_module.workspace_bytes = lambda tokens, heads, topk: 256
-            monkeypatch.setitem(sys.modules, OPS_MODULE, ops_module)
-        recorder = RecordingOp()
-        monkeypatch.setattr(ops_module, "sparse_mla_decode", recorder, raising=False)
+        recorder = request.getfixturevalue("ops_stand_in")
 
     gen = torch.Generator().manual_seed(1234)
     num_reqs = len(REQUESTS)
@@ -684,26 +753,7 @@ def test_forward_mqa(tmp_path, monkeypatch, device, cache_dtype, block_size):
                 spec, ["layer.attn"], vllm_config, dev
             )
             metadata = builder.build(0, common)
-            impl = Exl3MLASparseBackend.get_impl_cls()(
-                num_heads=NUM_HEADS,
-                head_size=HEAD,
-                scale=scale,
-                num_kv_heads=1,
-                alibi_slopes=None,
-                sliding_window=None,
-                kv_cache_dtype=cache_dtype,
-                logits_soft_cap=None,
-                attn_type="decoder",
-                kv_sharing_target_layer_name=None,
-                q_lora_rank=64,
-                kv_lora_rank=LATENT,
-                qk_nope_head_dim=32,
-                qk_rope_head_dim=ROPE,
-                qk_head_dim=32 + ROPE,
-                v_head_dim=32,
-                kv_b_proj=None,
-                topk_indices_buffer=topk_buffer.to(dev),
-            )
+            impl = make_impl(cache_dtype, topk_buffer.to(dev), scale=scale)
             out, lse = impl.forward_mqa(
                 (ql_nope.to(dev).transpose(0, 1), q_pe.to(dev)),
                 cache.to(dev),

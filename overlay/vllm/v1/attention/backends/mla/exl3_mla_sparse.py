@@ -89,6 +89,10 @@ MAX_NUM_HEADS = 128
 # floor on Hopper.
 DECODE_QUERY_LEN_THRESHOLD = 128
 
+# triton_convert_req_index_to_global_index's column tile: the top-k width must fill
+# whole tiles (DeepSeek-V3.2 and GLM-5 use 2048).
+TOPK_TILE = 128
+
 SPARSE_MLA_OP = "exl3_sparse_mla_decode"
 OPS_MODULE = "vllm.v1.attention.ops.exl3_sparse_mla"
 
@@ -371,6 +375,12 @@ class Exl3MLASparseImpl(SparseMLACommonImpl[Exl3MLASparseMetadata]):
         # The query stays bf16 with an fp8 cache: the op dequantizes the rows.
         self.supports_quant_query_input = False
         self.topk = self.topk_indices_buffer.shape[1]
+        if self.topk % TOPK_TILE != 0:
+            raise ValueError(
+                f"{BACKEND_NAME}: index_topk {self.topk} is not a multiple of "
+                f"{TOPK_TILE} (vLLM's top-k index conversion works in tiles of "
+                f"{TOPK_TILE})"
+            )
         self._ops = _import_ops()
         # Reserve the largest step's buffers now: the workspace is locked after the
         # warm-up, and a later step (or a CUDA graph capture) must not grow it.
