@@ -564,6 +564,41 @@ def test_impl_rejects(monkeypatch, ops_stand_in, change, message):
         workspace.reset_workspace_manager()
 
 
+def test_workspace_reserved_for_every_step_size(monkeypatch, ops_stand_in):
+    """The op's workspace may peak at a middle token count (its split count falls as
+    tokens grow): the Impl reserves the largest, so no step grows the locked
+    workspace."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.v1.attention.backends.mla import exl3_mla_sparse
+    from vllm.v1.worker import workspace
+
+    peak_tokens, peak_bytes = 3, 1 << 22
+    ops_module = sys.modules[OPS_MODULE]
+    monkeypatch.setattr(
+        ops_module,
+        "workspace_bytes",
+        lambda tokens, heads, topk: peak_bytes if tokens == peak_tokens else 256,
+        raising=False,
+    )
+    exl3_mla_sparse.max_op_workspace_bytes.cache_clear()
+    config = VllmConfig(device_config=DeviceConfig("cpu"))
+    max_tokens = config.scheduler_config.max_num_batched_tokens
+    workspace.init_workspace_manager(torch.device("cpu"))
+    try:
+        with set_current_vllm_config(config):
+            impl = make_impl("auto", torch.full((64, 128), -1).int())
+        workspace.lock_workspace()
+        for tokens in (1, peak_tokens, max_tokens // 2, max_tokens):
+            q_buffer, op_workspace = impl._workspace(tokens)
+            assert q_buffer.shape == (tokens, NUM_HEADS, HEAD)
+            assert op_workspace.numel() == (
+                peak_bytes if tokens == peak_tokens else 256
+            )
+    finally:
+        workspace.reset_workspace_manager()
+        exl3_mla_sparse.max_op_workspace_bytes.cache_clear()
+
+
 # (query_len, seq_len) per request, decodes first as vLLM's batch reorder leaves them:
 # two decodes, a short extend (a decode by the builder's threshold), and a prefill
 # chunk longer than the threshold whose context exceeds the top-k (the MQA path).

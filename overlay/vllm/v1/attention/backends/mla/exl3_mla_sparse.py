@@ -24,6 +24,7 @@ Head size 576 only: DeepSeek V4 (head 512) builds its own attention layers and b
 backend, so no vLLM 0.26 model can reach this backend with another head size.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -136,6 +137,18 @@ def sparse_mla_op_unavailable() -> str | None:
             "of the EXL3 kernels does not register (rebuild the kernels)"
         )
     return None
+
+
+@functools.cache
+def max_op_workspace_bytes(
+    ops_module: "ModuleType", max_tokens: int, num_heads: int, topk: int
+) -> int:
+    """The op's largest workspace over 1..max_tokens tokens (a host rule, once per
+    shape for all layers)."""
+    return max(
+        ops_module.workspace_bytes(tokens, num_heads, topk)
+        for tokens in range(1, max_tokens + 1)
+    )
 
 
 def _import_ops() -> "ModuleType":
@@ -383,8 +396,21 @@ class Exl3MLASparseImpl(SparseMLACommonImpl[Exl3MLASparseMetadata]):
             )
         self._ops = _import_ops()
         # Reserve the largest step's buffers now: the workspace is locked after the
-        # warm-up, and a later step (or a CUDA graph capture) must not grow it.
-        self._workspace(vllm_config.scheduler_config.max_num_batched_tokens)
+        # warm-up, and a later step (or a CUDA graph capture) must not grow it. The
+        # op's split count, so its workspace, need not grow with the token count:
+        # take the largest over every step size.
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        current_workspace_manager().get_simultaneous(
+            ((max_tokens, self.num_heads, self.head_size), torch.bfloat16),
+            (
+                (
+                    max_op_workspace_bytes(
+                        self._ops, max_tokens, self.num_heads, self.topk
+                    ),
+                ),
+                torch.uint8,
+            ),
+        )
 
     def _workspace(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (q concat buffer, op workspace) into vLLM's shared workspace."""
