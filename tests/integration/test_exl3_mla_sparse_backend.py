@@ -572,7 +572,12 @@ def test_workspace_reserved_for_every_step_size(monkeypatch, ops_stand_in):
     from vllm.v1.attention.backends.mla import exl3_mla_sparse
     from vllm.v1.worker import workspace
 
-    peak_tokens, peak_bytes = 3, 1 << 22
+    exl3_mla_sparse.max_op_workspace_bytes.cache_clear()
+    config = VllmConfig(device_config=DeviceConfig("cpu"))
+    max_tokens = config.scheduler_config.max_num_batched_tokens = 64
+    # Larger than the q buffer of the largest step: only reserving the peak fits it.
+    peak_bytes = 2 * max_tokens * NUM_HEADS * HEAD * 2
+    peak_tokens = 3
     ops_module = sys.modules[OPS_MODULE]
     monkeypatch.setattr(
         ops_module,
@@ -580,9 +585,6 @@ def test_workspace_reserved_for_every_step_size(monkeypatch, ops_stand_in):
         lambda tokens, heads, topk: peak_bytes if tokens == peak_tokens else 256,
         raising=False,
     )
-    exl3_mla_sparse.max_op_workspace_bytes.cache_clear()
-    config = VllmConfig(device_config=DeviceConfig("cpu"))
-    max_tokens = config.scheduler_config.max_num_batched_tokens
     workspace.init_workspace_manager(torch.device("cpu"))
     try:
         with set_current_vllm_config(config):
