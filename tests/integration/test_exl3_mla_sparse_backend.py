@@ -515,19 +515,44 @@ def make_impl(kv_cache_dtype, topk_buffer, **overrides):
     return Exl3MLASparseBackend.get_impl_cls()(**args)
 
 
+# The workspace rule is the wrapper's host function of the SM count: an H200's here.
+STAND_IN_SM_COUNT = 132
+
+
 @pytest.fixture
 def ops_stand_in(monkeypatch):
-    """The op's wrapper module (a stand-in with the contract's names where the tree
-    has none yet) with `sparse_mla_decode` replaced by the recording reference."""
+    """The op's wrapper module with `sparse_mla_decode` replaced by the recording
+    reference and its workspace rule evaluated for a fixed SM count (no device here).
+    Where the tree has no wrapper module yet, a stand-in with the contract's names."""
     try:
-        ops_module = importlib.import_module(OPS_MODULE)
+        module = importlib.import_module(OPS_MODULE)
     except ImportError:
-        # The host rule for the workspace size is the wrapper's; any size passes here.
-        ops_module = types.ModuleType(OPS_MODULE)
-        ops_module.workspace_bytes = lambda tokens, heads, topk: 256
-        monkeypatch.setitem(sys.modules, OPS_MODULE, ops_module)
+        module = None
+    if module is not None:
+        rule, max_rule = module.workspace_bytes, module.max_workspace_bytes
+
+        def workspace_bytes(tokens, heads, topk, device=None):
+            return rule(tokens, heads, topk, sm_count=STAND_IN_SM_COUNT)
+
+        def max_workspace_bytes(max_tokens, heads, topk, device=None):
+            return max_rule(max_tokens, heads, topk, sm_count=STAND_IN_SM_COUNT)
+    else:
+        module = types.ModuleType(OPS_MODULE)
+        monkeypatch.setitem(sys.modules, OPS_MODULE, module)
+
+        def workspace_bytes(tokens, heads, topk, device=None):
+            return 256
+
+        def max_workspace_bytes(max_tokens, heads, topk, device=None):
+            return 256
+
+        module.load_sparse_mla_op = lambda: (True, None)
+    monkeypatch.setattr(module, "workspace_bytes", workspace_bytes, raising=False)
+    monkeypatch.setattr(
+        module, "max_workspace_bytes", max_workspace_bytes, raising=False
+    )
     recorder = RecordingOp()
-    monkeypatch.setattr(ops_module, "sparse_mla_decode", recorder, raising=False)
+    monkeypatch.setattr(module, "sparse_mla_decode", recorder, raising=False)
     return recorder
 
 
@@ -569,22 +594,23 @@ def test_workspace_reserved_for_every_step_size(monkeypatch, ops_stand_in):
     tokens grow): the Impl reserves the largest, so no step grows the locked
     workspace."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.v1.attention.backends.mla import exl3_mla_sparse
     from vllm.v1.worker import workspace
 
-    exl3_mla_sparse.max_op_workspace_bytes.cache_clear()
     config = VllmConfig(device_config=DeviceConfig("cpu"))
     max_tokens = config.scheduler_config.max_num_batched_tokens = 64
     # Larger than the q buffer of the largest step: only reserving the peak fits it.
     peak_bytes = 2 * max_tokens * NUM_HEADS * HEAD * 2
     peak_tokens = 3
+
+    def workspace_bytes(tokens, heads, topk, device=None):
+        return peak_bytes if tokens == peak_tokens else 256
+
+    def max_workspace_bytes(max_tokens, heads, topk, device=None):
+        return max(workspace_bytes(t, heads, topk) for t in range(1, max_tokens + 1))
+
     ops_module = sys.modules[OPS_MODULE]
-    monkeypatch.setattr(
-        ops_module,
-        "workspace_bytes",
-        lambda tokens, heads, topk: peak_bytes if tokens == peak_tokens else 256,
-        raising=False,
-    )
+    monkeypatch.setattr(ops_module, "workspace_bytes", workspace_bytes)
+    monkeypatch.setattr(ops_module, "max_workspace_bytes", max_workspace_bytes)
     workspace.init_workspace_manager(torch.device("cpu"))
     try:
         with set_current_vllm_config(config):
@@ -598,7 +624,6 @@ def test_workspace_reserved_for_every_step_size(monkeypatch, ops_stand_in):
             )
     finally:
         workspace.reset_workspace_manager()
-        exl3_mla_sparse.max_op_workspace_bytes.cache_clear()
 
 
 # (query_len, seq_len) per request, decodes first as vLLM's batch reorder leaves them:

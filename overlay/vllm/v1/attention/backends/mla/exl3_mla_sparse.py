@@ -24,7 +24,6 @@ Head size 576 only: DeepSeek V4 (head 512) builds its own attention layers and b
 backend, so no vLLM 0.26 model can reach this backend with another head size.
 """
 
-import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -126,29 +125,13 @@ def kv_format_for(kv_cache_dtype: str) -> int:
 
 def sparse_mla_op_unavailable() -> str | None:
     """Why the EXL3 sparse-MLA op cannot run in this process, or None."""
-    from vllm.model_executor.layers.quantization.exl3.ops import load_exl3_ops
-
-    loaded, why = load_exl3_ops()
+    try:
+        loaded, why = _import_ops().load_sparse_mla_op()
+    except ImportError as e:
+        return str(e)
     if not loaded:
-        return f"{BACKEND_NAME} needs the EXL3 kernels: {why}"
-    if not hasattr(torch.ops._C, SPARSE_MLA_OP):
-        return (
-            f"{BACKEND_NAME} needs torch.ops._C.{SPARSE_MLA_OP}, which this build "
-            "of the EXL3 kernels does not register (rebuild the kernels)"
-        )
+        return f"{BACKEND_NAME} needs torch.ops._C.{SPARSE_MLA_OP}: {why}"
     return None
-
-
-@functools.cache
-def max_op_workspace_bytes(
-    ops_module: "ModuleType", max_tokens: int, num_heads: int, topk: int
-) -> int:
-    """The op's largest workspace over 1..max_tokens tokens (a host rule, once per
-    shape for all layers)."""
-    return max(
-        ops_module.workspace_bytes(tokens, num_heads, topk)
-        for tokens in range(1, max_tokens + 1)
-    )
 
 
 def _import_ops() -> "ModuleType":
@@ -397,29 +380,27 @@ class Exl3MLASparseImpl(SparseMLACommonImpl[Exl3MLASparseMetadata]):
         self._ops = _import_ops()
         # Reserve the largest step's buffers now: the workspace is locked after the
         # warm-up, and a later step (or a CUDA graph capture) must not grow it. The
-        # op's split count, so its workspace, need not grow with the token count:
-        # take the largest over every step size.
+        # op's split count, so its workspace, falls as tokens grow: its largest
+        # over every step size, not the largest step's.
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        max_op_bytes = self._ops.max_workspace_bytes(
+            max_tokens, self.num_heads, self.topk
+        )
         current_workspace_manager().get_simultaneous(
             ((max_tokens, self.num_heads, self.head_size), torch.bfloat16),
-            (
-                (
-                    max_op_workspace_bytes(
-                        self._ops, max_tokens, self.num_heads, self.topk
-                    ),
-                ),
-                torch.uint8,
-            ),
+            ((max_op_bytes,), torch.uint8),
         )
 
-    def _workspace(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _workspace(
+        self, num_tokens: int, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (q concat buffer, op workspace) into vLLM's shared workspace."""
+        op_bytes = self._ops.workspace_bytes(
+            num_tokens, self.num_heads, self.topk, device=device
+        )
         q_buffer, op_workspace = current_workspace_manager().get_simultaneous(
             ((num_tokens, self.num_heads, self.head_size), torch.bfloat16),
-            (
-                (self._ops.workspace_bytes(num_tokens, self.num_heads, self.topk),),
-                torch.uint8,
-            ),
+            ((op_bytes,), torch.uint8),
         )
         return q_buffer, op_workspace
 
@@ -430,8 +411,9 @@ class Exl3MLASparseImpl(SparseMLACommonImpl[Exl3MLASparseMetadata]):
         attn_metadata: Exl3MLASparseMetadata,
         layer: AttentionLayer,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        num_tokens = q[0].shape[0] if isinstance(q, tuple) else q.shape[0]
-        q_buffer, op_workspace = self._workspace(num_tokens)
+        first = q[0] if isinstance(q, tuple) else q
+        q_buffer, op_workspace = self._workspace(first.shape[0], first.device)
+        num_tokens = first.shape[0]
         if isinstance(q, tuple):
             ql_nope, q_pe = q
             ops.concat_mla_q(ql_nope, q_pe, q_buffer)
