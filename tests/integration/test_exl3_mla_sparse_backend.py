@@ -636,8 +636,18 @@ NUM_HEADS = 16
 
 @pytest.mark.parametrize("block_size", [64, 256])
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_ds_mla"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_forward_mqa(tmp_path, monkeypatch, request, device, cache_dtype, block_size):
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.gpu),
+        # Captured after the eager call (which compiles the Triton kernel), with the
+        # workspace locked as vLLM locks it: replay writes what eager did.
+        pytest.param("cuda_graph", marks=pytest.mark.gpu),
+    ],
+)
+def test_forward_mqa(tmp_path, monkeypatch, request, mode, cache_dtype, block_size):
+    device = "cpu" if mode == "cpu" else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from vllm.config import (
@@ -816,12 +826,19 @@ def test_forward_mqa(tmp_path, monkeypatch, request, device, cache_dtype, block_
             )
             metadata = builder.build(0, common)
             impl = make_impl(cache_dtype, topk_buffer.to(dev), scale=scale)
-            out, lse = impl.forward_mqa(
-                (ql_nope.to(dev).transpose(0, 1), q_pe.to(dev)),
-                cache.to(dev),
-                metadata,
-                None,
-            )
+            q_in = (ql_nope.to(dev).transpose(0, 1), q_pe.to(dev))
+            cache = cache.to(dev)
+            out, lse = impl.forward_mqa(q_in, cache, metadata, None)
+            if mode == "cuda_graph":
+                workspace.lock_workspace()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    graph_out, graph_lse = impl.forward_mqa(q_in, cache, metadata, None)
+                graph_out.fill_(math.nan)
+                graph_lse.fill_(math.nan)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(graph_out, out) and torch.equal(graph_lse, lse)
     finally:
         workspace.reset_workspace_manager()
 
@@ -835,7 +852,8 @@ def test_forward_mqa(tmp_path, monkeypatch, request, device, cache_dtype, block_
     assert (out[empty_token] == 0).all() and (lse[empty_token] == -math.inf).all()
     torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
     finite = expected_lse.isfinite()
-    torch.testing.assert_close(lse[finite], expected_lse[finite], atol=1e-3, rtol=1e-4)
+    # The kernel multiplies fp8 rows as bf16: scores move by a few 1e-3.
+    torch.testing.assert_close(lse[finite], expected_lse[finite], atol=1e-2, rtol=1e-3)
     if recorder is not None:
         (call,) = recorder.calls
         assert (call.tokens, call.heads, call.topk) == (num_tokens, NUM_HEADS, TOPK)
