@@ -20,12 +20,17 @@
   block checked against the oracle (moe_model_run.py). Bitrates differ between experts
   and between gate, up and down, so one layer's per-expert rate table is exercised on
   every architecture.
-* MTP draft layers (DeepSeek-V3 and GLM-4.5 layouts: enorm, hnorm, an EXL3 eh_proj, a
-  whole decoder layer with EXL3 attention and MoE, shared_head.norm; the MTP head is not
-  stored, vLLM's proposer shares the target's) load through vLLM's MTP model classes
-  with the target's own quant config: target and draft built from one VllmConfig, their
-  layers distinct, the draft's eh_proj and MoE block equal to the checkpoint decoded by
-  the reference.
+* DeepSeek-Sparse-Attention checkpoints (DeepSeek-V3.2, GLM-5 with a "shared"
+  indexer layer) through vLLM's loader: every parameter written, the indexers where
+  vLLM's schedule puts them, every EXL3 linear (the indexer's wq_b included) against the
+  reference decode, the fp16 indexer tensors as stored, the MoE blocks against the
+  oracle.
+* MTP draft layers (DeepSeek-V3, GLM-4.5 and DeepSeek-V3.2 layouts: enorm, hnorm, an
+  EXL3 eh_proj, a whole decoder layer with EXL3 attention (and a DSA indexer) and MoE,
+  shared_head.norm; the MTP head is not stored, vLLM's proposer shares the target's)
+  load through vLLM's MTP model classes with the target's own quant config: target and
+  draft built from one VllmConfig, their layers distinct, the draft's eh_proj and MoE
+  block equal to the checkpoint decoded by the reference.
 * Two ranks (two spawned processes, one gloo world): tensor parallel 2 on a synthetic
   Qwen3-MoE checkpoint (expert width 256, so 128 per rank, mixed per-expert rates),
   every MoE block against the full oracle and the logits equal to TP=1's; the real
@@ -562,12 +567,12 @@ def test_dsa_checkpoint_loads(arch, tmp_path, monkeypatch, world1):
 MTP_BITS = 5  # the draft layers at their own rate (the converter's mtp_bits)
 
 
-@pytest.mark.parametrize("arch", ["deepseek-v3", "glm4-moe"])
+@pytest.mark.parametrize("arch", ["deepseek-v3", "glm4-moe", "deepseek-v32"])
 def test_mtp_draft_loads_exl3_layers(arch, tmp_path, monkeypatch, world1):
     from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
     from vllm.model_executor.layers.quantization.exl3.moe import Exl3MoEMethod
 
-    preset, codebook, bits, _ = ARCHITECTURES[arch]
+    preset, codebook, bits, _ = {**ARCHITECTURES, **DSA_ARCHITECTURES}[arch]
     cfg = synth.load_config(preset)
     cfg["num_nextn_predict_layers"] = 1
     ckpt = tmp_path / arch
@@ -607,6 +612,12 @@ def test_mtp_draft_loads_exl3_layers(arch, tmp_path, monkeypatch, world1):
     err = (y.double() - expected).abs().max().item()
     assert err <= 4e-3 * expected.abs().max().item(), f"eh_proj: max |err| {err:.3g}"
     assert check_moe_blocks(ckpt, draft, vllm_config) == 1
+    if "index_topk" in cfg:
+        # A DSA draft layer always owns an indexer (ExLlamaV3 stores it, vLLM builds
+        # it), at the draft's own rate.
+        wq_b = layer.mtp_block.self_attn.indexer.wq_b
+        assert isinstance(wq_b.quant_method, Exl3LinearMethod)
+        assert written[f"{mtp}.self_attn.indexer.wq_b"][0] == MTP_BITS
 
 
 # EXL3 MoE across two ranks on CPU (two spawned processes, one gloo world):
