@@ -414,7 +414,7 @@ def _indexer_problems(
     tensors: Mapping[str, TensorEntry],
     specs: Mapping[str, Exl3ModuleSpec],
 ) -> list[str]:
-    """A DSA model's indexers: on every layer vLLM builds one for (MTP layers always),
+    """A DSA model's indexers: on every layer vLLM builds one for (stored MTP layers),
     wq_b (EXL3 or fp16), wk and weights_proj (fp16 at their real dims: vLLM loads them
     unquantized, unpadded) and k_norm's weight and bias, each of its config.json shape;
     config.json's `indexer_types` (ExLlamaV3's schedule) equal to the one vLLM derives.
@@ -455,9 +455,14 @@ def _indexer_problems(
         "wk": (head_dim, hidden),
         "weights_proj": (heads, hidden),
     }
-    for i in [i for i in range(layers) if owners[i]] + list(
-        range(layers, layers + extra)
-    ):
+    # MTP layers always own one; ExLlamaV3 leaves them out of a conversion unless
+    # they are added to it, and a model without them runs without its draft.
+    stored_mtp = [
+        i
+        for i in range(layers, layers + extra)
+        if any(name.startswith(f"model.layers.{i}.") for name in tensors)
+    ]
+    for i in [i for i in range(layers) if owners[i]] + stored_mtp:
         prefix = f"model.layers.{i}.{INDEXER}"
         for leaf, shape in expected.items():
             module = f"{prefix}.{leaf}"
