@@ -607,7 +607,7 @@ def test_sparse_mla_checkpoints_validate_and_repeat(tmp_path):
 POSITIONS = 2100  # past index_topk (2048), so both sides of it are measured
 
 
-def _fake_run(shift: float, beyond: float = 0.0, tokens=(1, 2, 3, 4)) -> dict:
+def _fake_dsa_run(shift: float, beyond: float = 0.0, tokens=(1, 2, 3, 4)) -> dict:
     prompt = [
         [-1.0 + shift + (beyond if j >= 2048 else 0.0) for j in range(POSITIONS)]
     ] * 2
@@ -645,12 +645,12 @@ def _dsa_run(monkeypatch, tmp_path, results: dict, missing=(), argv=()) -> dict:
 
 
 AGREEING = {
-    "exl3-sparse-bf16": _fake_run(0.002, beyond=0.3),
-    "flashmla-sparse-bf16": _fake_run(0.0, beyond=0.3),
-    "exl3-sparse-fp8": _fake_run(0.003, beyond=0.3),
-    "flashmla-sparse-fp8": _fake_run(0.001, beyond=0.3),
-    "flashmla-dense": _fake_run(0.0),
-    "triton-dense": _fake_run(0.0015),
+    "exl3-sparse-bf16": _fake_dsa_run(0.002, beyond=0.3),
+    "flashmla-sparse-bf16": _fake_dsa_run(0.0, beyond=0.3),
+    "exl3-sparse-fp8": _fake_dsa_run(0.003, beyond=0.3),
+    "flashmla-sparse-fp8": _fake_dsa_run(0.001, beyond=0.3),
+    "flashmla-dense": _fake_dsa_run(0.0),
+    "triton-dense": _fake_dsa_run(0.0015),
 }
 
 
@@ -676,8 +676,8 @@ def test_sparse_mla_checks_fail_on_disagreement_and_no_topk_effect(
 ):
     results = {
         **AGREEING,
-        "exl3-sparse-bf16": _fake_run(0.2, beyond=0.3, tokens=(1, 9, 9, 9)),
-        "flashmla-sparse-bf16": _fake_run(0.0),
+        "exl3-sparse-bf16": _fake_dsa_run(0.2, beyond=0.3, tokens=(1, 9, 9, 9)),
+        "flashmla-sparse-bf16": _fake_dsa_run(0.0),
     }
     out = _dsa_run(monkeypatch, tmp_path, results)
     failed = {c["check"] for c in out["checks"] if not c["pass"]}
