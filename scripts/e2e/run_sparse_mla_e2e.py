@@ -266,8 +266,9 @@ def run_engine(model_dir: Path, run: Run, batch: list[list[int]]) -> dict:
     )
     out: dict = {**asdict(run), "start_s": round(time.monotonic() - t0, 1)}
     try:
-        config = llm.llm_engine.vllm_config
-        out["cache_dtype"] = str(config.cache_config.cache_dtype)
+        config = getattr(llm.llm_engine, "vllm_config", None)
+        if config is not None:
+            out["cache_dtype"] = str(config.cache_config.cache_dtype)
         out["prompt_logprobs"] = fx.score_windows(llm, batch)
         out["greedy_tokens"], out["greedy_logprobs"] = fx.greedy(llm, batch, GEN_TOKENS)
     finally:
