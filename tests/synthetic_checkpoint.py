@@ -5,11 +5,12 @@
 
 Covers architectures we have no real checkpoint for: any config the architecture plan
 knows (scripts/vllm_exl3/architecture.py: dense, qwen2/qwen3 MoE, Mixtral, GLM-4.5 MoE,
-Qwen3-Next, DeepSeek-style MLA + MoE + MTP). Layout as in exl3-format.md §1:
-per-projection tensor sets (trellis int16, suh/svh fp16, an int32 scalar marker for
-mcg/mul1), k and n padded to 128 with svh = 0 on padded output columns, an lm_head
-always present (padded vocab), norms/embeddings in the model dtype, routers and
-kv_b_proj fp16 unquantized; config.json with the quantization_config block
+Qwen3-Next, DeepSeek-style MLA + MoE + MTP, DeepSeek-V3.2 / GLM-5 DSA). Layout as in
+exl3-format.md §1: per-projection tensor sets (trellis int16, suh/svh fp16, an int32
+scalar marker for mcg/mul1), k and n padded to 128 with svh = 0 on padded output
+columns, an lm_head always present (padded vocab), norms/embeddings in the model dtype,
+routers, kv_b_proj and the DSA indexer's wk / weights_proj fp16 unquantized at their
+real dims; config.json with the quantization_config block
 (tie_word_embeddings forced to false where present), quantization_config.json with
 tensor_storage, shards + index over a cap.
 
@@ -222,6 +223,69 @@ _DEEPSEEK_V3_TINY = {
     "use_cache": True,
     "vocab_size": 4000,
 }
+# DeepSeek-V3.2, shrunk: the DeepSeek-V3 body above with the DSA lightning indexer on
+# every layer (index_topk present: vLLM builds its sparse MLA path). index_topk is
+# above any CPU test's sequence, so the selection keeps every token.
+_DEEPSEEK_V32_TINY = {
+    **_DEEPSEEK_V3_TINY,
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 256,
+    "index_n_heads": 4,
+    "index_head_dim": 64,
+}
+# GLM-5 (glm_moe_dsa), shrunk: MLA + sigmoid MoE over one group, interleaved rope in
+# attention and indexer, and a DSA schedule with a "shared" layer that reuses the
+# previous layer's selection and stores no indexer (indexer_types, as ExLlamaV3 reads
+# it, and index_topk_freq / index_skip_topk_offset, as vLLM derives it, agree).
+_GLM5_TINY = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "dtype": "bfloat16",
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "hidden_size": 256,
+    "initializer_range": 0.02,
+    "intermediate_size": 512,
+    "max_position_embeddings": 2048,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 3,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 96,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "index_topk": 256,
+    "index_n_heads": 4,
+    "index_head_dim": 64,
+    "indexer_types": ["full", "full", "shared"],
+    "index_topk_freq": 2,
+    "index_skip_topk_offset": 2,
+    "rope_interleave": True,
+    "indexer_rope_interleave": True,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 4096,
+}
 # GLM-4.5/4.6 MoE, shrunk: q/k/v bias without o bias, q/k norms, one dense layer first,
 # sigmoid routing with the correction bias over 2 groups, a shared expert.
 _GLM4_MOE_TINY = {
@@ -342,6 +406,8 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": _QWEN3_8B,
     "qwen3-moe-tiny": _QWEN3_MOE_TINY,
     "deepseek-v3-tiny": _DEEPSEEK_V3_TINY,
+    "deepseek-v32-tiny": _DEEPSEEK_V32_TINY,
+    "glm5-tiny": _GLM5_TINY,
     "glm4-moe-tiny": _GLM4_MOE_TINY,
     "mixtral-tiny": _MIXTRAL_TINY,
     "qwen3-next-tiny": _QWEN3_NEXT_TINY,
@@ -550,8 +616,9 @@ def write_checkpoint(
     cfg = load_config(config)
     if layers is not None:
         cfg["num_hidden_layers"] = layers
-        if isinstance(cfg.get("layer_types"), list):
-            cfg["layer_types"] = (cfg["layer_types"] * layers)[:layers]
+        for key in ("layer_types", "indexer_types", "mlp_layer_types"):
+            if isinstance(cfg.get(key), list):
+                cfg[key] = (cfg[key] * layers)[:layers]
         if cfg.get("mlp_only_layers"):
             cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < layers]
     if mtp is False:

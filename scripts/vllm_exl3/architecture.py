@@ -15,7 +15,11 @@ GLM-4.5/4.6 MoE (q/k/v bias, optional q/k norms, DeepSeek-style routed + shared
 experts), Qwen3-Next (gated attention every full_attention_interval-th layer, Gated
 DeltaNet otherwise, MoE with a gated shared expert), DeepSeek-style MLA + MoE with
 shared experts and an MTP layer (`num_nextn_predict_layers`, the glm4_moe_lite MTP
-layout). Anything else raises PlanError. Pure Python: no torch.
+layout), and the DeepSeek-Sparse-Attention family on that body (DeepSeek-V3.2,
+GLM-5 `glm_moe_dsa`: `index_topk` in the config), whose indexer ExLlamaV3 stores as
+`self_attn.indexer.{wq_b (EXL3), wk, weights_proj (fp16, unpadded), k_norm (LayerNorm
+weight + bias)}` on the layers that score a selection. Anything else raises PlanError.
+Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -185,7 +189,12 @@ def _mlp(plan: ModelPlan, prefix: str, hidden: int, inter: int, bits_key: str) -
 
 
 def _attention(
-    plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str
+    plan: ModelPlan,
+    cfg: dict,
+    prefix: str,
+    hidden: int,
+    bits_key: str,
+    with_indexer: bool = False,
 ) -> None:
     heads = cfg["num_attention_heads"]
     model_type = cfg.get("model_type", "")
@@ -266,6 +275,8 @@ def _attention(
                 bits_key=bits_key,
             )
         )
+        if with_indexer:
+            _indexer(plan, cfg, f"{prefix}.indexer", hidden, bits_key)
         return
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -315,6 +326,88 @@ def _attention(
     if model_type.startswith("qwen3") or cfg.get("use_qk_norm"):
         plan.add_plain(f"{prefix}.q_norm.weight", (head_dim,), "norm")
         plan.add_plain(f"{prefix}.k_norm.weight", (head_dim,), "norm")
+
+
+def _indexer(
+    plan: ModelPlan, cfg: dict, prefix: str, hidden: int, bits_key: str
+) -> None:
+    """The DSA lightning indexer as ExLlamaV3 stores it: the query projection from the
+    q_a latent is EXL3; the key projection and the per-head scoring weights are
+    router-like and stay fp16 at their real dims (pad_to=1); k_norm is a LayerNorm with
+    a bias."""
+    if not cfg.get("q_lora_rank"):
+        raise PlanError(
+            "config.json: index_topk without q_lora_rank (the DSA indexer projects its "
+            "queries from the q_a latent)"
+        )
+    heads, head_dim = cfg["index_n_heads"], cfg["index_head_dim"]
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.wq_b",
+            cfg["q_lora_rank"],
+            heads * head_dim,
+            REPLICATED,
+            f"{prefix}.wq_b",
+            bits_key=bits_key,
+        )
+    )
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.wk",
+            hidden,
+            head_dim,
+            REPLICATED,
+            f"{prefix}.wk_weights_proj",
+            quantized=False,
+        )
+    )
+    plan.add_plain(f"{prefix}.k_norm.weight", (head_dim,), "norm")
+    plan.add_plain(f"{prefix}.k_norm.bias", (head_dim,), "bias")
+    plan.add_linear(
+        LinearSlot(
+            f"{prefix}.weights_proj",
+            hidden,
+            heads,
+            REPLICATED,
+            f"{prefix}.wk_weights_proj",
+            quantized=False,
+        )
+    )
+
+
+def indexer_layers(cfg: dict) -> list[bool]:
+    """Which decoder layers own a DSA indexer (score and publish a top-k selection);
+    the others reuse the previous owner's. ExLlamaV3 follows config.json's
+    `indexer_types` ("full" / "shared"); without it, the rule transformers and vLLM
+    derive from `index_topk_pattern` ("F"/"S" per layer) or `index_topk_freq` and
+    `index_skip_topk_offset`. All False for a config without `index_topk`."""
+    layers = cfg["num_hidden_layers"]
+    if "index_topk" not in cfg:
+        return [False] * layers
+    types = cfg.get("indexer_types")
+    if types is not None:
+        if len(types) < layers or any(t not in ("full", "shared") for t in types):
+            raise PlanError(
+                f"config.json: indexer_types={types!r} (one 'full' or 'shared' per "
+                f"layer, {layers} layers)"
+            )
+        return [t == "full" for t in types[:layers]]
+    return vllm_indexer_layers(cfg)
+
+
+def vllm_indexer_layers(cfg: dict) -> list[bool]:
+    """The layers vLLM 0.26's DeepSeek-V2 model builds an indexer for
+    (DeepseekV2MLAAttention: `index_topk_pattern`, else `index_topk_freq` counted
+    from `index_skip_topk_offset`)."""
+    layers = cfg["num_hidden_layers"]
+    if "index_topk" not in cfg:
+        return [False] * layers
+    pattern = cfg.get("index_topk_pattern")
+    if pattern is not None:
+        return [i >= len(pattern) or pattern[i] != "S" for i in range(layers)]
+    freq = cfg.get("index_topk_freq", 1)
+    offset = cfg.get("index_skip_topk_offset", 2)
+    return [max(i - offset + 1, 0) % freq == 0 for i in range(layers)]
 
 
 def _num_experts(cfg: dict) -> int:
@@ -459,14 +552,16 @@ def _is_linear_attention_layer(cfg: dict, idx: int) -> bool:
     return (idx + 1) % cfg.get("full_attention_interval", 4) != 0
 
 
-def _decoder_layer(plan: ModelPlan, cfg: dict, idx: int, bits_key: str) -> None:
+def _decoder_layer(
+    plan: ModelPlan, cfg: dict, idx: int, bits_key: str, with_indexer: bool = False
+) -> None:
     hidden = cfg["hidden_size"]
     prefix = f"model.layers.{idx}"
     plan.add_plain(f"{prefix}.input_layernorm.weight", (hidden,), "norm")
     if _is_linear_attention_layer(cfg, idx):
         _gated_delta_net(plan, cfg, f"{prefix}.linear_attn", hidden, bits_key)
     else:
-        _attention(plan, cfg, f"{prefix}.self_attn", hidden, bits_key)
+        _attention(plan, cfg, f"{prefix}.self_attn", hidden, bits_key, with_indexer)
     plan.add_plain(f"{prefix}.post_attention_layernorm.weight", (hidden,), "norm")
     if _is_moe_layer(cfg, idx):
         block = "block_sparse_moe" if cfg.get("model_type") in MIXTRAL_TYPES else "mlp"
@@ -475,9 +570,14 @@ def _decoder_layer(plan: ModelPlan, cfg: dict, idx: int, bits_key: str) -> None:
         _mlp(plan, f"{prefix}.mlp", hidden, cfg["intermediate_size"], bits_key)
 
 
+# layer_types entries of the DSA family's every layer (transformers' glm_moe_dsa
+# default, and the spelling GLM-5.2's config.json uses).
+DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
+
 _UNSUPPORTED_KEYS = {
     "layer_types": lambda v: any(
-        t not in ("full_attention", "sliding_attention") for t in v or []
+        t not in ("full_attention", "sliding_attention", *DSA_LAYER_TYPES)
+        for t in v or []
     ),
     "mtp_num_hidden_layers": bool,
     "vision_config": bool,
@@ -514,11 +614,22 @@ def plan_model(cfg: dict) -> ModelPlan:
             f"num_local_experts but no moe_intermediate_size (only Mixtral's w1/w2/w3 "
             f"layout is known)"
         )
+    if "index_topk" in cfg and not cfg.get("kv_lora_rank"):
+        raise PlanError(
+            "config.json: index_topk without kv_lora_rank (DSA runs on MLA attention)"
+        )
+    if any(t in DSA_LAYER_TYPES for t in cfg.get("layer_types") or []) and (
+        "index_topk" not in cfg
+    ):
+        raise PlanError(
+            "config.json: layer_types names DSA layers but there is no index_topk"
+        )
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     plan = ModelPlan()
     plan.add_plain("model.embed_tokens.weight", (vocab, hidden), "embed")
+    owners = indexer_layers(cfg)
     for idx in range(cfg["num_hidden_layers"]):
-        _decoder_layer(plan, cfg, idx, "bits")
+        _decoder_layer(plan, cfg, idx, "bits", owners[idx])
     plan.add_plain("model.norm.weight", (hidden,), "norm")
     plan.add_linear(
         LinearSlot("lm_head", hidden, vocab, VOCAB, "lm_head", bits_key="head_bits")
@@ -543,7 +654,9 @@ def plan_model(cfg: dict) -> ModelPlan:
             )
         )
         for i in range(n_mtp):
-            _decoder_layer(plan, cfg, first + i, "mtp_bits")
+            # A DSA model's MTP layers always own an indexer (ExLlamaV3's
+            # glm_moe_dsa MTP model and vLLM's alike).
+            _decoder_layer(plan, cfg, first + i, "mtp_bits", "index_topk" in cfg)
         plan.add_plain(
             f"model.layers.{first + n_mtp - 1}.shared_head.norm.weight",
             (hidden,),

@@ -42,9 +42,12 @@ INSTALLER = Path(__file__).with_name("bundle_install.sh")
 # it.
 HOST_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
-# Pieces of the release wheel a dense or MoE model on Hopper/Blackwell does not need;
-# together ~190 MB compressed. fa3 (vllm_flash_attn/_vllm_fa3_C) is the flash-attention
-# build serving uses.
+# Pieces of the release wheel a model on Hopper/Blackwell does not need; together ~140
+# MB compressed (fa2 123, vllm-rs 14, fmha_sm100's headers 3). fa3
+# (vllm_flash_attn/_vllm_fa3_C) is the flash-attention build serving uses. DeepGEMM's
+# headers (3 MB compressed) stay: the DeepSeek-Sparse-Attention indexer (DeepSeek-V3.2,
+# GLM-5) runs DeepGEMM kernels that it JIT-compiles on the host with nvcc against them.
+# fmha_sm100 serves datacenter Blackwell (sm_100) only.
 _DROPPED = (
     (
         re.compile(r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"),
@@ -52,8 +55,8 @@ _DROPPED = (
     ),
     (re.compile(r"^vllm/vllm-rs$"), "Rust frontend binary"),
     (
-        re.compile(r"^vllm/third_party/.*/include/"),
-        "C++ headers of JIT-compiled kernels",
+        re.compile(r"^vllm/third_party/fmha_sm100/.*include/"),
+        "C++ headers of the sm_100 FMHA JIT kernels",
     ),
 )
 _MOE = re.compile(r"^vllm/_moe_C_stable_libtorch\.abi3\.so$")

@@ -1,13 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The MoE and MTP end-to-end pieces on the CPU.
+"""The MoE, MTP and sparse-MLA end-to-end pieces on the CPU.
 
 MoE: staging copies the right files and its checksums catch damage, working copies get
 what vLLM needs, and (faked) engine runs turn into the right checks, judged against the
 original bf16 model when staged and the dequantized twin otherwise. MTP: the synthetic
 EXL3 checkpoint with its MTP layer and its bf16 twin (which vLLM's strict bf16 loader
 takes, draft included), the agreement measures, and (faked) engine runs turned into the
-right checks.
+right checks. Sparse MLA: the synthetic DeepSeek-V3.2 checkpoint and its dense twin pass
+the loader's validation, (faked) engine runs are judged against the dense pair, a
+backend this vLLM lacks is a failed row, and runs of an earlier call are reused only for
+the same checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path.insert(0, str(E2E))
 import run_fixture_e2e as fx  # noqa: E402
 import run_moe_e2e as moe  # noqa: E402
 import run_mtp_e2e as mtp  # noqa: E402
+import run_sparse_mla_e2e as dsa  # noqa: E402
 
 STAGE = E2E / "stage_fixtures.sh"
 # ExLlamaV3 1.6.5's recorded perplexities (shared fixture set's logs/), restated for the
@@ -548,3 +552,157 @@ def test_checkpoints_carry_the_mtp_layer_and_the_twin_its_shared_tensors(tmp_pat
     assert (shared[f"{m}.embed_tokens.weight"] == w["model.embed_tokens.weight"]).all()
     assert (shared[f"{m}.shared_head.head.weight"] == w["lm_head.weight"]).all()
     assert (bf16 / "tokenizer.json").is_file() and (exl3 / "tokenizer.json").is_file()
+
+
+# ---- sparse MLA (run_sparse_mla_e2e.py)
+
+
+def test_sparse_mla_arguments():
+    r = subprocess.run(
+        [sys.executable, str(E2E / "run_sparse_mla_e2e.py"), "--runs", "flashinfer"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "unknown ['flashinfer']" in r.stderr
+    assert dsa.parse_args([]).runs == list(dsa.RUNS)
+    assert dsa.parse_args(["--runs", "triton-dense"]).runs == ["triton-dense"]
+
+
+def test_sparse_mla_checkpoints_validate_and_repeat(tmp_path):
+    """The DeepSeek-V3.2 checkpoint (indexer on every layer, index_topk 2048, the MLA
+    dims of vLLM's Hopper kernels) and its dense twin pass the loader's validation; a
+    second write is the same checkpoint, so runs of an earlier call compare."""
+    from safetensors.torch import load_file
+    from vllm.model_executor.layers.quantization.exl3.checkpoint import (
+        validate_checkpoint,
+    )
+
+    sparse, dense, digest = dsa.write_checkpoints(tmp_path / "a")
+    cfg = json.loads((sparse / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV32ForCausalLM"]
+    assert cfg["index_topk"] == 2048 and cfg["num_attention_heads"] == dsa.HEADS
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576
+    twin = json.loads((dense / "config.json").read_text())
+    assert twin["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert not set(dsa.DSA) & set(twin)
+    assert {k: v for k, v in cfg.items() if k not in dsa.DSA} == {
+        **twin,
+        "architectures": cfg["architectures"],
+        "model_type": "deepseek_v32",
+    }
+    for ckpt in (sparse, dense):
+        assert validate_checkpoint(ckpt).modules
+    named = load_file(sparse / "model.safetensors")
+    for i in range(dsa.LAYERS):
+        assert f"model.layers.{i}.self_attn.indexer.wq_b.trellis" in named
+        norm = named[f"model.layers.{i}.self_attn.kv_a_layernorm.weight"].float()
+        assert abs(norm.mean().item() - dsa.ATTENTION_SHARPEN) < 0.1
+    assert len(dsa.prompts()) == dsa.PROMPTS
+    assert {len(p) for p in dsa.prompts()} == {dsa.PROMPT_TOKENS}
+    assert cfg["index_topk"] < dsa.PROMPT_TOKENS
+    assert dsa.write_checkpoints(tmp_path / "b")[2] == digest
+
+
+POSITIONS = 2100  # past index_topk (2048), so both sides of it are measured
+
+
+def _fake_dsa_run(shift: float, beyond: float = 0.0, tokens=(1, 2, 3, 4)) -> dict:
+    prompt = [
+        [-1.0 + shift + (beyond if j >= 2048 else 0.0) for j in range(POSITIONS)]
+    ] * 2
+    return {
+        "prompt_logprobs": prompt,
+        "greedy_tokens": [list(tokens)] * 2,
+        "greedy_logprobs": [[-0.5 + shift] * len(tokens)] * 2,
+    }
+
+
+def _dsa_run(monkeypatch, tmp_path, results: dict, missing=(), argv=()) -> dict:
+    calls = []
+
+    def run_engine(model_dir, spec, batch):
+        name = next(n for n, r in dsa.RUNS.items() if r == spec)
+        calls.append(name)
+        return results[name]
+
+    monkeypatch.setattr(dsa, "run_engine", run_engine)
+    monkeypatch.setattr(
+        dsa,
+        "backend_missing",
+        lambda b: f"attention backend {b} is not registered" if b in missing else None,
+    )
+    args = dsa.parse_args(["--out", str(tmp_path), *argv])
+    out = dsa.run(
+        args,
+        [[0, 1]],
+        {"sparse": Path("s"), "dense": Path("d")},
+        "digest",
+        fx.Deadline(3600, dsa.STAGE_COST_S),
+    )
+    out["calls"] = calls
+    return out
+
+
+AGREEING = {
+    "exl3-sparse-bf16": _fake_dsa_run(0.002, beyond=0.3),
+    "flashmla-sparse-bf16": _fake_dsa_run(0.0, beyond=0.3),
+    "exl3-sparse-fp8": _fake_dsa_run(0.003, beyond=0.3),
+    "flashmla-sparse-fp8": _fake_dsa_run(0.001, beyond=0.3),
+    "flashmla-dense": _fake_dsa_run(0.0),
+    "triton-dense": _fake_dsa_run(0.0015),
+}
+
+
+def test_sparse_mla_checks_pass_when_the_pairs_agree_like_the_dense_pair(
+    monkeypatch, tmp_path
+):
+    out = _dsa_run(monkeypatch, tmp_path, AGREEING)
+    assert out["calls"] == list(dsa.RUNS)
+    assert len(out["checks"]) == 7, out["checks"]
+    assert all(c["pass"] for c in out["checks"]), out["checks"]
+    topk = out["summary"][dsa.TOPK_PAIR[0]]
+    assert (
+        topk["prompt_beyond_topk"]["mean_abs"] > topk["prompt_within_topk"]["mean_abs"]
+    )
+    table = dsa.markdown(out)
+    assert "| EXL3_MLA_SPARSE vs FLASHMLA_SPARSE, bf16 cache |" in table
+    stored = sorted(p.stem for p in (tmp_path / dsa.RUNS_DIR).iterdir())
+    assert stored == sorted(dsa.RUNS)
+
+
+def test_sparse_mla_checks_fail_on_disagreement_and_no_topk_effect(
+    monkeypatch, tmp_path
+):
+    results = {
+        **AGREEING,
+        "exl3-sparse-bf16": _fake_dsa_run(0.2, beyond=0.3, tokens=(1, 9, 9, 9)),
+        "flashmla-sparse-bf16": _fake_dsa_run(0.0),
+    }
+    out = _dsa_run(monkeypatch, tmp_path, results)
+    failed = {c["check"] for c in out["checks"] if not c["pass"]}
+    label = dsa.JUDGED[0][0]
+    assert failed == {
+        f"{label}: mean |dlogprob| (prompt) vs the dense pair's",
+        f"{label}: mean |dlogprob| (decode) vs the dense pair's",
+        f"{label}: greedy matched fraction vs the dense pair's",
+        f"{dsa.TOPK_PAIR[0]}: mean |dlogprob| past index_topk vs before it",
+    }
+
+
+def test_sparse_mla_missing_backend_is_a_failed_row(monkeypatch, tmp_path):
+    out = _dsa_run(monkeypatch, tmp_path, AGREEING, missing=("EXL3_MLA_SPARSE",))
+    assert "exl3-sparse-bf16" not in out["calls"] and "triton-dense" in out["calls"]
+    assert "not registered" in out["errors"]["exl3-sparse-fp8"]
+    assert not any(c["check"].startswith("EXL3_MLA") for c in out["checks"])
+    table = dsa.markdown(out)
+    assert "| exl3-sparse-bf16 | FAILED: attention backend EXL3_MLA_SPARSE" in table
+
+
+def test_sparse_mla_reuses_earlier_runs_of_the_same_checkpoint(monkeypatch, tmp_path):
+    _dsa_run(monkeypatch, tmp_path, AGREEING, argv=("--runs", "flashmla-dense"))
+    out = _dsa_run(monkeypatch, tmp_path, AGREEING, argv=("--runs", "triton-dense"))
+    assert out["calls"] == ["triton-dense"] and out["reused"] == ["flashmla-dense"]
+    assert dsa.INFORMATIONAL[0][0] in out["summary"]
+    other = dsa.load_previous(tmp_path, "another checkpoint")
+    assert other == {}

@@ -123,6 +123,9 @@ def cpu_stand_ins(monkeypatch) -> None:
         monkeypatch.setattr(
             current_platform, "current_device", lambda: torch.device("cpu")
         )
+    # A DSA model allocates its top-k index buffer on the platform's device type.
+    if not current_platform.device_type:
+        monkeypatch.setattr(current_platform, "device_type", "cpu")
     patch_cpu_routing(monkeypatch)
 
 
@@ -249,13 +252,18 @@ def moe_blocks(model) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
+# Model types routing DeepSeek-V3's way: sigmoid scores, the correction bias, group
+# top-k.
+SIGMOID_GROUP_ROUTED = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa")
+
+
 def route(cfg: dict, logits: torch.Tensor, bias: torch.Tensor | None):
     """(weights fp64 [T, k], ids [T, k]) as the architecture routes, from router
     logits.
     """
     top_k = cfg["num_experts_per_tok"]
     logits = logits.double()
-    if cfg["model_type"] in ("deepseek_v3", "glm4_moe"):
+    if cfg["model_type"] in SIGMOID_GROUP_ROUTED:
         scores = logits.sigmoid()
         biased = scores + bias.double()
         t, groups = logits.shape[0], cfg["n_group"]

@@ -20,12 +20,17 @@
   block checked against the oracle (moe_model_run.py). Bitrates differ between experts
   and between gate, up and down, so one layer's per-expert rate table is exercised on
   every architecture.
-* MTP draft layers (DeepSeek-V3 and GLM-4.5 layouts: enorm, hnorm, an EXL3 eh_proj, a
-  whole decoder layer with EXL3 attention and MoE, shared_head.norm; the MTP head is not
-  stored, vLLM's proposer shares the target's) load through vLLM's MTP model classes
-  with the target's own quant config: target and draft built from one VllmConfig, their
-  layers distinct, the draft's eh_proj and MoE block equal to the checkpoint decoded by
-  the reference.
+* DeepSeek-Sparse-Attention checkpoints (DeepSeek-V3.2, GLM-5 with a "shared"
+  indexer layer) through vLLM's loader: every parameter written, the indexers where
+  vLLM's schedule puts them, every EXL3 linear (the indexer's wq_b included) against the
+  reference decode, the fp16 indexer tensors as stored, the MoE blocks against the
+  oracle.
+* MTP draft layers (DeepSeek-V3, GLM-4.5 and DeepSeek-V3.2 layouts: enorm, hnorm, an
+  EXL3 eh_proj, a whole decoder layer with EXL3 attention (and a DSA indexer) and MoE,
+  shared_head.norm; the MTP head is not stored, vLLM's proposer shares the target's)
+  load through vLLM's MTP model classes with the target's own quant config: target and
+  draft built from one VllmConfig, their layers distinct, the draft's eh_proj and MoE
+  block equal to the checkpoint decoded by the reference.
 * Two ranks (two spawned processes, one gloo world): tensor parallel 2 on a synthetic
   Qwen3-MoE checkpoint (expert width 256, so 128 per rank, mixed per-expert rates),
   every MoE block against the full oracle and the logits equal to TP=1's; the real
@@ -38,6 +43,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 
 import pytest
 import synthetic_checkpoint as synth
@@ -56,6 +62,7 @@ from moe_checkpoints import (
 )
 from moe_model_run import (
     check_moe_blocks,
+    checkpoint_tensors,
     load_model,
     load_target_and_draft,
     vllm_logits,
@@ -406,6 +413,150 @@ def test_mla_kv_b_proj_stored_as_exl3(tmp_path, monkeypatch, world1):
     assert (got - want).abs().max().item() <= 8 * 2**-10 * want.abs().max().item()
 
 
+# DeepSeek-Sparse-Attention layouts (DeepSeek-V3.2, GLM-5 `glm_moe_dsa`): the MLA +
+# MoE body with a lightning indexer per scoring layer, as ExLlamaV3 stores it (wq_b
+# EXL3; wk, weights_proj fp16 at their real dims; k_norm weight + bias), through vLLM's
+# loader. Every parameter of the model is written by the checkpoint, the indexers sit
+# on the layers vLLM's schedule gives (GLM-5's "shared" layer has none, and stores
+# none), every EXL3 linear (the indexer's wq_b included) equals the reference decode,
+# the unquantized indexer tensors are the stored ones, and every MoE block matches the
+# oracle. A forward through the sparse path needs the indexer's CUDA kernels (the GPU
+# end-to-end script runs it: scripts/e2e/run_sparse_mla_e2e.py).
+
+DSA_LAYERS = 3
+DSA_ARCHITECTURES = {
+    "deepseek-v32": (
+        "deepseek-v32-tiny",
+        "mcg",
+        3,
+        {"*.indexer.wq_b": 5, "*.experts.2.*": 4, "*.q_b_proj": 2},
+    ),
+    "glm5": (
+        "glm5-tiny",
+        "mul1",
+        4,
+        {"*.indexer.wq_b": 2.5, "*.experts.3.down_proj": 6},
+    ),
+}
+
+
+def _record_unloaded(monkeypatch, model_cls) -> set[str]:
+    """Parameters the model's load_weights leaves unwritten, filled in when it runs
+    (vLLM tracks them only for unquantized models)."""
+    unloaded: set[str] = set()
+    original = model_cls.load_weights
+
+    def load_weights(self, weights):
+        wanted = {name for name, _ in self.named_parameters()}
+        loaded = original(self, weights)
+        unloaded.update(wanted - set(loaded))
+        return loaded
+
+    monkeypatch.setattr(model_cls, "load_weights", load_weights)
+    return unloaded
+
+
+@pytest.mark.parametrize("arch", list(DSA_ARCHITECTURES))
+def test_dsa_checkpoint_loads(arch, tmp_path, monkeypatch, world1):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.exl3.checkpoint import (
+        vllm_indexer_layers,
+    )
+    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    preset, codebook, bits, overrides = DSA_ARCHITECTURES[arch]
+    ckpt = tmp_path / arch
+    written = synth.write_checkpoint(
+        preset,
+        ckpt,
+        bits=bits,
+        codebook=codebook,
+        bits_overrides=overrides,
+        layers=DSA_LAYERS,
+        mtp=False,
+        seed=13,
+    )
+    link_tokenizer(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    owners = vllm_indexer_layers(cfg)
+    unloaded = _record_unloaded(monkeypatch, DeepseekV2ForCausalLM)
+    model, vllm_config = load_model(ckpt, monkeypatch, MODEL_DTYPE)
+    assert unloaded == set(), sorted(unloaded)
+
+    named = checkpoint_tensors(ckpt)
+    built = [layer.self_attn.indexer is not None for layer in model.model.layers]
+    stored = [
+        f"model.layers.{i}.self_attn.indexer.wq_b.trellis" in named
+        for i in range(DSA_LAYERS)
+    ]
+    assert built == stored == owners, (built, stored, owners)
+    if arch == "glm5":
+        assert owners == [t == "full" for t in cfg["indexer_types"]] and not all(owners)
+    assert (
+        written["model.layers.0.self_attn.indexer.wq_b"][0]
+        == overrides["*.indexer.wq_b"]
+    )
+
+    # Every EXL3 linear vLLM built: y = x @ W of its (fused) checkpoint modules, each
+    # cut to its real output width.
+    dense = decoded_modules(ckpt)
+    dtype = getattr(torch, MODEL_DTYPE)
+    gen = torch.Generator().manual_seed(5)
+    checked = set()
+    for name, layer in model.named_modules():
+        method = getattr(layer, "quant_method", None)
+        if not isinstance(method, Exl3LinearMethod):
+            continue
+        prefixes = [spec.prefix for spec in method.specs]
+        x = torch.randn(LAYER_TOKENS, layer.input_size, generator=gen)
+        with torch.no_grad():
+            y = layer(x.to(dtype))[0]
+        expected = torch.cat(
+            [
+                x.double() @ dense[p].double()[: layer.input_size, :width]
+                for p, width in zip(prefixes, layer.output_partition_sizes)
+            ],
+            dim=-1,
+        )
+        err = (y.double() - expected).abs().max().item()
+        assert torch.isfinite(y).all(), name
+        assert err <= 4e-3 * expected.abs().max().item(), f"{name}: {err:.3g}"
+        checked.update(prefixes)
+    x = torch.randn(LAYER_TOKENS, cfg["hidden_size"], generator=gen)
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        logits = model.compute_logits(x.to(dtype))
+    expected = x.double() @ dense["lm_head"].double()[:, : cfg["vocab_size"]]
+    err = (logits.double() - expected).abs().max().item()
+    assert err <= 4e-3 * expected.abs().max().item(), f"lm_head: {err:.3g}"
+    checked.add("lm_head")
+    exl3_linears = {p for p in dense if ".experts." not in p}
+    assert checked == exl3_linears, sorted(exl3_linears ^ checked)
+    assert any(".indexer.wq_b" in p for p in checked)
+
+    # The indexer's unquantized tensors and kv_b_proj, as stored (fp16 into an fp16
+    # model: exact).
+    for i, layer in enumerate(model.model.layers):
+        attn, prefix = layer.self_attn, f"model.layers.{i}.self_attn"
+        assert torch.equal(
+            attn.kv_b_proj.weight, named[f"{prefix}.kv_b_proj.weight"].to(dtype)
+        )
+        if attn.indexer is None:
+            assert not any(n.startswith(f"{prefix}.indexer.") for n in named)
+            continue
+        idx = f"{prefix}.indexer"
+        wk_weights = torch.cat(
+            [named[f"{idx}.wk.weight"], named[f"{idx}.weights_proj.weight"]]
+        )
+        assert torch.equal(attn.indexer.wk_weights_proj.weight, wk_weights.to(dtype))
+        for leaf in ("weight", "bias"):
+            assert torch.equal(
+                getattr(attn.indexer.k_norm, leaf).float(),
+                named[f"{idx}.k_norm.{leaf}"].float(),
+            ), f"{idx}.k_norm.{leaf}"
+    assert check_moe_blocks(ckpt, model, vllm_config) >= 1
+
+
 # MTP draft layers of an EXL3 checkpoint (DeepSeek-V3 and GLM-4.5 layouts: enorm, hnorm,
 # an EXL3 eh_proj, a whole decoder layer with EXL3 attention and MoE, shared_head.norm;
 # the MTP head is not stored, vLLM's proposer shares the target's) load through vLLM's
@@ -416,12 +567,12 @@ def test_mla_kv_b_proj_stored_as_exl3(tmp_path, monkeypatch, world1):
 MTP_BITS = 5  # the draft layers at their own rate (the converter's mtp_bits)
 
 
-@pytest.mark.parametrize("arch", ["deepseek-v3", "glm4-moe"])
+@pytest.mark.parametrize("arch", ["deepseek-v3", "glm4-moe", "deepseek-v32"])
 def test_mtp_draft_loads_exl3_layers(arch, tmp_path, monkeypatch, world1):
     from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
     from vllm.model_executor.layers.quantization.exl3.moe import Exl3MoEMethod
 
-    preset, codebook, bits, _ = ARCHITECTURES[arch]
+    preset, codebook, bits, _ = {**ARCHITECTURES, **DSA_ARCHITECTURES}[arch]
     cfg = synth.load_config(preset)
     cfg["num_nextn_predict_layers"] = 1
     ckpt = tmp_path / arch
@@ -461,6 +612,12 @@ def test_mtp_draft_loads_exl3_layers(arch, tmp_path, monkeypatch, world1):
     err = (y.double() - expected).abs().max().item()
     assert err <= 4e-3 * expected.abs().max().item(), f"eh_proj: max |err| {err:.3g}"
     assert check_moe_blocks(ckpt, draft, vllm_config) == 1
+    if "index_topk" in cfg:
+        # A DSA draft layer always owns an indexer (ExLlamaV3 stores it, vLLM builds
+        # it), at the draft's own rate.
+        wq_b = layer.mtp_block.self_attn.indexer.wq_b
+        assert isinstance(wq_b.quant_method, Exl3LinearMethod)
+        assert written[f"{mtp}.self_attn.indexer.wq_b"][0] == MTP_BITS
 
 
 # EXL3 MoE across two ranks on CPU (two spawned processes, one gloo world):

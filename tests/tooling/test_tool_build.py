@@ -288,6 +288,7 @@ def _mini_build(tmp_path: Path) -> Path:
             "vllm/third_party/__init__.py": "",
             "vllm/third_party/pynvml.py": "NVML = 1\n",
             "vllm/third_party/deep_gemm/include/deep_gemm.h": "// header\n",
+            "vllm/third_party/fmha_sm100/cutlass/include/cutlass.h": "// header\n",
             f"vllm/third_party/deep_gemm/_C.cpython-{PYTAG}-x86_64-linux-gnu.so": b"dg-this",  # noqa: E501
             "vllm/third_party/deep_gemm/_C.cpython-399-x86_64-linux-gnu.so": b"dg-other",  # noqa: E501
             "vllm/vllm_flash_attn/__init__.py": "",
@@ -378,13 +379,15 @@ def test_bundle_install_import(tmp_path, local_dependency):
         "_exl3_C.abi3.so",
         "third_party/pynvml.py",
         f"third_party/deep_gemm/_C.cpython-{PYTAG}-x86_64-linux-gnu.so",
+        # The DSA indexer's DeepGEMM kernels are JIT-compiled against these.
+        "third_party/deep_gemm/include/deep_gemm.h",
         "vllm_flash_attn/_vllm_fa3_C.abi3.so",
     ):
         assert (vllm / kept).is_file(), kept
     for dropped in (
         "_moe_C_stable_libtorch.abi3.so",
         "vllm-rs",
-        "third_party/deep_gemm/include",
+        "third_party/fmha_sm100/cutlass/include",
         "third_party/deep_gemm/_C.cpython-399-x86_64-linux-gnu.so",
         "vllm_flash_attn/_vllm_fa2_C.abi3.so",
     ):

@@ -520,6 +520,17 @@ def _bad_marker(named: dict[str, torch.Tensor]) -> None:
     named[f"{L0}.mlp.up_proj.mcg"] = torch.tensor(7, dtype=torch.int32)
 
 
+def _quantized_indexer_wk(named: dict[str, torch.Tensor]) -> None:
+    """The DSA indexer's wk stored as EXL3 (ExLlamaV3 keeps it fp16)."""
+    import synthetic_checkpoint as synth
+
+    module = f"{L0}.self_attn.indexer.wk"
+    n, k = named.pop(f"{module}.weight").shape
+    slot = synth.LinearSlot(module, k, n, "replicated", module)
+    gen = torch.Generator().manual_seed(0)
+    named.update(synth._exl3_tensors(slot, 4, synth.fmt.Codebook.MUL1, False, gen))
+
+
 def _quantized_embedding(named: dict[str, torch.Tensor]) -> None:
     del named["model.embed_tokens.weight"]
     named["model.embed_tokens.trellis"] = torch.zeros(4096, 2 * 65, dtype=torch.int16)
@@ -925,6 +936,44 @@ CASES: list[Case] = [
         error(
             f"{L0}.self_attn.k_proj.bias: missing, but config.json attention_bias = "
             "true"
+        ),
+    ),
+    # -- the DSA indexer (DeepSeek-V3.2, GLM-5): present on every layer vLLM builds one
+    # for, in the form vLLM loads, on the schedule vLLM derives.
+    Case(
+        "dsa-indexer-schedule",
+        "config",
+        synthetic("glm5-tiny", bits=4, config_edit={"index_topk_freq": 1}),
+        error(
+            "config.json: indexer_types[2] = 'shared', but vLLM builds the indexers",
+            '"index_topk_pattern": "FFS"',
+        ),
+    ),
+    Case(
+        "dsa-indexer-missing",
+        "config",
+        synthetic(
+            "deepseek-v32-tiny",
+            bits=3,
+            layers=2,
+            mtp=False,
+            tensor_edit=drop("model.layers.1.self_attn.indexer.wk."),
+        ),
+        error("model.layers.1.self_attn.indexer.wk: missing"),
+    ),
+    Case(
+        "dsa-indexer-wk-exl3",
+        "module",
+        synthetic(
+            "deepseek-v32-tiny",
+            bits=3,
+            layers=2,
+            mtp=False,
+            tensor_edit=_quantized_indexer_wk,
+        ),
+        error(
+            f"{L0}.self_attn.indexer.wk.trellis: EXL3, but vLLM builds the indexer's "
+            "wk and weights_proj as one unquantized GEMM"
         ),
     ),
     Case(

@@ -303,6 +303,36 @@ def test_gated_attention_q_proj_width():
     assert implied_dims({**cfg, "model_type": "qwen3"}, q)[:2] == (256, 256)
 
 
+def test_dsa_mtp_layer_left_out_of_the_conversion(tmp_path):
+    """ExLlamaV3 converts a DSA model without its MTP layer unless one is added, and
+    keeps num_nextn_predict_layers in config.json: that loads (without a draft); a
+    stored MTP layer needs its indexer like any layer vLLM builds one for."""
+    import json
+
+    import synthetic_checkpoint as synth
+    from vllm.model_executor.layers.quantization.exl3.checkpoint import (
+        Exl3FormatError,
+        validate_checkpoint,
+    )
+
+    bare = tmp_path / "bare"
+    synth.write_checkpoint("deepseek-v32-tiny", bare, bits=3, layers=2, mtp=False)
+    edit_json(bare / "config.json", lambda c: c.update(num_nextn_predict_layers=1))
+    assert validate_checkpoint(bare).modules
+    full = tmp_path / "mtp"
+    synth.write_checkpoint("deepseek-v32-tiny", full, bits=3, layers=2)
+    assert json.loads((full / "config.json").read_text())["num_nextn_predict_layers"]
+    assert "model.layers.2.self_attn.indexer.wq_b" in validate_checkpoint(full).modules
+    named = tensors_of(full)
+    for name in [n for n in named if n.startswith("model.layers.2.self_attn.indexer.")]:
+        del named[name]
+    save(full, named)
+    with pytest.raises(
+        Exl3FormatError, match=r"layers\.2\.self_attn\.indexer\.wq_b: miss"
+    ):
+        validate_checkpoint(full)
+
+
 # The tools as a user runs them (a new process): a damaged checkpoint gives one line on
 # stderr naming the file and the rule, exit code 1 and no traceback; `--debug` adds the
 # traceback.

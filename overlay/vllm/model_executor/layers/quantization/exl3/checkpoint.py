@@ -76,6 +76,16 @@ GATED_ATTENTION = (
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 FINAL_NORMS = ("model.norm", "model.language_model.norm", "language_model.model.norm")
 
+# The DSA lightning indexer under an MLA layer (DeepSeek-V3.2, GLM-5): vLLM 0.26
+# builds wq_b with the quant config and wk + weights_proj as one unquantized GEMM
+# (`wk_weights_proj`, quant_config=None), so only wq_b may be EXL3, as ExLlamaV3 stores
+# it; k_norm is a LayerNorm with a bias.
+INDEXER = "self_attn.indexer"
+INDEXER_UNQUANTIZED = ("wk", "weights_proj")
+# vLLM's defaults for the indexer schedule (DeepseekV2MLAAttention).
+INDEX_TOPK_FREQ = 1
+INDEX_SKIP_TOPK_OFFSET = 2
+
 _LAYER = re.compile(r"^(?P<base>(?:.+\.)?layers)\.(?P<index>\d+)\.(?P<rest>.+)$")
 _EXPERT = re.compile(r"^(?P<mlp>.+\.experts)\.(?P<index>\d+)\.")
 
@@ -285,6 +295,13 @@ def implied_dims(cfg: Mapping[str, Any], name: str) -> tuple[int, int, str] | No
             "v_proj": (hidden, kv),
             "o_proj": (q, hidden),
         }[leaf] + (keys,)
+    if leaf == "wq_b" and ".indexer." in name:
+        q_rank, heads = _int(cfg, "q_lora_rank"), _int(cfg, "index_n_heads")
+        head_dim = _int(cfg, "index_head_dim")
+        if not (q_rank and heads and head_dim):
+            return None
+        keys = "q_lora_rank, index_n_heads, index_head_dim"
+        return q_rank, heads * head_dim, keys
     if leaf in ("gate_proj", "up_proj", "down_proj"):
         inter, key = _intermediate(cfg, name)
         if inter is None:
@@ -355,7 +372,9 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
             continue
         kind = types[i] if isinstance(types, list) and i < len(types) else None
         moe = any(_EXPERT.match(f"x.{r}") for r in stored[i])
-        groups.setdefault((kind, moe), []).append(i)
+        # DSA layers that reuse another layer's selection store no indexer.
+        indexer = any(r.startswith(f"{INDEXER}.") for r in stored[i])
+        groups.setdefault((kind, moe, indexer), []).append(i)
     for members in groups.values():
         if len(members) < 2:
             continue
@@ -373,6 +392,113 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
                     f"{base}.{i}.{modules[0]}: missing from the checkpoint "
                     f"({listing(lacking)} absent from {base}.{i}; every other layer of "
                     "its kind stores them)"
+                )
+    return problems
+
+
+def vllm_indexer_layers(cfg: Mapping[str, Any]) -> list[bool]:
+    """Which decoder layers vLLM 0.26's DeepSeek-V2 model builds a DSA indexer for:
+    `index_topk_pattern` ("F" / "S" per layer) when given, else every
+    `index_topk_freq`-th layer counted from `index_skip_topk_offset`."""
+    layers = _int(cfg, "num_hidden_layers") or 0
+    pattern = cfg.get("index_topk_pattern")
+    if isinstance(pattern, (str, list)):
+        return [i >= len(pattern) or pattern[i] != "S" for i in range(layers)]
+    freq = _int(cfg, "index_topk_freq") or INDEX_TOPK_FREQ
+    offset = cfg.get("index_skip_topk_offset", INDEX_SKIP_TOPK_OFFSET)
+    return [max(i - offset + 1, 0) % freq == 0 for i in range(layers)]
+
+
+def _indexer_problems(
+    cfg: Mapping[str, Any],
+    tensors: Mapping[str, TensorEntry],
+    specs: Mapping[str, Exl3ModuleSpec],
+) -> list[str]:
+    """A DSA model's indexers: on every layer vLLM builds one for (stored MTP layers),
+    wq_b (EXL3 or fp16), wk and weights_proj (fp16 at their real dims: vLLM loads them
+    unquantized, unpadded) and k_norm's weight and bias, each of its config.json shape;
+    config.json's `indexer_types` (ExLlamaV3's schedule) equal to the one vLLM derives.
+    """
+    if "index_topk" not in cfg:
+        return []
+    layers = _int(cfg, "num_hidden_layers")
+    hidden, q_rank = _int(cfg, "hidden_size"), _int(cfg, "q_lora_rank")
+    heads, head_dim = _int(cfg, "index_n_heads"), _int(cfg, "index_head_dim")
+    if not (layers and hidden and heads and head_dim):
+        return [
+            "config.json: index_topk without positive num_hidden_layers, hidden_size, "
+            "index_n_heads and index_head_dim (the DSA indexer cannot be built)"
+        ]
+    problems = []
+    owners = vllm_indexer_layers(cfg)
+    types = cfg.get("indexer_types")
+    if isinstance(types, list):
+        derived = "".join("F" if o else "S" for o in owners)
+        wanted = "".join("F" if t == "full" else "S" for t in types[:layers])
+        if wanted != derived:
+            i = next(
+                (i for i, (a, b) in enumerate(zip(wanted, derived)) if a != b),
+                min(len(wanted), len(derived)),
+            )
+            problems.append(
+                f"config.json: indexer_types[{i}] = "
+                f"{types[i] if i < len(types) else None!r}, but vLLM builds the "
+                f"indexers from index_topk_pattern / index_topk_freq / "
+                f"index_skip_topk_offset, which give {derived!r} (F = full, S = "
+                f"shared): layers would score with weights the checkpoint does not "
+                f"hold or reuse a selection they should make; add "
+                f'"index_topk_pattern": "{wanted}" to config.json'
+            )
+    extra = sum(_int(cfg, k) or 0 for k in MTP_LAYER_KEYS)
+    expected = {
+        "wq_b": (heads * head_dim, q_rank),
+        "wk": (head_dim, hidden),
+        "weights_proj": (heads, hidden),
+    }
+    # MTP layers always own one; ExLlamaV3 leaves them out of a conversion unless
+    # they are added to it, and a model without them runs without its draft.
+    stored_mtp = [
+        i
+        for i in range(layers, layers + extra)
+        if any(name.startswith(f"model.layers.{i}.") for name in tensors)
+    ]
+    for i in [i for i in range(layers) if owners[i]] + stored_mtp:
+        prefix = f"model.layers.{i}.{INDEXER}"
+        for leaf, shape in expected.items():
+            module = f"{prefix}.{leaf}"
+            if module in specs:
+                if leaf in INDEXER_UNQUANTIZED:
+                    problems.append(
+                        f"{module}.trellis: EXL3, but vLLM builds the indexer's wk and "
+                        "weights_proj as one unquantized GEMM (wk_weights_proj) and "
+                        "cannot load a quantized one (ExLlamaV3 stores both fp16)"
+                    )
+                continue
+            entry = tensors.get(f"{module}.weight")
+            if entry is None:
+                problems.append(
+                    f"{module}: missing (no {module}.trellis or {module}.weight), but "
+                    f"vLLM builds an indexer on layer {i} (config.json index_topk, "
+                    "indexer schedule); its weights would never be loaded"
+                )
+            elif leaf != "wq_b" and tuple(entry.shape) != shape:
+                problems.append(
+                    f"{module}.weight: shape {list(entry.shape)}, but config.json "
+                    f"(hidden_size, index_n_heads, index_head_dim) implies "
+                    f"{list(shape)}; vLLM loads it unquantized at its real dims"
+                )
+        for suffix in ("weight", "bias"):
+            name = f"{prefix}.k_norm.{suffix}"
+            entry = tensors.get(name)
+            if entry is None:
+                problems.append(
+                    f"{name}: missing, but vLLM builds an indexer on layer {i} (its "
+                    "k_norm is a LayerNorm with weight and bias)"
+                )
+            elif tuple(entry.shape) != (head_dim,):
+                problems.append(
+                    f"{name}: shape {list(entry.shape)}, but config.json "
+                    f"index_head_dim = {head_dim}"
                 )
     return problems
 
@@ -537,6 +663,7 @@ def config_problems(
     names = sorted(tensors)
     problems += _layer_problems(cfg, names)
     problems += _expert_problems(cfg, names)
+    problems += _indexer_problems(cfg, tensors, specs)
     for module, spec in sorted(specs.items()):
         found = _dims_problem(
             cfg,
