@@ -263,7 +263,9 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         reserve_reconstruct_scratch(w.w13_trellis.device, need)
         self.reconstruct_min_rows = RECONSTRUCT_MIN_ROWS_PER_EXPERT
 
-    def uses_reconstruct(self, tokens: int, top_k: int, global_num_experts: int) -> bool:
+    def uses_reconstruct(
+        self, tokens: int, top_k: int, global_num_experts: int
+    ) -> bool:
         return self.reconstruct_min_rows is not None and (
             tokens * top_k >= self.reconstruct_min_rows * max(global_num_experts, 1)
         )
