@@ -64,10 +64,16 @@ def routing(gen: torch.Generator, m: int, top_k: int, experts: int):
     return ml.random_routing(gen, m, top_k, experts)
 
 
-def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic):
+def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic, reconstruct=False):
+    """reconstruct=False: the grouped GEMM at every size (the op's path below
+    RECONSTRUCT_MIN_ROWS_PER_EXPERT); True: the large-batch path at every size (every
+    local expert reconstructed into the shared scratch, then vLLM's fused_experts), so
+    the two rows place the threshold."""
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
         CudaExl3MoEKernel,
         Exl3MoEWeights,
+        reconstruct_scratch_bytes,
+        reserve_reconstruct_scratch,
     )
 
     expert_bytes = int(3 * h * i * bits / 8)
@@ -80,6 +86,13 @@ def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic):
         Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
         for lay in layers
     ]
+    if reconstruct:
+        # Reserved here regardless of the device-memory cap, so every shape is measured.
+        reserve_reconstruct_scratch(
+            weights[0].w13_trellis.device,
+            reconstruct_scratch_bytes(weights[0], torch.bfloat16),
+        )
+        kernel.reconstruct_min_rows = 0
 
     def call(x, w, ids, j):
         return kernel.apply(
@@ -161,8 +174,12 @@ def marlin_variant(gen, h, i, e, top_k):
 
 
 def time_variant(make, gen, h, e, top_k, tokens):
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels
+
     out, copies = _time_calls(*make(), gen, h, e, top_k, tokens)
-    # The variant's weights went with _time_calls's frame; give their memory back.
+    # The variant's weights went with _time_calls's frame; give their memory back (and
+    # the reconstruct scratch, which outlives it).
+    moe_kernels._reconstruct_scratch.clear()
     torch.cuda.empty_cache()
     return out, copies
 
@@ -194,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codebook", type=int, default=1, help="0 3INST, 1 MCG, 2 MUL1")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument(
+        "--no-reconstruct",
+        action="store_true",
+        help="skip the exl3_reconstruct row (the large-batch path at every size)",
+    )
     args = ap.parse_args(argv)
 
     ext = load_extension(args.ext)
@@ -223,6 +245,23 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                 )
             ]
+            if not args.no_reconstruct:
+                variants.append(
+                    (
+                        "exl3_reconstruct",
+                        lambda h=h, i=i, e=e, top_k=top_k: exl3_variant(
+                            gen,
+                            h,
+                            i,
+                            e,
+                            top_k,
+                            args.bits,
+                            args.codebook,
+                            args.deterministic,
+                            reconstruct=True,
+                        ),
+                    )
+                )
             if not args.no_anchors:
                 variants += [
                     (
@@ -270,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     )
             for r in rows:
-                if r["shape"] == name and r["variant"] == "exl3":
+                if r["shape"] == name and r["variant"].startswith("exl3"):
                     base = times.get("bf16_fused_experts", {}).get(
                         r["tokens"], (None,)
                     )[0]
@@ -293,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(dict(meta=meta, rows=rows), indent=1)
     )
     lines = [
-        "| shape | tokens | exl3 us | bf16 us | marlin us | exl3/bf16 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| shape | tokens | exl3 us | exl3 reconstruct us | bf16 us | marlin us | "
+        "exllamav3 us | exl3/bf16 | best exl3/bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in args.shapes:
         for m in args.tokens:
@@ -307,9 +347,19 @@ def main(argv: list[str] | None = None) -> int:
                 return f"{u:.1f}" if u else "-"
 
             ratio = get.get("exl3", {}).get("vs_bf16")
+            best = min(
+                (
+                    get[v]["vs_bf16"]
+                    for v in ("exl3", "exl3_reconstruct")
+                    if get.get(v, {}).get("vs_bf16")
+                ),
+                default=None,
+            )
             lines.append(
-                f"| {name} | {m} | {fmt('exl3')} | {fmt('bf16_fused_experts')} | "
-                f"{fmt('marlin_int4_g128')} | {f'{ratio:.2f}' if ratio else '-'} |"
+                f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_reconstruct')} | "
+                f"{fmt('bf16_fused_experts')} | {fmt('marlin_int4_g128')} | "
+                f"{fmt('exllamav3')} | {f'{ratio:.2f}' if ratio else '-'} | "
+                f"{f'{best:.2f}' if best else '-'} |"
             )
     table = "\n".join(lines)
     (args.out / f"bench_moe_{stamp}.md").write_text(table + "\n")
