@@ -478,6 +478,20 @@ def test_large_batch_path(gen: torch.Generator) -> None:
                 deterministic=True,
             )
             check(y, ref, m=m, path="reconstruct", emap=expert_map is not None)
+            # Run to run bit-exact (no split-k or atomics on this path either).
+            again = kernel.apply(
+                x,
+                w,
+                ids,
+                weights,
+                activation="silu",
+                apply_router_weight_on_input=False,
+                expert_map=expert_map,
+                global_num_experts=ge,
+                codebook=1,
+                deterministic=True,
+            )
+            assert torch.equal(y.view(torch.int16), again.view(torch.int16)), m
     kernel.reconstruct_min_rows = 16
     assert not kernel.uses_reconstruct(63, 4, 16)
     assert kernel.uses_reconstruct(64, 4, 16)
