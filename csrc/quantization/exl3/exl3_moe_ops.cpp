@@ -413,9 +413,6 @@ void exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor svh,
 
 STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
   m.def(
-      "exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor "
-      "svh, int[] k2s, int codebook, Tensor(a!) out) -> ()");
-  m.def(
       "exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor "
       "sorted_ids, "
       "Tensor expert_ids, Tensor num_tokens_post_pad, Tensor? expert_map, "
@@ -427,6 +424,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
       "int global_num_experts, int codebook, bool "
       "apply_router_weight_on_input, "
       "bool deterministic) -> Tensor");
+  m.def(
+      "exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor "
+      "svh, int[] k2s, int codebook, Tensor(a!) out) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(_C, CUDA, m) {
