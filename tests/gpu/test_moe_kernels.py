@@ -445,11 +445,11 @@ def test_large_batch_path(gen: torch.Generator) -> None:
     """The reconstruct + vLLM fused_experts path of CudaExl3MoEKernel.apply on a
     mixed-rate layer, with and without an expert_map (rank 1 of 2), bf16 and fp16,
     against the float64 reference; taken only from the rows-per-expert threshold."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-
     global_experts, local = 32, 16
     layer = ml.random_moe_layer(gen, local, 256, 384, [2, 3, 4], 1)
     kernel, weights = large_batch_kernel(layer)
+    from vllm.config import VllmConfig, set_current_vllm_config
+
     emap = torch.full((global_experts,), -1, dtype=torch.int32)
     emap[1::2] = torch.arange(local, dtype=torch.int32)
     emap = emap.cuda()
