@@ -67,11 +67,11 @@ struct MoeGemmParams {
 // n][k] is the [experts][out][in] layout of vLLM's bf16 fused MoE (w13: gate
 // rows, then up rows; w2: roles 1).
 struct MoeReconParams {
-  const void* trellis;   // int16, every (expert, role) block back to back
-  const int64_t* meta;   // [E][roles][2]: (offset in int16 elements, k2)
-  const void* suh;       // fp16 [E][roles][k]
-  const void* svh;       // fp16 [E][roles * n]
-  void* w;               // [E][roles][n][k] in the output dtype
+  const void* trellis;    // int16, every (expert, role) block back to back
+  const int64_t* meta;    // [E][roles][2]: (offset in int16 elements, k2)
+  const void* suh;        // fp16 [E][roles][k]
+  const void* svh;        // fp16 [E][roles * n]
+  void* w;                // [E][roles][n][k] in the output dtype
   int64_t trellis_numel;  // int16 elements: offsets past it trap
   int k, n;               // of one role
   int roles;

@@ -370,13 +370,12 @@ void exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor svh,
   check_tensor(op, "svh", svh, 2, dev, kVectorAlign);
   check_dtype(op, "svh", svh, ScalarType::Half);
   const int64_t n = svh.size(1) / roles;
-  STD_TORCH_CHECK(k > 0 && k % kHadamardBlock == 0 && n > 0 &&
-                      n % kHadamardBlock == 0,
-                  op, ": suh ", shape_str(suh), " and svh ", shape_str(svh),
-                  " give k = ", k, ", n = ", n,
-                  "; both must be positive multiples of 128");
-  STD_TORCH_CHECK(experts * roles <= kMaxGridZ, op, ": ", experts, " x ",
-                  roles, " weights exceed one launch's grid");
+  STD_TORCH_CHECK(
+      k > 0 && k % kHadamardBlock == 0 && n > 0 && n % kHadamardBlock == 0, op,
+      ": suh ", shape_str(suh), " and svh ", shape_str(svh), " give k = ", k,
+      ", n = ", n, "; both must be positive multiples of 128");
+  STD_TORCH_CHECK(experts * roles <= kMaxGridZ, op, ": ", experts, " x ", roles,
+                  " weights exceed one launch's grid");
   check_shape("suh", suh, {experts, roles, k}, op);
   check_shape("svh", svh, {experts, roles * n}, op);
   check_shape("out", out, {experts, roles * n, k}, op);
@@ -431,6 +430,5 @@ STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(_C, CUDA, m) {
   m.impl("exl3_moe", TORCH_BOX(&vllm_exl3::exl3_moe));
-  m.impl("exl3_moe_reconstruct",
-         TORCH_BOX(&vllm_exl3::exl3_moe_reconstruct));
+  m.impl("exl3_moe_reconstruct", TORCH_BOX(&vllm_exl3::exl3_moe_reconstruct));
 }

@@ -279,12 +279,14 @@ __device__ __forceinline__ void reconstruct_original_block(
       const uint16_t* s = reinterpret_cast<const uint16_t*>(staged);
 #pragma unroll
       for (int j = 0; j < 8; ++j) e[j] = s[(col + j) * kStageStride + row];
-      T* dst = static_cast<T*>(w) + static_cast<size_t>(n0 + row) * k + k0 + col;
-      *reinterpret_cast<uint4*>(dst) =
-          make_uint4(e[0] | (uint32_t{e[1]} << 16), e[2] | (uint32_t{e[3]} << 16),
-                     e[4] | (uint32_t{e[5]} << 16), e[6] | (uint32_t{e[7]} << 16));
+      T* dst =
+          static_cast<T*>(w) + static_cast<size_t>(n0 + row) * k + k0 + col;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(
+          e[0] | (uint32_t{e[1]} << 16), e[2] | (uint32_t{e[3]} << 16),
+          e[4] | (uint32_t{e[5]} << 16), e[6] | (uint32_t{e[7]} << 16));
     } else {
-      T* dst = static_cast<T*>(w) + static_cast<size_t>(k0 + row) * n + n0 + col;
+      T* dst =
+          static_cast<T*>(w) + static_cast<size_t>(k0 + row) * n + n0 + col;
       *reinterpret_cast<uint4*>(dst) =
           *reinterpret_cast<const uint4*>(&staged[row * kStageStride + col]);
     }
