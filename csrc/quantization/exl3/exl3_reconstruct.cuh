@@ -272,19 +272,22 @@ __device__ __forceinline__ void reconstruct_original_block(
   // gathered down a staged column (W^T).
   constexpr int kChunksPerRow = kHadamard * 2 / 16;
   for (int c = threadIdx.x; c < kHadamard * kChunksPerRow; c += kReconThreads) {
-    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
     if constexpr (kTransposed) {
-      // row = a column of W (an output row of W^T), col = 8 rows of W.
+      // A column of W (an output row of W^T) and 8 rows of W from it; a warp's
+      // lanes take 32 consecutive columns, so each of the 8 shared-memory reads
+      // is one conflict-free 64-byte row segment.
+      const int wcol = c % kHadamard, wrow = (c / kHadamard) * 8;
       uint16_t e[8];
       const uint16_t* s = reinterpret_cast<const uint16_t*>(staged);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) e[j] = s[(col + j) * kStageStride + row];
+      for (int j = 0; j < 8; ++j) e[j] = s[(wrow + j) * kStageStride + wcol];
       T* dst =
-          static_cast<T*>(w) + static_cast<size_t>(n0 + row) * k + k0 + col;
+          static_cast<T*>(w) + static_cast<size_t>(n0 + wcol) * k + k0 + wrow;
       *reinterpret_cast<uint4*>(dst) = make_uint4(
           e[0] | (uint32_t{e[1]} << 16), e[2] | (uint32_t{e[3]} << 16),
           e[4] | (uint32_t{e[5]} << 16), e[6] | (uint32_t{e[7]} << 16));
     } else {
+      const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
       T* dst =
           static_cast<T*>(w) + static_cast<size_t>(k0 + row) * n + n0 + col;
       *reinterpret_cast<uint4*>(dst) =
