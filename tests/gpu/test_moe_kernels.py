@@ -355,12 +355,11 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
             check(y, ref, m=m, det=det)
 
 
-# The reconstructed weights against float64: one rounding to the output dtype
-# (bf16: 2^-9 relative at most, ~1.1e-3 RMS; fp16: 2^-12) on top of the fp16 staging
-# between the two Hadamard sides and the fp16 butterfly steps (2^-11 each, ~5e-4
-# RMS together).
-# Bounds: (relative Frobenius, max |err| / rms).
-RECONSTRUCT_TOLERANCE = {torch.float16: (1.5e-3, 1e-2), torch.bfloat16: (4e-3, 3e-2)}
+# The reconstructed weights against float64: the dense original-basis reconstruct's
+# bounds (exl3_oracle.py: the fp16 staging between the two Hadamard sides, then one
+# rounding to the output dtype, 1.65e-3 RMS for bf16; its maxima reach 2^-8 of the
+# largest of ~1e5 weights, several rms). (relative Frobenius, max |err| / rms).
+RECONSTRUCT_TOLERANCE = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (5e-3, 6e-2)}
 
 
 def reconstruct_all(
