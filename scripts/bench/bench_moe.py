@@ -420,11 +420,13 @@ def main(argv: list[str] | None = None) -> int:
                         make, gen, h, e, top_k, args.tokens, dtype
                     )
                 except Exception as ex:  # noqa: BLE001 - an anchor that cannot run is recorded
-                    print(f"    failed: {type(ex).__name__}: {ex}", flush=True)
-                    times[vname] = {
-                        m: (None, f"failed: {type(ex).__name__}: {ex}"[:300])
-                        for m in args.tokens
-                    }
+                    why = (
+                        f"unavailable: {ex}"
+                        if isinstance(ex, exllamav3_anchor.AnchorUnavailable)
+                        else f"failed: {type(ex).__name__}: {ex}"
+                    )[:300]
+                    print(f"    {why}", flush=True)
+                    times[vname] = {m: (None, why) for m in args.tokens}
                     copies = 0
                     from vllm.model_executor.layers.quantization.exl3 import (
                         moe_kernels,
