@@ -401,10 +401,32 @@ _QWEN3_NEXT_TINY = {
     "output_router_logits": False,
     "router_aux_loss_coef": 0.001,
 }
+# Qwen3-30B-A3B's published config (the e2e throughput run's MoE dims).
+_QWEN3_30B_A3B = {
+    **_QWEN3_MOE_TINY,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "pad_token_id": None,
+    "head_dim": 128,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "rope_theta": 1000000.0,
+    "vocab_size": 151936,
+    "num_experts": 128,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+}
 PRESETS: dict[str, dict] = {
     "qwen3-tiny": _QWEN3_TINY,
     "qwen3-8b": _QWEN3_8B,
     "qwen3-moe-tiny": _QWEN3_MOE_TINY,
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
     "deepseek-v3-tiny": _DEEPSEEK_V3_TINY,
     "deepseek-v32-tiny": _DEEPSEEK_V32_TINY,
     "glm5-tiny": _GLM5_TINY,

@@ -12,17 +12,23 @@ the median over graph replays divided by the calls per pass. Routing (top-k) is 
 the timed op for every variant; each variant's own expert alignment is inside it.
 Weights are random (timing only).
 
-ExLlamaV3 1.6.5's MoE block is not measured by this script (its anchor needs ExLlamaV3's
-own module objects; see exllamav3_anchor.py for the dense one); the JSON says so.
+ExLlamaV3 1.6.5's own MoE block (BlockSparseMLP) is the fourth anchor when ExLlamaV3
+imports: a synthetic checkpoint in its layout (tests/synthetic_checkpoint.py; Qwen3-MoE
+architecture at the shape's dims, one decoder layer per weight copy, written once into
+--exllamav3-work and reused) loaded by its own Config/Model; each call is that block's
+forward on fp16 input, its own router (a 128-expert gate GEMM and top-k, uniform for
+random weights) included. Without ExLlamaV3 the column says why.
 
     python scripts/bench/bench_moe.py --out bench-results/moe [--bits 4] \
-        [--shapes qwen3-30b-a3b] [--tokens 1 16 256]
+        [--shapes qwen3-30b-a3b] [--tokens 1 16 256] [--exl3-state DIR]
+    python scripts/bench/bench_moe.py --write-exllamav3-only  # checkpoints only, CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import sys
@@ -32,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
+import exllamav3_anchor  # noqa: E402
 import moe_layers as ml  # noqa: E402
 from bench_linear import graph_time_us  # noqa: E402
 from exl3_oracle import load_extension  # noqa: E402
@@ -52,6 +59,14 @@ MARLIN_BITS = 4
 # Random bf16 weights scaled so the outputs stay finite (timing does not depend on
 # values).
 WEIGHT_SCALE = 0.02
+# ExLlamaV3 runs its MoE block on fp16 hidden states.
+EXLLAMAV3_DTYPE = torch.float16
+# The anchor checkpoints' vocabulary: embedding and head are not timed, keep them small
+# (a multiple of 128, as EXL3 output widths must be).
+EXLLAMAV3_VOCAB = 1024
+EXLLAMAV3_HEAD_DIM = 128
+EXLLAMAV3_KV_HEADS = 4
+CODEBOOK_NAMES = ("3inst", "mcg", "mul1")
 
 
 def copies_for(expert_bytes: int, top_k: int) -> int:
@@ -64,10 +79,16 @@ def routing(gen: torch.Generator, m: int, top_k: int, experts: int):
     return ml.random_routing(gen, m, top_k, experts)
 
 
-def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic):
+def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic, reconstruct=False):
+    """reconstruct=False: the grouped GEMM at every size (the op's path below
+    RECONSTRUCT_MIN_ROWS_PER_EXPERT); True: the large-batch path at every size (every
+    local expert reconstructed into the shared scratch, then vLLM's fused_experts), so
+    the two rows place the threshold."""
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
         CudaExl3MoEKernel,
         Exl3MoEWeights,
+        reconstruct_scratch_bytes,
+        reserve_reconstruct_scratch,
     )
 
     expert_bytes = int(3 * h * i * bits / 8)
@@ -80,6 +101,13 @@ def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic):
         Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
         for lay in layers
     ]
+    if reconstruct:
+        # Reserved here regardless of the device-memory cap, so every shape is measured.
+        reserve_reconstruct_scratch(
+            weights[0].w13_trellis.device,
+            reconstruct_scratch_bytes(weights[0], torch.bfloat16),
+        )
+        kernel.reconstruct_min_rows = 0
 
     def call(x, w, ids, j):
         return kernel.apply(
@@ -160,17 +188,90 @@ def marlin_variant(gen, h, i, e, top_k):
     return call, copies
 
 
-def time_variant(make, gen, h, e, top_k, tokens):
-    out, copies = _time_calls(*make(), gen, h, e, top_k, tokens)
-    # The variant's weights went with _time_calls's frame; give their memory back.
+def exllamav3_checkpoint(
+    work: Path, h: int, i: int, e: int, top_k: int, copies: int, bits: float, cb: int
+) -> Path:
+    """A Qwen3-MoE checkpoint in ExLlamaV3's layout with `copies` decoder layers at the
+    shape's MoE dims, written once (into a .partial folder renamed when complete)."""
+    target = work / f"qwen3moe-h{h}-i{i}-e{e}-k{top_k}-L{copies}-{bits:g}bpw-cb{cb}"
+    if target.exists():
+        return target
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    import shutil
+
+    from synthetic_checkpoint import load_config, write_checkpoint
+
+    cfg = load_config("qwen3-moe-tiny")
+    cfg.update(
+        hidden_size=h,
+        intermediate_size=i,
+        moe_intermediate_size=i,
+        num_experts=e,
+        num_local_experts=e,
+        num_experts_per_tok=top_k,
+        head_dim=EXLLAMAV3_HEAD_DIM,
+        num_attention_heads=h // EXLLAMAV3_HEAD_DIM,
+        num_key_value_heads=EXLLAMAV3_KV_HEADS,
+        vocab_size=EXLLAMAV3_VOCAB,
+        max_window_layers=copies,
+    )
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    write_checkpoint(
+        cfg, partial, bits=bits, codebook=CODEBOOK_NAMES[cb], layers=copies
+    )
+    partial.rename(target)
+    return target
+
+
+def exllamav3_variant(args, h, i, e, top_k):
+    """ExLlamaV3 1.6.5's BlockSparseMLP, one loaded decoder layer per weight copy."""
+    if args.exl3_state is not None:
+        exllamav3_anchor.load_linear_class(
+            args.exl3_state, args.exl3_wait_s, args.exl3_import_timeout_s
+        )
+    elif importlib.util.find_spec("exllamav3") is None:
+        raise exllamav3_anchor.AnchorUnavailable("exllamav3 is not importable")
+    from exllamav3 import Config, Model
+
+    copies = copies_for(int(3 * h * i * args.bits / 8), top_k)
+    ckpt = exllamav3_checkpoint(
+        args.exllamav3_work, h, i, e, top_k, copies, args.bits, args.codebook
+    )
+    model = Model.from_config(Config.from_directory(str(ckpt)))
+    model.load(device="cuda:0")
+    blocks = [model.find_module(f"model.layers.{j}.mlp") for j in range(copies)]
+
+    def call(x, w, ids, j):
+        return blocks[j].forward(x, {})
+
+    call.close = model.unload
+    return call, copies
+
+
+def time_variant(make, gen, h, e, top_k, tokens, dtype=torch.bfloat16):
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels
+
+    call, copies = make()
+    try:
+        out, copies = _time_calls(call, copies, gen, h, e, top_k, tokens, dtype)
+    finally:
+        close = getattr(call, "close", None)
+        if close is not None:
+            close()
+        del call
+    # The variant's weights went with _time_calls's frame; give their memory back (and
+    # the reconstruct scratch, which outlives it).
+    moe_kernels._reconstruct_scratch.clear()
     torch.cuda.empty_cache()
     return out, copies
 
 
-def _time_calls(call, copies, gen, h, e, top_k, tokens):
+def _time_calls(call, copies, gen, h, e, top_k, tokens, dtype):
     out = {}
     for m in tokens:
-        x = (torch.randn(m, h, generator=gen, device="cuda") / math.sqrt(h)).bfloat16()
+        x = (torch.randn(m, h, generator=gen, device="cuda") / math.sqrt(h)).to(dtype)
         w, ids = routing(gen, m, top_k, e)
         calls = [
             lambda j=j, x=x, w=w, ids=ids, call=call: call(x, w, ids, j)
@@ -193,8 +294,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=float, default=4.0)
     ap.add_argument("--codebook", type=int, default=1, help="0 3INST, 1 MCG, 2 MUL1")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument(
+        "--exl3-state",
+        type=Path,
+        default=None,
+        help="folder of exllamav3_anchor.py's background build (site/, torch_ext/); "
+        "without it ExLlamaV3 is used only if plainly importable",
+    )
+    ap.add_argument("--exl3-wait-s", type=float, default=300)
+    ap.add_argument("--exl3-import-timeout-s", type=float, default=120)
+    ap.add_argument(
+        "--exllamav3-work",
+        type=Path,
+        default=Path("/tmp/vx/bench_moe_exllamav3"),
+        help="where the ExLlamaV3 anchor checkpoints are written (and reused)",
+    )
+    ap.add_argument(
+        "--write-exllamav3-only",
+        action="store_true",
+        help="write the anchor checkpoints of --shapes and exit (CPU, no vLLM)",
+    )
+    ap.add_argument(
+        "--no-exllamav3", action="store_true", help="skip the ExLlamaV3 anchor"
+    )
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument(
+        "--no-reconstruct",
+        action="store_true",
+        help="skip the exl3_reconstruct row (the large-batch path at every size)",
+    )
     args = ap.parse_args(argv)
+    if args.write_exllamav3_only:
+        for name in args.shapes:
+            h, i, e, top_k = SHAPES[name]
+            copies = copies_for(int(3 * h * i * args.bits / 8), top_k)
+            print(
+                exllamav3_checkpoint(
+                    args.exllamav3_work,
+                    h,
+                    i,
+                    e,
+                    top_k,
+                    copies,
+                    args.bits,
+                    args.codebook,
+                ),
+                flush=True,
+            )
+        return 0
 
     ext = load_extension(args.ext)
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -223,6 +370,23 @@ def main(argv: list[str] | None = None) -> int:
                     ),
                 )
             ]
+            if not args.no_reconstruct:
+                variants.append(
+                    (
+                        "exl3_reconstruct",
+                        lambda h=h, i=i, e=e, top_k=top_k: exl3_variant(
+                            gen,
+                            h,
+                            i,
+                            e,
+                            top_k,
+                            args.bits,
+                            args.codebook,
+                            args.deterministic,
+                            reconstruct=True,
+                        ),
+                    )
+                )
             if not args.no_anchors:
                 variants += [
                     (
@@ -238,20 +402,37 @@ def main(argv: list[str] | None = None) -> int:
                         ),
                     ),
                 ]
+            if not args.no_anchors and not args.no_exllamav3:
+                variants.append(
+                    (
+                        "exllamav3",
+                        lambda h=h, i=i, e=e, top_k=top_k: exllamav3_variant(
+                            args, h, i, e, top_k
+                        ),
+                    )
+                )
             times = {}
             for vname, make in variants:
                 print(f"  {vname}", flush=True)
+                dtype = EXLLAMAV3_DTYPE if vname == "exllamav3" else torch.bfloat16
                 try:
                     times[vname], copies = time_variant(
-                        make, gen, h, e, top_k, args.tokens
+                        make, gen, h, e, top_k, args.tokens, dtype
                     )
                 except Exception as ex:  # noqa: BLE001 - an anchor that cannot run is recorded
-                    print(f"    failed: {type(ex).__name__}: {ex}", flush=True)
-                    times[vname] = {
-                        m: (None, f"failed: {type(ex).__name__}: {ex}"[:300])
-                        for m in args.tokens
-                    }
+                    why = (
+                        f"unavailable: {ex}"
+                        if isinstance(ex, exllamav3_anchor.AnchorUnavailable)
+                        else f"failed: {type(ex).__name__}: {ex}"
+                    )[:300]
+                    print(f"    {why}", flush=True)
+                    times[vname] = {m: (None, why) for m in args.tokens}
                     copies = 0
+                    from vllm.model_executor.layers.quantization.exl3 import (
+                        moe_kernels,
+                    )
+
+                    moe_kernels._reconstruct_scratch.clear()
                     torch.cuda.empty_cache()
                 for m in args.tokens:
                     us, mode = times[vname][m]
@@ -270,11 +451,13 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     )
             for r in rows:
-                if r["shape"] == name and r["variant"] == "exl3":
+                if r["shape"] == name and r["variant"].startswith("exl3"):
                     base = times.get("bf16_fused_experts", {}).get(
                         r["tokens"], (None,)
                     )[0]
                     r["vs_bf16"] = (r["us"] / base) if (r["us"] and base) else None
+                    ex = times.get("exllamav3", {}).get(r["tokens"], (None,))[0]
+                    r["vs_exllamav3"] = (r["us"] / ex) if (r["us"] and ex) else None
 
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -287,14 +470,19 @@ def main(argv: list[str] | None = None) -> int:
         deterministic=args.deterministic,
         pool_bytes=POOL_BYTES,
         timing="CUDA-graph replay median / calls per pass",
-        exllamav3="not measured by this script (no MoE anchor yet)",
+        exllamav3=(
+            "skipped (--no-exllamav3 / --no-anchors)"
+            if args.no_exllamav3 or args.no_anchors
+            else "BlockSparseMLP forward, fp16 input, its own router included"
+        ),
     )
     (args.out / f"bench_moe_{stamp}.json").write_text(
         json.dumps(dict(meta=meta, rows=rows), indent=1)
     )
     lines = [
-        "| shape | tokens | exl3 us | bf16 us | marlin us | exl3/bf16 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| shape | tokens | exl3 us | exl3 reconstruct us | bf16 us | marlin us | "
+        "exllamav3 us | exl3/bf16 | best exl3/bf16 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in args.shapes:
         for m in args.tokens:
@@ -307,9 +495,19 @@ def main(argv: list[str] | None = None) -> int:
                 return f"{u:.1f}" if u else "-"
 
             ratio = get.get("exl3", {}).get("vs_bf16")
+            best = min(
+                (
+                    get[v]["vs_bf16"]
+                    for v in ("exl3", "exl3_reconstruct")
+                    if get.get(v, {}).get("vs_bf16")
+                ),
+                default=None,
+            )
             lines.append(
-                f"| {name} | {m} | {fmt('exl3')} | {fmt('bf16_fused_experts')} | "
-                f"{fmt('marlin_int4_g128')} | {f'{ratio:.2f}' if ratio else '-'} |"
+                f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_reconstruct')} | "
+                f"{fmt('bf16_fused_experts')} | {fmt('marlin_int4_g128')} | "
+                f"{fmt('exllamav3')} | {f'{ratio:.2f}' if ratio else '-'} | "
+                f"{f'{best:.2f}' if best else '-'} |"
             )
     table = "\n".join(lines)
     (args.out / f"bench_moe_{stamp}.md").write_text(table + "\n")

@@ -2,11 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Throughput on a CUDA host where the built wheel (or the offline bundle) is installed:
-a synthetic EXL3 checkpoint at real dense dims (tests/synthetic_checkpoint.py, preset
-qwen3-8b, 4 bpw, written here on the host) next to the same dims in bf16
-(load_format="dummy"), vLLM offline generation with fixed input/output lengths
-(ignore_eos) at several concurrencies, both in one process: output tok/s and TPOT.
-vLLM's defaults (torch.compile + CUDA graphs).
+a synthetic EXL3 checkpoint at real dims (tests/synthetic_checkpoint.py, preset qwen3-8b
+or qwen3-30b-a3b, 4 bpw, written here on the host) next to the same dims in bf16 and as
+GPTQ int4 group 128 (both load_format="dummy"), vLLM offline generation with fixed
+input/output lengths (ignore_eos) at several concurrencies, the engines one after
+another in one process: output tok/s and TPOT. vLLM's defaults (torch.compile + CUDA
+graphs).
 
 `--write-only` writes the synthetic checkpoint and exits (needs torch, not vLLM): start
 it in the background early so that the measuring run finds it ready.
@@ -30,12 +31,28 @@ from llm_teardown import free_llm
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-PRESET = "qwen3-8b"
+# Presets of tests/synthetic_checkpoint.py with their decoder layer count.
+PRESETS = {"qwen3-8b": 36, "qwen3-30b-a3b": 48}
+MODELS = ("exl3", "bf16", "gptq")
 CONCURRENCY = (1, 4, 16, 64)
 INPUT_LEN = 512
 OUTPUT_LEN = 256
-# An 8B model at bf16 is 16 GB; half the H200 leaves ample KV cache for 64 x 768 tokens.
-GPU_MEMORY_UTILIZATION = 0.5
+# Per preset: an 8B model at bf16 is 16 GB, half the H200 leaves ample KV cache for 64 x
+# 768 tokens; Qwen3-30B-A3B at bf16 is 61 GB, so it gets 0.8 (113 GB).
+GPU_MEMORY_UTILIZATION = {"qwen3-8b": 0.5, "qwen3-30b-a3b": 0.8}
+# GPTQ int4 group 128, symmetric, no act-order: vLLM's Marlin kernels (dense and MoE).
+GPTQ_BITS = 4
+GPTQ_GROUP = 128
+# With dummy weights vLLM cannot infer from safetensors which linears are quantized, so
+# the config lists them (substrings of module names); routed experts are always GPTQ,
+# the MoE router stays bf16 as in real GPTQ MoE checkpoints.
+GPTQ_ATTENTION = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+]
+GPTQ_DENSE_MLP = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 WARMUP_TOKENS = (
     8  # one short request per engine first: lazy initialisation stays out of timings
 )
@@ -50,8 +67,10 @@ def log(msg: str) -> None:
     print(f"[throughput {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def checkpoint_dir(work: Path, layers: int | None, bits: float, codebook: str) -> Path:
-    return work / f"exl3-{PRESET}-L{layers or 'all'}-{bits:g}bpw-{codebook}"
+def checkpoint_dir(
+    work: Path, preset: str, layers: int | None, bits: float, codebook: str
+) -> Path:
+    return work / f"exl3-{preset}-L{layers or 'all'}-{bits:g}bpw-{codebook}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -65,7 +84,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def ensure_checkpoint(
-    target: Path, layers: int | None, bits: float, codebook: str
+    target: Path, preset: str, layers: int | None, bits: float, codebook: str
 ) -> Path:
     """The synthetic checkpoint at `target`: reuse it, wait for a writer already at work
     on it (a background --write-only), or write it (into target.partial, renamed when
@@ -88,7 +107,7 @@ def ensure_checkpoint(
     partial.mkdir(parents=True)
     pidfile.write_text(str(os.getpid()))
     t0 = time.monotonic()
-    write_checkpoint(PRESET, partial, bits=bits, codebook=codebook, layers=layers)
+    write_checkpoint(preset, partial, bits=bits, codebook=codebook, layers=layers)
     pidfile.unlink()
     partial.rename(target)
     size = sum(f.stat().st_size for f in target.iterdir())
@@ -107,7 +126,30 @@ def bf16_dir(exl3_dir: Path, work: Path) -> Path:
     return out
 
 
-def make_llm(model_dir: Path, *, dummy: bool, max_len: int, max_seqs: int):
+def gptq_dir(exl3_dir: Path, work: Path) -> Path:
+    """Same config as GPTQ int4 (dummy weights)."""
+    cfg = json.loads((exl3_dir / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    moe = bool(cfg.get("num_experts") or cfg.get("n_routed_experts"))
+    cfg["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": GPTQ_BITS,
+        "group_size": GPTQ_GROUP,
+        "desc_act": False,
+        "sym": True,
+        "modules_in_block_to_quantize": [
+            GPTQ_ATTENTION + ([] if moe else GPTQ_DENSE_MLP)
+        ],
+    }
+    out = work / (exl3_dir.name.replace("exl3-", "gptq-int4-dummy-"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out
+
+
+def make_llm(
+    model_dir: Path, *, dummy: bool, max_len: int, max_seqs: int, memory: float
+):
     from vllm import LLM
 
     return LLM(
@@ -116,7 +158,7 @@ def make_llm(model_dir: Path, *, dummy: bool, max_len: int, max_seqs: int):
         load_format="dummy" if dummy else "auto",
         max_model_len=max_len,
         max_num_seqs=max_seqs,
-        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        gpu_memory_utilization=memory,
         enable_prefix_caching=False,
         disable_log_stats=False,
         seed=0,
@@ -184,6 +226,7 @@ def run_model(
         dummy=dummy,
         max_len=args.input_len + args.output_len + 16,
         max_seqs=max(args.concurrency),
+        memory=args.gpu_memory_utilization,
     )
     result: dict = {"start_s": round(time.monotonic() - t0, 1), "runs": []}
     try:
@@ -221,10 +264,11 @@ def print_table(models: dict[str, dict]) -> None:
                 f"{r.get('tpot_ms', float('nan')):8.2f} "
                 f"{r.get('ttft_ms', float('nan')):8.1f}"
             )
-    if "exl3" in models and "bf16" in models:
-        for a, b in zip(models["exl3"]["runs"], models["bf16"]["runs"]):
-            ratio = a["output_tok_s"] / b["output_tok_s"]
-            print(f"exl3/bf16 c={a['concurrency']}: output tok/s x{ratio:.2f}")
+    for other in ("bf16", "gptq"):
+        if "exl3" in models and other in models:
+            for a, b in zip(models["exl3"]["runs"], models[other]["runs"]):
+                ratio = a["output_tok_s"] / b["output_tok_s"]
+                print(f"exl3/{other} c={a['concurrency']}: output tok/s x{ratio:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,11 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         default=Path("/tmp/vx/throughput"),
         help="where the synthetic checkpoint and the bf16 config are written",
     )
+    ap.add_argument("--preset", default="qwen3-8b", choices=list(PRESETS))
     ap.add_argument(
         "--layers",
         type=int,
         default=None,
-        help=f"decoder layers (default: all of {PRESET}'s 36); fewer to fit a budget",
+        help="decoder layers (default: all of the preset's, "
+        + ", ".join(f"{k} {v}" for k, v in PRESETS.items())
+        + "); fewer to fit a budget",
+    )
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="default per preset: "
+        + ", ".join(f"{k} {v}" for k, v in GPU_MEMORY_UTILIZATION.items()),
     )
     ap.add_argument("--bits", type=float, default=4.0)
     ap.add_argument(
@@ -263,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         help="measure each concurrency this many times in a row (same engine)",
     )
     ap.add_argument(
-        "--models", default="exl3,bf16", help="which of exl3,bf16 to run, in order"
+        "--models",
+        default="exl3,bf16",
+        help=f"which of {','.join(MODELS)} to run, in order",
     )
     ap.add_argument(
         "--write-only",
@@ -281,13 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
     models = [m for m in args.models.split(",") if m]
-    if set(models) - {"exl3", "bf16"}:
-        ap.error(f"--models takes exl3 and/or bf16, got {args.models}")
+    if set(models) - set(MODELS) or not models:
+        ap.error(f"--models takes some of {','.join(MODELS)}, got {args.models}")
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = GPU_MEMORY_UTILIZATION[args.preset]
     end = time.monotonic() + args.budget_s
     t0 = time.monotonic()
     args.work.mkdir(parents=True, exist_ok=True)
     exl3 = ensure_checkpoint(
-        checkpoint_dir(args.work, args.layers, args.bits, args.codebook),
+        checkpoint_dir(args.work, args.preset, args.layers, args.bits, args.codebook),
+        args.preset,
         args.layers,
         args.bits,
         args.codebook,
@@ -297,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in HOST_ENV.items():
         os.environ.setdefault(k, v)
     vocab = json.loads((exl3 / "config.json").read_text())["vocab_size"]
-    dirs = {"exl3": (exl3, False), "bf16": (bf16_dir(exl3, args.work), True)}
+    dirs = {
+        "exl3": (exl3, False),
+        "bf16": (bf16_dir(exl3, args.work), True),
+        "gptq": (gptq_dir(exl3, args.work), True),
+    }
     results: dict[str, dict] = {}
     skipped = []
     for label in models:
@@ -310,13 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
 
     record = {
-        "preset": PRESET,
+        "preset": args.preset,
         "layers": args.layers or "all",
         "bits": args.bits,
         "codebook": args.codebook,
         "input_len": args.input_len,
         "output_len": args.output_len,
-        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
         "models": results,
@@ -324,11 +387,16 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.monotonic() - t0, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "throughput.json").write_text(json.dumps(record, indent=1))
+    name = (
+        "throughput.json"
+        if args.preset == "qwen3-8b" and models == ["exl3", "bf16"]
+        else f"throughput-{args.preset}-{'+'.join(models)}.json"
+    )
+    (args.out / name).write_text(json.dumps(record, indent=1))
     print_table(results)
     for s in skipped:
         print(f"  SKIPPED {s}")
-    log(f"wrote {args.out / 'throughput.json'} ({record['seconds']} s)")
+    log(f"wrote {args.out / name} ({record['seconds']} s)")
     return 0 if not skipped else 1
 
 

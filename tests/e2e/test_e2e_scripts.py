@@ -199,10 +199,8 @@ def test_time_budget_skips_stages(monkeypatch, tmp_path):
 def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch):
     import throughput as th
 
-    monkeypatch.setattr(
-        th, "PRESET", "qwen3-tiny"
-    )  # the 8B preset's 5.7 GB is for the host
-    target = th.checkpoint_dir(tmp_path, 2, 4.0, "mcg")
+    # qwen3-tiny: the 8B preset's 5.7 GB is for the host.
+    target = th.checkpoint_dir(tmp_path, "qwen3-tiny", 2, 4.0, "mcg")
     # A writer that died half-way leaves target.partial with its pid: rewritten, not
     # waited on.
     partial = target.with_name(target.name + ".partial")
@@ -210,7 +208,7 @@ def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (partial / "writer.pid").write_text(str(dead.pid))
-    got = th.ensure_checkpoint(target, 2, 4.0, "mcg")
+    got = th.ensure_checkpoint(target, "qwen3-tiny", 2, 4.0, "mcg")
     assert got == target and not partial.exists()
     cfg = th.json.loads((target / "config.json").read_text())
     assert (
@@ -218,12 +216,37 @@ def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch)
         and cfg["quantization_config"]["quant_method"] == "exl3"
     )
     stamp = (target / "model.safetensors").stat().st_mtime_ns
-    assert th.ensure_checkpoint(target, 2, 4.0, "mcg") == target  # reused as it is
+    assert th.ensure_checkpoint(target, "qwen3-tiny", 2, 4.0, "mcg") == target
     assert (target / "model.safetensors").stat().st_mtime_ns == stamp
     twin = th.bf16_dir(target, tmp_path)
     twin_cfg = th.json.loads((twin / "config.json").read_text())
     assert "quantization_config" not in twin_cfg
     assert {k: v for k, v in cfg.items() if k != "quantization_config"} == twin_cfg
+    gptq = th.json.loads((th.gptq_dir(target, tmp_path) / "config.json").read_text())
+    q = gptq.pop("quantization_config")
+    assert gptq == twin_cfg
+    assert (q["quant_method"], q["bits"], q["group_size"]) == ("gptq", 4, 128)
+    # Dense: attention and MLP linears listed (dummy weights give vLLM no other way).
+    assert set(q["modules_in_block_to_quantize"][0]) == set(
+        th.GPTQ_ATTENTION + th.GPTQ_DENSE_MLP
+    )
+
+
+def test_throughput_moe_preset_is_qwen3_30b_a3b():
+    import throughput as th
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from synthetic_checkpoint import load_config
+
+    cfg = load_config("qwen3-30b-a3b")
+    dims = (
+        cfg["hidden_size"],
+        cfg["moe_intermediate_size"],
+        cfg["num_experts"],
+        cfg["num_experts_per_tok"],
+        cfg["num_hidden_layers"],
+    )
+    assert dims == (2048, 768, 128, 8, th.PRESETS["qwen3-30b-a3b"])
 
 
 def test_throughput_repeats_each_concurrency_in_one_engine(monkeypatch):
@@ -246,7 +269,11 @@ def test_throughput_repeats_each_concurrency_in_one_engine(monkeypatch):
     monkeypatch.setattr(th, "free_llm", lambda llm: None)
     monkeypatch.setattr(th, "measure", fake_measure)
     args = th.argparse.Namespace(
-        input_len=8, output_len=4, concurrency=[1, 4], repeat=3
+        input_len=8,
+        output_len=4,
+        concurrency=[1, 4],
+        repeat=3,
+        gpu_memory_utilization=0.5,
     )
     out = th.run_model("exl3", Path("unused"), dummy=False, args=args, vocab=100)
     assert len(engines) == 1

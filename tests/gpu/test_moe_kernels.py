@@ -355,6 +355,172 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
             check(y, ref, m=m, det=det)
 
 
+# The reconstructed weights against float64: the dense original-basis reconstruct's
+# bounds (exl3_oracle.py: the fp16 staging between the two Hadamard sides, then one
+# rounding to the output dtype, 1.65e-3 RMS for bf16; its maxima reach 2^-8 of the
+# largest of ~1e5 weights, several rms). (relative Frobenius, max |err| / rms).
+RECONSTRUCT_TOLERANCE = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (5e-3, 6e-2)}
+
+
+def reconstruct_all(
+    layer: ml.MoeLayer, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.ops._C.exl3_moe_reconstruct of both weight sets into NaN-filled buffers."""
+    e, h, i = layer.experts, layer.hidden, layer.width
+    w1 = torch.full((e, 2 * i, h), float("nan"), dtype=dtype, device="cuda")
+    w2 = torch.full((e, h, i), float("nan"), dtype=dtype, device="cuda")
+    k13, k2 = layer.k2s
+    torch.ops._C.exl3_moe_reconstruct(
+        layer.w13_trellis,
+        layer.w13_meta,
+        layer.w13_suh,
+        layer.w13_svh,
+        k13,
+        layer.codebook,
+        w1,
+    )
+    torch.ops._C.exl3_moe_reconstruct(
+        layer.w2_trellis,
+        layer.w2_meta.unsqueeze(1),
+        layer.w2_suh.unsqueeze(1),
+        layer.w2_svh,
+        k2,
+        layer.codebook,
+        w2,
+    )
+    return w1, w2
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize(
+    "codebook,bits", [(1, (2, 3, 4, 5)), (2, (1.5, 2.5, 3.5, 4, 8)), (0, (1, 6, 7, 8))]
+)
+def test_reconstruct_every_expert_and_role(
+    gen: torch.Generator, codebook: int, bits: tuple[float, ...], dtype: torch.dtype
+) -> None:
+    """exl3_moe_reconstruct: each (expert, role) of a mixed-rate layer transposed into
+    the fused-MoE layout, against the float64 decode; a block left unwritten stays NaN.
+    """
+    layer = ml.random_moe_layer(gen, 12, 384, 256, bits, codebook)
+    i = layer.width
+    w1, w2 = reconstruct_all(layer, dtype)
+    tol_rel, tol_max = RECONSTRUCT_TOLERANCE[dtype]
+    for e in range(layer.experts):
+        for role in (0, 1, 2):
+            ref = ml.reference.reconstruct(
+                *layer.block(e, role), layer.codebook, dtype=torch.float64
+            ).T
+            got = w2[e] if role == 2 else w1[e, role * i : (role + 1) * i]
+            rel, mx = vk.errors(got, ref)
+            assert rel <= tol_rel and mx <= tol_max, dict(
+                expert=e, role=role, rel=rel, max=mx
+            )
+
+
+def large_batch_kernel(layer: ml.MoeLayer):
+    """CudaExl3MoEKernel with its scratch reserved and the large-batch path taken at
+    every size; skips without vLLM (with the overlay) importable."""
+    try:
+        from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+            CudaExl3MoEKernel,
+            Exl3MoEWeights,
+        )
+    except ImportError as e:
+        pytest.skip(f"vLLM with the EXL3 overlay is not importable: {e}")
+    weights = Exl3MoEWeights(
+        *layer.tensors(),
+        num_experts=layer.experts,
+        hidden=layer.hidden,
+        width=layer.width,
+    )
+    kernel = CudaExl3MoEKernel()
+    kernel.prepare(weights, torch.bfloat16)
+    assert kernel.reconstruct_min_rows is not None, "the scratch was not reserved"
+    kernel.reconstruct_min_rows = 0
+    return kernel, weights
+
+
+def test_large_batch_path(gen: torch.Generator) -> None:
+    """The reconstruct + vLLM fused_experts path of CudaExl3MoEKernel.apply on a
+    mixed-rate layer, with and without an expert_map (rank 1 of 2), bf16 and fp16,
+    against the float64 reference; taken only from the rows-per-expert threshold."""
+    global_experts, local = 32, 16
+    layer = ml.random_moe_layer(gen, local, 256, 384, [2, 3, 4], 1)
+    kernel, weights = large_batch_kernel(layer)
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    emap = torch.full((global_experts,), -1, dtype=torch.int32)
+    emap[1::2] = torch.arange(local, dtype=torch.int32)
+    emap = emap.cuda()
+    with set_current_vllm_config(VllmConfig()):
+        for m, dtype, expert_map in (
+            (1, torch.bfloat16, None),
+            (300, torch.bfloat16, emap),
+            (1000, torch.float16, None),
+            (64, torch.float16, emap),
+        ):
+            ge = global_experts if expert_map is not None else local
+            x = activations(gen, m, layer.hidden, dtype)
+            w, ids = ml.random_routing(gen, m, 4, ge)
+            ref = ml.reference_moe(x, w, ids, layer, expert_map, ge)
+            vk.poison_next((m, layer.hidden), dtype)
+            y = kernel.apply(
+                x,
+                w,
+                ids,
+                weights,
+                activation="silu",
+                apply_router_weight_on_input=False,
+                expert_map=expert_map,
+                global_num_experts=ge,
+                codebook=1,
+                deterministic=True,
+            )
+            check(y, ref, m=m, path="reconstruct", emap=expert_map is not None)
+            # Run to run bit-exact (no split-k or atomics on this path either).
+            again = kernel.apply(
+                x,
+                w,
+                ids,
+                weights,
+                activation="silu",
+                apply_router_weight_on_input=False,
+                expert_map=expert_map,
+                global_num_experts=ge,
+                codebook=1,
+                deterministic=True,
+            )
+            assert torch.equal(y.view(torch.int16), again.view(torch.int16)), m
+    kernel.reconstruct_min_rows = 16
+    assert not kernel.uses_reconstruct(63, 4, 16)
+    assert kernel.uses_reconstruct(64, 4, 16)
+
+
+def test_sanitizer_sample(gen: torch.Generator) -> None:
+    """A small sample of every MoE kernel for compute-sanitizer (memcheck, racecheck):
+    both stages at every block size, mixed rates, both combines, -1 blocks of an
+    expert_map, all tokens to one expert, the reconstruct. Also an ordinary test.
+
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+            --error-exitcode 1 python3 -m pytest -q -m gpu \
+            tests/gpu/test_moe_kernels.py -k sanitizer_sample
+    """
+    layer = ml.random_moe_layer(gen, 8, 256, 128, [2, 3, 4], 1)
+    for block in BLOCKS:
+        for det in (True, False):
+            run_checked(gen, layer, 37, 2, 8, torch.bfloat16, block, det)
+    run_checked(gen, layer, 20, 2, 8, torch.float16, 16, True, only=3)
+    emap = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7, -1], dtype=torch.int32).cuda()
+    x = activations(gen, 9, 256, torch.bfloat16)
+    w, ids = ml.random_routing(gen, 9, 3, 10)
+    ref = ml.reference_moe(x, w, ids, layer, emap, 10)
+    aligned = ml.align(ids, 16, 10, emap, drop_nonlocal=False)
+    y = ml.run_op(x, w, ids, layer, 16, 10, emap, False, aligned=aligned)
+    check(y, ref)
+    w1, w2 = reconstruct_all(layer, torch.bfloat16)
+    assert bool(torch.isfinite(w1).all()) and bool(torch.isfinite(w2).all())
+
+
 def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
     layer = ml.random_moe_layer(gen, 4, 128, 128, [2], 1)
     x = activations(gen, 3, 128, torch.bfloat16)
@@ -420,5 +586,40 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
         (dict(x=x.cpu()), "x must be a CUDA tensor"),
     ]
     for over, message in cases:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            call(**over)
+
+
+def test_reconstruct_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
+    layer = ml.random_moe_layer(gen, 4, 128, 256, [2], 1)
+    e, h, i = 4, 128, 256
+    good = dict(
+        trellis=layer.w13_trellis,
+        meta=layer.w13_meta,
+        suh=layer.w13_suh,
+        svh=layer.w13_svh,
+        k2s=layer.k2s[0],
+        cb=1,
+        out=torch.empty(e, 2 * i, h, dtype=torch.bfloat16, device="cuda"),
+    )
+
+    def call(**over: object) -> None:
+        a = {**good, **over}
+        torch.ops._C.exl3_moe_reconstruct(
+            a["trellis"], a["meta"], a["suh"], a["svh"], a["k2s"], a["cb"], a["out"]
+        )
+
+    call()
+    for over, message in [
+        (dict(out=good["out"].float()), "out must be bfloat16 or float16"),
+        (dict(out=good["out"][:, :i].contiguous()), "out must be [4, 512, 128]"),
+        (dict(out=good["out"].cpu()), "out must be a CUDA tensor"),
+        (dict(meta=good["meta"].int()), "meta must be int64"),
+        (dict(suh=good["suh"][:, :1].contiguous()), "suh must be [4, 2, 128]"),
+        (dict(k2s=[]), "k2s"),
+        (dict(k2s=[3]), "only with the MUL1 codebook"),
+        (dict(cb=5), "codebook must be"),
+        (dict(trellis=good["trellis"].int()), "trellis must be int16"),
+    ]:
         with pytest.raises(RuntimeError, match=re.escape(message)):
             call(**over)

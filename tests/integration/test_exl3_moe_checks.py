@@ -445,3 +445,51 @@ def test_block_size_rule() -> None:
     assert rule(1024, 8, 128) == 64
     assert rule(4096, 8, 128) == BLOCK_SIZES[-1]
     assert rule(8192, 2, 16) == BLOCK_SIZES[-1]
+
+
+def test_reconstruct_op_schema_matches_the_fake_and_wrapper() -> None:
+    from vllm.model_executor.layers.quantization.exl3 import moe_ops
+
+    schema = schemas(OPS_CPP)[1]
+    assert (
+        schema.startswith(moe_ops.RECONSTRUCT_OP + "(") and "Tensor(a!) out" in schema
+    )
+    names = re.findall(r"(?:Tensor(?:\(a!\))?|int\[\]|int|bool) (\w+)", schema)
+    for fn in (moe_ops.exl3_moe_reconstruct_fake, moe_ops.exl3_moe_reconstruct):
+        assert list(inspect.signature(fn).parameters) == names
+
+
+def test_large_batch_rule_and_shared_scratch() -> None:
+    """The rows-per-expert rule, and the scratch views: w1 [E, 2i, h] and w2 [E, h, i]
+    side by side in one buffer, refused (named) when the layer was not reserved for."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+
+    kernel = mk.CudaExl3MoEKernel()
+    assert not kernel.uses_reconstruct(1 << 20, 8, 128)  # prepare() not run: never
+    kernel.reconstruct_min_rows = mk.RECONSTRUCT_MIN_ROWS_PER_EXPERT
+    rows = mk.RECONSTRUCT_MIN_ROWS_PER_EXPERT
+    assert not kernel.uses_reconstruct(rows * 16 - 1, 8, 128)
+    assert kernel.uses_reconstruct(rows * 16, 8, 128)
+    assert 0 < mk.RECONSTRUCT_SCRATCH_MAX_FRACTION < 1
+
+    w = _layer(3, 128, 256, 3)
+    cpu = torch.device("cpu")
+    need = mk.reconstruct_scratch_bytes(w, torch.bfloat16)
+    assert need == 3 * 3 * 128 * 256 * 2
+    try:
+        mk._reconstruct_scratch.pop(cpu, None)
+        with pytest.raises(RuntimeError, match="reconstruct scratch .* not reserved"):
+            mk.reconstruct_scratch(w, torch.bfloat16)
+        mk.reserve_reconstruct_scratch(cpu, need // 2)
+        mk.reserve_reconstruct_scratch(cpu, need)  # grows
+        mk.reserve_reconstruct_scratch(cpu, need // 2)  # never shrinks
+        assert mk._reconstruct_scratch[cpu].numel() == need
+        w1, w2 = mk.reconstruct_scratch(w, torch.bfloat16)
+        assert w1.shape == (3, 512, 128) and w2.shape == (3, 128, 256)
+        assert w1.is_contiguous() and w2.is_contiguous()
+        w1.fill_(1)
+        w2.fill_(2)
+        assert bool((w1 == 1).all()) and bool((w2 == 2).all())  # no overlap
+        assert w2.data_ptr() - w1.data_ptr() == w1.numel() * 2
+    finally:
+        mk._reconstruct_scratch.pop(cpu, None)

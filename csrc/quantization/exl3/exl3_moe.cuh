@@ -214,9 +214,52 @@ void moe_gemm_launch(MoeStage stage, int cb, int mt, const MoeGemmParams& p,
   });
 }
 
+// One 128 x 128 block of one (expert, role) weight per CUDA block; grid z =
+// expert * roles + role. Blocks of another bitrate return at once.
+template <int K2, int CB, typename T>
+__global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
+    exl3_moe_reconstruct_kernel(MoeReconParams p) {
+  extern __shared__ __align__(16) __half staged[];  // [128][kStageStride]
+  const int z = blockIdx.z;
+  const int64_t* meta = p.meta + 2 * static_cast<int64_t>(z);
+  if (meta[1] != K2) return;
+  const int64_t offset = meta[0];
+  const int64_t size = static_cast<int64_t>(p.k / kTile) * (p.n / kTile) *
+                       Rate<K2>::kTileBytes / 2;
+  // As in the GEMM: a table changed since the host checked it stops loudly.
+  if (offset < 0 || offset % 8 != 0 || offset + size > p.trellis_numel)
+    __trap();
+  reconstruct_original_block<K2, CB, T, true>(
+      static_cast<const int16_t*>(p.trellis) + offset,
+      static_cast<const __half*>(p.suh) + static_cast<size_t>(z) * p.k,
+      static_cast<const __half*>(p.svh) + static_cast<size_t>(z) * p.n,
+      static_cast<T*>(p.w) + static_cast<size_t>(z) * p.n * p.k, p.k, p.n,
+      blockIdx.y * kHadamard, blockIdx.x * kHadamard, staged);
+}
+
+template <int K2>
+void moe_reconstruct_launch(int cb, const MoeReconParams& p,
+                            cudaStream_t stream) {
+  with_codebook<K2>(cb, [&](auto c) {
+    constexpr int CB = decltype(c)::value;
+    const dim3 grid(p.n / kHadamard, p.k / kHadamard, p.experts * p.roles);
+    constexpr int kSmem = recon_original_smem<K2>();
+    auto go = [&](auto kernel, unsigned& done) {
+      allow_smem(kernel, kSmem, done);
+      kernel<<<grid, kReconThreads, kSmem, stream>>>(p);
+    };
+    static unsigned done_bf16 = 0, done_fp16 = 0;
+    if (p.out_bf16)
+      go(exl3_moe_reconstruct_kernel<K2, CB, __nv_bfloat16>, done_bf16);
+    else
+      go(exl3_moe_reconstruct_kernel<K2, CB, __half>, done_fp16);
+  });
+}
+
 template <int K2>
 const MoeRateKernels& make_moe_rate_kernels() {
-  static const MoeRateKernels k{&moe_gemm_launch<K2>};
+  static const MoeRateKernels k{&moe_gemm_launch<K2>,
+                                &moe_reconstruct_launch<K2>};
   return k;
 }
 

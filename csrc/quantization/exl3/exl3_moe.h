@@ -62,12 +62,31 @@ struct MoeGemmParams {
   bool accumulate;
 };
 
+// Every (expert, role) weight of a layer in the original basis, transposed:
+// w[e][r] = (diag(suh) Ĥ Ŵ Ĥ diag(svh))^T, [n][k], so w viewed as [E][roles *
+// n][k] is the [experts][out][in] layout of vLLM's bf16 fused MoE (w13: gate
+// rows, then up rows; w2: roles 1).
+struct MoeReconParams {
+  const void* trellis;    // int16, every (expert, role) block back to back
+  const int64_t* meta;    // [E][roles][2]: (offset in int16 elements, k2)
+  const void* suh;        // fp16 [E][roles][k]
+  const void* svh;        // fp16 [E][roles * n]
+  void* w;                // [E][roles][n][k] in the output dtype
+  int64_t trellis_numel;  // int16 elements: offsets past it trap
+  int k, n;               // of one role
+  int roles;
+  int experts;
+  bool out_bf16;
+};
+
 struct MoeRateKernels {
   // Blocks whose (expert, role) has another bitrate exit at once: one launch
   // per distinct k2 of the layer serves mixed-bitrate experts without a kernel
   // per rate combination.
   void (*gemm)(MoeStage stage, int cb, int mt, const MoeGemmParams& p,
                cudaStream_t stream);
+  // The same rule for the reconstruct: one launch per distinct k2.
+  void (*reconstruct)(int cb, const MoeReconParams& p, cudaStream_t stream);
 };
 
 // The launcher table of one bitrate; K2 must be a valid rate (2..16 even, or 3,

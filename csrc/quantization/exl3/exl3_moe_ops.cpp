@@ -56,19 +56,22 @@ constexpr int64_t kMaxTopk =
     64;  // a bound for the combine's loop, far above real models
 constexpr int64_t kMetaFields = 2;  // (offset, k2)
 constexpr int64_t kGateUpRoles = 2;
+// CUDA's grid z limit: the reconstruct runs one (expert, role) per z.
+constexpr int64_t kMaxGridZ = 65535;
 // 16-byte rows for cp.async and vector access; 8 bytes for 4-element vector
 // loads.
 constexpr uintptr_t kRowAlign = 16;
 constexpr uintptr_t kVectorAlign = 8;
 constexpr uintptr_t kWordAlign = 4;
 
-void check_shape(const char* name, const Tensor& t, std::vector<int64_t> want) {
+void check_shape(const char* name, const Tensor& t, std::vector<int64_t> want,
+                 const char* op = kOp) {
   bool same = t.dim() == static_cast<int64_t>(want.size());
   for (size_t d = 0; same && d < want.size(); ++d) same = t.size(d) == want[d];
   std::string w = "[";
   for (size_t d = 0; d < want.size(); ++d)
     w += (d ? ", " : "") + std::to_string(want[d]);
-  STD_TORCH_CHECK(same, kOp, ": ", name, " must be ", w, "], got ",
+  STD_TORCH_CHECK(same, op, ": ", name, " must be ", w, "], got ",
                   shape_str(t));
 }
 
@@ -79,21 +82,21 @@ bool valid_k2(int64_t k2) {
 // The distinct bitrates a weight set's meta table holds (the caller's host
 // copy): each a rate, no repeats, half rates only with MUL1.
 std::vector<int> check_rates(const char* name, const std::vector<int64_t>& k2s,
-                             int64_t codebook) {
-  STD_TORCH_CHECK(!k2s.empty(), kOp, ": ", name,
+                             int64_t codebook, const char* op = kOp) {
+  STD_TORCH_CHECK(!k2s.empty(), op, ": ", name,
                   " (the distinct 2*bits of the experts) is empty");
   std::vector<int> out;
   for (int64_t k2 : k2s) {
-    STD_TORCH_CHECK(valid_k2(k2), kOp, ": ", name, " holds 2*bits = ", k2,
+    STD_TORCH_CHECK(valid_k2(k2), op, ": ", name, " holds 2*bits = ", k2,
                     "; rates are 1..8 bits (2..16) or 1.5/2.5/3.5 (3, 5, 7)");
     STD_TORCH_CHECK(
-        k2 % 2 == 0 || codebook == 2, kOp, ": ", name, " holds the half rate ",
+        k2 % 2 == 0 || codebook == 2, op, ": ", name, " holds the half rate ",
         k2,
         "/2 bits, which exists only with the MUL1 codebook (2), got codebook ",
         codebook);
     STD_TORCH_CHECK(
         std::find(out.begin(), out.end(), static_cast<int>(k2)) == out.end(),
-        kOp, ": ", name, " lists 2*bits = ", k2, " twice");
+        op, ": ", name, " lists 2*bits = ", k2, " twice");
     out.push_back(static_cast<int>(k2));
   }
   return out;
@@ -105,9 +108,9 @@ cudaStream_t current_stream(int32_t device) {
   return static_cast<cudaStream_t>(s);
 }
 
-void check_launch(const char* what) {
+void check_launch(const char* what, const char* op = kOp) {
   const cudaError_t e = cudaGetLastError();
-  STD_TORCH_CHECK(e == cudaSuccess, kOp, ": ", what,
+  STD_TORCH_CHECK(e == cudaSuccess, op, ": ", what,
                   " launch failed: ", cudaGetErrorString(e));
 }
 
@@ -339,6 +342,72 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   return y;
 }
 
+// out [E, roles * n, k] (x's dtype: bf16 or fp16) = every (expert, role)
+// weight in the original basis, transposed: the w1 / w2 of vLLM's fused MoE.
+// meta [E, roles, 2], suh [E, roles, k], svh [E, roles * n]; `k2s` the
+// distinct 2*bits of meta (the caller's host copy).
+void exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor svh,
+                          std::vector<int64_t> k2s, int64_t codebook,
+                          Tensor out) {
+  const char* op = "exl3_moe_reconstruct";
+  STD_TORCH_CHECK(out.is_cuda(), op, ": out must be a CUDA tensor");
+  const int32_t dev = out.get_device_index();
+  check_tensor(op, "out", out, 3, dev, kRowAlign);
+  const ScalarType dtype = out.scalar_type();
+  STD_TORCH_CHECK(dtype == ScalarType::BFloat16 || dtype == ScalarType::Half,
+                  op, ": out must be bfloat16 or float16, got ",
+                  dtype_str(dtype));
+  check_tensor(op, "meta", meta, 3, dev, kVectorAlign);
+  check_dtype(op, "meta", meta, ScalarType::Long);
+  const int64_t experts = meta.size(0), roles = meta.size(1);
+  STD_TORCH_CHECK(experts >= 1 && roles >= 1 && roles <= kGateUpRoles &&
+                      meta.size(2) == kMetaFields,
+                  op, ": meta must be [experts, 1 or 2 roles, 2], got ",
+                  shape_str(meta));
+  check_tensor(op, "suh", suh, 3, dev, kVectorAlign);
+  check_dtype(op, "suh", suh, ScalarType::Half);
+  const int64_t k = suh.size(2);
+  check_tensor(op, "svh", svh, 2, dev, kVectorAlign);
+  check_dtype(op, "svh", svh, ScalarType::Half);
+  const int64_t n = svh.size(1) / roles;
+  STD_TORCH_CHECK(
+      k > 0 && k % kHadamardBlock == 0 && n > 0 && n % kHadamardBlock == 0, op,
+      ": suh ", shape_str(suh), " and svh ", shape_str(svh), " give k = ", k,
+      ", n = ", n, "; both must be positive multiples of 128");
+  STD_TORCH_CHECK(experts * roles <= kMaxGridZ, op, ": ", experts, " x ", roles,
+                  " weights exceed one launch's grid");
+  check_shape("suh", suh, {experts, roles, k}, op);
+  check_shape("svh", svh, {experts, roles * n}, op);
+  check_shape("out", out, {experts, roles * n, k}, op);
+  check_tensor(op, "trellis", trellis, -1, dev, kRowAlign);
+  check_dtype(op, "trellis", trellis, ScalarType::Short);
+  STD_TORCH_CHECK(trellis.numel() < (int64_t{1} << 40), op,
+                  ": trellis too large");
+  STD_TORCH_CHECK(codebook >= 0 && codebook <= 2, op,
+                  ": codebook must be 0 (3INST), 1 (MCG) or 2 (MUL1), got ",
+                  codebook);
+  const std::vector<int> rates = check_rates("k2s", k2s, codebook, op);
+
+  torch::stable::accelerator::DeviceGuard guard(dev);
+  const cudaStream_t stream = current_stream(dev);
+  MoeReconParams p{};
+  p.trellis = trellis.data_ptr();
+  p.meta = static_cast<const int64_t*>(meta.data_ptr());
+  p.suh = suh.data_ptr();
+  p.svh = svh.data_ptr();
+  p.w = out.data_ptr();
+  p.trellis_numel = trellis.numel();
+  p.k = static_cast<int>(k);
+  p.n = static_cast<int>(n);
+  p.roles = static_cast<int>(roles);
+  p.experts = static_cast<int>(experts);
+  p.out_bf16 = dtype == ScalarType::BFloat16;
+  for (int k2 : rates) {
+    moe_rate_kernels(k2).reconstruct(static_cast<int>(codebook), p, stream);
+    check_launch("reconstruct", op);
+  }
+}
+
 }  // namespace vllm_exl3
 
 STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
@@ -354,8 +423,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
       "int global_num_experts, int codebook, bool "
       "apply_router_weight_on_input, "
       "bool deterministic) -> Tensor");
+  m.def(
+      "exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor "
+      "svh, int[] k2s, int codebook, Tensor(a!) out) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(_C, CUDA, m) {
   m.impl("exl3_moe", TORCH_BOX(&vllm_exl3::exl3_moe));
+  m.impl("exl3_moe_reconstruct", TORCH_BOX(&vllm_exl3::exl3_moe_reconstruct));
 }

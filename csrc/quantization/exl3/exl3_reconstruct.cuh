@@ -159,16 +159,19 @@ __device__ __forceinline__ void hadamard128_side(
 //  pass 2, warp w = tile row w: read the row's 8 tiles back as A fragments,
 //  butterfly along the
 //          row, tile x H16, scale by suh and svh, store.
-template <int K2, int CB, typename T>
-__global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
-    exl3_reconstruct_original_kernel(ReconParams p) {
+//
+// One 128 x 128 block (k0, n0) of a k x n weight: `trellis` is the whole
+// weight's, `suh` its k input scales (the block's shard), `svh` its n output
+// scales. kTransposed stores W^T ([n][k], the [out][in] layout of vLLM's fused
+// MoE weights) instead of W ([k][n]).
+template <int K2, int CB, typename T, bool kTransposed>
+__device__ __forceinline__ void reconstruct_original_block(
+    const void* trellis, const __half* suh_k, const __half* svh_n, void* w,
+    int k, int n, int k0, int n0, __half* staged) {
   using R = Rate<K2>;
-  extern __shared__ __align__(16) __half staged[];  // [128][kStageStride]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2,
             t = lane & 3;  // mma fragment row group and column pair
-  const int k0 = blockIdx.y * kHadamard, n0 = blockIdx.x * kHadamard;
-  const int shard = shard_of_column(p.shards, n0);
 
   float v[kBlockTilesPerSide][2][4];
 
@@ -178,11 +181,10 @@ __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
   uint8_t* s_trellis = reinterpret_cast<uint8_t*>(staged) + kStageBytes;
   {
     const uint8_t* src =
-        static_cast<const uint8_t*>(p.trellis) +
-        (static_cast<size_t>(k0 / kTile) * (p.n / kTile) + n0 / kTile) *
+        static_cast<const uint8_t*>(trellis) +
+        (static_cast<size_t>(k0 / kTile) * (n / kTile) + n0 / kTile) *
             R::kTileBytes;
-    const size_t src_row_bytes =
-        static_cast<size_t>(p.n / kTile) * R::kTileBytes;
+    const size_t src_row_bytes = static_cast<size_t>(n / kTile) * R::kTileBytes;
     constexpr int kChunksPerRow = kRowBytes / 16;
     for (int c = threadIdx.x; c < kBlockTilesPerSide * kChunksPerRow;
          c += kReconThreads) {
@@ -241,9 +243,8 @@ __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
   }
   // Accumulator (q, h, e) sits at row 16 warp + g + 8 (e >> 1), column 16 q + 8
   // h + 2 t + (e & 1).
-  const __half* suh =
-      static_cast<const __half*>(p.suh) + static_cast<size_t>(shard) * p.k + k0;
-  const __half* svh = static_cast<const __half*>(p.svh) + n0;
+  const __half* suh = suh_k + k0;
+  const __half* svh = svh_n + n0;
   float rs[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r)
@@ -267,14 +268,44 @@ __global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
                                v[q][h][2 * r + 1] * rs[r] * cs.y);
     }
   __syncthreads();
+  // Whole 16-byte segments of output rows: 8 values along n (W), or along k
+  // gathered down a staged column (W^T).
   constexpr int kChunksPerRow = kHadamard * 2 / 16;
   for (int c = threadIdx.x; c < kHadamard * kChunksPerRow; c += kReconThreads) {
-    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-    T* dst =
-        static_cast<T*>(p.w) + static_cast<size_t>(k0 + row) * p.n + n0 + col;
-    *reinterpret_cast<uint4*>(dst) =
-        *reinterpret_cast<const uint4*>(&staged[row * kStageStride + col]);
+    if constexpr (kTransposed) {
+      // A column of W (an output row of W^T) and 8 rows of W from it; a warp's
+      // lanes take 32 consecutive columns, so each of the 8 shared-memory reads
+      // is one conflict-free 64-byte row segment.
+      const int wcol = c % kHadamard, wrow = (c / kHadamard) * 8;
+      uint16_t e[8];
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(staged);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) e[j] = s[(wrow + j) * kStageStride + wcol];
+      T* dst =
+          static_cast<T*>(w) + static_cast<size_t>(n0 + wcol) * k + k0 + wrow;
+      *reinterpret_cast<uint4*>(dst) = make_uint4(
+          e[0] | (uint32_t{e[1]} << 16), e[2] | (uint32_t{e[3]} << 16),
+          e[4] | (uint32_t{e[5]} << 16), e[6] | (uint32_t{e[7]} << 16));
+    } else {
+      const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      T* dst =
+          static_cast<T*>(w) + static_cast<size_t>(k0 + row) * n + n0 + col;
+      *reinterpret_cast<uint4*>(dst) =
+          *reinterpret_cast<const uint4*>(&staged[row * kStageStride + col]);
+    }
   }
+}
+
+template <int K2, int CB, typename T>
+__global__ void __launch_bounds__(kReconThreads, kReconOriginalMinBlocks)
+    exl3_reconstruct_original_kernel(ReconParams p) {
+  extern __shared__ __align__(16) __half staged[];  // [128][kStageStride]
+  const int k0 = blockIdx.y * kHadamard, n0 = blockIdx.x * kHadamard;
+  const int shard = shard_of_column(p.shards, n0);
+  reconstruct_original_block<K2, CB, T, false>(
+      p.trellis,
+      static_cast<const __half*>(p.suh) + static_cast<size_t>(shard) * p.k,
+      static_cast<const __half*>(p.svh), p.w, p.k, p.n, k0, n0, staged);
 }
 
 }  // namespace vllm_exl3

@@ -537,6 +537,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 tuple(bits),
             )
         )
+        self.kernel.prepare(self.weights(layer), layer.params_dtype)
 
     def _check_complete(self) -> None:
         missing = []

@@ -77,6 +77,9 @@ class Exl3MoEKernel(ABC):
     def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
         raise NotImplementedError
 
+    def prepare(self, w: "Exl3MoEWeights", act_dtype: torch.dtype) -> None:  # noqa: B027
+        """Once, after loading: reserve what apply needs beyond the weights."""
+
     @abstractmethod
     def apply(
         self,
@@ -233,6 +236,82 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         # (w13_meta, w2_meta) data pointers -> the distinct k2 of each, read once per
         # layer.
         self._rates: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        # Rows per expert from which apply reconstructs (None: never, the layer's
+        # experts do not fit the scratch or batch invariance is on); set by prepare.
+        self.reconstruct_min_rows: float | None = None
+
+    def prepare(self, w: Exl3MoEWeights, act_dtype: torch.dtype) -> None:
+        if envs.VLLM_BATCH_INVARIANT:
+            # One reduction order for every batch size: the grouped GEMM only.
+            return
+        need = reconstruct_scratch_bytes(w, act_dtype)
+        cap = int(
+            torch.cuda.get_device_properties(w.w13_trellis.device).total_memory
+            * RECONSTRUCT_SCRATCH_MAX_FRACTION
+        )
+        if need > cap:
+            logger.info_once(
+                "EXL3 MoE: %d local experts need %.2f GiB as %s, above the "
+                "reconstruct scratch cap (%.2f GiB): the grouped GEMM serves "
+                "every batch size",
+                w.num_experts,
+                need / 2**30,
+                act_dtype,
+                cap / 2**30,
+            )
+            return
+        reserve_reconstruct_scratch(w.w13_trellis.device, need)
+        self.reconstruct_min_rows = RECONSTRUCT_MIN_ROWS_PER_EXPERT
+
+    def uses_reconstruct(
+        self, tokens: int, top_k: int, global_num_experts: int
+    ) -> bool:
+        return self.reconstruct_min_rows is not None and (
+            tokens * top_k >= self.reconstruct_min_rows * max(global_num_experts, 1)
+        )
+
+    def _reconstructed_forward(
+        self,
+        x,
+        topk_weights,
+        topk_ids,
+        w: Exl3MoEWeights,
+        rates: tuple[list[int], list[int]],
+        *,
+        apply_router_weight_on_input,
+        expert_map,
+        global_num_experts,
+        codebook,
+    ) -> torch.Tensor:
+        """Every local expert reconstructed into the shared scratch (x's dtype), then
+        vLLM's own fused MoE on it; the scratch is rewritten by the next layer."""
+        from vllm.model_executor.layers.fused_moe import fused_experts
+
+        from . import moe_ops
+
+        w1, w2 = reconstruct_scratch(w, x.dtype)
+        moe_ops.exl3_moe_reconstruct(
+            w.w13_trellis, w.w13_meta, w.w13_suh, w.w13_svh, rates[0], codebook, w1
+        )
+        moe_ops.exl3_moe_reconstruct(
+            w.w2_trellis,
+            w.w2_meta.unsqueeze(1),
+            w.w2_suh.unsqueeze(1),
+            w.w2_svh,
+            rates[1],
+            codebook,
+            w2,
+        )
+        return fused_experts(
+            x.contiguous(),
+            w1,
+            w2,
+            topk_weights.float(),
+            topk_ids,
+            apply_router_weight_on_input=apply_router_weight_on_input,
+            global_num_experts=global_num_experts,
+            expert_map=expert_map,
+        )
 
     @classmethod
     def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
@@ -320,9 +399,21 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
 
         rates13, rates2 = self.rates(w, codebook)
         m, top_k = topk_ids.shape
-        block = self.block_size(m, top_k, global_num_experts)
         if expert_map is not None and expert_map.dtype != torch.int32:
             expert_map = expert_map.to(torch.int32)
+        if self.uses_reconstruct(m, top_k, global_num_experts):
+            return self._reconstructed_forward(
+                x,
+                topk_weights,
+                topk_ids,
+                w,
+                (rates13, rates2),
+                apply_router_weight_on_input=apply_router_weight_on_input,
+                expert_map=expert_map,
+                global_num_experts=global_num_experts,
+                codebook=codebook,
+            )
+        block = self.block_size(m, top_k, global_num_experts)
         # Non-local experts are left out of the alignment altogether (no -1 blocks to
         # skip).
         sorted_ids, expert_ids, post_pad = moe_align_block_size(
@@ -352,6 +443,60 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
             apply_router_weight_on_input,
             deterministic,
         )
+
+
+# The large-batch path: from this many routed rows per expert (tokens * top_k / global
+# experts) the local experts are reconstructed to the activation dtype and run through
+# vLLM's own fused MoE. The reconstruct writes every local expert's weights once per
+# call (Qwen3-30B-A3B: 1.2 GB per layer), which pays only once each expert's rows fill
+# several of the grouped GEMM's 128-row blocks, each of which decodes the expert's whole
+# trellis again. From the H200 bench (bench_moe.py: rows exl3 and exl3_reconstruct).
+RECONSTRUCT_MIN_ROWS_PER_EXPERT = 128
+# The reconstruct scratch (one per device, shared by every layer, reserved at load so
+# vLLM's memory profiling counts it) takes at most this fraction of device memory: a
+# layer whose local experts need more keeps the grouped GEMM at every batch size
+# (DeepSeek-V3 at TP=1: 22.5 GB; Qwen3-235B-A22B: 4.8 GB, 3.4 % of an H200).
+RECONSTRUCT_SCRATCH_MAX_FRACTION = 0.05
+# Gate, up and down: the three weights of an expert.
+EXPERT_WEIGHTS = 3
+
+_reconstruct_scratch: dict[torch.device, torch.Tensor] = {}
+
+
+def reconstruct_scratch_bytes(w: Exl3MoEWeights, dtype: torch.dtype) -> int:
+    """Bytes of every local expert's gate, up and down in `dtype`."""
+    return EXPERT_WEIGHTS * w.num_experts * w.hidden * w.width * dtype.itemsize
+
+
+def reserve_reconstruct_scratch(device: torch.device, nbytes: int) -> None:
+    """Grow the device's shared scratch to at least nbytes (load time, before vLLM's
+    memory profiling), from torch's caching allocator."""
+    current = _reconstruct_scratch.get(device)
+    if current is None or current.numel() < nbytes:
+        _reconstruct_scratch.pop(device, None)
+        del current
+        _reconstruct_scratch[device] = torch.empty(
+            nbytes, dtype=torch.uint8, device=device
+        )
+
+
+def reconstruct_scratch(
+    w: Exl3MoEWeights, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1 [E, 2 i, h], w2 [E, h, i]) in `dtype`, views of the device's scratch."""
+    e, h, i = w.num_experts, w.hidden, w.width
+    buf = _reconstruct_scratch.get(w.w13_trellis.device)
+    if buf is None or buf.numel() < reconstruct_scratch_bytes(w, dtype):
+        raise RuntimeError(
+            f"EXL3 MoE: the reconstruct scratch on {w.w13_trellis.device} was not "
+            f"reserved for {e} experts of {h} x {i} (prepare() not called?)"
+        )
+    flat = buf.view(dtype)
+    n1 = e * 2 * i * h
+    return (
+        flat[:n1].view(e, 2 * i, h),
+        flat[n1 : n1 + e * h * i].view(e, h, i),
+    )
 
 
 # Every EXL3 bitrate as k2 = 2 * bits: 1..8 bits and MUL1's 1.5 / 2.5 / 3.5.

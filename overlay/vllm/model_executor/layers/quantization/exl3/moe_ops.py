@@ -8,6 +8,10 @@ The op runs one layer's routed experts over vLLM's expert alignment
 into the down projection's input transform, the down grouped GEMM with the routing
 weights, and the top-k combine. It is built into the same extension as the dense ops
 (ops.py loads it); nothing is loaded at import time.
+
+`exl3_moe_reconstruct` writes every (expert, role) weight of one weight set (w13: gate
+and up, or w2: down) in the original basis and transposed, into a caller-owned buffer
+laid out as vLLM's fused-MoE weights: the large-batch path.
 """
 
 import torch
@@ -16,6 +20,7 @@ from torch.library import register_fake
 from . import ops
 
 OP = "exl3_moe"
+RECONSTRUCT_OP = "exl3_moe_reconstruct"
 # Row-block sizes the grouped GEMM is built for (16 * its m16 tiers, exl3_moe.h
 # kMoeTiers).
 BLOCK_SIZES = (16, 32, 64, 128)
@@ -62,11 +67,25 @@ def exl3_moe_fake(
     return x.new_empty((x.shape[0], x.shape[1]))
 
 
+def exl3_moe_reconstruct_fake(
+    trellis: torch.Tensor,
+    meta: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    k2s: list[int],
+    codebook: int,
+    out: torch.Tensor,
+) -> None:
+    return None
+
+
 def _register_fake() -> None:
-    qualname = f"_C::{OP}"
-    if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
-        return
-    register_fake(qualname)(exl3_moe_fake)
+    for op, fake in ((OP, exl3_moe_fake), (RECONSTRUCT_OP, exl3_moe_reconstruct_fake)):
+        qualname = f"_C::{op}"
+        if hasattr(torch.ops._C, op) and not (
+            torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta")
+        ):
+            register_fake(qualname)(fake)
 
 
 def exl3_moe(
@@ -119,3 +138,18 @@ def exl3_moe(
         apply_router_weight_on_input,
         deterministic,
     )
+
+
+def exl3_moe_reconstruct(
+    trellis: torch.Tensor,
+    meta: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    k2s: list[int],
+    codebook: int,
+    out: torch.Tensor,
+) -> None:
+    """out [E, roles * n, k] (bf16 or fp16) = each (expert, role)'s W^T, W = diag(suh)
+    Ĥ Ŵ Ĥ diag(svh); meta [E, roles, 2], suh [E, roles, k], svh [E, roles * n], k2s the
+    distinct 2 * bits of meta."""
+    torch.ops._C.exl3_moe_reconstruct(trellis, meta, suh, svh, k2s, codebook, out)
