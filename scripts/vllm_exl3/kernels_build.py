@@ -3,9 +3,10 @@
 """Quick build of the EXL3 kernels into the standalone stable-ABI extension
 `_exl3_C.abi3.so`.
 
-Compiles `csrc/quantization/exl3/*` against the torch headers of the running Python
-(torch 2.11, stable ABI only) with the local nvcc, in parallel, one object per
-translation unit, and links them with `standalone_module.cpp` (the Python entry point).
+Compiles `csrc/quantization/exl3/*` and the per-rate units its generate_kernels.py
+writes (into the build folder) against the torch headers of the running Python (torch
+2.11, stable ABI only) with the local nvcc, in parallel, one object per translation
+unit, and links them with `standalone_module.cpp` (the Python entry point).
 Importing the result registers `torch.ops._C.exl3_linear` / `exl3_reconstruct`. The full
 build compiles the same sources into vLLM's `_C_stable_libtorch` instead (a CMake
 source-list patch).
@@ -29,6 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = REPO / "csrc" / "quantization" / "exl3"
+GENERATOR = SOURCES / "generate_kernels.py"
+# Under the build folder: the sources generate_kernels.py writes at build time.
+GENERATED_DIR = "generated"
 EXTENSION = "_exl3_C.abi3.so"
 # Where `scripts/vllm-exl3 build` (build.KERNEL_BUILD_DIR) and the compile test both
 # build, so the objects one compiled are reused by the other.
@@ -143,6 +147,26 @@ def _includes(tc: Toolchain) -> list[str]:
     ]
 
 
+def load_generator():
+    """csrc/quantization/exl3/generate_kernels.py as a module (it is not a package)."""
+    spec = importlib.util.spec_from_file_location("exl3_generate_kernels", GENERATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sources(out_dir: Path, with_standalone: bool = True) -> list[Path]:
+    """The translation units of the extension: the checked-in ones and the generated
+    per-rate units (written into out_dir/generated, unchanged files left alone)."""
+    generated = load_generator().write_build_sources(Path(out_dir) / GENERATED_DIR)
+    checked_in = [
+        p
+        for p in SOURCES.iterdir()
+        if p.suffix in (".cu", ".cpp") and (with_standalone or p.name != STANDALONE)
+    ]
+    return sorted(checked_in + generated, key=lambda p: p.name)
+
+
 def _stale(obj: Path, src: Path) -> bool:
     if not obj.exists():
         return True
@@ -156,14 +180,10 @@ def _stale(obj: Path, src: Path) -> bool:
 
 
 def _compile_commands(
-    tc: Toolchain, archs: list[str], obj_dir: Path, with_standalone: bool
+    tc: Toolchain, archs: list[str], obj_dir: Path, srcs: list[Path]
 ) -> list[tuple[Path, Path, list[str]]]:
     jobs = []
-    for src in sorted(SOURCES.iterdir()):
-        if src.suffix not in (".cu", ".cpp") or (
-            src.name == STANDALONE and not with_standalone
-        ):
-            continue
+    for src in srcs:
         obj = obj_dir / (src.name + ".o")
         if src.suffix == ".cu":
             cmd = [
@@ -217,9 +237,10 @@ def build_extension(
     out_dir = Path(out_dir).resolve()
     obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
     obj_dir.mkdir(parents=True, exist_ok=True)
+    srcs = sources(out_dir, with_standalone=not compile_only)
     work = [
         (s, o, c)
-        for s, o, c in _compile_commands(tc, archs, obj_dir, not compile_only)
+        for s, o, c in _compile_commands(tc, archs, obj_dir, srcs)
         if _stale(o, s)
     ]
     # Largest translation units first, so the long ones don't start last.
@@ -234,7 +255,7 @@ def build_extension(
                 print(f"  {futures[fut].name}: {seconds:.1f} s", file=sys.stderr)
     if compile_only:
         return obj_dir
-    objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, True)]
+    objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, srcs)]
     target = out_dir / EXTENSION
     link = [
         tc.nvcc,

@@ -6,6 +6,7 @@ live, and where each lands in a vLLM tree."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import subprocess
 from dataclasses import dataclass
@@ -58,9 +59,41 @@ def _files_under(base: Path) -> list[Path]:
 class SourceFile:
     """One file placed into a vLLM tree: where it comes from and its path there."""
 
-    source: Path
+    source: Path  # the file, or the generator of a generated one
     origin: str  # path relative to the series root, for messages and the manifest
     dest: str  # path relative to the vLLM tree root (posix)
+    generated: bytes | None = None  # the content of a generated file
+
+    def read_bytes(self) -> bytes:
+        return self.source.read_bytes() if self.generated is None else self.generated
+
+    @property
+    def exec_bits(self) -> int:
+        return 0 if self.generated is not None else self.source.stat().st_mode & 0o111
+
+
+# Writes the kernels' per-rate translation units at build time (as vLLM's Marlin
+# generator): placed into a tree with the CUDA sources, where CMake's glob finds them.
+KERNEL_GENERATOR = "csrc/quantization/exl3/generate_kernels.py"
+
+
+def _generated_csrc(root: Path) -> tuple[SourceFile, ...]:
+    generator = root / KERNEL_GENERATOR
+    if not generator.is_file():
+        return ()
+    spec = importlib.util.spec_from_file_location("exl3_generate_kernels", generator)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = Path(KERNEL_GENERATOR).parent.relative_to("csrc").as_posix()
+    return tuple(
+        SourceFile(
+            generator,
+            f"{KERNEL_GENERATOR} ({name})",
+            f"{CSRC_DEST}/{folder}/{name}",
+            text.encode(),
+        )
+        for name, text in sorted(module.build_sources().items())
+    )
 
 
 @dataclass(frozen=True)
@@ -90,7 +123,7 @@ class Series:
                 f"{CSRC_DEST}/{p.relative_to(root / 'csrc').as_posix()}",
             )
             for p in _files_under(root / "csrc")
-        )
+        ) + _generated_csrc(root)
         patches = tuple(sorted((root / "patches").glob("*.patch")))
         return cls(root, overlay, csrc, patches)
 
@@ -100,7 +133,7 @@ class Series:
         h = hashlib.sha256(mode.encode())
         for f in (*self.overlay, *self.csrc):
             h.update(f"\0{f.origin}\0{f.dest}\0".encode())
-            h.update(f.source.read_bytes())
+            h.update(f.read_bytes())
         for p in self.patches:
             h.update(f"\0{p.name}\0".encode())
             h.update(p.read_bytes())

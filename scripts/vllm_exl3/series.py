@@ -150,10 +150,10 @@ def _plan_sources(
             )
             continue
         sources.append(sf)
-        data = sf.source.read_bytes()
+        data = sf.read_bytes()
         current = read(sf.dest)
         if current is None:
-            mode = _NEW_FILE_MODE | (sf.source.stat().st_mode & 0o111)
+            mode = _NEW_FILE_MODE | sf.exec_bits
             plan.writes.append(Write(sf.dest, data, mode, sf.origin))
         elif current[0] == data:
             plan.identical.append(sf.dest)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from minitree import ROOT, check_record, make_wheel, run_tool, write_tree
-from vllm_exl3 import pins
+from vllm_exl3 import pins, repo
 from vllm_exl3.build import _REQUIREMENTS_PROBE
 from vllm_exl3.bundle import parse_size
 
@@ -226,9 +226,16 @@ def _configure(tree: Path, work: Path, archs: str) -> tuple[str, dict[str, str]]
 
 
 EXPECTED = sorted(
-    p.name
-    for p in (ROOT / "csrc/quantization/exl3").glob("*")
-    if p.suffix in (".cu", ".cpp") and p.name != "standalone_module.cpp"
+    [
+        p.name
+        for p in (ROOT / "csrc/quantization/exl3").glob("*")
+        if p.suffix in (".cu", ".cpp") and p.name != "standalone_module.cpp"
+    ]
+    + [
+        Path(f.dest).name
+        for f in repo.Series.load(ROOT).csrc
+        if f.generated is not None
+    ]
 )
 
 

@@ -597,6 +597,10 @@ def test_series_on_real_sdist(tmp_path, pristine_sdist):
         if f.is_file() and "__pycache__" not in f.parts:
             rel = f.relative_to(ROOT / "csrc")
             assert (tree / "csrc/libtorch_stable" / rel).read_bytes() == f.read_bytes()
+    # The per-rate units the kernel generator writes at build time land beside them.
+    exl3 = tree / "csrc/libtorch_stable/quantization/exl3"
+    assert len(list(exl3.glob("exl3_rate_k*.cu"))) == 11
+    assert "rate_kernels(int k2)" in (exl3 / "exl3_rate_table.cpp").read_text()
 
     again = run_tool("apply", tree)
     assert again.returncode == 0 and "nothing to do" in again.stdout

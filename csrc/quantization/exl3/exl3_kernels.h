@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host-side view of the EXL3 kernels: launch parameters and the per-bitrate
 // launcher table. The kernels of one bitrate (all codebooks and BM tiers) live
-// in one translation unit (exl3_rate_k<K2>.cu), so the instantiations compile
-// in parallel.
+// in one translation unit (exl3_rate_k<K2>.cu, written by generate_kernels.py),
+// so the instantiations compile in parallel.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (the descriptor type only; encoded through the runtime)
