@@ -52,9 +52,8 @@ __host__ __device__ inline int shard_of_column(const ShardTable& t, int col) {
 struct GemmParams {
   // wgmma engine: xh as an fp16 [S][m][k] tensor for the tensor memory
   // accelerator, one box = one stage's A tile (64 k x BM rows, 128-byte
-  // swizzle; rows past m read as zeros). Encoded per call by encode_xh_map
-  // (exl3_resources.h); unused by the mma.sync engine. First, for its 64-byte
-  // alignment.
+  // swizzle; rows past m read as zeros). Encoded per call by encode_xh_map;
+  // unused by the mma.sync engine. First, for its 64-byte alignment.
   CUtensorMap xh_map;
   const void* xh;       // fp16 [S][m][k]: the transformed input of every shard
   const void* trellis;  // int16 [k/16][n/16][16K]
@@ -74,13 +73,22 @@ struct GemmParams {
   bool spread;
 };
 
+// Host-side launch resources (exl3_resources.cpp). Buffers (the split-k
+// workspace, scratch) are torch tensors from the caller or torch's caching
+// allocator, and the cuBLAS handle is torch's.
+//
 // The most dynamic shared memory one block of a kernel with `static_bytes` of
-// static shared memory may ask for on the current device (exl3_resources.cpp).
+// static shared memory may ask for on the current device.
 int smem_dynamic_ceiling(int static_bytes);
 // Dynamic shared memory that lets at most a grid of `grid_blocks` blocks' even
 // share of them (rounded up) reside on one SM of the current device: at least
 // `need`, at most the ceiling.
 int smem_to_spread(int64_t grid_blocks, int need, int static_bytes);
+// `map` = the wgmma engine's view of xh (fp16 [shards][m][k],
+// GemmParams::xh_map) with boxes of 64 k x `bm` rows. Throws if the driver
+// cannot encode it.
+void encode_xh_map(CUtensorMap* map, const void* xh, int shards, int m, int k,
+                   int bm);
 
 struct ReconParams {
   const void* trellis;  // int16 [k/16][n/16][16K]

@@ -25,7 +25,6 @@
 
 #include "exl3_kernels.h"
 #include "exl3_plan.h"
-#include "exl3_resources.h"
 #include "exl3_tensor_checks.h"
 
 namespace vllm_exl3 {

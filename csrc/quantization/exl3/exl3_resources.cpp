@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "exl3_resources.h"
-
+// Host-side launch resources of the EXL3 ops: the device's shared-memory
+// limits and the wgmma engine's tensor map of the activations.
 #include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+
+#include "exl3_kernels.h"
 
 namespace vllm_exl3 {
 
