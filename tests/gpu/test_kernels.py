@@ -272,7 +272,8 @@ def test_invariant_mode_refuses_other_plans() -> None:
 # The op's memory and plans on a GPU: the split-k workspace is a torch allocation (it
 # shows in torch.cuda.memory_allocated, and the op allocates nothing outside torch's
 # allocator), the plan table's errors, and two fresh processes resolve identical plans
-# for every layer of the 4.0bpw fixture at every token-count bucket (plan_log.py).
+# for every layer of the 4.0bpw fixture at every token-count bucket (exl3_oracle.py
+# --log-plans).
 
 
 def non_torch_bytes() -> int:
@@ -399,7 +400,7 @@ def test_two_processes_log_identical_plans(tmp_path) -> None:
     logs = []
     for i in range(2):
         r = subprocess.run(
-            [sys.executable, str(HERE / "plan_log.py")],
+            [sys.executable, str(HERE / "exl3_oracle.py"), "--log-plans"],
             capture_output=True,
             text=True,
             timeout=600,
