@@ -4,8 +4,14 @@
 EXL3 series.
 
 One module per subcommand (each exposes `register(subparsers)`), plus modules named by
-the role they serve the subcommands: `pins` (what is pinned), `repo` (this repository's
-layout), `index` (the package-index client), `patchfile` (format-patch parsing), `tree`
-(recognising a vLLM tree), `series` (planning an application), `state` (what an
-application recorded), `wheelfile` (wheel archives).
+the role they serve the subcommands: `repo` (the series: what it is pinned to, where its
+files live and land, the vLLM trees it applies onto), `index` (the package-index
+client), `series` (reading the patches and planning an application), `wheelfile` (wheel
+archives), `progress` (progress lines of long steps). `apply` also keeps the record of
+what an application did to a tree.
 """
+
+
+class ToolError(Exception):
+    """A failure the user can act on; the message says what happened and what to do.
+    The CLI turns it into a message and a non-zero exit (no traceback)."""

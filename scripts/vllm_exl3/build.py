@@ -26,13 +26,19 @@ from pathlib import Path
 
 import tomllib
 
-from . import pins
-from .apply import apply_onto
-from .errors import ToolError
+from . import ToolError
+from .apply import STATE_DIR, apply_onto
 from .fetch import copy_sdist_tree, ensure_pinned, ensure_sdist_tree, wheels_dir
-from .repo import ROOT, Series, default_cache_dir, default_venv, git_label
-from .state import STATE_DIR
-from .tree import BUILD_LABEL_PREFIX
+from .repo import (
+    BUILD_LABEL_PREFIX,
+    ROOT,
+    VLLM_VERSION,
+    WHEELS,
+    Series,
+    default_cache_dir,
+    default_venv,
+    git_label,
+)
 from .wheelfile import WheelName, set_version, unpack, write
 
 DEFAULT_ARCHS = "9.0;12.0;12.1"
@@ -147,10 +153,9 @@ def quick_build(
 ) -> Path:
     """Official wheel + series (wheel-tree mode) + optional kernel module -> dist/."""
     name = WheelName.parse(wheel.name)
-    if name.version != pins.VLLM_VERSION:
+    if name.version != VLLM_VERSION:
         raise ToolError(
-            f"{wheel.name} is vLLM {name.version}; the series is for "
-            f"{pins.VLLM_VERSION}"
+            f"{wheel.name} is vLLM {name.version}; the series is for {VLLM_VERSION}"
         )
     tree = work / "wheel-tree"
     shutil.rmtree(tree, ignore_errors=True)
@@ -164,7 +169,7 @@ def quick_build(
     if kernels is not None:
         shutil.copyfile(kernels, tree / KERNEL_MODULE)
         os.chmod(tree / KERNEL_MODULE, 0o755)
-    new = set_version(tree, name, f"{pins.VLLM_VERSION}+{BUILD_LABEL_PREFIX}.{label}")
+    new = set_version(tree, name, f"{VLLM_VERSION}+{BUILD_LABEL_PREFIX}.{label}")
     out = dist / new.filename
     write(tree, new, out)
     shutil.rmtree(tree)
@@ -234,7 +239,7 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
             "cannot build from source (vLLM's build requirements):\n  "
             + "\n  ".join(problems)
         )
-    tree = args.work_dir / f"vllm-{pins.VLLM_VERSION}-src"
+    tree = args.work_dir / f"vllm-{VLLM_VERSION}-src"
     shutil.rmtree(tree, ignore_errors=True)
     tree.parent.mkdir(parents=True, exist_ok=True)
     copy_sdist_tree(src, tree)
@@ -293,11 +298,11 @@ def run(args: argparse.Namespace) -> int:
         wheel = args.wheel
     else:
         machine = _machine()
-        if machine not in pins.WHEELS:
+        if machine not in WHEELS:
             raise ToolError(
-                f"no pinned vLLM wheel for {machine}; known: {', '.join(pins.WHEELS)}"
+                f"no pinned vLLM wheel for {machine}; known: {', '.join(WHEELS)}"
             )
-        filename, sha = pins.WHEELS[machine]
+        filename, sha = WHEELS[machine]
         wheel = ensure_pinned(filename, sha, wheels_dir(args.cache_dir), args.offline)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.kernels_so:

@@ -24,11 +24,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from . import pins
-from .errors import ToolError
+from . import ToolError
 from .index import sha256_file
-from .repo import ROOT, default_cache_dir
-from .tree import BUILD_LABEL_PREFIX
+from .repo import BUILD_LABEL_PREFIX, ROOT, VLLM_VERSION, default_cache_dir
 from .wheelfile import WheelName, unpack, write
 
 DEFAULT_PART_SIZE = (
@@ -290,7 +288,7 @@ def make_bundle(
 
 def _default_wheel(dist: Path) -> Path:
     built = sorted(
-        dist.glob(f"vllm-{pins.VLLM_VERSION}+{BUILD_LABEL_PREFIX}*.whl"),
+        dist.glob(f"vllm-{VLLM_VERSION}+{BUILD_LABEL_PREFIX}*.whl"),
         key=lambda p: p.stat().st_mtime,
     )
     if not built:

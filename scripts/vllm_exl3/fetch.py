@@ -12,11 +12,10 @@ import shutil
 import tarfile
 from pathlib import Path
 
-from . import pins
-from .errors import ToolError
+from . import ToolError
 from .index import IndexUnreachable, download, find_file, sha256_file
 from .progress import Progress
-from .repo import default_cache_dir
+from .repo import SDIST_NAME, SDIST_SHA256, VLLM_VERSION, default_cache_dir
 
 # Written into an unpacked tree last; a tree without it is an interrupted unpack and is
 # redone.
@@ -85,18 +84,16 @@ def _unpack(archive: Path, dest: Path) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     top.rename(dest)
     tmp.rmdir()
-    (dest / _UNPACKED_MARKER).write_text(pins.SDIST_SHA256 + "\n")
+    (dest / _UNPACKED_MARKER).write_text(SDIST_SHA256 + "\n")
 
 
 def ensure_sdist_tree(cache: Path, offline: bool = False) -> Path:
     """The unpacked pristine sdist (shared: never modify it; copy it first)."""
-    tree = cache / "src" / f"vllm-{pins.VLLM_VERSION}"
+    tree = cache / "src" / f"vllm-{VLLM_VERSION}"
     marker = tree / _UNPACKED_MARKER
-    if marker.is_file() and marker.read_text().strip() == pins.SDIST_SHA256:
+    if marker.is_file() and marker.read_text().strip() == SDIST_SHA256:
         return tree
-    archive = ensure_pinned(
-        pins.SDIST_NAME, pins.SDIST_SHA256, cache / "sdist", offline
-    )
+    archive = ensure_pinned(SDIST_NAME, SDIST_SHA256, cache / "sdist", offline)
     _unpack(archive, tree)
     return tree
 
@@ -126,11 +123,11 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fetch",
-        help=f"download, verify and unpack the vLLM {pins.VLLM_VERSION} sdist",
+        help=f"download, verify and unpack the vLLM {VLLM_VERSION} sdist",
         description=(
-            f"Download {pins.SDIST_NAME} from pip's configured package index into the "
+            f"Download {SDIST_NAME} from pip's configured package index into the "
             "cache, "
-            f"verify its pinned sha256 ({pins.SDIST_SHA256[:16]}...) and unpack it. "
+            f"verify its pinned sha256 ({SDIST_SHA256[:16]}...) and unpack it. "
             "Prints the "
             "unpacked tree's path. With a warm cache no network is used."
         ),

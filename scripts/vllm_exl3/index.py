@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ToolError
+from . import ToolError
 from .progress import Progress
 
 _ACCEPT = (

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ToolError
+from . import ToolError
 from .progress import Progress
 
 _CHUNK = 1 << 20

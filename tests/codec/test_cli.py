@@ -428,8 +428,8 @@ def test_padding_is_trimmed_to_real_dims(fmt, ref, tmp_path):
 
 
 def test_refusals(tmp_path):
+    from vllm_exl3 import ToolError
     from vllm_exl3.dequantize import dequantize
-    from vllm_exl3.errors import ToolError
 
     src = FIXTURES / "exl3-4.0bpw"
     busy = tmp_path / "busy"
