@@ -276,7 +276,7 @@ def test_throughput_refuses_a_repeat_below_one():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
 
-from windows import (  # noqa: E402
+from measures import (  # noqa: E402
     WINDOW,
     next_token_logprobs,
     perplexity,
@@ -404,7 +404,7 @@ def test_relative_difference():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
 
-from agreement import (  # noqa: E402
+from measures import (  # noqa: E402
     common_prefix,
     continuation_agreement,
     decode_logprob_agreement,
