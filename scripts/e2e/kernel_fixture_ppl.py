@@ -5,7 +5,7 @@ our CUDA op.
 
 No vLLM: transformers' Qwen3 model in bf16 on the GPU, each EXL3 nn.Linear replaced by a
 module that calls torch.ops._C.exl3_linear on the checkpoint's own trellis/suh/svh. The
-windows and the scoring are the fixtures README's (tests/codec/perplexity.py), so the
+windows and the scoring are the fixtures README's (tests/codec/qwen3_tiny.py), so the
 result compares directly with the ExLlamaV3 1.6.5 value recorded there. Also checks that
 one fused q/k/v call (3 shards) equals the three separate calls. Usage (GPU host, repo
 root):
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests" / "codec"))
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
 import exl3_oracle as vk  # noqa: E402
-from perplexity import WINDOW, model_from_state_dict, validation_windows  # noqa: E402
+from qwen3_tiny import WINDOW, model_from_state_dict, validation_windows  # noqa: E402
 from vllm_exl3.codec import exl3_format  # noqa: E402
 
 # ExLlamaV3 1.6.5's perplexities on the same windows (tests/fixtures/README.md).
