@@ -39,8 +39,10 @@ from vllm.model_executor.layers.quantization.exl3.format import (
 )
 from vllm.model_executor.layers.quantization.exl3.kernels import ReferenceExl3Kernel
 from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
-from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
-from vllm.model_executor.layers.quantization.exl3.lm_head import Exl3LMHeadMethod
+from vllm.model_executor.layers.quantization.exl3.linear import (
+    Exl3LinearMethod,
+    Exl3LMHeadMethod,
+)
 from vllm.model_executor.layers.quantization.exl3.padding import (
     Exl3PaddedUnquantizedLinearMethod,
 )

@@ -385,8 +385,8 @@ def test_debug_shows_the_traceback(tmp_path):
 #
 # The checkpoint validation names all of these cases before loading; here it is bypassed
 # (the directory is described from its headers alone, as for a hub model), so what is
-# under test is the last line of defence: the load ledger (load_ledger.py) inside the
-# real loader.
+# under test is the last line of defence: the load ledger (weights.LoadLedger) inside
+# the real loader.
 
 WORLD = 2
 CONFIG_MODULE = "vllm.model_executor.layers.quantization.exl3.config"

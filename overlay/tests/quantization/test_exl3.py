@@ -22,8 +22,10 @@ from vllm.model_executor.layers.quantization.exl3.kernels import (
     CudaExl3Kernel,
     ReferenceExl3Kernel,
 )
-from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
-from vllm.model_executor.layers.quantization.exl3.lm_head import Exl3LMHeadMethod
+from vllm.model_executor.layers.quantization.exl3.linear import (
+    Exl3LinearMethod,
+    Exl3LMHeadMethod,
+)
 
 MODELS_DIR = os.environ.get("EXL3_TEST_MODELS_DIR")
 QUANTIZED = ["exl3-4.0bpw", "exl3-3.0bpw-mcg"]

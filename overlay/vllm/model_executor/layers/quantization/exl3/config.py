@@ -29,8 +29,8 @@ from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
 from .env_compat import adopt_deprecated_env_names
 from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
-from .load_ledger import LoadLedger
 from .names import ModuleNameResolver, shard_names
+from .weights import LoadLedger
 
 logger = init_logger(__name__)
 
@@ -346,7 +346,7 @@ class Exl3Config(QuantizationConfig):
             key = self._resolve(prefix)
             if key is None:
                 return None
-            from .lm_head import Exl3LMHeadMethod
+            from .linear import Exl3LMHeadMethod
 
             return Exl3LMHeadMethod(prefix, self.modules[key], self.ledger)
         if isinstance(layer, VocabParallelEmbedding):

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`Exl3LinearMethod`: EXL3 for vLLM's Replicated, Column, MergedColumn, QKV and Row
-linears.
+linears, and `Exl3LMHeadMethod` for its ParallelLMHead (below).
 
 The path of one forward: `apply` -> `run_layout` (pad x to the allocated k, one kernel
 call per run of equal-bitrate shards over the shards' 128-aligned windows, then, only if
@@ -12,6 +12,7 @@ some shard keeps part of its window, one gather of the kept columns) ->
 import torch
 import torch.nn.functional as F
 import vllm.envs as envs
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -22,15 +23,22 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
     register_weight_loader_v2_supported_method,
 )
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from .format import TILE, Exl3ModuleSpec
 from .kernels import Exl3Kernel, Exl3KernelConfig, Exl3Run, choose_exl3_kernel
-from .layout import Exl3Layout, Exl3LayoutError, Split, plan_linear, trellis_words
-from .load_ledger import LoadLedger
+from .layout import (
+    Exl3Layout,
+    Exl3LayoutError,
+    Split,
+    plan_linear,
+    plan_lm_head,
+    trellis_words,
+)
 from .padding import check_loaded, real_rows, shard_ids, unpad_bias_loads
 from .plans import layer_key
 from .warmup import resolve_runs, tune_run, warm_up_layer
-from .weights import OUT_INDEX, Exl3LayerWeights, direct_weight_loader
+from .weights import OUT_INDEX, Exl3LayerWeights, LoadLedger, direct_weight_loader
 
 
 def linear_split(layer: LinearBase) -> Split:
@@ -155,7 +163,7 @@ def _single_shard_loader(loader):
 @register_weight_loader_v2_supported_method
 class Exl3LinearMethod(LinearMethodBase):
     """One EXL3 linear layer; `specs` are its checkpoint modules in shard order,
-    `ledger` the model's record of loaded tensors (load_ledger.py)."""
+    `ledger` the model's record of loaded tensors (LoadLedger, weights.py)."""
 
     def __init__(self, specs: list[Exl3ModuleSpec], ledger: LoadLedger | None = None):
         self.specs = specs
@@ -237,3 +245,78 @@ class Exl3LinearMethod(LinearMethodBase):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return run_layout(self.kernel, self.layout, layer, x, bias)
+
+
+# `Exl3LMHeadMethod`: an EXL3 `lm_head` as vLLM's ParallelLMHead.
+#
+# vLLM's vocab loader slices dim 0 and asserts the unpadded vocab; in a trellis the
+# vocab is dim 1 and padded to 128. So the head has its own loader: each rank keeps the
+# 128-aligned superset of checkpoint blocks covering its vocab range (vLLM pads the
+# vocab to 64, so ranges need not be 128-aligned), and returns exactly
+# `num_embeddings_per_partition` columns, those past the real vocab exactly zero
+# (layout.plan_lm_head).
+
+
+class Exl3LMHeadMethod(QuantizeMethodBase):
+    def __init__(
+        self, prefix: str, spec: Exl3ModuleSpec, ledger: LoadLedger | None = None
+    ):
+        self.prefix = prefix
+        self.spec = spec
+        self.ledger = ledger if ledger is not None else LoadLedger()
+        self.layout: Exl3Layout
+        self.weights: Exl3LayerWeights
+        self.kernel: Exl3Kernel
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        if layer.num_added_embeddings:
+            raise Exl3LayoutError(
+                f"EXL3 {self.prefix}: added (LoRA) vocabulary is not supported with an "
+                "EXL3 "
+                f"lm_head ({layer.num_added_embeddings} added tokens)"
+            )
+        self.layout = plan_lm_head(
+            self.prefix,
+            self.spec,
+            tp_rank=get_tensor_model_parallel_rank(),
+            hidden=input_size_per_partition,
+            vocab_start=layer.shard_indices.padded_org_vocab_start_index,
+            vocab_per_rank=output_partition_sizes[0],
+            org_vocab=layer.org_vocab_size,
+        )
+        self.weights = Exl3LayerWeights(
+            self.layout,
+            [self.spec],
+            self.ledger,
+            [(input_size_per_partition, layer.org_vocab_size)],
+        )
+        self.weights.create(layer, direct_weight_loader)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.weights.finish(layer)
+        self.kernel = choose_exl3_kernel(
+            Exl3KernelConfig(self.prefix, layer.trellis.device, layer.params_dtype)
+        )
+        warm_up(self.kernel, self.layout, layer)
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return run_layout(self.kernel, self.layout, layer, x, bias)
+
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
+        raise Exl3LayoutError(
+            f"EXL3 {self.prefix}: an EXL3 lm_head cannot be tied to the token "
+            "embedding (the "
+            "converter always writes a separate head and sets "
+            "tie_word_embeddings=false)"
+        )

@@ -8,9 +8,9 @@ and every `.bias` (n_pad). vLLM allocates the model's real dims and asserts equa
 shapes, so such a tensor is trimmed back to the real dims of its shard *before* vLLM's
 loader runs; the loader's tensor-parallel narrowing then works on the real tensor as
 usual. A stored shape that is neither the real dims nor the real dims rounded up to 128
-is an error. Every load is recorded in the model's ledger (load_ledger.py), so a weight
-or bias the checkpoint never provides is an error after loading, not uninitialised
-memory.
+is an error. Every load is recorded in the model's ledger (weights.LoadLedger), so a
+weight or bias the checkpoint never provides is an error after loading, not
+uninitialised memory.
 """
 
 from collections.abc import Callable
@@ -25,8 +25,8 @@ from vllm.model_executor.layers.linear import (
 )
 
 from .format import HADAMARD_SIZE, Exl3FormatError
-from .load_ledger import LoadLedger
 from .tp_rules import round_up
+from .weights import LoadLedger
 
 ShardId = int | str | tuple[int, ...] | None
 

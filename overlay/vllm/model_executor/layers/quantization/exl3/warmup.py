@@ -26,8 +26,7 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 
 from . import ops, plans
-from .kernels import Exl3Run
-from .workspace import MAX_WORKSPACE_FLOATS, workspace_for
+from .kernels import MAX_WORKSPACE_FLOATS, Exl3Run, workspace_for
 
 logger = init_logger(__name__)
 
