@@ -73,9 +73,7 @@ struct GemmParams {
   bool spread;
 };
 
-// Host-side launch resources (exl3_resources.cpp). Buffers (the split-k
-// workspace, scratch) are torch tensors from the caller or torch's caching
-// allocator, and the cuBLAS handle is torch's.
+// Host-side launch resources (exl3_ops.cpp).
 //
 // The most dynamic shared memory one block of a kernel with `static_bytes` of
 // static shared memory may ask for on the current device.
