@@ -80,10 +80,7 @@ def test_build_step_parses_with_the_tools_own_parser():
 
 def test_documented_architectures_are_the_supported_ones():
     supported = {normalize_arch(a) for a in DEFAULT_ARCHS.split(";")}
-    documented = set(
-        re.findall(r"CUDA_ARCHS=([0-9.]+)", (DOCKER / "README.md").read_text())
-    )
-    documented |= set(re.findall(r"CUDA_ARCHS=([0-9.]+)", DOCKERFILE.read_text()))
+    documented = set(re.findall(r"CUDA_ARCHS=([0-9.]+)", DOCKERFILE.read_text()))
     assert {normalize_arch(a) for a in documented} == supported
     assert normalize_arch(arg_defaults()["CUDA_ARCHS"]) in supported
 
