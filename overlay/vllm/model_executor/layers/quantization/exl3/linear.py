@@ -36,8 +36,7 @@ from .layout import (
     trellis_words,
 )
 from .padding import check_loaded, real_rows, shard_ids, unpad_bias_loads
-from .plans import layer_key
-from .warmup import resolve_runs, tune_run, warm_up_layer
+from .plans import layer_key, resolve_runs, tune_run, warm_up_layer
 from .weights import OUT_INDEX, Exl3LayerWeights, LoadLedger, direct_weight_loader
 
 
@@ -128,7 +127,7 @@ def layer_runs(layout: Exl3Layout, layer: torch.nn.Module) -> list[Exl3Run]:
 
 
 def warm_up(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module) -> None:
-    """Prepare the kernel's plans and workspace, then warm the layer up (warmup.py)."""
+    """Prepare the kernel's plans and workspace, then warm the layer up (plans.py)."""
     if not kernel.uses_plans:
         return
     runs = layer_runs(layout, layer)
