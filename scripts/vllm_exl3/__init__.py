@@ -5,10 +5,10 @@ EXL3 series.
 
 One module per subcommand (each exposes `register(subparsers)`), plus modules named by
 the role they serve the subcommands: `repo` (the series: what it is pinned to, where its
-files live and land, the vLLM trees it applies onto), `index` (the package-index
-client), `series` (reading the patches and planning an application), `wheelfile` (wheel
-archives), `progress` (progress lines of long steps). `apply` also keeps the record of
-what an application did to a tree.
+files live and land, the vLLM trees it applies onto), `series` (reading the patches and
+planning an application), `wheelfile` (wheel archives). `apply` also keeps the record of
+what an application did to a tree; `fetch` holds the package-index client and the
+progress lines of long steps.
 """
 
 

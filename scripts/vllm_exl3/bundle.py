@@ -25,7 +25,7 @@ import zipfile
 from pathlib import Path
 
 from . import ToolError
-from .index import sha256_file
+from .fetch import sha256_file
 from .repo import BUILD_LABEL_PREFIX, ROOT, VLLM_VERSION, default_cache_dir
 from .wheelfile import WheelName, unpack, write
 

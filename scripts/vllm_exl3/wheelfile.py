@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import ToolError
-from .progress import Progress
+from .fetch import Progress
 
 _CHUNK = 1 << 20
 # Fixed timestamp for every member (the earliest a zip can hold), so identical trees
