@@ -29,7 +29,6 @@
 #include <vector>
 
 #include "exl3_kernels.h"
-#include "exl3_plan.h"
 #include "exl3_tensor_checks.h"
 
 // Host-side launch resources. Buffers (the split-k workspace, scratch) are

@@ -82,7 +82,7 @@ logger = init_logger(__name__)
 QUICK_BUILD_MODULE = "vllm._exl3_C"
 OPS = ("exl3_linear", "exl3_reconstruct", "exl3_plan", "exl3_time_plans")
 
-# The plan table's layout (mirrored in csrc/quantization/exl3/exl3_plan.h).
+# The plan table's layout (mirrored in csrc/quantization/exl3/exl3_kernels.h).
 PLAN_VERSION = 1
 PLAN_HEADER_LEN = 10
 PLAN_FIELDS = 8
