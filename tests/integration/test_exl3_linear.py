@@ -42,8 +42,6 @@ from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
 from vllm.model_executor.layers.quantization.exl3.linear import (
     Exl3LinearMethod,
     Exl3LMHeadMethod,
-)
-from vllm.model_executor.layers.quantization.exl3.padding import (
     Exl3PaddedUnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import (

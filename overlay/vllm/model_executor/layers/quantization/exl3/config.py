@@ -452,10 +452,10 @@ class Exl3Config(QuantizationConfig):
         if isinstance(layer, LinearBase):
             specs = self.linear_specs(prefix, len(layer.output_partition_sizes))
             if specs is None:
-                from .padding import Exl3PaddedUnquantizedLinearMethod
+                from .linear import Exl3PaddedUnquantizedLinearMethod
 
                 # The format keeps unquantized linears 128-padded too; this is vLLM's
-                # unquantized method with a loader that trims that padding (padding.py).
+                # unquantized method with a loader that trims that padding (linear.py).
                 return Exl3PaddedUnquantizedLinearMethod(self.ledger)
             from .dequantized import DENSE_CONSUMED, Exl3DequantizedLinearMethod
             from .linear import Exl3LinearMethod
