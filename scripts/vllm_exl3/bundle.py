@@ -25,9 +25,9 @@ import zipfile
 from pathlib import Path
 
 from . import ToolError
+from .build import WheelName, unpack, write
 from .fetch import sha256_file
 from .repo import BUILD_LABEL_PREFIX, ROOT, VLLM_VERSION, default_cache_dir
-from .wheelfile import WheelName, unpack, write
 
 DEFAULT_PART_SIZE = (
     "60MB"  # under a ~64 MB per-transfer limit, with room for install.sh
