@@ -28,9 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .repo import kernel_generator
+
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = REPO / "csrc" / "quantization" / "exl3"
-GENERATOR = SOURCES / "generate_kernels.py"
 # Under the build folder: the sources generate_kernels.py writes at build time.
 GENERATED_DIR = "generated"
 EXTENSION = "_exl3_C.abi3.so"
@@ -147,22 +148,17 @@ def _includes(tc: Toolchain) -> list[str]:
     ]
 
 
-def load_generator():
-    """csrc/quantization/exl3/generate_kernels.py as a module (it is not a package)."""
-    spec = importlib.util.spec_from_file_location("exl3_generate_kernels", GENERATOR)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def sources(out_dir: Path, with_standalone: bool = True) -> list[Path]:
     """The translation units of the extension: the checked-in ones and the generated
     per-rate units (written into out_dir/generated, unchanged files left alone)."""
-    generated = load_generator().write_build_sources(Path(out_dir) / GENERATED_DIR)
+    generated = kernel_generator().write_build_sources(Path(out_dir) / GENERATED_DIR)
+    names = {p.name for p in generated}
     checked_in = [
         p
         for p in SOURCES.iterdir()
-        if p.suffix in (".cu", ".cpp") and (with_standalone or p.name != STANDALONE)
+        if p.suffix in (".cu", ".cpp")
+        and p.name not in names  # a stale generated copy beside the sources
+        and (with_standalone or p.name != STANDALONE)
     ]
     return sorted(checked_in + generated, key=lambda p: p.name)
 

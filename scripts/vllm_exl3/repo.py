@@ -15,8 +15,10 @@ import hashlib
 import importlib.util
 import os
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Literal
 
 # What the series is pinned to.
@@ -109,13 +111,27 @@ class SourceFile:
 KERNEL_GENERATOR = "csrc/quantization/exl3/generate_kernels.py"
 
 
-def _generated_csrc(root: Path) -> tuple[SourceFile, ...]:
+def kernel_generator(root: Path = ROOT) -> ModuleType | None:
+    """`root`'s kernel generator as a module (it belongs to no package), or None where
+    the series has none. No bytecode is written beside the CUDA sources."""
     generator = root / KERNEL_GENERATOR
     if not generator.is_file():
-        return ()
+        return None
     spec = importlib.util.spec_from_file_location("exl3_generate_kernels", generator)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    write_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = write_bytecode
+    return module
+
+
+def _generated_csrc(root: Path) -> tuple[SourceFile, ...]:
+    module = kernel_generator(root)
+    if module is None:
+        return ()
+    generator = root / KERNEL_GENERATOR
     folder = Path(KERNEL_GENERATOR).parent.relative_to("csrc").as_posix()
     return tuple(
         SourceFile(
@@ -155,7 +171,11 @@ class Series:
                 f"{CSRC_DEST}/{p.relative_to(root / 'csrc').as_posix()}",
             )
             for p in _files_under(root / "csrc")
-        ) + _generated_csrc(root)
+        )
+        # Generated units win over stale copies of them written into csrc/ by hand.
+        generated = _generated_csrc(root)
+        names = {f.dest for f in generated}
+        csrc = tuple(f for f in csrc if f.dest not in names) + generated
         patches = tuple(sorted((root / "patches").glob("*.patch")))
         return cls(root, overlay, csrc, patches)
 

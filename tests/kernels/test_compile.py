@@ -26,7 +26,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-from vllm_exl3 import kernels_build  # noqa: E402
+from vllm_exl3 import kernels_build, repo  # noqa: E402
 
 ARCHS = ["9.0", "12.0", "12.1"]
 
@@ -52,7 +52,7 @@ def test_one_generated_unit_per_rate_of_the_format(tmp_path: Path) -> None:
     sys.path.insert(0, str(REPO / "scripts"))
     from vllm_exl3.codec import exl3_format
 
-    gen = kernels_build.load_generator()
+    gen = repo.kernel_generator()
     assert sorted(gen.RATES) == sorted(int(2 * b) for b in exl3_format.VALID_BITS)
     (tmp_path / "exl3_rate_k9.cu").write_text("// a rate no longer built\n")
     written = gen.write_build_sources(tmp_path)
@@ -158,7 +158,7 @@ def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
     flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
-    gen = kernels_build.load_generator()
+    gen = repo.kernel_generator()
     gen.write_build_sources(tmp_path)
     for k2 in (3, 7, 16):
         src = tmp_path / gen.rate_unit_name(k2)
