@@ -6,9 +6,9 @@ EXL3 series.
 One module per subcommand (each exposes `register(subparsers)`), plus modules named by
 the role they serve the subcommands: `repo` (the series: what it is pinned to, where its
 files live and land, the vLLM trees it applies onto) and `series` (reading the patches
-and planning an application). `apply` also keeps the record of what an application did
-to a tree; `fetch` holds the package-index client and the progress lines of long steps;
-`build` reads and writes wheel archives.
+and planning an application, and the record of what one did to a tree). `fetch` also
+holds the package-index client and the progress lines of long steps; `build` reads and
+writes wheel archives.
 """
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import tomllib
 
 from . import ToolError
-from .apply import STATE_DIR, apply_onto
+from .apply import apply_onto
 from .fetch import (
     Progress,
     copy_sdist_tree,
@@ -55,6 +55,7 @@ from .repo import (
     default_venv,
     git_label,
 )
+from .series import STATE_DIR
 
 DEFAULT_ARCHS = "9.0;12.0;12.1"
 # kernels_build.DEFAULT_OUT: objects compiled by `python -m vllm_exl3.kernels_build` or
