@@ -8,7 +8,10 @@
 #
 # Steps, in order (all of them when none is named):
 #   tests       pytest -m gpu tests (the kernel oracle and the GPU unit tests)
-#   kernels     ci/gpu_kernels.sh, when the checkout has it
+#   kernels     build the standalone extension for ARCH (default 9.0; VLLM_EXL3_EXT names one
+#               built beforehand), then the GPU kernel tests, two processes' plan logs (must
+#               match), compute-sanitizer on the oracle's, the MoE kernels' and the sparse-MLA
+#               decode's samples, and the plan tuner
 #   e2e         scripts/e2e/run_fixture_e2e.py (fixture perplexity, eager vs graphs, vllm serve)
 #   throughput  scripts/e2e/throughput.py (synthetic Qwen3-8B dimensions, EXL3 vs bf16)
 #   bench       scripts/bench/bench_linear.py --no-exl3 --bits 4 (the op against bf16)
@@ -27,7 +30,7 @@ steps=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR=${2:?--out needs a directory}; shift 2 ;;
-    -h|--help) sed -n '3,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '3,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *)
       if [[ " ${ALL_STEPS[*]} " != *" $1 "* ]]; then
         echo "gpu.sh: unknown step '$1' (steps: ${ALL_STEPS[*]})" >&2; exit 2
@@ -50,14 +53,56 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 1
 fi
 
+# The kernels step's parts, each logged to $OUT_DIR/kernels/<part>.log.
+kernels_step() {
+  local out=$OUT_DIR/kernels status=0
+  mkdir -p "$out"
+  part() {
+    local name=$1; shift
+    echo "-- $name"
+    if "$@" >"$out/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (rc $?, $out/$name.log)"; status=1; fi
+    tail -3 "$out/$name.log"
+  }
+  if [ -n "${VLLM_EXL3_EXT:-}" ] && [ -f "$VLLM_EXL3_EXT" ]; then
+    echo "-- build: using $VLLM_EXL3_EXT"
+  else
+    part build bash -c "cd scripts && $PY -m vllm_exl3.kernels_build --arch ${ARCH:-9.0} --jobs $(nproc) --out ../build/exl3"
+    export VLLM_EXL3_EXT=$PWD/build/exl3/_exl3_C.abi3.so
+  fi
+  part gpu_tests "$PY" -m pytest -q -m gpu tests/gpu --junitxml "$out/gpu_tests.xml"
+  part plan_log_a "$PY" tests/gpu/exl3_oracle.py --log-plans
+  part plan_log_b "$PY" tests/gpu/exl3_oracle.py --log-plans
+  if cmp -s "$out/plan_log_a.log" "$out/plan_log_b.log"; then echo "   plans identical across processes"
+  else echo "   plans DIFFER"; status=1; fi
+  local san
+  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  part memcheck "$san" --tool memcheck --error-exitcode 1 "$PY" tests/gpu/exl3_oracle.py --sample
+  # The MoE kernels' sample (grouped GEMM, transforms, the large-batch reconstruct), uncached so
+  # memcheck sees each buffer's true bounds.
+  part moe_memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$san" --tool memcheck \
+    --error-exitcode 1 "$PY" -m pytest -q -m gpu tests/gpu/test_moe_kernels.py -k sanitizer_sample
+  # Sparse-MLA decode: small cases covering partial head groups of 16 and 32 heads, fp8_ds_mla,
+  # split-k with the combine, short lists, a strided cache; shared-memory races and barriers too.
+  local mla_cases="T4-H17-D576-bf16 or T3-H17-D576-fp8 or T4-H20-D576 \
+or T1-H16-D576-bf16-k2048-ctx65536 or T8-H16-D576-fp8-k2048-ctx4096-bs256-strided or T5-H16-D512 \
+or T4-H100-D576 or T3-H64-D576-fp8"
+  local tool
+  for tool in memcheck racecheck synccheck; do
+    part "sparse_mla_$tool" "$san" --tool "$tool" --error-exitcode 1 "$PY" -m pytest -q -m gpu \
+      tests/gpu/test_sparse_mla.py -k "test_matches_reference and ($mla_cases)"
+  done
+  part tune_plans "$PY" scripts/bench/tune_plans.py tests/fixtures/qwen3-tiny/exl3-4.0bpw \
+    tests/fixtures/qwen3-tiny/exl3-3.0bpw-mcg --bench-shapes --dtype bfloat16 --dtype float16 \
+    --out "$out/configs"
+  return $status
+}
+
 run_step() {
   local step=$1
   local budget=$(( STEP_S - MARGIN_S ))
   case "$step" in
     tests) "$PY" -m pytest -q -ra -m gpu -p no:cacheprovider tests ;;
-    kernels)
-      if [ -f ci/gpu_kernels.sh ]; then bash ci/gpu_kernels.sh
-      else echo "ci/gpu_kernels.sh is not in this checkout: nothing to run"; fi ;;
+    kernels) kernels_step ;;
     e2e) "$PY" scripts/e2e/run_fixture_e2e.py --out "$OUT_DIR/e2e" --budget-s "$budget" ;;
     throughput) "$PY" scripts/e2e/throughput.py --out "$OUT_DIR/throughput" --budget-s "$budget" ;;
     bench) "$PY" scripts/bench/bench_linear.py --out "$OUT_DIR/bench" --no-exl3 --bits 4 \
@@ -70,7 +115,7 @@ for step in "${steps[@]}"; do
   t0=$(date +%s)
   echo "== gpu.sh: $step (limit ${STEP_S} s)"
   # run_step is a shell function: timeout runs it through a child bash that sees it.
-  export -f run_step
+  export -f run_step kernels_step
   export PY OUT_DIR STEP_S MARGIN_S
   timeout --kill-after=15 "$STEP_S" bash -c "run_step $step" 2>&1 | tee "$OUT_DIR/$step.log"
   rc=${PIPESTATUS[0]}

@@ -4,7 +4,7 @@
 #   ruff check and ruff format --check (pyproject.toml: vLLM 0.26's settings),
 #   clang-format --dry-run on csrc/ (.clang-format: vLLM 0.26's),
 #   the two-line SPDX header on the Python files of overlay/, scripts/, ci/ and tests/,
-#   the generated sources against their generator (scripts/gen/).
+#   the checked-in generated source against its generator (csrc/quantization/exl3/generate_kernels.py).
 # ruff and clang-format are the versions vLLM 0.26's .pre-commit-config.yaml pins, installed
 # from PyPI into the pinned environment when missing. To fix findings: ruff check --fix,
 # ruff format, clang-format -i (or `pre-commit run --all-files`).
@@ -41,7 +41,7 @@ step "SPDX headers" "$BIN/python" ci/check_spdx.py "${py[@]}"
 
 generated_sources_match() {
   # Each generator rewrites its output in place; the checkout must already hold that output.
-  "$BIN/python" scripts/gen/wgmma_wrappers.py >/dev/null &&
+  "$BIN/python" csrc/quantization/exl3/generate_kernels.py --wgmma >/dev/null &&
     git diff --exit-code --stat -- csrc/quantization/exl3/exl3_wgmma_ops.h
 }
 step "generated sources" generated_sources_match

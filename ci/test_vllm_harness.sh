@@ -66,7 +66,6 @@ make_tree() {
 # `vllm-exl3 apply` puts it (no patch touches either).
 place_ours() {
   "$PY" - "$1" <<'PYTHON'
-import shutil
 import sys
 from pathlib import Path
 
@@ -80,7 +79,7 @@ for f in (*series.overlay, *series.csrc):
         if f.dest.startswith("tests/") and target.exists():
             sys.exit(f"test_vllm_harness: {f.origin} would replace vLLM's own {f.dest}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f.source, target)
+        target.write_bytes(f.read_bytes())
 PYTHON
   list_tests "$1"
 }

@@ -24,6 +24,16 @@ ExLlamaV3 runs on the same tensors (fp16 activations, its own dispatch); which o
 paths ran is read from the profiler's kernel names once per (codebook, m).
 
     python scripts/bench/bench_linear.py --out DIR [--no-exl3] [--bits 4 6]
+
+With --interleaved: ours against bf16 torch.matmul at large m, timed in alternation. At
+m >= 1024 the H200 runs at its power cap (~690 of 700 W) and its SM clock drifts with
+the load's history (1455-1530 MHz sustained against 1980 boost), so a bf16 time taken
+minutes before ours measures a different card. Both graphs are built once (cold
+rotation as above) and timed in INTERLEAVED_ROUNDS alternating rounds (CUDA-event
+medians); the ratio is the median of the per-round ratios. The first of --bits and
+--codebooks is used; the rows go to DIR/<tag>_interleaved.json.
+
+    python scripts/bench/bench_linear.py --interleaved --out DIR --m 1024 2048 4096
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -69,6 +80,9 @@ MUL1_MARKER = -2082680531
 # 17 % slower than in a run before it (same kernels, every tuner candidate alike).
 SETTLE_S = 0.25
 LIGHT_M = 256
+# Alternating rounds of --interleaved: enough for a median that one throttled round
+# does not move.
+INTERLEAVED_ROUNDS = 5
 
 
 def settle(m: int) -> None:
@@ -293,6 +307,58 @@ def sol_us(k: int, n: int, m: int, bits: float, ceil: dict, loop: dict | None) -
     return max(terms) * 1e6
 
 
+def interleaved(args: argparse.Namespace) -> list[dict]:
+    """Ours and bf16 at each m, in INTERLEAVED_ROUNDS alternating rounds (--interleaved;
+    see the module doc)."""
+    bits, cb = args.bits[0], args.codebooks[0]
+    gen = torch.Generator(device="cuda").manual_seed(77)
+    rows = []
+    print(
+        f"{'shape':>11} {'m':>5} {'ours':>8} {'bf16':>8} {'ratio':>6}  per-round ratios"
+    )
+    for shape in args.shapes:
+        k, n = (int(v) for v in shape.split("x"))
+        w = cold_bf16(gen, k, n)
+        layers = cold_layers(gen, k, n, bits, cb)
+        for m in args.m:
+            x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+            g_bf16 = warm_capture([lambda w_=w_, x=x: torch.matmul(x, w_) for w_ in w])
+            g_ours = warm_capture([lambda L=L, x=x: L.linear(x) for L in layers])
+            ours, bf16 = [], []
+            for _ in range(INTERLEAVED_ROUNDS):
+                bf16.append(
+                    device_ceilings.median_ms(g_bf16.replay, REPLAYS) * 1e3 / len(w)
+                )
+                ours.append(
+                    device_ceilings.median_ms(g_ours.replay, REPLAYS)
+                    * 1e3
+                    / len(layers)
+                )
+            ratios = [o / b for o, b in zip(ours, bf16)]
+            row = {
+                "k": k,
+                "n": n,
+                "m": m,
+                "bits": bits,
+                "codebook": cb,
+                "ours_us": statistics.median(ours),
+                "bf16_us": statistics.median(bf16),
+                "ratio": statistics.median(ratios),
+                "ours_rounds": ours,
+                "bf16_rounds": bf16,
+            }
+            rows.append(row)
+            print(
+                f"{shape:>11} {m:5d} {row['ours_us']:8.1f} {row['bf16_us']:8.1f} "
+                f"{row['ratio']:6.3f}  " + " ".join(f"{r:.3f}" for r in ratios),
+                flush=True,
+            )
+            del g_bf16, g_ours
+        del w, layers
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ext", default=None)
@@ -327,7 +393,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--budget-s", type=float, default=1e9, help="stop starting configs after this"
     )
+    ap.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="only ours against bf16, timed in alternating rounds (large m)",
+    )
     args = ap.parse_args(argv)
+    if args.interleaved:
+        load_extension(args.ext)
+        rows = interleaved(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{args.tag}_interleaved.json").write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "rounds": INTERLEAVED_ROUNDS,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
+        return 0
     t_start = time.monotonic()
     ext = load_extension(args.ext)
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -33,19 +33,16 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from llm_teardown import free_llm
-
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from agreement import (  # noqa: E402
+from measures import (  # noqa: E402
+    Perplexity,
     continuation_agreement,
     decode_logprob_agreement,
+    free_llm,
     logprob_agreement,
-)
-from windows import (  # noqa: E402
-    Perplexity,
     next_token_logprobs,
     perplexity,
     relative_difference,

@@ -34,8 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run_fixture_e2e as fx  # noqa: E402
-from agreement import continuation_agreement  # noqa: E402
-from llm_teardown import free_llm  # noqa: E402
+from measures import continuation_agreement, free_llm  # noqa: E402
 from run_moe_e2e import DEEPSEEK_V3_ROUTING, dequantized_twin  # noqa: E402
 
 # The dsv3-tiny fixture's config (16 experts top-4, one shared expert, a dense first

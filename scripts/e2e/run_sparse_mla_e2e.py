@@ -18,7 +18,7 @@ defaults (torch.compile + CUDA graphs), the same requests on each:
 
 Requests: prompt logprobs of PROMPTS prompts of PROMPT_TOKENS tokens (longer than
 index_topk, so the indexer's selection drops tokens at every later position) and
-greedy continuations of the same prompts. Measures (agreement.py, as the dense record):
+greedy continuations of the same prompts. Measures (measures.py, as the dense record):
 mean and max |dlogprob| over prompt positions and over the decoded tokens of each pair
 of continuations' common prefix, identical continuations and the matched fraction.
 
@@ -58,12 +58,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run_fixture_e2e as fx  # noqa: E402
-from agreement import (  # noqa: E402
+from measures import (  # noqa: E402
     continuation_agreement,
     decode_logprob_agreement,
+    free_llm,
     logprob_agreement,
 )
-from llm_teardown import free_llm  # noqa: E402
 from run_moe_e2e import DEEPSEEK_V3_ROUTING  # noqa: E402
 from run_mtp_e2e import BASE_CONFIG, MLA_DIMS  # noqa: E402
 

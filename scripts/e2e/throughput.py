@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from llm_teardown import free_llm
+from measures import free_llm
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

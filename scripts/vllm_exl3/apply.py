@@ -15,12 +15,16 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from . import pins
-from .errors import ToolError
-from .repo import ROOT, Series, git_label
-from .series import Plan, make_plan, reader_for
-from .state import STATE_DIR, State, record_and_write
-from .tree import TargetTree, identify
+from . import ToolError
+from .repo import ROOT, VLLM_VERSION, Series, TargetTree, git_label, identify
+from .series import (
+    STATE_DIR,
+    Plan,
+    State,
+    make_plan,
+    reader_for,
+    record_and_write,
+)
 
 
 def _refuse(tree: TargetTree, reasons: list[str]) -> ToolError:
@@ -231,7 +235,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Apply this repository's overlay/, csrc/ (to csrc/libtorch_stable/) and "
             "patches/ onto "
-            f"a vLLM {pins.VLLM_VERSION} tree: an unpacked sdist, or an installed "
+            f"a vLLM {VLLM_VERSION} tree: an unpacked sdist, or an installed "
             "wheel "
             "(site-packages; there csrc/ and patches to files outside vllm/ are "
             "skipped). "

@@ -24,12 +24,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from . import pins
-from .errors import ToolError
-from .index import sha256_file
-from .repo import ROOT, default_cache_dir
-from .tree import BUILD_LABEL_PREFIX
-from .wheelfile import WheelName, unpack, write
+from . import ToolError
+from .build import WheelName, unpack, write
+from .fetch import sha256_file
+from .repo import BUILD_LABEL_PREFIX, ROOT, VLLM_VERSION, default_cache_dir
 
 DEFAULT_PART_SIZE = (
     "60MB"  # under a ~64 MB per-transfer limit, with room for install.sh
@@ -293,7 +291,7 @@ def make_bundle(
 
 def _default_wheel(dist: Path) -> Path:
     built = sorted(
-        dist.glob(f"vllm-{pins.VLLM_VERSION}+{BUILD_LABEL_PREFIX}*.whl"),
+        dist.glob(f"vllm-{VLLM_VERSION}+{BUILD_LABEL_PREFIX}*.whl"),
         key=lambda p: p.stat().st_mtime,
     )
     if not built:

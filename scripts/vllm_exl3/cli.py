@@ -13,7 +13,7 @@ import importlib.util
 import sys
 import traceback
 
-from .errors import ToolError
+from . import ToolError
 
 # Subcommand modules, in --help order.
 SUBCOMMAND_MODULES = (

@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from . import ToolError
 from .architecture import PlanError, plan_model, round_up
 from .codec import checkpoint, reference
 from .codec import exl3_format as fmt
-from .errors import ToolError
 
 DTYPES = ("bfloat16", "float16", "float32")
 # Output shard cap (MiB): safetensors shards of a few GiB are what HF tooling expects.

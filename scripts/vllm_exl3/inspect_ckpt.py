@@ -20,6 +20,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from . import ToolError
 from .architecture import (
     COLUMN,
     PAD,
@@ -32,7 +33,6 @@ from .architecture import (
 )
 from .codec import checkpoint, tp_rules
 from .codec import exl3_format as fmt
-from .errors import ToolError
 
 TP_DEGREES = (1, 2, 4, 8)
 # vLLM pads the vocab to a multiple of this before splitting it

@@ -3,10 +3,10 @@
 """Quick build of the EXL3 kernels into the standalone stable-ABI extension
 `_exl3_C.abi3.so`.
 
-Compiles `csrc/quantization/exl3/*` and `csrc/attention/exl3_sparse_mla/*` against the
-torch headers of the running Python (torch 2.11, stable ABI only) with the local nvcc,
-in parallel, one object per translation unit, and links them with
-`standalone_module.cpp` (the Python entry point).
+Compiles `csrc/quantization/exl3/*`, `csrc/attention/exl3_sparse_mla/*` and the per-rate
+units exl3's generate_kernels.py writes (into the build folder) against the torch headers of the running Python (torch
+2.11, stable ABI only) with the local nvcc, in parallel, one object per translation
+unit, and links them with `standalone_module.cpp` (the Python entry point).
 Importing the result registers `torch.ops._C.exl3_linear` / `exl3_reconstruct`. The full
 build compiles the same sources into vLLM's `_C_stable_libtorch` instead (a CMake
 source-list patch).
@@ -28,11 +28,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .repo import kernel_generator
+
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = REPO / "csrc" / "quantization" / "exl3"
 # Every directory whose translation units go into the extension (the sparse-MLA
 # attention kernel registers its op the same way).
 SOURCE_DIRS = (SOURCES, REPO / "csrc" / "attention" / "exl3_sparse_mla")
+# Under the build folder: the sources generate_kernels.py writes at build time.
+GENERATED_DIR = "generated"
 EXTENSION = "_exl3_C.abi3.so"
 # Where `scripts/vllm-exl3 build` (build.KERNEL_BUILD_DIR) and the compile test both
 # build, so the objects one compiled are reused by the other.
@@ -147,12 +151,28 @@ def _includes(tc: Toolchain) -> list[str]:
     ]
 
 
+def sources(out_dir: Path, with_standalone: bool = True) -> list[Path]:
+    """The translation units of the extension: the checked-in ones and the generated
+    per-rate units (written into out_dir/generated, unchanged files left alone)."""
+    generated = kernel_generator().write_build_sources(Path(out_dir) / GENERATED_DIR)
+    names = {p.name for p in generated}
+    checked_in = [
+        p
+        for d in SOURCE_DIRS
+        for p in d.iterdir()
+        if p.suffix in (".cu", ".cpp")
+        and p.name not in names  # a stale generated copy beside the sources
+        and (with_standalone or p.name != STANDALONE)
+    ]
+    return sorted(checked_in + generated, key=lambda p: p.name)
+
+
 def _stale(obj: Path, src: Path) -> bool:
     if not obj.exists():
         return True
-    # Any header of the source's directory (or of the EXL3 directory, whose checks every
-    # op includes) may be included, and this file holds the flags: rebuild when either
-    # is newer.
+    # Any header of the source's directory (or of the EXL3 directory, whose headers
+    # every unit includes) may be included, and this file holds the flags: rebuild when
+    # either is newer.
     newest = max(
         [
             p.stat().st_mtime
@@ -166,14 +186,10 @@ def _stale(obj: Path, src: Path) -> bool:
 
 
 def _compile_commands(
-    tc: Toolchain, archs: list[str], obj_dir: Path, with_standalone: bool
+    tc: Toolchain, archs: list[str], obj_dir: Path, srcs: list[Path]
 ) -> list[tuple[Path, Path, list[str]]]:
     jobs = []
-    for src in sorted(p for d in SOURCE_DIRS for p in d.iterdir()):
-        if src.suffix not in (".cu", ".cpp") or (
-            src.name == STANDALONE and not with_standalone
-        ):
-            continue
+    for src in srcs:
         obj = obj_dir / (src.name + ".o")
         if src.suffix == ".cu":
             cmd = [
@@ -227,9 +243,10 @@ def build_extension(
     out_dir = Path(out_dir).resolve()
     obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
     obj_dir.mkdir(parents=True, exist_ok=True)
+    srcs = sources(out_dir, with_standalone=not compile_only)
     work = [
         (s, o, c)
-        for s, o, c in _compile_commands(tc, archs, obj_dir, not compile_only)
+        for s, o, c in _compile_commands(tc, archs, obj_dir, srcs)
         if _stale(o, s)
     ]
     # Largest translation units first, so the long ones don't start last.
@@ -244,7 +261,7 @@ def build_extension(
                 print(f"  {futures[fut].name}: {seconds:.1f} s", file=sys.stderr)
     if compile_only:
         return obj_dir
-    objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, True)]
+    objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, srcs)]
     target = out_dir / EXTENSION
     link = [
         tc.nvcc,

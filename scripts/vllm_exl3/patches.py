@@ -14,10 +14,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import pins
-from .errors import ToolError
+from . import ToolError
 from .fetch import copy_sdist_tree, ensure_sdist_tree
-from .repo import ROOT, Series, default_cache_dir
+from .repo import ROOT, VLLM_VERSION, Series, default_cache_dir
 
 # Tag on the pristine commit of a dev tree: the base every export starts from.
 BASE_TAG = "vllm-exl3-base"
@@ -127,7 +126,7 @@ def export_series(
 def run_dev_tree(args: argparse.Namespace) -> int:
     series = Series.load(args.series)
     base = args.base or ensure_sdist_tree(args.cache_dir, offline=args.offline)
-    label = args.label or f"vllm {pins.VLLM_VERSION}"
+    label = args.label or f"vllm {VLLM_VERSION}"
     n = make_dev_tree(base, args.dir, list(series.patches), label)
     print(
         f"{args.dir}: git checkout of {label} ({BASE_TAG}) with {n} patch(es) as "
@@ -158,7 +157,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dev-tree",
         help="make a git checkout of the pristine vLLM with the series as commits",
         description=(
-            f"Unpack the pinned vLLM {pins.VLLM_VERSION} sdist into DIR as a git "
+            f"Unpack the pinned vLLM {VLLM_VERSION} sdist into DIR as a git "
             "repository "
             f"(commit '<label> pristine', tag {BASE_TAG}) and apply patches/*.patch "
             "with git am, "
@@ -178,7 +177,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--label",
-        help=f"name of the base in its commit (default: vllm {pins.VLLM_VERSION})",
+        help=f"name of the base in its commit (default: vllm {VLLM_VERSION})",
     )
     p.add_argument(
         "--series", type=Path, default=ROOT, help="repository root holding patches/"

@@ -1,15 +1,50 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""This repository's layout: where the overlay, the CUDA sources and the patch series
-live, and where each lands in a vLLM tree."""
+"""The series this repository holds: what it is pinned to, where its overlay, CUDA
+sources and patches live and where each lands in a vLLM tree, and recognising the vLLM
+trees it applies onto: an unpacked sdist (or a git checkout made from one) or an
+installed wheel (a site-packages directory, or an unpacked wheel).
+
+The pinned files' hashes were computed locally on the downloaded files and agree with
+the package index's published sha256; a file that hashes differently is refused."""
 
 from __future__ import annotations
 
+import email.parser
 import hashlib
+import importlib.util
 import os
 import subprocess
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+# What the series is pinned to.
+
+VLLM_VERSION = "0.26.0"
+
+SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
+SDIST_SHA256 = "23e9fa19d7e20ce7dcc1c074d41503e2116d23f19e688f5d5ea91b741f958502"
+
+# Official release wheels, by machine (platform.machine()). The quick build starts from
+# these.
+WHEELS = {
+    "x86_64": (
+        f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "adb1e4c9b46d0dfdb094121ae5aad670a42412dd813ed4e5db069ed6a15006de",
+    ),
+    # Downloaded once on 2026-11-30 (for docker/): it hashes to the index's published
+    # sha256.
+    "aarch64": (
+        f"vllm-{VLLM_VERSION}-cp38-abi3-manylinux_2_28_aarch64.whl",
+        "52a4c3e55c2c80cc8793e52ccc244457ceade25b0ad7caa1c15e5002a95a1b2c",
+    ),
+}
+
+
+# This repository's layout.
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,9 +93,55 @@ def _files_under(base: Path) -> list[Path]:
 class SourceFile:
     """One file placed into a vLLM tree: where it comes from and its path there."""
 
-    source: Path
+    source: Path  # the file, or the generator of a generated one
     origin: str  # path relative to the series root, for messages and the manifest
     dest: str  # path relative to the vLLM tree root (posix)
+    generated: bytes | None = None  # the content of a generated file
+
+    def read_bytes(self) -> bytes:
+        return self.source.read_bytes() if self.generated is None else self.generated
+
+    @property
+    def exec_bits(self) -> int:
+        return 0 if self.generated is not None else self.source.stat().st_mode & 0o111
+
+
+# Writes the kernels' per-rate translation units at build time (as vLLM's Marlin
+# generator): placed into a tree with the CUDA sources, where CMake's glob finds them.
+KERNEL_GENERATOR = "csrc/quantization/exl3/generate_kernels.py"
+
+
+def kernel_generator(root: Path = ROOT) -> ModuleType | None:
+    """`root`'s kernel generator as a module (it belongs to no package), or None where
+    the series has none. No bytecode is written beside the CUDA sources."""
+    generator = root / KERNEL_GENERATOR
+    if not generator.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("exl3_generate_kernels", generator)
+    module = importlib.util.module_from_spec(spec)
+    write_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = write_bytecode
+    return module
+
+
+def _generated_csrc(root: Path) -> tuple[SourceFile, ...]:
+    module = kernel_generator(root)
+    if module is None:
+        return ()
+    generator = root / KERNEL_GENERATOR
+    folder = Path(KERNEL_GENERATOR).parent.relative_to("csrc").as_posix()
+    return tuple(
+        SourceFile(
+            generator,
+            f"{KERNEL_GENERATOR} ({name})",
+            f"{CSRC_DEST}/{folder}/{name}",
+            text.encode(),
+        )
+        for name, text in sorted(module.build_sources().items())
+    )
 
 
 @dataclass(frozen=True)
@@ -91,6 +172,10 @@ class Series:
             )
             for p in _files_under(root / "csrc")
         )
+        # Generated units win over stale copies of them written into csrc/ by hand.
+        generated = _generated_csrc(root)
+        names = {f.dest for f in generated}
+        csrc = tuple(f for f in csrc if f.dest not in names) + generated
         patches = tuple(sorted((root / "patches").glob("*.patch")))
         return cls(root, overlay, csrc, patches)
 
@@ -100,7 +185,7 @@ class Series:
         h = hashlib.sha256(mode.encode())
         for f in (*self.overlay, *self.csrc):
             h.update(f"\0{f.origin}\0{f.dest}\0".encode())
-            h.update(f.source.read_bytes())
+            h.update(f.read_bytes())
         for p in self.patches:
             h.update(f"\0{p.name}\0".encode())
             h.update(p.read_bytes())
@@ -136,3 +221,94 @@ def git_label(root: Path = ROOT) -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return f"{sha}.dirty" if dirty else sha
+
+
+# The vLLM trees the series applies onto.
+
+Kind = Literal["sdist", "wheel"]
+
+# The local-version label our builds carry (`0.26.0+exl3.<commit>`); such a tree
+# already holds a series baked in, so applying onto it is refused.
+BUILD_LABEL_PREFIX = "exl3"
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    msg = email.parser.Parser().parsestr(
+        path.read_text(encoding="utf-8", errors="replace"), headersonly=True
+    )
+    return {k: str(v) for k, v in msg.items()}
+
+
+@dataclass
+class TargetTree:
+    root: Path
+    kind: Kind
+    version: str | None
+    version_source: str | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def describe(self) -> str:
+        return (
+            f"{self.root} ({self.kind} tree, vLLM {self.version or 'unknown version'})"
+        )
+
+
+def identify(root: Path) -> TargetTree:
+    """What kind of vLLM tree `root` is and which version; every reason it is not a vLLM
+    {VLLM_VERSION} tree goes into `problems` (the caller reports them all)."""
+    root = root.resolve()
+    problems: list[str] = []
+    if not (root / "vllm").is_dir():
+        problems.append(f"{root} has no vllm/ package directory")
+    version = source = None
+    if (root / "PKG-INFO").is_file():
+        kind: Kind = "sdist"
+        meta = _metadata(root / "PKG-INFO")
+        version, source = meta.get("Version"), "PKG-INFO"
+        if meta.get("Name", "").lower() != "vllm":
+            problems.append(f"PKG-INFO names project {meta.get('Name')!r}, not vllm")
+        for needed in ("CMakeLists.txt", "csrc/libtorch_stable"):
+            if not (root / needed).exists():
+                problems.append(
+                    f"sdist tree lacks {needed} (not a vLLM 0.26 source layout)"
+                )
+    else:
+        infos = sorted(root.glob("vllm-*.dist-info"))
+        kind = "wheel" if infos or not (root / "CMakeLists.txt").exists() else "sdist"
+        if len(infos) > 1:
+            problems.append(
+                "several vLLM installations' metadata: "
+                + ", ".join(p.name for p in infos)
+            )
+        elif infos and (infos[0] / "METADATA").is_file():
+            version = _metadata(infos[0] / "METADATA").get("Version")
+            source = f"{infos[0].name}/METADATA"
+        elif infos:
+            problems.append(f"{infos[0].name} has no METADATA")
+        else:
+            problems.append(
+                "cannot tell the vLLM version: no PKG-INFO (sdist) and no "
+                "vllm-*.dist-info "
+                "(installed wheel)"
+            )
+    if version is not None:
+        public, _, local = version.partition("+")
+        if public != VLLM_VERSION:
+            problems.append(
+                f"the tree is vLLM {version} ({source}); this series is for vLLM "
+                f"{VLLM_VERSION}"
+            )
+        elif local.startswith(BUILD_LABEL_PREFIX):
+            problems.append(
+                f"the tree is a vllm-exl3 build ({version}, {source}) that already "
+                "contains a "
+                f"series; install the official vLLM {VLLM_VERSION} to apply onto"
+            )
+    return TargetTree(root, kind, version, source, problems)
+
+
+def in_scope(kind: Kind, dest: str) -> bool:
+    """Whether a file at tree path `dest` exists in this kind of tree. An installed
+    wheel holds only the Python package: no CMake files, no csrc/, no tests/."""
+    return kind == "sdist" or dest.startswith("vllm/")

@@ -36,7 +36,7 @@ def ref():
 
 @pytest.fixture(scope="session")
 def val_windows():
-    from perplexity import validation_windows
+    from qwen3_tiny import validation_windows
 
     return validation_windows()
 
@@ -46,8 +46,12 @@ def reconstructed_ppl(fmt, ref, val_windows):
     """ckpt name -> perplexity of the fixture model with reference-reconstructed weights
     (computed once per session; the dequantize test compares against the same number).
     """
-    from fixture_paths import FIXTURES
-    from perplexity import model_from_state_dict, perplexity, reconstructed_state_dict
+    from qwen3_tiny import (
+        FIXTURES,
+        model_from_state_dict,
+        perplexity,
+        reconstructed_state_dict,
+    )
 
     cache: dict[str, float] = {}
 

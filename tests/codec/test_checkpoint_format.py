@@ -15,7 +15,7 @@ import sys
 import pytest
 import synthetic_checkpoint as synth
 import torch
-from fixture_paths import FIXTURES, REPO
+from qwen3_tiny import FIXTURES, REPO
 from safetensors.torch import save_file
 
 

@@ -17,7 +17,7 @@ import pytest
 import synthetic_checkpoint as synth
 import torch
 import transformers
-from fixture_paths import CLI, EXL3_FIXTURES, FIXTURES, TOKENIZER
+from qwen3_tiny import CLI, EXL3_FIXTURES, FIXTURES, TOKENIZER
 from safetensors.torch import load_file, save_file
 
 
@@ -327,7 +327,7 @@ def _assembled(tmp_path, ckpt: str):
 def test_dequantized_fixture_reproduces_reconstructed_perplexity(
     tmp_path, val_windows, reconstructed_ppl, capsys
 ):
-    from perplexity import perplexity
+    from qwen3_tiny import perplexity
     from vllm_exl3.cli import main
 
     src, out = _assembled(tmp_path, "exl3-4.0bpw"), tmp_path / "out"
@@ -428,8 +428,8 @@ def test_padding_is_trimmed_to_real_dims(fmt, ref, tmp_path):
 
 
 def test_refusals(tmp_path):
+    from vllm_exl3 import ToolError
     from vllm_exl3.dequantize import dequantize
-    from vllm_exl3.errors import ToolError
 
     src = FIXTURES / "exl3-4.0bpw"
     busy = tmp_path / "busy"

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from fixture_paths import EXL3_FIXTURES, FIXTURES
+from qwen3_tiny import EXL3_FIXTURES, FIXTURES
 from safetensors.torch import load_file
 
 BOUND_FACTOR = 1.6

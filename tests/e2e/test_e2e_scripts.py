@@ -297,13 +297,13 @@ def test_throughput_refuses_a_repeat_below_one():
     assert r.returncode == 2 and "--repeat must be at least 1" in r.stderr
 
 
-# The perplexity arithmetic of the GPU e2e record (scripts/e2e/windows.py), fed by a
+# The perplexity arithmetic of the GPU e2e record (scripts/e2e/measures.py), fed by a
 # fake logprob source shaped like vLLM's prompt logprobs: a known next-token
 # distribution per position, so the expected perplexity is computed independently here.
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
 
-from windows import (  # noqa: E402
+from measures import (  # noqa: E402
     WINDOW,
     next_token_logprobs,
     perplexity,
@@ -431,7 +431,7 @@ def test_relative_difference():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
 
-from agreement import (  # noqa: E402
+from measures import (  # noqa: E402
     common_prefix,
     continuation_agreement,
     decode_logprob_agreement,

@@ -28,6 +28,15 @@ an earlier 4e-2 bound with rel_fro 2.9e-3). A wrong tile, sign or column gives O
 errors; a single wrong element of magnitude ~rms fails max_rel.
 
     python tests/gpu/exl3_oracle.py [--ext path/_exl3_C.abi3.so] [--quick|--sample]
+
+With --log-plans it prints instead the plan `_C::exl3_linear` runs for every linear of
+a checkpoint (default: the 4.0bpw fixture) at every token-count bucket, one line each,
+as the layers' load-time preparation resolves them (the checked-in table for this GPU
+if the overlay is installed, else the cost model). Two processes' outputs must be
+identical (test_kernels.py runs it twice):
+
+    python tests/gpu/exl3_oracle.py --log-plans [CHECKPOINT_DIR] [--max-tokens 8192]
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -690,9 +699,68 @@ def sanitizer_sample(rep: Report, gen: torch.Generator) -> None:
                     )
 
 
+PLAN_FIXTURE = REPO / "tests" / "fixtures" / "qwen3-tiny" / "exl3-4.0bpw"
+
+
+def _codebook_of(tensors: set[str], prefix: str) -> int:
+    if f"{prefix}.mul1" in tensors:
+        return 2
+    if f"{prefix}.mcg" in tensors:
+        return 1
+    return 0
+
+
+def log_plans(checkpoint: Path, max_tokens: int, dtype: torch.dtype) -> None:
+    """Print every linear's plan at every token-count bucket (see the module doc)."""
+    from safetensors import safe_open
+
+    try:
+        from vllm.model_executor.layers.quantization.exl3 import plans as overlay_plans
+    except ImportError:
+        overlay_plans = None
+    device = torch.device("cuda", torch.cuda.current_device())
+    buckets = [1]
+    while buckets[-1] < max_tokens:
+        buckets.append(buckets[-1] * 2)
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            names = set(st.keys())
+            for name in sorted(n for n in names if n.endswith(".trellis")):
+                prefix = name.removesuffix(".trellis")
+                trellis = st.get_tensor(name).to(device)
+                cb = _codebook_of(names, prefix)
+                k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+                bits = trellis.shape[2] / 16
+                if overlay_plans is not None:
+                    key = overlay_plans.layer_key(k, n, bits, cb, 1, dtype)
+                    table = overlay_plans.layer_plans(key, device)
+                else:
+                    key, table = f"k={k},n={n},bits={bits:g},codebook={cb}", header()
+                for m in buckets:
+                    plan = torch.ops._C.exl3_plan(
+                        trellis, 1, cb, dtype == torch.bfloat16, m, table, 1 << 27
+                    )
+                    print(f"{prefix} {key} m<={m}: {list(plan)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ext", default=None, help="path of _exl3_C.abi3.so")
+    ap.add_argument(
+        "--log-plans",
+        nargs="?",
+        const=PLAN_FIXTURE,
+        type=Path,
+        metavar="CHECKPOINT_DIR",
+        help="only print the plans of a checkpoint's linears",
+    )
+    ap.add_argument("--max-tokens", type=int, default=8192, help="with --log-plans")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16"),
+        help="with --log-plans",
+    )
     ap.add_argument(
         "--sample", action="store_true", help="only the compute-sanitizer sample"
     )
@@ -702,6 +770,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write all rows here")
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.log_plans is not None:
+        load_extension(args.ext)
+        log_plans(args.log_plans, args.max_tokens, getattr(torch, args.dtype))
+        return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     ext = load_extension(args.ext)
     seed = args.seed if args.seed is not None else int(time.time_ns() % (1 << 31))

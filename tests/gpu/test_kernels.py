@@ -6,11 +6,13 @@ Needs a CUDA GPU and the extension: $VLLM_EXL3_EXT, build/exl3/_exl3_C.abi3.so (
 build: `python -m vllm_exl3.kernels_build` from scripts/), or an installed vllm._exl3_C.
 The oracle is the overlay's reference codec in float64; the error bounds and their
 derivation are in the oracle's docstring. Also here: batch invariance, the split-k
-workspace and the plan table's errors and reproducibility (sections below).
+workspace, the plan table's errors and reproducibility, and the fixture perplexity with
+every linear run by the op (sections below).
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -272,7 +274,8 @@ def test_invariant_mode_refuses_other_plans() -> None:
 # The op's memory and plans on a GPU: the split-k workspace is a torch allocation (it
 # shows in torch.cuda.memory_allocated, and the op allocates nothing outside torch's
 # allocator), the plan table's errors, and two fresh processes resolve identical plans
-# for every layer of the 4.0bpw fixture at every token-count bucket (plan_log.py).
+# for every layer of the 4.0bpw fixture at every token-count bucket (exl3_oracle.py
+# --log-plans).
 
 
 def non_torch_bytes() -> int:
@@ -399,7 +402,7 @@ def test_two_processes_log_identical_plans(tmp_path) -> None:
     logs = []
     for i in range(2):
         r = subprocess.run(
-            [sys.executable, str(HERE / "plan_log.py")],
+            [sys.executable, str(HERE / "exl3_oracle.py"), "--log-plans"],
             capture_output=True,
             text=True,
             timeout=600,
@@ -410,3 +413,110 @@ def test_two_processes_log_identical_plans(tmp_path) -> None:
     lines = logs[0].splitlines()
     assert len(lines) > 100, logs[0][-2000:]
     assert logs[0] == logs[1], "two fresh processes resolved different plans"
+
+
+# The fixture checkpoints through transformers' Qwen3 in bf16 with every EXL3 linear run
+# by the op on the checkpoint's own trellis/suh/svh (no vLLM, so only the kernels stand
+# between the format and the score): perplexity on the fixture windows, scored as the
+# ExLlamaV3 1.6.5 values in tests/fixtures/README.md were, within the end-to-end limit;
+# and one fused q/k/v call (3 shards) agrees with the three separate calls.
+
+FIXTURES = HERE.parent / "fixtures" / "qwen3-tiny"
+sys.path.insert(0, str(HERE.parent / "codec"))  # qwen3_tiny: the windows and the model
+# ExLlamaV3 1.6.5's perplexities on the same windows (tests/fixtures/README.md).
+RECORDED_PPL = {"exl3-4.0bpw": 6.5847, "exl3-3.0bpw-mcg": 7.0024}
+# The limit the end-to-end runs through vLLM are held to (scripts/e2e/README.md).
+PPL_TOLERANCE = 3e-3
+# Windows per forward pass.
+PPL_BATCH = 40
+
+
+class Exl3OpLinear(torch.nn.Module):
+    """A linear of the model run by `_C::exl3_linear` on one module's tensors."""
+
+    def __init__(self, w) -> None:
+        super().__init__()
+        self.trellis = w.trellis.cuda()
+        self.suh = w.suh.cuda().view(1, -1)
+        self.svh = w.svh.cuda()
+        self.n = self.svh.numel()
+        self.codebook = int(w.codebook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = vk.exl3_op(
+            x.reshape(-1, shape[-1]).contiguous(),
+            self.trellis,
+            self.suh,
+            self.svh,
+            None,
+            [self.n],
+            self.codebook,
+        )
+        return y.view(*shape[:-1], self.n)
+
+
+def _op_model(ckpt: Path):
+    """The fixture model in bf16 on the GPU with every EXL3 linear an Exl3OpLinear, and
+    the modules' weights by prefix."""
+    from qwen3_tiny import model_from_state_dict
+    from vllm_exl3.codec import exl3_format as fmt
+
+    index = fmt.read_safetensors_index(ckpt)
+    specs = fmt.find_exl3_modules(index)
+    owned = {n for s in specs.values() for n in s.tensor_names}
+    state = {n: fmt.read_tensor(ckpt, n, e) for n, e in index.items() if n not in owned}
+    weights = {p: fmt.load_module(ckpt, s, index=index) for p, s in specs.items()}
+    # Placeholders so the model builds; every one is replaced by the op module below.
+    for p, w in weights.items():
+        state[f"{p}.weight"] = torch.zeros(w.svh.numel(), w.suh.numel())
+    model = model_from_state_dict(ckpt / "config.json", state)
+    model = model.to(torch.bfloat16).cuda().eval()
+    for p, w in weights.items():
+        parent, _, leaf = p.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, Exl3OpLinear(w))
+    return model, weights
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED_PPL))
+def test_fixture_perplexity_through_the_op(name: str) -> None:
+    from qwen3_tiny import validation_windows
+
+    model, weights = _op_model(FIXTURES / name)
+    windows = validation_windows()
+    nll, scored = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, windows.shape[0], PPL_BATCH):
+            batch = windows[start : start + PPL_BATCH].cuda()
+            logits = model(batch).logits[:, :-1].float()
+            assert torch.isfinite(logits).all(), f"{name}: non-finite logits"
+            targets = batch[:, 1:]
+            nll += torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]),
+                targets.reshape(-1),
+                reduction="sum",
+            ).item()
+            scored += targets.numel()
+    ppl = math.exp(nll / scored)
+    rel = ppl / RECORDED_PPL[name] - 1
+    assert abs(rel) <= PPL_TOLERANCE, (name, ppl, RECORDED_PPL[name], rel)
+
+    # One fused q/k/v call (3 shards, the trellises concatenated along n) against the
+    # three separate calls: each is within the oracle's bound of the reference, so they
+    # are within twice it of each other; a shard's columns in the wrong place are O(1).
+    parts = [weights[f"model.layers.0.self_attn.{x}_proj"] for x in "qkv"]
+    x = torch.randn(37, parts[0].suh.numel(), device="cuda", dtype=torch.bfloat16)
+    fused = vk.exl3_op(
+        x,
+        torch.cat([p.trellis for p in parts], 1).cuda(),
+        torch.stack([p.suh for p in parts]).cuda(),
+        torch.cat([p.svh for p in parts]).cuda(),
+        None,
+        [p.svh.numel() for p in parts],
+        int(parts[0].codebook),
+    ).float()
+    separate = torch.cat([Exl3OpLinear(p)(x) for p in parts], 1).float()
+    _, max_rel = vk.TOLERANCE[torch.bfloat16]
+    rms = separate.pow(2).mean().sqrt()
+    assert torch.isfinite(fused).all()
+    assert (fused - separate).abs().max() <= 2 * max_rel * rms

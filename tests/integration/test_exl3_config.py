@@ -26,7 +26,12 @@ from exl3_harness import (
     tensors,
 )
 from vllm.model_executor.layers.quantization.exl3 import ops
-from vllm.model_executor.layers.quantization.exl3.config import Exl3Config
+from vllm.model_executor.layers.quantization.exl3.config import (
+    Exl3Config,
+    ModuleNameResolver,
+    shard_names,
+    strip_wrappers,
+)
 from vllm.model_executor.layers.quantization.exl3.env_compat import (
     adopt_deprecated_env_names,
 )
@@ -42,11 +47,6 @@ from vllm.model_executor.layers.quantization.exl3.layout import (
     plan_linear,
     plan_lm_head,
     round_up,
-)
-from vllm.model_executor.layers.quantization.exl3.names import (
-    ModuleNameResolver,
-    shard_names,
-    strip_wrappers,
 )
 from vllm.model_executor.models.utils import WeightsMapper
 
@@ -318,7 +318,7 @@ def test_debug_names_logs_hits_and_misses(monkeypatch):
         def emit(self, record):
             messages.append(record.getMessage())
 
-    logger = logging.getLogger("vllm.model_executor.layers.quantization.exl3.names")
+    logger = logging.getLogger(CONFIG_LOGGER)
     handler = Capture()
     logger.addHandler(handler)
     try:

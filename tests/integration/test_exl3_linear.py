@@ -39,9 +39,9 @@ from vllm.model_executor.layers.quantization.exl3.format import (
 )
 from vllm.model_executor.layers.quantization.exl3.kernels import ReferenceExl3Kernel
 from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
-from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
-from vllm.model_executor.layers.quantization.exl3.lm_head import Exl3LMHeadMethod
-from vllm.model_executor.layers.quantization.exl3.padding import (
+from vllm.model_executor.layers.quantization.exl3.linear import (
+    Exl3LinearMethod,
+    Exl3LMHeadMethod,
     Exl3PaddedUnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.vocab_parallel_embedding import (

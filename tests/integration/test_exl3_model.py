@@ -126,8 +126,10 @@ def transformers_logits(ckpt, ids: torch.Tensor, dtype: torch.dtype) -> torch.Te
 @pytest.mark.parametrize("ckpt", [CKPT_3INST, CKPT_MCG], ids=["3inst-4bpw", "mcg-3bpw"])
 def test_whole_model_logits_match_transformers(ckpt, tmp_path, monkeypatch, world1):
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
-    from vllm.model_executor.layers.quantization.exl3.lm_head import Exl3LMHeadMethod
+    from vllm.model_executor.layers.quantization.exl3.linear import (
+        Exl3LinearMethod,
+        Exl3LMHeadMethod,
+    )
 
     ids = token_ids()
     got, model = vllm_logits(

@@ -10,7 +10,7 @@ tensors through the op, as Dynamo does in vLLM) to the reference result. The pla
 settings and tables (exl3/plans.py, env_compat.py, ops.py): the VLLM_EXL3_PLAN parser
 and its errors, the op's header, the per-device JSON table's loader and lookup, the
 deprecated per-knob variables, the fake implementation of the new schema. Load-time
-warm-up (exl3/warmup.py) on vLLM's real layers: a kernel that runs plans is called once
+warm-up (exl3/plans.py) on vLLM's real layers: a kernel that runs plans is called once
 per power-of-two token count up to the scheduler's budget, on zeros, once per distinct
 layer configuration, with the layer's own shapes; the memory cap stops the walk;
 kernels that do not tune (the reference) are never called.
@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 from exl3_harness import CKPT_3INST, config_for, tensors
 from test_exl3_linear import ATTN, HIDDEN, finish, load_qkv, qkv_layer
-from vllm.model_executor.layers.quantization.exl3 import kernels, ops, plans, warmup
+from vllm.model_executor.layers.quantization.exl3 import kernels, ops, plans
 from vllm.model_executor.layers.quantization.exl3.env_compat import (
     adopt_deprecated_env_names,
 )
@@ -415,7 +415,7 @@ def test_fake_has_the_new_schema():
     assert w.shape == (256, 768) and w.dtype == torch.float16
 
 
-# Load-time warm-up (exl3/warmup.py) on vLLM's real layers: a kernel that runs plans is
+# Load-time warm-up (exl3/plans.py) on vLLM's real layers: a kernel that runs plans is
 # called once per power-of-two token count up to the scheduler's budget, on zeros, once
 # per distinct layer configuration, with the layer's own shapes; the memory cap stops
 # the walk; kernels that do not tune (the reference) are never called.
@@ -438,8 +438,8 @@ class RecordingKernel(kernels.ReferenceExl3Kernel):
 
 @pytest.fixture
 def fresh(monkeypatch):
-    monkeypatch.setattr(warmup, "_warmed", set())
-    monkeypatch.setattr(warmup, "max_tokens", lambda: 40)
+    monkeypatch.setattr(plans, "_warmed", set())
+    monkeypatch.setattr(plans, "max_tokens", lambda: 40)
 
 
 def loaded_qkv(prefix: str = f"{ATTN}.qkv_proj"):
@@ -451,9 +451,9 @@ def loaded_qkv(prefix: str = f"{ATTN}.qkv_proj"):
 
 @pytest.mark.usefixtures("world1")
 def test_bucket_walk_covers_the_token_budget():
-    assert warmup.warmup_m_values(1) == [1]
-    assert warmup.warmup_m_values(8192) == [2**j for j in range(14)]
-    assert warmup.warmup_m_values(5000)[-2:] == [4096, 8192]
+    assert plans.warmup_m_values(1) == [1]
+    assert plans.warmup_m_values(8192) == [2**j for j in range(14)]
+    assert plans.warmup_m_values(5000)[-2:] == [4096, 8192]
 
 
 @pytest.mark.usefixtures("world1")
@@ -477,7 +477,7 @@ def test_memory_cap_stops_the_walk(fresh, monkeypatch):
     kernel = RecordingKernel()
     n = layer.quant_method.layout.out_width
     # Room for m = 8 (8 rows x (k + n) x 4 bytes), not for 16.
-    monkeypatch.setattr(warmup, "MAX_WARMUP_BYTES", 8 * (HIDDEN + n) * 4)
+    monkeypatch.setattr(plans, "MAX_WARMUP_BYTES", 8 * (HIDDEN + n) * 4)
     warm_up(kernel, layer.quant_method.layout, layer)
     assert [m for m, _, _ in kernel.calls] == [1, 2, 4, 8]
 
@@ -508,9 +508,9 @@ def test_budget_comes_from_the_scheduler_config(world1):
 
     config = get_current_vllm_config_or_none()
     if config is None:
-        assert warmup.max_tokens() == warmup.DEFAULT_MAX_TOKENS
+        assert plans.max_tokens() == plans.DEFAULT_MAX_TOKENS
     else:
-        assert warmup.max_tokens() == config.scheduler_config.max_num_batched_tokens
+        assert plans.max_tokens() == config.scheduler_config.max_num_batched_tokens
 
 
 @pytest.mark.slow
@@ -531,8 +531,8 @@ def test_whole_model_load_warms_each_configuration_once(tmp_path, monkeypatch, w
             self.calls = calls
 
     monkeypatch.setattr(kernels, "CANDIDATES", (Tuning,))
-    monkeypatch.setattr(warmup, "_warmed", set())
-    monkeypatch.setattr(warmup, "max_tokens", lambda: 64)
+    monkeypatch.setattr(plans, "_warmed", set())
+    monkeypatch.setattr(plans, "max_tokens", lambda: 64)
     monkeypatch.setattr(
         current_platform,
         "get_attn_backend_cls",
@@ -551,7 +551,7 @@ def test_whole_model_load_warms_each_configuration_once(tmp_path, monkeypatch, w
     assert isinstance(model.lm_head.quant_method.kernel, Tuning)
     configs = {(k, widths) for _, k, widths in calls}
     walks = {c: [m for m, k, w in calls if (k, w) == c] for c in configs}
-    assert all(ms == warmup.warmup_m_values(64) for ms in walks.values()), walks
+    assert all(ms == plans.warmup_m_values(64) for ms in walks.values()), walks
     # The 4 decoder layers share their four configurations (o, qkv, gate_up, down); the
     # head (vocab 4096) adds one: 5 walks, not 4 x 4 + 1.
     assert set(walks) == {

@@ -26,7 +26,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-from vllm_exl3 import kernels_build  # noqa: E402
+from vllm_exl3 import kernels_build, repo  # noqa: E402
 
 ARCHS = ["9.0", "12.0", "12.1"]
 
@@ -38,16 +38,40 @@ def test_all_sources_compile_for_every_arch() -> None:
     obj_dir = kernels_build.build_extension(
         kernels_build.DEFAULT_OUT, ARCHS, jobs=os.cpu_count() or 1, compile_only=True
     )
-    sources = sorted(
-        p
-        for d in kernels_build.SOURCE_DIRS
-        for p in d.iterdir()
-        if p.suffix in (".cu", ".cpp") and p.name != kernels_build.STANDALONE
-    )
+    sources = kernels_build.sources(kernels_build.DEFAULT_OUT, with_standalone=False)
     for src in sources:
         obj = obj_dir / f"{src.name}.o"
         assert obj.is_file() and obj.stat().st_size > 0, obj
         assert not kernels_build._stale(obj, src), f"{obj} is older than the sources"
+
+
+def test_one_generated_unit_per_rate_of_the_format(tmp_path: Path) -> None:
+    """The generator's rates are the format's (every valid bitrate has its kernels, no
+    other), one translation unit each, and a second run leaves unchanged units alone
+    (their objects stay fresh) while removing a rate no longer built."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from vllm_exl3.codec import exl3_format
+
+    gen = repo.kernel_generator()
+    assert sorted(gen.RATES) == sorted(int(2 * b) for b in exl3_format.VALID_BITS)
+    (tmp_path / "exl3_rate_k9.cu").write_text("// a rate no longer built\n")
+    written = gen.write_build_sources(tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(
+        [gen.rate_unit_name(k2) for k2 in gen.RATES] + [gen.RATE_TABLE]
+    )
+    assert sorted(p.name for p in written) == names
+    for k2 in gen.RATES:
+        unit = (tmp_path / gen.rate_unit_name(k2)).read_text()
+        assert f"EXL3_DEFINE_RATE({k2})" in unit
+        assert f"EXL3_DEFINE_MOE_RATE({k2})" in unit
+        table = (tmp_path / gen.RATE_TABLE).read_text()
+        assert f"return rate_kernels_k{k2}();" in table
+    mtimes = {p: p.stat().st_mtime_ns for p in written}
+    os.utime(written[0], ns=(1, 1))
+    gen.write_build_sources(tmp_path)
+    assert written[0].stat().st_mtime_ns == 1
+    assert all(p.stat().st_mtime_ns == t for p, t in mtimes.items() if p != written[0])
 
 
 def test_build_and_this_test_share_one_object_folder() -> None:
@@ -134,8 +158,10 @@ def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
     flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
+    gen = repo.kernel_generator()
+    gen.write_build_sources(tmp_path)
     for k2 in (3, 7, 16):
-        src = kernels_build.SOURCES / f"exl3_rate_k{k2}.cu"
+        src = tmp_path / gen.rate_unit_name(k2)
         r = subprocess.run(
             [
                 "nvcc",

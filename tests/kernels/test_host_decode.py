@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The CUDA kernels' own decode code, compiled for the host by small driver programs
-(the *_host.cu files next to this module), against the reference: the codebook
-arithmetic of decode_pair, the per-lane trellis state extraction and the whole per-lane
+"""The CUDA kernels' own decode code, compiled for the host by a small driver program
+(decode_host.cu next to this module), against the reference: the codebook arithmetic of
+decode_pair, the per-lane trellis state extraction and the whole per-lane
 decode_fragments of exl3_trellis.cuh.
 
 The decode headers compile for the host too (exact fallbacks chosen by __CUDA_ARCH__),
@@ -24,21 +24,20 @@ REPO = Path(__file__).resolve().parents[2]
 KERNEL_SOURCES = REPO / "csrc" / "quantization" / "exl3"
 
 
-def build_host_driver(source_name: str, out_dir: Path) -> Path:
-    """Compile tests/kernels/<source_name> for the host into out_dir; skip without
-    nvcc.
-    """
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory) -> Path:
+    """tests/kernels/decode_host.cu compiled for the host; skip without nvcc."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not available")
-    out = out_dir / Path(source_name).stem
+    out = tmp_path_factory.mktemp("decode_host") / "decode_host"
     subprocess.run(
         [
             nvcc,
             "-std=c++17",
             "-O1",
             f"-I{KERNEL_SOURCES}",
-            str(Path(__file__).with_name(source_name)),
+            str(Path(__file__).with_name("decode_host.cu")),
             "-o",
             str(out),
         ],
@@ -54,7 +53,7 @@ def build_host_driver(source_name: str, out_dir: Path) -> Path:
 # integer multiplies, then for 3INST/MCG one LOP3 mask and one fp16x2 add of the halves
 # per state and a byte permute, for MUL1 dp4a byte sums and one fp16x2 fma. Every
 # instruction has an exact host fallback selected only by __CUDA_ARCH__ (fp16 rounding
-# emulated in exl3_fp16_emulation.h), so this checks the decode's own source for all
+# emulated in exl3_trellis.cuh), so this checks the decode's own source for all
 # 65,536 states x 3 codebooks, in both halves of the pair, against
 # reference.codebook_table; only the mapping of each wrapper to its PTX instruction is
 # left to the GPU verification (exl3_reconstruct bit-exact). Needs nvcc (host compile
@@ -68,11 +67,9 @@ STATES = 1 << 16
 
 
 @pytest.fixture(scope="module")
-def tables(tmp_path_factory) -> np.ndarray:
-    work = tmp_path_factory.mktemp("codebook")
-    exe = build_host_driver("codebook_host.cu", work)
-    out = work / "tables.bin"
-    subprocess.run([str(exe), str(out)], check=True, capture_output=True)
+def tables(tmp_path_factory, driver: Path) -> np.ndarray:
+    out = tmp_path_factory.mktemp("codebook") / "tables.bin"
+    subprocess.run([str(driver), "codebook", str(out)], check=True, capture_output=True)
     return np.fromfile(out, dtype="<u2").reshape(3, 2, STATES)
 
 
@@ -104,17 +101,8 @@ RATES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 STATE_TILES = 7
 
 
-@pytest.fixture(scope="module")
-def states_driver(tmp_path_factory) -> Path:
-    return build_host_driver(
-        "trellis_states_host.cu", tmp_path_factory.mktemp("states")
-    )
-
-
 @pytest.mark.parametrize("bits", RATES)
-def test_states_match_reference(
-    states_driver: Path, tmp_path: Path, bits: float
-) -> None:
+def test_states_match_reference(driver: Path, tmp_path: Path, bits: float) -> None:
     gen = torch.Generator().manual_seed(int(bits * 10))
     width = int(16 * bits)
     trellis = torch.randint(
@@ -123,7 +111,7 @@ def test_states_match_reference(
     words = tmp_path / "tiles.bin"
     trellis.numpy().tofile(words)
     out = subprocess.run(
-        [str(states_driver), str(int(2 * bits)), str(STATE_TILES), str(words)],
+        [str(driver), "states", str(int(2 * bits)), str(STATE_TILES), str(words)],
         check=True,
         capture_output=True,
         text=True,
@@ -154,18 +142,11 @@ FRAGMENT_TILES = 5
 CASES = [(b, cb) for b in RATES for cb in CODEBOOKS if b % 1 == 0 or cb == 2]
 
 
-@pytest.fixture(scope="module")
-def fragments_driver(tmp_path_factory) -> Path:
-    return build_host_driver(
-        "trellis_fragments_host.cu", tmp_path_factory.mktemp("fragments")
-    )
-
-
 @pytest.mark.parametrize(
     "bits,codebook", CASES, ids=[f"{b:g}b-{CODEBOOKS[c]}" for b, c in CASES]
 )
 def test_fragments_match_reference(
-    fragments_driver: Path, tmp_path: Path, bits: float, codebook: int
+    driver: Path, tmp_path: Path, bits: float, codebook: int
 ) -> None:
     gen = torch.Generator().manual_seed(int(bits * 10) * 3 + codebook)
     trellis = torch.randint(
@@ -179,7 +160,8 @@ def test_fragments_match_reference(
     trellis.numpy().tofile(words)
     out = subprocess.run(
         [
-            str(fragments_driver),
+            str(driver),
+            "fragments",
             str(int(2 * bits)),
             str(codebook),
             str(FRAGMENT_TILES),

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 from minitree import ROOT, run_tool
-from vllm_exl3 import pins
 from vllm_exl3.build import DEFAULT_ARCHS
 from vllm_exl3.cli import build_parser
 from vllm_exl3.kernels_build import normalize_arch
+from vllm_exl3.repo import VLLM_VERSION, WHEELS
 
 DOCKER = ROOT / "docker"
 DOCKERFILE = DOCKER / "Dockerfile"
@@ -72,7 +72,7 @@ def test_build_step_parses_with_the_tools_own_parser():
     assert args.dist_dir == Path("/dist")
     # The serving stage installs what this step wrote.
     (install,) = [r for k, r in instructions() if k == "RUN" and "pip install" in r]
-    assert f"/tmp/dist/vllm-{pins.VLLM_VERSION}+exl3" in install
+    assert f"/tmp/dist/vllm-{VLLM_VERSION}+exl3" in install
     assert ["COPY", "--from=build /dist/ /tmp/dist/"] in [
         list(i) for i in instructions()
     ]
@@ -80,10 +80,7 @@ def test_build_step_parses_with_the_tools_own_parser():
 
 def test_documented_architectures_are_the_supported_ones():
     supported = {normalize_arch(a) for a in DEFAULT_ARCHS.split(";")}
-    documented = set(
-        re.findall(r"CUDA_ARCHS=([0-9.]+)", (DOCKER / "README.md").read_text())
-    )
-    documented |= set(re.findall(r"CUDA_ARCHS=([0-9.]+)", DOCKERFILE.read_text()))
+    documented = set(re.findall(r"CUDA_ARCHS=([0-9.]+)", DOCKERFILE.read_text()))
     assert {normalize_arch(a) for a in documented} == supported
     assert normalize_arch(arg_defaults()["CUDA_ARCHS"]) in supported
 
@@ -150,7 +147,7 @@ def test_build_context_keeps_what_the_build_reads_and_drops_the_records():
     for rel in (
         "scripts/vllm-exl3",
         "ci/setup-env.sh",
-        "scripts/vllm_exl3/pins.py",
+        "scripts/vllm_exl3/repo.py",
         "README.md",
         "NOTICE",
     ):
@@ -166,9 +163,9 @@ def test_build_context_keeps_what_the_build_reads_and_drops_the_records():
         assert not _sent(rel, rules), rel
 
 
-@pytest.mark.parametrize("machine", sorted(pins.WHEELS))
+@pytest.mark.parametrize("machine", sorted(WHEELS))
 def test_every_machine_the_images_target_has_a_pinned_wheel(machine):
-    name, sha = pins.WHEELS[machine]
+    name, sha = WHEELS[machine]
     assert name.endswith(f"_{machine}.whl") and re.fullmatch(r"[0-9a-f]{64}", sha)
 
 

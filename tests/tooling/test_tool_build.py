@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 from minitree import ROOT, check_record, make_wheel, run_tool, write_tree
-from vllm_exl3 import pins
+from vllm_exl3 import repo
 from vllm_exl3.build import _REQUIREMENTS_PROBE
 from vllm_exl3.bundle import parse_size
+from vllm_exl3.repo import VLLM_VERSION
 
 MINI_WHEEL_FILES = {
     "vllm/__init__.py": "__version__ = '0.26.0'\n",
@@ -228,10 +229,17 @@ def _configure(tree: Path, work: Path, archs: str) -> tuple[str, dict[str, str]]
 
 SOURCE_DIRS = ("quantization/exl3", "attention/exl3_sparse_mla")
 EXPECTED = sorted(
-    p.name
-    for d in SOURCE_DIRS
-    for p in (ROOT / "csrc" / d).glob("*")
-    if p.suffix in (".cu", ".cpp") and p.name != "standalone_module.cpp"
+    [
+        p.name
+        for d in SOURCE_DIRS
+        for p in (ROOT / "csrc" / d).glob("*")
+        if p.suffix in (".cu", ".cpp") and p.name != "standalone_module.cpp"
+    ]
+    + [
+        Path(f.dest).name
+        for f in repo.Series.load(ROOT).csrc
+        if f.generated is not None
+    ]
 )
 
 
@@ -296,7 +304,7 @@ def _mini_build(tmp_path: Path) -> Path:
             "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
             "vllm/vllm-rs": b"rust",
         },
-        version=f"{pins.VLLM_VERSION}+exl3.mini",
+        version=f"{VLLM_VERSION}+exl3.mini",
     )
 
 
@@ -450,7 +458,7 @@ def test_install_refuses_another_python(tmp_path):
 
 def test_bundle_refuses_a_wheel_without_serving_pieces(tmp_path):
     wheel = make_wheel(
-        tmp_path / "w", {"vllm/__init__.py": ""}, version=f"{pins.VLLM_VERSION}+exl3.x"
+        tmp_path / "w", {"vllm/__init__.py": ""}, version=f"{VLLM_VERSION}+exl3.x"
     )
     r = _bundle(tmp_path, wheel, "--without-deps")
     assert r.returncode == 1

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from minitree import MINI_SDIST, ROOT, git, make_series, run_tool, tree_hash, write_tree
-from vllm_exl3 import pins
+from vllm_exl3.repo import SDIST_NAME, SDIST_SHA256, VLLM_VERSION
 
 EXL3_INIT = "vllm/model_executor/layers/quantization/exl3/__init__.py"
 STATE = ".vllm-exl3"
@@ -388,8 +388,8 @@ def test_offline_cold_cache_says_so(tmp_path):
     r = run_tool("fetch", "--offline", "--cache-dir", tmp_path / "cache")
     assert r.returncode == 1
     assert "offline (--offline)" in r.stderr
-    assert f"the cache has no copy of {pins.SDIST_NAME}" in r.stderr
-    assert pins.SDIST_SHA256 in r.stderr
+    assert f"the cache has no copy of {SDIST_NAME}" in r.stderr
+    assert SDIST_SHA256 in r.stderr
     assert "Traceback" not in r.stderr
 
 
@@ -398,12 +398,12 @@ def test_unreachable_index_cold_cache_says_so(tmp_path):
     assert r.returncode == 1
     assert "offline: the package index is unreachable" in r.stderr
     assert "127.0.0.1:9" in r.stderr
-    assert f"the cache has no copy of {pins.SDIST_NAME}" in r.stderr
+    assert f"the cache has no copy of {SDIST_NAME}" in r.stderr
     assert not list((tmp_path / "cache").rglob("*.part"))
 
 
 def test_corrupt_cached_sdist_is_not_used(tmp_path):
-    sdist = tmp_path / "cache/sdist" / pins.SDIST_NAME
+    sdist = tmp_path / "cache/sdist" / SDIST_NAME
     sdist.parent.mkdir(parents=True)
     sdist.write_bytes(b"not the release")
     r = run_tool("fetch", "--offline", "--cache-dir", tmp_path / "cache")
@@ -413,13 +413,13 @@ def test_corrupt_cached_sdist_is_not_used(tmp_path):
 def _local_index(root: Path, payload: bytes, with_hash: bool) -> str:
     files = root / "files"
     files.mkdir(parents=True)
-    (files / pins.SDIST_NAME).write_bytes(payload)
+    (files / SDIST_NAME).write_bytes(payload)
     frag = f"#sha256={hashlib.sha256(payload).hexdigest()}" if with_hash else ""
     page = root / "simple/vllm/index.html"
     page.parent.mkdir(parents=True)
     page.write_text(
-        f'<html><body><a href="../../files/{pins.SDIST_NAME}{frag}">'
-        f"{pins.SDIST_NAME}</a></body></html>"
+        f'<html><body><a href="../../files/{SDIST_NAME}{frag}">'
+        f"{SDIST_NAME}</a></body></html>"
     )
     return (root / "simple").as_uri()
 
@@ -447,8 +447,8 @@ def test_download_differing_from_pin_is_discarded(tmp_path):
         env={"PIP_INDEX_URL": url, "PIP_EXTRA_INDEX_URL": ""},
     )
     assert r.returncode == 1
-    assert f"expected {pins.SDIST_SHA256}; the download was discarded" in r.stderr
-    assert not (tmp_path / "cache/sdist" / pins.SDIST_NAME).exists()
+    assert f"expected {SDIST_SHA256}; the download was discarded" in r.stderr
+    assert not (tmp_path / "cache/sdist" / SDIST_NAME).exists()
     assert not list((tmp_path / "cache").rglob("*.part"))
 
 
@@ -569,7 +569,7 @@ def pristine_sdist() -> Path:
 
 
 def test_series_on_real_sdist(tmp_path, pristine_sdist):
-    tree = tmp_path / f"vllm-{pins.VLLM_VERSION}"
+    tree = tmp_path / f"vllm-{VLLM_VERSION}"
     shutil.copytree(
         pristine_sdist,
         tree,
@@ -597,6 +597,10 @@ def test_series_on_real_sdist(tmp_path, pristine_sdist):
         if f.is_file() and "__pycache__" not in f.parts:
             rel = f.relative_to(ROOT / "csrc")
             assert (tree / "csrc/libtorch_stable" / rel).read_bytes() == f.read_bytes()
+    # The per-rate units the kernel generator writes at build time land beside them.
+    exl3 = tree / "csrc/libtorch_stable/quantization/exl3"
+    assert len(list(exl3.glob("exl3_rate_k*.cu"))) == 11
+    assert "rate_kernels(int k2)" in (exl3 / "exl3_rate_table.cpp").read_text()
 
     again = run_tool("apply", tree)
     assert again.returncode == 0 and "nothing to do" in again.stdout
@@ -609,11 +613,9 @@ def test_series_on_real_sdist(tmp_path, pristine_sdist):
 def test_series_on_real_wheel_shaped_tree(tmp_path, pristine_sdist):
     site = tmp_path / "site-packages"
     shutil.copytree(pristine_sdist / "vllm", site / "vllm")
-    meta = site / f"vllm-{pins.VLLM_VERSION}.dist-info/METADATA"
+    meta = site / f"vllm-{VLLM_VERSION}.dist-info/METADATA"
     meta.parent.mkdir()
-    meta.write_text(
-        f"Metadata-Version: 2.4\nName: vllm\nVersion: {pins.VLLM_VERSION}\n"
-    )
+    meta.write_text(f"Metadata-Version: 2.4\nName: vllm\nVersion: {VLLM_VERSION}\n")
     before = tree_hash(site)
     r = run_tool("apply", site)
     assert r.returncode == 0, r.stderr

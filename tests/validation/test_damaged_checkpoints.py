@@ -23,7 +23,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from damage import (
+
+# The tools, the synthetic writer and the CPU integration harness.
+_HERE = Path(__file__).resolve().parent
+for _path in (
+    _HERE.parents[1] / "scripts",
+    _HERE.parent,
+    _HERE.parent / "integration",
+    _HERE,
+):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from damage import (  # noqa: E402
     BASE,
     CASES,
     ERROR,
@@ -54,6 +66,21 @@ class Outcome:
 
     def text(self) -> str:
         return self.message or self.warnings
+
+
+@pytest.fixture(scope="module")
+def vllm_world(tmp_path_factory: pytest.TempPathFactory):
+    """vLLM's distributed state on the CPU at TP=1, one world of size 1 over gloo; the
+    integration tests' session world is reused when it already exists (vLLM holds one
+    per process)."""
+    from exl3_harness import gloo_world
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        yield
+        return
+    with gloo_world(1, 0, str(tmp_path_factory.mktemp("dist") / "init")):
+        yield
 
 
 def _cli(argv: list[str]) -> tuple[int, str, str]:
@@ -388,8 +415,8 @@ def test_debug_shows_the_traceback(tmp_path):
 #
 # The checkpoint validation names all of these cases before loading; here it is bypassed
 # (the directory is described from its headers alone, as for a hub model), so what is
-# under test is the last line of defence: the load ledger (load_ledger.py) inside the
-# real loader.
+# under test is the last line of defence: the load ledger (weights.LoadLedger) inside
+# the real loader.
 
 WORLD = 2
 CONFIG_MODULE = "vllm.model_executor.layers.quantization.exl3.config"

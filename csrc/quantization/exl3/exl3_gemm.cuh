@@ -18,7 +18,7 @@
 // 128-byte mode).
 #pragma once
 
-#include "exl3_epilogue.cuh"
+#include "exl3_hadamard.cuh"
 #include "exl3_kernels.h"
 #include "exl3_trellis.cuh"
 #include "exl3_wgmma.cuh"

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "exl3_plan.h"
-
+// The plans of exl3_linear (exl3_kernels.h): the table lookup, the
+// deterministic cost model for a bucket without an entry, and the opt-in timer.
 #include <algorithm>
 #include <limits>
 #include <mutex>

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Launchers of one bitrate: every codebook x BM tier of the GEMM and both
-// reconstructs. Included once per exl3_rate_k<K2>.cu, which calls
-// EXL3_DEFINE_RATE(K2) (and EXL3_DEFINE_MOE_RATE(K2), exl3_moe.cuh).
+// reconstructs. Included once per exl3_rate_k<K2>.cu (generate_kernels.py),
+// which calls EXL3_DEFINE_RATE(K2) (and EXL3_DEFINE_MOE_RATE(K2),
+// exl3_moe.cuh).
 #pragma once
 
 #include <cstdio>

@@ -3,7 +3,7 @@
 // broadcast of the cuBLAS path, the plan timer's device sleep, and the wgmma
 // build marker.
 
-#include "exl3_epilogue.cuh"
+#include "exl3_hadamard.cuh"
 #include "exl3_kernels.h"
 #include "exl3_wgmma.cuh"
 

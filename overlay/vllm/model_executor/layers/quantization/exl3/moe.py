@@ -53,6 +53,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 
+from .config import strip_wrappers
 from .format import (
     HADAMARD_SIZE,
     MCG_MARKER_VALUE,
@@ -70,7 +71,6 @@ from .moe_kernels import (
     Exl3MoEWeights,
     choose_exl3_moe_kernel,
 )
-from .names import strip_wrappers
 from .tp_rules import round_up, row_split_error
 
 logger = init_logger(__name__)

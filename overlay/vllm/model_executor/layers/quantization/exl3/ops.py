@@ -54,7 +54,7 @@ split beyond k's chunks, entries against the flags) with an error naming the rul
 
 `workspace`: fp32, 1-D, on x's device, all zeros between calls (the split-k finish
 kernel re-zeroes what it read); one per device from torch's caching allocator
-(workspace.py). A plan whose split-k / stream-k partial sums (m x n floats) do not fit
+(kernels.py). A plan whose split-k / stream-k partial sums (m x n floats) do not fit
 runs with split 1 instead.
 
 `exl3_plan` returns the plan `exl3_linear` would run for m rows on trellis's device
@@ -82,7 +82,7 @@ logger = init_logger(__name__)
 QUICK_BUILD_MODULE = "vllm._exl3_C"
 OPS = ("exl3_linear", "exl3_reconstruct", "exl3_plan", "exl3_time_plans")
 
-# The plan table's layout (mirrored in csrc/quantization/exl3/exl3_plan.h).
+# The plan table's layout (mirrored in csrc/quantization/exl3/exl3_kernels.h).
 PLAN_VERSION = 1
 PLAN_HEADER_LEN = 10
 PLAN_FIELDS = 8

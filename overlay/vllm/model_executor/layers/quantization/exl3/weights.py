@@ -19,12 +19,12 @@ hand-written `stacked_params_mapping` loaders) route `...q_proj.trellis` to
 `Exl3Parameter` overrides vLLM's four v2 load entry points and places each tensor by the
 layer's `Exl3Layout`, never by vLLM's offset arithmetic (which knows neither the
 128-padding nor mixed bitrates). After loading, `finish` checks that every tensor the
-checkpoint has for these modules arrived (load_ledger.py: every tensor exactly once) and
-leaves exactly trellis + suh + svh as plain parameters. The values of `suh`/`svh` are
-checked as they arrive (checkpoint.py).
+checkpoint has for these modules arrived (LoadLedger below: every tensor exactly once)
+and leaves exactly trellis + suh + svh as plain parameters. The values of `suh`/`svh`
+are checked as they arrive (checkpoint.py).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from vllm.logger import init_logger
@@ -41,7 +41,6 @@ from .format import (
     unpack_sign_bits,
 )
 from .layout import Exl3Layout, Exl3LayoutError, ShardLayout, trellis_words
-from .load_ledger import LoadLedger
 
 logger = init_logger(__name__)
 
@@ -61,6 +60,65 @@ IGNORED = (
 # The layer's own bias parameter loads `.bias`; it is not an EXL3 parameter.
 LAYER_OWNED = ("bias",)
 QKV_SHARD_IDS = {"q": 0, "k": 1, "v": 2}
+
+
+# Every parameter an EXL3 checkpoint owns is written exactly once, or loading fails.
+#
+# vLLM checks for unloaded parameters only when a model is not quantized, so a layer the
+# checkpoint does not cover would keep whatever its allocation held. One ledger per
+# model (per `Exl3Config`, so per rank) records each checkpoint tensor a layer receives:
+# a second write of the same tensor to the same layer fails at once, and after loading
+# every EXL3-owned or padding-owned layer checks that it received all it expects.
+#
+# A model that received no checkpoint tensor at all was not loaded from a checkpoint
+# (`load_format="dummy"` fills parameters with random values without loaders); its
+# layers are not held to the rule.
+
+
+class LoadLedger:
+    """The tensors each layer of one model received. A layer is keyed by its owner
+    object (its weights or its module): two layers built under one name stay apart."""
+
+    def __init__(self) -> None:
+        self._written: dict[int, set[str]] = {}
+        self._owners: dict[int, object] = {}  # keeps each id() valid until checked
+        self.started = False  # any checkpoint tensor reached any layer of this model
+
+    def record(self, owner: object, layer: str, tensor: str) -> None:
+        written = self._written.setdefault(id(owner), set())
+        self._owners[id(owner)] = owner
+        if tensor in written:
+            raise Exl3LayoutError(
+                f"EXL3 {layer}: {tensor} written twice (the checkpoint holds it twice, "
+                "or two checkpoint names map to it)"
+            )
+        written.add(tensor)
+        self.started = True
+
+    def written(self, owner: object, tensor: str) -> bool:
+        return tensor in self._written.get(id(owner), ())
+
+    def check(
+        self,
+        owner: object,
+        layer: str,
+        expected: Iterable[str],
+        rank: int | None = None,
+    ) -> None:
+        """After loading: every expected tensor of the layer was written (unless nothing
+        in the model was); the layer's record is dropped."""
+        written = self._written.pop(id(owner), set())
+        self._owners.pop(id(owner), None)
+        if not self.started:
+            return
+        missing = [t for t in expected if t not in written]
+        if missing:
+            where = f" (rank {rank})" if rank is not None else ""
+            raise Exl3LayoutError(
+                f"EXL3 {layer}{where}: checkpoint tensors never loaded: "
+                f"{', '.join(missing)} (nothing in the checkpoint reached them; the "
+                "layer would run on uninitialised memory)"
+            )
 
 
 def shard_index(shard_id: int | str | None) -> int:

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Perplexity on the fixture validation text, with the method of the recorded ExLlamaV3
-values (tests/fixtures/README.md): tokenized without special tokens, non-overlapping
-512-token windows (last partial one dropped), each window scored alone, its first token
-context only."""
+"""The qwen3-tiny fixture of the codec tests: where the repository, its fixture files
+and the tool are, and perplexity on the fixture's validation text with the method of the
+recorded ExLlamaV3 values (tests/fixtures/README.md): tokenized without special tokens,
+non-overlapping 512-token windows (last partial one dropped), each window scored alone,
+its first token context only. transformers is imported only where a model or the
+tokenizer is needed."""
 
 from __future__ import annotations
 
@@ -14,8 +16,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import transformers
-from fixture_paths import TOKENIZER, VAL_TEXT
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "qwen3-tiny"
+TOKENIZER = FIXTURES / "tokenizer"
+VAL_TEXT = FIXTURES / "val.txt"
+CLI = REPO / "scripts" / "vllm-exl3"
+# The two real ExLlamaV3 1.6.5 conversions: name -> (decoder bits, head bits, codebook
+# name).
+EXL3_FIXTURES = {
+    "exl3-4.0bpw": (4, 6, "3inst"),
+    "exl3-3.0bpw-mcg": (3, 6, "mcg"),
+}
+
+# Perplexity.
 
 WINDOW = 512
 # Windows per forward pass: large enough to keep the 2 CPU cores busy with few Python
@@ -27,6 +41,8 @@ THREADS = 2
 
 
 def validation_windows() -> torch.Tensor:
+    import transformers
+
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_file=str(TOKENIZER / "tokenizer.json")
     )
@@ -69,6 +85,8 @@ def model_from_state_dict(
 ) -> torch.nn.Module:
     """An fp32 transformers model of the config (its quantization block dropped) with
     `state`."""
+    import transformers
+
     cfg = json.loads(Path(config_path).read_text())
     cfg.pop("quantization_config", None)
     config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
