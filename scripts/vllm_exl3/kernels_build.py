@@ -3,10 +3,11 @@
 """Quick build of the EXL3 kernels into the standalone stable-ABI extension
 `_exl3_C.abi3.so`.
 
-Compiles `csrc/quantization/exl3/*`, `csrc/attention/exl3_sparse_mla/*` and the per-rate
-units exl3's generate_kernels.py writes (into the build folder) against the torch headers of the running Python (torch
-2.11, stable ABI only) with the local nvcc, in parallel, one object per translation
-unit, and links them with `standalone_module.cpp` (the Python entry point).
+Compiles `csrc/quantization/exl3/*`, `csrc/attention/exl3_sparse_mla/*` and the
+per-rate units exl3's generate_kernels.py writes (into the build folder) against the
+torch headers of the running Python (torch 2.11, stable ABI only) with the local nvcc,
+in parallel, one object per translation unit, and links them with
+`standalone_module.cpp` (the Python entry point).
 Importing the result registers `torch.ops._C.exl3_linear` / `exl3_reconstruct`. The full
 build compiles the same sources into vLLM's `_C_stable_libtorch` instead (a CMake
 source-list patch).
