@@ -321,11 +321,14 @@ def test_kv_cache_shape_matches_the_page(block_size, cache_dtype, row, dtype):
 def test_declared_support():
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.backends.mla.exl3_mla_sparse import Exl3MLASparseBackend
-    from vllm.v1.attention.backends.mla.sparse_utils import (  # noqa: F401
-        triton_convert_req_index_to_global_index,
-    )
+    import importlib
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
+    # The index conversion forward_mqa calls must exist in this vLLM.
+    sparse_utils = importlib.import_module(
+        "vllm.v1.attention.backends.mla.sparse_utils"
+    )
+    assert callable(sparse_utils.triton_convert_req_index_to_global_index)
     b = Exl3MLASparseBackend
     assert AttentionBackendEnum.EXL3_MLA_SPARSE.get_class() is b
     assert b.get_name() == BACKEND and b.is_mla() and b.is_sparse()

@@ -14,10 +14,17 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from pyflakes.api import check
-from pyflakes.reporter import Reporter
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pyflakes():
+    """pyflakes' check and Reporter. The pinned environment has it; a GPU host running
+    `pytest -m gpu tests` may not, and must still collect this module."""
+    api = pytest.importorskip("pyflakes.api")
+    return api.check, pytest.importorskip("pyflakes.reporter").Reporter
+
+
 README = ROOT / "README.md"
 README_LIMIT = 5000  # characters: a page a user reads before installing
 DOCS = [
@@ -173,6 +180,7 @@ def test_every_python_file_passes_pyflakes() -> None:
     assert len(files) > 50 and (REPO / "scripts/bench/bench_linear.py") in files, files[
         :5
     ]
+    check, Reporter = _pyflakes()
     out, err = _Collect(), _Collect()
     reporter = Reporter(out, err)
     problems = sum(
@@ -182,6 +190,7 @@ def test_every_python_file_passes_pyflakes() -> None:
 
 
 def test_the_lint_sees_an_undefined_name() -> None:
+    check, Reporter = _pyflakes()
     out = _Collect()
     assert (
         check(
