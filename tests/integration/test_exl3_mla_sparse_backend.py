@@ -319,9 +319,10 @@ def test_kv_cache_shape_matches_the_page(block_size, cache_dtype, row, dtype):
 
 
 def test_declared_support():
+    import importlib
+
     from vllm.platforms.interface import DeviceCapability
     from vllm.v1.attention.backends.mla.exl3_mla_sparse import Exl3MLASparseBackend
-    import importlib
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     # The index conversion forward_mqa calls must exist in this vLLM.
