@@ -63,13 +63,22 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def perplexity(model: torch.nn.Module, windows: torch.Tensor) -> float:
+def perplexity(
+    model: torch.nn.Module,
+    windows: torch.Tensor,
+    device: str = "cpu",
+    batch_size: int = BATCH,
+) -> float:
+    """Perplexity of `model` over the validation windows; non-finite logits are an
+    error (a NaN would otherwise surface as a NaN perplexity, or vanish in a mean)."""
     model.eval()
     nll, scored = 0.0, 0
     with _threads(THREADS), torch.inference_mode():
-        for start in range(0, windows.shape[0], BATCH):
-            batch = windows[start : start + BATCH]
+        for start in range(0, windows.shape[0], batch_size):
+            batch = windows[start : start + batch_size].to(device)
             logits = model(batch).logits[:, :-1].float()
+            if not torch.isfinite(logits).all():
+                raise AssertionError(f"non-finite logits in windows from {start}")
             targets = batch[:, 1:]
             nll += torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]),

@@ -12,7 +12,6 @@ every linear run by the op (sections below).
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -480,24 +479,10 @@ def _op_model(ckpt: Path):
 
 @pytest.mark.parametrize("name", sorted(RECORDED_PPL))
 def test_fixture_perplexity_through_the_op(name: str) -> None:
-    from qwen3_tiny import validation_windows
+    from qwen3_tiny import perplexity, validation_windows
 
     model, weights = _op_model(FIXTURES / name)
-    windows = validation_windows()
-    nll, scored = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, windows.shape[0], PPL_BATCH):
-            batch = windows[start : start + PPL_BATCH].cuda()
-            logits = model(batch).logits[:, :-1].float()
-            assert torch.isfinite(logits).all(), f"{name}: non-finite logits"
-            targets = batch[:, 1:]
-            nll += torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                targets.reshape(-1),
-                reduction="sum",
-            ).item()
-            scored += targets.numel()
-    ppl = math.exp(nll / scored)
+    ppl = perplexity(model, validation_windows(), device="cuda", batch_size=PPL_BATCH)
     rel = ppl / RECORDED_PPL[name] - 1
     assert abs(rel) <= PPL_TOLERANCE, (name, ppl, RECORDED_PPL[name], rel)
 
