@@ -10,7 +10,8 @@ dsv3-tiny fixture's MoE body at DeepSeek-V3.2's MLA and indexer dims, index_topk
 random weights with the attention and the logits sharpened so both carry information)
 and its dense twin (the same files; config.json without the DSA keys, so vLLM builds
 DeepSeek-V3's dense MLA and drops the indexer tensors). One engine at a time, vLLM's
-defaults (torch.compile + CUDA graphs), the same requests on each:
+defaults (torch.compile + CUDA graphs; max_num_seqs MAX_NUM_SEQS), the same requests
+on each:
 
   sparse: EXL3_MLA_SPARSE and FLASHMLA_SPARSE, with the bf16 cache and with
           fp8_ds_mla;
@@ -35,11 +36,18 @@ larger of the dense pair's prompt and decode differences. A further check shows 
 top-k selection is real: FlashMLA-sparse against dense FlashMLA differs far more at
 positions past index_topk than before it.
 
+Before the first sparse engine, a warm-up compiles the DeepGEMM kernels vLLM's DSA
+indexer uses (JIT, at first use; an engine would otherwise compile them inside its
+decode CUDA graph capture) into a cache under --work that the engines share
+(--warm-deepgemm only: just that). Each stage runs in a child process, its output in
+sparse_mla_e2e.logs/ under --out and its progress lines echoed; a stage still running
+at --budget-s has its stack dumped into its log and is stopped.
+
 A backend this vLLM does not have (EXL3_MLA_SPARSE before its patch is installed) is a
 failed row with the reason, not a crash. Raw runs are kept in --out
 (sparse_mla_e2e.runs/); a later call reuses those it does not rerun (same checkpoint
-digest), so the matrix can be split over calls (README). Prints a markdown table;
-writes sparse_mla_e2e.json and sparse_mla_e2e.md to --out (default $OUT).
+digest), so the matrix can be split over calls (README). Writes sparse_mla_e2e.json
+and sparse_mla_e2e.md to --out (default $OUT) after every stage, and prints the table.
 """
 
 from __future__ import annotations
@@ -351,13 +359,19 @@ def supervise(
 
 
 def failure(label: str, got: dict, log_path: Path) -> str:
+    """The reason a child failed: one line (with the log's last line, usually the
+    exception), then the log's last lines."""
     why = (
         f"stopped at the time budget after {got['seconds']} s (stack dump in the log)"
         if got["timed_out"]
         else f"exit {got['rc']} after {got['seconds']} s"
     )
+    last = next((line for line in reversed(got["tail"]) if line.strip()), "")
     tail = "\n".join(got["tail"])
-    return f"{label} {why}; log {log_path}; its last lines:\n{tail}"
+    return (
+        f"{label} {why}: {last.strip()[:200]}; log {log_path}\n"
+        f"last lines of the log:\n{tail}"
+    )
 
 
 def in_child() -> None:

@@ -810,6 +810,7 @@ def test_sparse_mla_supervise_stops_a_hung_child_with_its_stack(
     assert "hung: running" in printed and "past 3 s" in printed
     reason = dsa.failure("hung", got, log)
     assert reason.startswith("hung stopped at the time budget") and str(log) in reason
+    assert "stuck_in_capture" in reason  # the dump is among its last lines
 
 
 def test_sparse_mla_engine_process_reads_the_childs_run(monkeypatch, tmp_path):
