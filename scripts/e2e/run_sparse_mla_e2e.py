@@ -46,8 +46,9 @@ at --budget-s has its stack dumped into its log and is stopped.
 A backend this vLLM does not have (EXL3_MLA_SPARSE before its patch is installed) is a
 failed row with the reason, not a crash. Raw runs are kept in --out
 (sparse_mla_e2e.runs/); a later call reuses those it does not rerun (same checkpoint
-digest), so the matrix can be split over calls (README). Writes sparse_mla_e2e.json
-and sparse_mla_e2e.md to --out (default $OUT) after every stage, and prints the table.
+digest; with --resume it reruns none), so the matrix can be split over calls (README).
+Writes sparse_mla_e2e.json and sparse_mla_e2e.md to --out (default $OUT) after every
+stage, and prints the table.
 """
 
 from __future__ import annotations
@@ -527,6 +528,7 @@ def warm_deepgemm(work: Path, compiler: str) -> dict:
         "kernels": steps,
         "seconds": round(sum(s["seconds"] for s in steps), 1),
     }
+    (work / JIT_CACHE).mkdir(parents=True, exist_ok=True)
     (work / JIT_CACHE / WARM_RECORD).write_text(json.dumps(record, indent=1))
     return record
 
@@ -702,9 +704,10 @@ def run(
     engine is among them; `report(result)` after every stage, so a call stopped from
     outside keeps what finished."""
     runs = {} if args.fresh else load_previous(args.out, digest)
+    kept = set(runs) if args.resume else set(runs) - set(args.runs)
     result: dict = {
         "deepgemm": None,
-        "reused": sorted(set(runs) - set(args.runs)),
+        "reused": sorted(kept),
         "skipped": [],
         "errors": {},
         "runs": runs,
@@ -718,6 +721,9 @@ def run(
     (args.out / RUNS_DIR).mkdir(parents=True, exist_ok=True)
     todo = []
     for name in args.runs:
+        if name in kept:
+            fx.log(f"{name}: stored by an earlier call (--resume), not rerun")
+            continue
         runs.pop(name, None)
         missing = backend_missing(RUNS[name].backend)
         if missing is not None:
@@ -896,6 +902,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--fresh",
         action="store_true",
         help="ignore runs an earlier call stored in --out",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="run only the engines of --runs that no earlier call stored for this "
+        "checkpoint (repeat the same command until the table is complete)",
     )
     ap.add_argument(
         "--out",

@@ -948,3 +948,27 @@ def test_sparse_mla_warm_stage_falls_back_and_reuses_its_cache(monkeypatch, tmp_
     (tmp_path / dsa.JIT_CACHE / dsa.WARM_RECORD).unlink()
     short = dsa.warm_stage(args, dsa.Budget(10))
     assert short["status"] == "failed" and "not started" in short["reasons"][0]
+
+
+def test_sparse_mla_resume_runs_only_what_is_missing(monkeypatch, tmp_path):
+    """--resume: the same command, repeated, runs each engine once; a run stored for
+    another checkpoint does not count."""
+    runs = {k: {**v, "total_s": 20.0} for k, v in AGREEING.items()}
+    first = ("--runs", "exl3-sparse-bf16,flashmla-dense", "--resume")
+    assert _dsa_run(monkeypatch, tmp_path, runs, argv=first)["calls"] == [
+        "exl3-sparse-bf16",
+        "flashmla-dense",
+    ]
+    every = ("--runs", ",".join(dsa.RUNS), "--resume")
+    out = _dsa_run(monkeypatch, tmp_path, runs, argv=every)
+    assert out["calls"] == [n for n in dsa.RUNS if n not in first[1].split(",")]
+    assert out["reused"] == ["exl3-sparse-bf16", "flashmla-dense"]
+    assert sorted(out["runs"]) == sorted(dsa.RUNS) and dsa.passed(out)
+    assert _dsa_run(monkeypatch, tmp_path, runs, argv=every)["calls"] == []
+    assert len(_dsa_run(monkeypatch, tmp_path, runs)["calls"]) == len(dsa.RUNS)
+    doc = json.loads((tmp_path / dsa.RUNS_DIR / "triton-dense.json").read_text())
+    doc["checkpoint"] = "another"
+    (tmp_path / dsa.RUNS_DIR / "triton-dense.json").write_text(json.dumps(doc))
+    assert _dsa_run(monkeypatch, tmp_path, runs, argv=every)["calls"] == [
+        "triton-dense"
+    ]
