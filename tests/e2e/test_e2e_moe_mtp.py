@@ -618,29 +618,45 @@ def _fake_dsa_run(shift: float, beyond: float = 0.0, tokens=(1, 2, 3, 4)) -> dic
     }
 
 
-def _dsa_run(monkeypatch, tmp_path, results: dict, missing=(), argv=()) -> dict:
-    calls = []
+def _dsa_run(
+    monkeypatch,
+    tmp_path,
+    results: dict,
+    missing=(),
+    argv=(),
+    budget: float = 3600,
+    warm: dict | None = None,
+) -> dict:
+    calls, reports = [], []
 
-    def run_engine(model_dir, spec, batch):
-        name = next(n for n, r in dsa.RUNS.items() if r == spec)
+    def engine_process(args, name, compiler, timeout_s):
         calls.append(name)
-        return results[name]
+        assert timeout_s <= budget and compiler == "nvrtc"
+        got = results[name]
+        if isinstance(got, Exception):
+            raise got
+        return got
 
-    monkeypatch.setattr(dsa, "run_engine", run_engine)
+    monkeypatch.setattr(dsa, "engine_process", engine_process)
+    monkeypatch.setattr(
+        dsa,
+        "warm_stage",
+        lambda args, b: warm
+        or {"status": "ready", "cached": True, "compiler": "nvrtc"},
+    )
     monkeypatch.setattr(
         dsa,
         "backend_missing",
         lambda b: f"attention backend {b} is not registered" if b in missing else None,
     )
-    args = dsa.parse_args(["--out", str(tmp_path), *argv])
-    out = dsa.run(
-        args,
-        [[0, 1]],
-        {"sparse": Path("s"), "dense": Path("d")},
-        "digest",
-        fx.Deadline(3600, dsa.STAGE_COST_S),
-    )
-    out["calls"] = calls
+    args = dsa.parse_args(["--out", str(tmp_path), "--work", str(tmp_path), *argv])
+
+    def report(partial):
+        reports.append(json.loads(json.dumps(partial)))
+        dsa.write_report(tmp_path, partial)
+
+    out = dsa.run(args, "digest", dsa.Budget(budget), report)
+    out["calls"], out["reports"] = calls, reports
     return out
 
 
@@ -706,3 +722,253 @@ def test_sparse_mla_reuses_earlier_runs_of_the_same_checkpoint(monkeypatch, tmp_
     assert dsa.INFORMATIONAL[0][0] in out["summary"]
     other = dsa.load_previous(tmp_path, "another checkpoint")
     assert other == {}
+
+
+def test_sparse_mla_capture_sizes_follow_vllms_rule():
+    """The warm-up compiles the scheduling kernel for the batches vLLM's decode graph
+    capture uses: its own default sizes for MAX_NUM_SEQS, rounded up to DeepGEMM's
+    SCHEDULE_ROWS."""
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode, VllmConfig
+
+    cc = SimpleNamespace(
+        cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+        max_cudagraph_capture_size=None,
+        cudagraph_capture_sizes=None,
+        pass_config=SimpleNamespace(enable_sp=False),
+        post_init_cudagraph_sizes=lambda: None,
+    )
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=False),
+        compilation_config=cc,
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=dsa.MAX_NUM_SEQS, max_num_batched_tokens=8192
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        performance_mode="balanced",
+        num_speculative_tokens=0,
+    )
+    VllmConfig._set_cudagraph_sizes(config)
+    assert cc.cudagraph_capture_sizes == dsa.capture_sizes()
+    assert dsa.schedule_batches() == [dsa.SCHEDULE_ROWS]
+    assert dsa.PROMPTS <= dsa.MAX_NUM_SEQS
+
+
+HUNG_CHILD = """
+import faulthandler, signal, subprocess, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+grandchild = subprocess.Popen(["sleep", "300"])
+open(sys.argv[1], "w").write(str(grandchild.pid))
+print("[e2e 00:00:00] compiling kernel one", flush=True)
+print("engine noise", flush=True)
+def stuck_in_capture():
+    time.sleep(300)
+stuck_in_capture()
+"""
+
+
+def _gone(pid: int) -> bool:
+    import os
+    import time
+
+    for _ in range(50):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(")")[-1].split()[0] == "Z":
+                    return True
+            os.kill(pid, 0)
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_sparse_mla_supervise_stops_a_hung_child_with_its_stack(
+    monkeypatch, tmp_path, capsys
+):
+    """A child past its time is asked for its stack, then killed with everything it
+    started; its whole output is in the log, its progress lines were echoed."""
+    monkeypatch.setattr(dsa, "STACK_DUMP_WAIT_S", 1.0)
+    monkeypatch.setattr(dsa, "PROGRESS_EVERY_S", 1.0)
+    pid_file, log = tmp_path / "pid", tmp_path / "logs" / "hung.log"
+    got = dsa.supervise(
+        [sys.executable, "-c", HUNG_CHILD, str(pid_file)],
+        dsa.child_env({}),
+        log,
+        3.0,
+        "hung",
+    )
+    assert got["timed_out"] and got["rc"] != 0 and 3.0 <= got["seconds"] < 30
+    text = log.read_text()
+    assert "compiling kernel one" in text and "engine noise" in text
+    assert "stuck_in_capture" in text  # the stack dump
+    assert _gone(int(pid_file.read_text()))
+    printed = capsys.readouterr().out
+    assert "[e2e 00:00:00] compiling kernel one" in printed
+    assert "engine noise" not in printed.splitlines()  # not echoed on its own
+    assert "hung: running" in printed and "past 3 s" in printed
+    reason = dsa.failure("hung", got, log)
+    assert reason.startswith("hung stopped at the time budget") and str(log) in reason
+    assert "stuck_in_capture" in reason  # the dump is among its last lines
+
+
+def test_sparse_mla_engine_process_reads_the_childs_run(monkeypatch, tmp_path):
+    """An engine child's run comes back through its result file; a child that fails
+    is an error naming its exit and its log."""
+    args = dsa.parse_args(["--out", str(tmp_path / "out"), "--work", str(tmp_path)])
+
+    def fake_child(rc: int):
+        script = (
+            "import json, pathlib, sys\n"
+            f"pathlib.Path({str(tmp_path)!r}, 'triton-dense.result.json')"
+            ".write_text(json.dumps({'total_s': 1.5}))\n"
+            f"print('child says bye'); sys.exit({rc})\n"
+        )
+        return lambda a, child: [sys.executable, "-c", script]
+
+    monkeypatch.setattr(dsa, "child_command", fake_child(0))
+    assert dsa.engine_process(args, "triton-dense", "nvrtc", 60) == {"total_s": 1.5}
+    monkeypatch.setattr(dsa, "child_command", fake_child(3))
+    with pytest.raises(RuntimeError, match="triton-dense exit 3 after") as e:
+        dsa.engine_process(args, "triton-dense", "nvrtc", 60)
+    assert "child says bye" in str(e.value)
+    assert (tmp_path / "out" / dsa.LOGS_DIR / "triton-dense.log").is_file()
+
+
+def test_sparse_mla_reports_after_every_engine(monkeypatch, tmp_path):
+    """The JSON and the table are rewritten after each engine, so a call stopped from
+    outside keeps what finished; an engine stopped at the budget is a failed row."""
+    seen = []
+
+    results = {
+        **AGREEING,
+        "exl3-sparse-fp8": RuntimeError(
+            "exl3-sparse-fp8 stopped at the time budget after 99 s; log x\nlast line"
+        ),
+    }
+
+    def engine_process(args, name, compiler, timeout_s):
+        seen.append(json.loads((tmp_path / f"{dsa.RESULT}.json").read_text()))
+        got = results[name]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    monkeypatch.setattr(dsa, "engine_process", engine_process)
+    monkeypatch.setattr(
+        dsa,
+        "warm_stage",
+        lambda args, b: {"status": "ready", "cached": False, "compiler": "nvrtc"}
+        | {"seconds": 12.0},
+    )
+    monkeypatch.setattr(dsa, "backend_missing", lambda b: None)
+    args = dsa.parse_args(["--out", str(tmp_path), "--work", str(tmp_path)])
+    out = dsa.run(
+        args, "digest", dsa.Budget(3600), lambda r: dsa.write_report(tmp_path, r)
+    )
+    # Before each engine the report holds every engine before it.
+    assert [sorted(s["runs"]) for s in seen[:3]] == [
+        [],
+        ["exl3-sparse-bf16"],
+        ["exl3-sparse-bf16", "flashmla-sparse-bf16"],
+    ]
+    assert "exl3-sparse-fp8" in seen[3]["errors"]
+    table = (tmp_path / f"{dsa.RESULT}.md").read_text()
+    assert "| exl3-sparse-fp8 | FAILED: exl3-sparse-fp8 stopped at the time budget" in (
+        table
+    )
+    assert "DeepGEMM indexer kernels ready (nvrtc, in 12.0 s)" in table
+    assert not dsa.passed(out)
+
+
+def test_sparse_mla_budget_skips_say_why(monkeypatch, tmp_path):
+    """An engine that does not fit is skipped with its estimate and the time left:
+    the first-run guess until a run of the same model was measured, then that run."""
+    runs = {k: {**v, "total_s": 20.0} for k, v in AGREEING.items()}
+    out = _dsa_run(monkeypatch, tmp_path, runs, budget=100)
+    assert out["calls"] == []
+    assert out["skipped"][0].startswith(
+        "exl3-sparse-bf16 (time budget: needs about 300 s (first-run guess), "
+    )
+    assert "of --budget-s" in out["skipped"][0]
+    assert "SKIPPED exl3-sparse-bf16 (time budget" in dsa.markdown(out)
+    _dsa_run(monkeypatch, tmp_path, runs, argv=("--runs", "flashmla-dense"))
+    out = _dsa_run(
+        monkeypatch, tmp_path, runs, argv=("--runs", "triton-dense"), budget=100
+    )
+    assert out["calls"] == ["triton-dense"] and not out["skipped"]
+    assert dsa.estimate("dense", runs) == (25.0, "20 s measured")
+
+
+def test_sparse_mla_failed_warm_up_skips_the_sparse_engines(monkeypatch, tmp_path):
+    warm = {"status": "failed", "reasons": ["DeepGEMM warm-up (nvrtc) exit 1\nlog"]}
+    out = _dsa_run(monkeypatch, tmp_path, AGREEING, warm=warm)
+    assert out["calls"] == ["flashmla-dense", "triton-dense"]
+    assert all("DeepGEMM warm-up did not finish" in s for s in out["skipped"])
+    assert len(out["skipped"]) == 4
+    assert "DeepGEMM warm-up FAILED: DeepGEMM warm-up (nvrtc) exit 1" in dsa.markdown(
+        out
+    )
+    only = _dsa_run(
+        monkeypatch, tmp_path, AGREEING, argv=("--runs", "", "--warm-deepgemm", "only")
+    )
+    assert only["calls"] == [] and only["deepgemm"]["status"] == "ready"
+    dense = _dsa_run(
+        monkeypatch, tmp_path, AGREEING, argv=("--runs", "triton-dense"), warm=warm
+    )
+    assert dense["deepgemm"] is None and dense["calls"] == ["triton-dense"]
+
+
+def test_sparse_mla_warm_stage_falls_back_and_reuses_its_cache(monkeypatch, tmp_path):
+    """NVRTC first, nvcc when NVRTC fails; a cache whose record matches these shapes is
+    used without a child; the engines get the compiler the cache was built with."""
+    tried = []
+
+    def warm_process(args, compiler, timeout_s):
+        tried.append(compiler)
+        if compiler == "nvrtc":
+            raise RuntimeError("DeepGEMM warm-up (nvrtc) exit 1 after 4 s")
+        record = {"key": dsa.warm_key(), "compiler": compiler, "seconds": 50.0}
+        (args.work / dsa.JIT_CACHE).mkdir(parents=True, exist_ok=True)
+        (args.work / dsa.JIT_CACHE / dsa.WARM_RECORD).write_text(json.dumps(record))
+        return record
+
+    monkeypatch.setattr(dsa, "warm_process", warm_process)
+    args = dsa.parse_args(["--out", str(tmp_path), "--work", str(tmp_path)])
+    got = dsa.warm_stage(args, dsa.Budget(3600))
+    assert tried == ["nvrtc", "nvcc"] and got["compiler"] == "nvcc"
+    assert got["status"] == "ready" and not got["cached"]
+    again = dsa.warm_stage(args, dsa.Budget(3600))
+    assert tried == ["nvrtc", "nvcc"] and again["cached"]
+    env = dsa.jit_env(tmp_path, again["compiler"])
+    assert env["DG_JIT_USE_NVRTC"] == "0"
+    assert env["DG_JIT_CACHE_DIR"] == str(tmp_path / dsa.JIT_CACHE)
+    assert dsa.warm_stage(args, dsa.Budget(10))["status"] == "ready"  # cached
+    (tmp_path / dsa.JIT_CACHE / dsa.WARM_RECORD).unlink()
+    short = dsa.warm_stage(args, dsa.Budget(10))
+    assert short["status"] == "failed" and "not started" in short["reasons"][0]
+
+
+def test_sparse_mla_resume_runs_only_what_is_missing(monkeypatch, tmp_path):
+    """--resume: the same command, repeated, runs each engine once; a run stored for
+    another checkpoint does not count."""
+    runs = {k: {**v, "total_s": 20.0} for k, v in AGREEING.items()}
+    first = ("--runs", "exl3-sparse-bf16,flashmla-dense", "--resume")
+    assert _dsa_run(monkeypatch, tmp_path, runs, argv=first)["calls"] == [
+        "exl3-sparse-bf16",
+        "flashmla-dense",
+    ]
+    every = ("--runs", ",".join(dsa.RUNS), "--resume")
+    out = _dsa_run(monkeypatch, tmp_path, runs, argv=every)
+    assert out["calls"] == [n for n in dsa.RUNS if n not in first[1].split(",")]
+    assert out["reused"] == ["exl3-sparse-bf16", "flashmla-dense"]
+    assert sorted(out["runs"]) == sorted(dsa.RUNS) and dsa.passed(out)
+    assert _dsa_run(monkeypatch, tmp_path, runs, argv=every)["calls"] == []
+    assert len(_dsa_run(monkeypatch, tmp_path, runs)["calls"]) == len(dsa.RUNS)
+    doc = json.loads((tmp_path / dsa.RUNS_DIR / "triton-dense.json").read_text())
+    doc["checkpoint"] = "another"
+    (tmp_path / dsa.RUNS_DIR / "triton-dense.json").write_text(json.dumps(doc))
+    assert _dsa_run(monkeypatch, tmp_path, runs, argv=every)["calls"] == [
+        "triton-dense"
+    ]
