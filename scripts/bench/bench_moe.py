@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.util
 import json
 import math
@@ -355,61 +356,29 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name}: hidden {h}, width {i}, {e} experts, top-{top_k}", flush=True
             )
-            variants = [
-                (
-                    "exl3",
-                    lambda h=h, i=i, e=e, top_k=top_k: exl3_variant(
-                        gen,
-                        h,
-                        i,
-                        e,
-                        top_k,
-                        args.bits,
-                        args.codebook,
-                        args.deterministic,
-                    ),
-                )
-            ]
+            shape = (h, i, e, top_k)
+            exl3 = functools.partial(
+                exl3_variant, gen, *shape, args.bits, args.codebook, args.deterministic
+            )
+            variants = [("exl3", exl3)]
             if not args.no_reconstruct:
                 variants.append(
-                    (
-                        "exl3_reconstruct",
-                        lambda h=h, i=i, e=e, top_k=top_k: exl3_variant(
-                            gen,
-                            h,
-                            i,
-                            e,
-                            top_k,
-                            args.bits,
-                            args.codebook,
-                            args.deterministic,
-                            reconstruct=True,
-                        ),
-                    )
+                    ("exl3_reconstruct", functools.partial(exl3, reconstruct=True))
                 )
             if not args.no_anchors:
                 variants += [
                     (
                         "bf16_fused_experts",
-                        lambda h=h, i=i, e=e, top_k=top_k: bf16_variant(
-                            gen, h, i, e, top_k
-                        ),
+                        functools.partial(bf16_variant, gen, *shape),
                     ),
                     (
                         "marlin_int4_g128",
-                        lambda h=h, i=i, e=e, top_k=top_k: marlin_variant(
-                            gen, h, i, e, top_k
-                        ),
+                        functools.partial(marlin_variant, gen, *shape),
                     ),
                 ]
             if not args.no_anchors and not args.no_exllamav3:
                 variants.append(
-                    (
-                        "exllamav3",
-                        lambda h=h, i=i, e=e, top_k=top_k: exllamav3_variant(
-                            args, h, i, e, top_k
-                        ),
-                    )
+                    ("exllamav3", functools.partial(exllamav3_variant, args, *shape))
                 )
             times = {}
             for vname, make in variants:
