@@ -234,43 +234,24 @@ _DEEPSEEK_V32_TINY = {
     "index_n_heads": 4,
     "index_head_dim": 64,
 }
-# GLM-5 (glm_moe_dsa), shrunk: MLA + sigmoid MoE over one group, interleaved rope in
+# GLM-5 (glm_moe_dsa), shrunk: the DeepSeek-V3 body above without its MTP layer, with
+# other MLA widths, sigmoid MoE over one group, interleaved rope in
 # attention and indexer, and a DSA schedule with a "shared" layer that reuses the
 # previous layer's selection and stores no indexer (indexer_types, as ExLlamaV3 reads
 # it, and index_topk_freq / index_skip_topk_offset, as vLLM derives it, agree).
 _GLM5_TINY = {
+    **{
+        k: v
+        for k, v in _DEEPSEEK_V3_TINY.items()
+        if k not in ("moe_layer_freq", "num_nextn_predict_layers")
+    },
     "architectures": ["GlmMoeDsaForCausalLM"],
     "model_type": "glm_moe_dsa",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "dtype": "bfloat16",
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "hidden_size": 256,
-    "initializer_range": 0.02,
-    "intermediate_size": 512,
-    "max_position_embeddings": 2048,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 3,
     "q_lora_rank": 128,
-    "kv_lora_rank": 128,
-    "qk_nope_head_dim": 64,
-    "qk_rope_head_dim": 32,
     "v_head_dim": 96,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 128,
-    "first_k_dense_replace": 1,
     "n_group": 1,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
+    "rms_norm_eps": 1e-05,
+    "vocab_size": 4096,
     "index_topk": 256,
     "index_n_heads": 4,
     "index_head_dim": 64,
@@ -279,12 +260,6 @@ _GLM5_TINY = {
     "index_skip_topk_offset": 2,
     "rope_interleave": True,
     "indexer_rope_interleave": True,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 10000.0,
-    "rope_scaling": None,
-    "tie_word_embeddings": False,
-    "use_cache": True,
-    "vocab_size": 4096,
 }
 # GLM-4.5/4.6 MoE, shrunk: q/k/v bias without o bias, q/k norms, one dense layer first,
 # sigmoid routing with the correction bias over 2 groups, a shared expert.
