@@ -46,11 +46,14 @@ constexpr int kFp8ScaleOffset = kLatent;
 constexpr int kFp8RopeOffset = kFp8ScaleOffset + 4 * (kLatent / kFp8ScaleGroup);
 constexpr int kFp8RowBytes = kFp8RopeOffset + 2 * kRope;
 static_assert(kFp8RowBytes == 656, "vLLM's fp8_ds_mla row is 656 bytes");
-// Split-k: aim for this many CTAs per SM (two fit on Hopper at 16 heads; with
-// one the second wave still hides the tail), never cut a split shorter than
-// kMinTilesPerSplit stages (the combine must stay cheap), and bound the
+// Split-k: fill the CTA slots of the SMs once (the CTAs of one head-tile
+// variant resident on a Hopper SM: one tile, ~210 registers x 128 threads and
+// 80 KB, fits twice; two tiles, 256 threads, once), never more: a second,
+// partial wave would cost a whole split's time. Never cut a split shorter
+// than kMinTilesPerSplit stages (the combine must stay cheap), and bound the
 // workspace with kMaxSplits.
-constexpr int kSplitTargetCtasPerSm = 2;
+constexpr int kSplitCtasPerSmOneTile = 2;
+constexpr int kSplitCtasPerSmTwoTiles = 1;
 constexpr int kMinTilesPerSplit = 2;
 constexpr int kMaxSplits = 64;
 
@@ -69,8 +72,10 @@ inline int num_splits(int64_t tokens, int64_t heads, int64_t topk,
                       int64_t sms) {
   const int64_t tiles = (topk + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t base = tokens * head_groups(heads);
-  if (base <= 0 || base >= sms) return 1;
-  int64_t s = (kSplitTargetCtasPerSm * sms + base - 1) / base;
+  const int64_t slots = sms * (head_tiles(heads) == 2 ? kSplitCtasPerSmTwoTiles
+                                                      : kSplitCtasPerSmOneTile);
+  if (base <= 0) return 1;
+  int64_t s = slots / base;
   const int64_t by_len = tiles / kMinTilesPerSplit;
   s = s < by_len ? s : by_len;
   s = s < kMaxSplits ? s : kMaxSplits;
