@@ -261,8 +261,8 @@ def check(case: Case) -> list[str]:
 
 CASES = [
     # heads: one group, partial groups, several groups, the TP shards of 128
-    *(Case(tokens=4, heads=h) for h in (1, 16, 17, 32, 64, 100, 128)),
-    *(Case(tokens=3, heads=h, kv_format=FP8) for h in (1, 16, 17, 64, 128)),
+    *(Case(tokens=4, heads=h) for h in (1, 16, 17, 32, 64, 65, 100, 128)),
+    *(Case(tokens=3, heads=h, kv_format=FP8) for h in (1, 16, 17, 64, 65, 100, 128)),
     # head size 512 (bf16 only)
     Case(tokens=5, heads=16, head_size=512),
     Case(tokens=2, heads=128, head_size=512, topk=512, pad_frac=0.3),
@@ -289,6 +289,19 @@ CASES = [
     Case(tokens=128, heads=64, topk=2048, context=8192, kv_format=FP8),
     Case(tokens=512, heads=16, topk=2048, context=8192),
     Case(tokens=512, heads=128, topk=512, context=4096, kv_format=FP8, empty_tokens=5),
+    # one pass of many tiles through the ring of stages (Hopper's deep pipeline at
+    # 32 heads a CTA, the portable one elsewhere), partial head groups
+    Case(tokens=160, heads=65, topk=2048, context=8192),
+    Case(tokens=160, heads=100, topk=2048, context=8192, kv_format=FP8, pad_frac=0.1),
+    Case(tokens=256, heads=128, topk=2048, context=8192),
+    Case(tokens=40, heads=128, topk=4096, context=16384, kv_format=FP8),
+    # split-k with the deep pipeline: splits longer and shorter than the ring
+    Case(tokens=3, heads=65, topk=4096, context=16384, kv_format=FP8),
+    Case(tokens=2, heads=100, topk=1000, context=4096, pad_frac=0.2),
+    # fewer tiles than the prologue fills (empty commit groups)
+    Case(tokens=5, heads=128, topk=100, context=4096, pad_frac=0.3),
+    Case(tokens=5, heads=128, topk=100, context=4096, kv_format=FP8),
+    Case(tokens=7, heads=65, topk=33, context=64, kv_format=FP8, empty_tokens=2),
     # slots outside the cache count as none (never read)
     Case(tokens=4, heads=16, junk_frac=0.2),
     Case(tokens=2, heads=16, junk_frac=0.3, kv_format=FP8, context=65536),
@@ -306,7 +319,7 @@ def _sampled_cases(n: int) -> list[Case]:
         out.append(
             Case(
                 tokens=rng.choice((1, 2, 7, 33, 96, 200, 512)),
-                heads=rng.choice((1, 16, 17, 32, 64, 100, 128)),
+                heads=rng.choice((1, 16, 17, 32, 64, 65, 100, 128)),
                 head_size=576 if fmt == FP8 else rng.choice((576, 512)),
                 kv_format=fmt,
                 topk=rng.choice((64, 512, 2048, 4096)),

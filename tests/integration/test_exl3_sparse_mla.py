@@ -39,7 +39,8 @@ def test_constants_mirror_the_cuda_header() -> None:
         "kHeadsPerMma": mla.HEADS_PER_MMA,
         "kTwoTileMinHeads": mla.TWO_TILE_MIN_HEADS,
         "kRowsPerTile": mla.ROWS_PER_TILE,
-        "kSplitTargetCtasPerSm": mla.SPLIT_TARGET_CTAS_PER_SM,
+        "kSplitCtasPerSmOneTile": mla.SPLIT_CTAS_PER_SM_ONE_TILE,
+        "kSplitCtasPerSmTwoTiles": mla.SPLIT_CTAS_PER_SM_TWO_TILES,
         "kMinTilesPerSplit": mla.MIN_TILES_PER_SPLIT,
         "kMaxSplits": mla.MAX_SPLITS,
         "kLatent": mla.LATENT,
@@ -51,9 +52,15 @@ def test_constants_mirror_the_cuda_header() -> None:
 
 
 def test_split_rule() -> None:
-    # enough CTAs without splitting: one pass, no workspace
-    assert mla.num_splits(132, 16, 2048, 132) == 1
+    # enough CTAs to fill every slot (two per SM at 16 heads, one at 32) without
+    # splitting: one pass, no workspace
+    assert mla.num_splits(133, 16, 2048, 132) == 1
     assert mla.num_splits(33, 128, 2048, 132) == 1  # 4 groups of 32 heads
+    # 132 tokens of 16 heads fill one of the two slots per SM: two splits
+    assert mla.num_splits(132, 16, 2048, 132) == 2
+    # never a second, partial wave: 128 CTAs of 16 heads take 2 splits, not 3
+    assert mla.num_splits(128, 16, 2048, 132) == 2
+    assert mla.num_splits(100, 16, 2048, 132) == 2
     assert [mla.head_groups(h) for h in (1, 16, 17, 63, 64, 100, 128)] == [
         1,
         1,
@@ -63,11 +70,13 @@ def test_split_rule() -> None:
         4,
         4,
     ]
-    assert mla.workspace_bytes(132, 16, 2048, sm_count=132) == 0
+    assert mla.workspace_bytes(133, 16, 2048, sm_count=132) == 0
     # one token: 64 tiles cut into 32 splits of 2 (the minimum length)
     assert mla.num_splits(1, 16, 2048, 132) == 32
-    # 8 tokens x 4 head groups = 32 CTAs: 9 splits wanted, 8 tiles each, so 8
-    assert mla.num_splits(8, 128, 2048, 132) == 8
+    # 8 tokens x 4 head groups = 32 CTAs of 32 heads, one slot per SM: 4 splits
+    assert mla.num_splits(8, 128, 2048, 132) == 4
+    # 20 tokens x 4 groups = 80 CTAs: one split fills at most 132 slots
+    assert mla.num_splits(20, 128, 2048, 132) == 1
     # short lists are not split below two tiles
     assert mla.num_splits(1, 16, 64, 132) == 1
     assert mla.num_splits(1, 16, 96, 132) == 1

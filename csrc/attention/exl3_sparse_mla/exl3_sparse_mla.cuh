@@ -3,10 +3,12 @@
 // the top-k KV rows its indexer selected, all heads sharing the rows (MQA).
 //
 // One CTA serves (token, 16 or 32 heads, one split of the top-k list). It
-// gathers 32 selected rows per stage with cp.async (double-buffered), so each
-// row is read from HBM once per head group; the head groups of a token are
-// adjacent in the grid and run together, so with more heads than one CTA
-// holds the repeated reads are served by L2. Tensor cores through mma.sync
+// gathers 32 selected rows per stage with cp.async into a ring of stages
+// (two within sm_12x's 99 KB; more on Hopper for the two-tile variant, whose
+// one CTA per SM leaves the shared memory for it), so each row is read from
+// HBM once per head group; the head groups of a token are adjacent in the
+// grid and run together, so with more heads than one CTA holds the repeated
+// reads are served by L2. Tensor cores through mma.sync
 // m16n8k16 bf16 (fp32 accumulation): the one MMA that exists on sm_90, sm_120
 // and sm_121. A CTA has four warps per 16-head MMA tile (kMTiles of them).
 //   S = Q K^T: warp (mt, wn, wd) multiplies the D-half wd of rows
@@ -37,6 +39,15 @@ constexpr int kHeadsPerMma = 16;
 constexpr int kTwoTileMinHeads = 64;
 // KV rows per pipeline stage: two warps x 16 rows in S = Q K^T.
 constexpr int kRowsPerTile = 32;
+// Pipeline depth: two stages (one tile in flight while one is consumed) fit
+// every arch's block limit. The two-tile variant runs one CTA per SM (its
+// registers), so on Hopper the rest of the SM's shared memory is idle; there
+// it keeps kDeepStages* - 1 tiles in flight instead of one, which hides the
+// latency of a random gather behind the compute of several tiles. fp8 rows
+// are 656 bytes instead of 1152, so more of them fit the same budget.
+constexpr int kPortableStages = 2;
+constexpr int kDeepStagesBf16 = 4;
+constexpr int kDeepStagesFp8 = 7;
 // The latent (= V) width and the rope width of a 576-wide row.
 constexpr int kLatent = 512;
 constexpr int kRope = 64;
@@ -46,11 +57,14 @@ constexpr int kFp8ScaleOffset = kLatent;
 constexpr int kFp8RopeOffset = kFp8ScaleOffset + 4 * (kLatent / kFp8ScaleGroup);
 constexpr int kFp8RowBytes = kFp8RopeOffset + 2 * kRope;
 static_assert(kFp8RowBytes == 656, "vLLM's fp8_ds_mla row is 656 bytes");
-// Split-k: aim for this many CTAs per SM (two fit on Hopper at 16 heads; with
-// one the second wave still hides the tail), never cut a split shorter than
-// kMinTilesPerSplit stages (the combine must stay cheap), and bound the
+// Split-k: fill the CTA slots of the SMs once (the CTAs of one head-tile
+// variant resident on a Hopper SM: one tile, ~210 registers x 128 threads and
+// 80 KB, fits twice; two tiles, 256 threads, once), never more: a second,
+// partial wave would cost a whole split's time. Never cut a split shorter
+// than kMinTilesPerSplit stages (the combine must stay cheap), and bound the
 // workspace with kMaxSplits.
-constexpr int kSplitTargetCtasPerSm = 2;
+constexpr int kSplitCtasPerSmOneTile = 2;
+constexpr int kSplitCtasPerSmTwoTiles = 1;
 constexpr int kMinTilesPerSplit = 2;
 constexpr int kMaxSplits = 64;
 
@@ -69,8 +83,10 @@ inline int num_splits(int64_t tokens, int64_t heads, int64_t topk,
                       int64_t sms) {
   const int64_t tiles = (topk + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t base = tokens * head_groups(heads);
-  if (base <= 0 || base >= sms) return 1;
-  int64_t s = (kSplitTargetCtasPerSm * sms + base - 1) / base;
+  const int64_t slots = sms * (head_tiles(heads) == 2 ? kSplitCtasPerSmTwoTiles
+                                                      : kSplitCtasPerSmOneTile);
+  if (base <= 0) return 1;
+  int64_t s = slots / base;
   const int64_t by_len = tiles / kMinTilesPerSplit;
   s = s < by_len ? s : by_len;
   s = s < kMaxSplits ? s : kMaxSplits;
@@ -111,16 +127,17 @@ struct Params {
   int num_tokens, num_heads, head_groups, num_splits, tiles_per_split;
 };
 
-// Shared-memory layout of one CTA; every region is 16-byte aligned. Stage 0
-// and the row masks come first; Q shares its bytes with what follows (stage
-// 1, the dequantized tile, scores, P), all first written after every warp has
-// moved its Q fragments to registers (the loop's first barrier).
-template <int kD, bool kFp8, int kMTiles>
+// Shared-memory layout of one CTA; every region is 16-byte aligned. The row
+// masks and stages 0 .. kStages - 2 (the prologue fills them) come first; Q
+// shares its bytes with what follows (the last stage, the dequantized tile,
+// scores, P), all first written after every warp has moved its Q fragments
+// to registers (the loop's first barrier).
+template <int kD, bool kFp8, int kMTiles, int kStages>
 struct SmemLayout {
+  static_assert(kStages >= 2, "a stage in flight while one is consumed");
   // 16 bytes of padding per row: a row stride of 16 mod 128 bytes makes the
   // eight row addresses of an ldmatrix hit distinct banks.
   static constexpr int kPad = 8;
-  static constexpr int kStages = 2;
   static constexpr int kHeads = kHeadsPerMma * kMTiles;
   static constexpr int kQStride = kD + kPad;  // elements
   // bf16 rows of the K/V tile (fp8: the dequantized latent only; the rope is
@@ -133,25 +150,37 @@ struct SmemLayout {
   // One stage of gathered rows: bf16 rows, or raw fp8_ds_mla rows.
   static constexpr int kStageBytes =
       kFp8 ? kRowsPerTile * kFp8RowBytes : kTileBytes;
-  static constexpr int kStage0 = 0;
-  static constexpr int kValid = kStage0 + kStageBytes;  // int [stages][32]
-  static constexpr int kStage1 = kValid + kStages * kRowsPerTile * 4;
-  static constexpr int kQ = kStage1;
-  static constexpr int kDeq = kStage1 + kStageBytes;         // fp8 only
+  static constexpr int kValid = 0;  // int [stages][32]
+  static constexpr int kStage0 = kValid + kStages * kRowsPerTile * 4;
+  static constexpr int kQ = kStage0 + (kStages - 1) * kStageBytes;
+  static constexpr int kDeq = kStage0 + kStages * kStageBytes;  // fp8 only
   static constexpr int kS = kDeq + (kFp8 ? kTileBytes : 0);  // fp32 [2][H][32]
   static constexpr int kP = kS + 2 * kHeads * kRowsPerTile * 4;
   static constexpr int kAlpha = kP + kHeads * kPStride * 2;
   static constexpr int kM = kAlpha + kHeads * 4;
   static constexpr int kL = kM + kHeads * 4;
-  static constexpr int kBytes = kL + kHeads * 4;
-  static_assert(kQ + kQBytes <= kBytes, "Q fits in the bytes it shares");
+  static constexpr int kEnd = kL + kHeads * 4;
+  static constexpr int kBytes = kQ + kQBytes > kEnd ? kQ + kQBytes : kEnd;
+  static_assert(kStageBytes % 16 == 0 && kStage0 % 16 == 0, "16-byte copies");
 };
 
-// sm_120 / sm_121 give a block at most 99 KB of shared memory; one layout
-// serves every arch.
+// sm_120 / sm_121 give a block at most 99 KB of shared memory: the portable
+// depth serves every arch. Hopper gives 227 KB: the deep layouts are launched
+// only where the device's opt-in limit holds them.
 constexpr int kSmemLimitSm12x = 99 * 1024;
-static_assert(SmemLayout<576, false, 2>::kBytes <= kSmemLimitSm12x, "bf16");
-static_assert(SmemLayout<576, true, 2>::kBytes <= kSmemLimitSm12x, "fp8");
+constexpr int kSmemLimitSm90 = 227 * 1024;
+static_assert(SmemLayout<576, false, 2, kPortableStages>::kBytes <=
+                  kSmemLimitSm12x,
+              "bf16");
+static_assert(SmemLayout<576, true, 2, kPortableStages>::kBytes <=
+                  kSmemLimitSm12x,
+              "fp8");
+static_assert(SmemLayout<576, false, 2, kDeepStagesBf16>::kBytes <=
+                  kSmemLimitSm90,
+              "deep bf16");
+static_assert(SmemLayout<576, true, 2, kDeepStagesFp8>::kBytes <=
+                  kSmemLimitSm90,
+              "deep fp8");
 
 // Launchers: bf16 rows of width d (576 or 512) and the split-k combine in
 // exl3_sparse_mla_bf16.cu, fp8_ds_mla rows (576) in exl3_sparse_mla_fp8.cu.
@@ -188,6 +217,11 @@ __device__ __forceinline__ void cp_async_commit() {
 }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+// Waits until at most n of this thread's newest commit groups are pending.
+template <int n>
+__device__ __forceinline__ void cp_async_wait_pending() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
@@ -228,13 +262,13 @@ __device__ __forceinline__ uint32_t dequant_e4m3x2(uint16_t bits, float s) {
   return pack_bf16(f.x * s, f.y * s);
 }
 
-template <int kD, bool kFp8, int kMTiles>
+template <int kD, bool kFp8, int kMTiles, int kStages>
 __global__ void __launch_bounds__(128 * kMTiles)
     sparse_mla_decode_kernel(const __grid_constant__ Params p) {
   static_assert(kD == 576 || kD == 512, "head size 576 or 512");
   static_assert(!kFp8 || kD == 576, "fp8_ds_mla rows are 576 wide");
   static_assert(kMTiles == 1 || kMTiles == 2, "16 or 32 heads a CTA");
-  using L = SmemLayout<kD, kFp8, kMTiles>;
+  using L = SmemLayout<kD, kFp8, kMTiles, kStages>;
   constexpr int kWarps = 4 * kMTiles;
   constexpr int kThreads = 32 * kWarps;
   constexpr int kHeads = L::kHeads;
@@ -281,38 +315,53 @@ __global__ void __launch_bounds__(128 * kMTiles)
       cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
   }
 
-  // Gathers stage `stage` with the 32 rows of tile `tile`, kThreadsPerRow
-  // threads a row. Rows past the split, -1 and out-of-range slots are
-  // zero-filled (never read) and masked.
-  auto issue = [&](int tile, int stage) {
+  // The slot of this thread's row of tile `tile` (-1 past the split). Loaded
+  // one tile ahead of its gather, so the index load's latency is not paid
+  // before every gather.
+  auto slot_of = [&](int tile) -> int {
+    const int pos = begin + tile * kRowsPerTile + tid / kThreadsPerRow;
+    return pos < end ? __ldg(p.indices + t * p.indices_stride + pos) : -1;
+  };
+  // Gathers stage `dst_stage` with the 32 rows whose slots slot_of gave,
+  // kThreadsPerRow threads a row. Rows past the split, -1 and out-of-range
+  // slots are zero-filled (never read) and masked.
+  auto issue = [&](int dst_stage, int slot) {
     const int row = tid / kThreadsPerRow;
-    const int pos = begin + tile * kRowsPerTile + row;
-    int64_t slot = -1;
-    if (pos < end) slot = __ldg(p.indices + t * p.indices_stride + pos);
     const bool ok = slot >= 0 && slot < p.num_slots;
     const uint8_t* src = p.kv;
     if (ok) {
-      const int64_t blk = slot / p.block_size;
-      src += blk * p.block_stride + (slot - blk * p.block_size) * p.row_stride;
+      // Slots are int32: 32-bit division.
+      const int blk = slot / p.block_size;
+      src += blk * p.block_stride +
+             static_cast<int64_t>(slot - blk * p.block_size) * p.row_stride;
     }
-    if (tid % kThreadsPerRow == 0) s_valid[stage * kRowsPerTile + row] = ok;
+    if (tid % kThreadsPerRow == 0) s_valid[dst_stage * kRowsPerTile + row] = ok;
     constexpr int kRowBytes = kFp8 ? kFp8RowBytes : 2 * L::kKvStride;
     constexpr int kChunks = kFp8 ? kFp8RowBytes / 16 : kD / 8;
     uint8_t* dst =
-        smem + L::kStage0 + stage * (L::kStage1 - L::kStage0) + row * kRowBytes;
+        smem + L::kStage0 + dst_stage * L::kStageBytes + row * kRowBytes;
     for (int c = tid % kThreadsPerRow; c < kChunks; c += kThreadsPerRow)
       cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
   };
 
-  if (ntiles > 0) issue(0, 0);
-  cp_async_commit();  // Q and the first stage
+  // Prologue: Q with tile 0, then tiles 1 .. kStages - 2, one commit group
+  // each (empty past the split), so that at tile i the group of tile i has
+  // exactly kStages - 2 newer groups.
+  if (ntiles > 0) issue(0, slot_of(0));
+  cp_async_commit();
+  #pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (s < ntiles) issue(s, slot_of(s));
+    cp_async_commit();
+  }
+  int next_slot = slot_of(kStages - 1);
 
   // Warp (mt, wn, wd) of S = Q K^T: head tile mt, rows [16 wn, 16 wn + 16) of
   // a stage, D-half wd. Its Q fragments stay in registers for the whole split.
   const int wd = warp & 1, wn = (warp >> 1) & 1, mt = warp >> 2;
   constexpr int kHalfSteps = kD / 16 / 2;
   uint32_t q_frag[kHalfSteps][4];
-  cp_async_wait_all();
+  cp_async_wait_pending<kStages - 2>();  // Q and tile 0
   __syncthreads();
   #pragma unroll
   for (int i = 0; i < kHalfSteps; ++i)
@@ -329,18 +378,20 @@ __global__ void __launch_bounds__(128 * kMTiles)
   // Softmax state of head tid / 8, kept identical by its 8 threads.
   float m_run = -INFINITY, l_run = 0.f;
 
+  // stage = tile mod kStages; refill = the stage of tile + kStages - 1.
+  int stage = 0, refill = kStages - 1;
   for (int tile = 0; tile < ntiles; ++tile) {
-    const int stage = tile & 1;
-    cp_async_wait_all();
+    cp_async_wait_pending<kStages - 2>();
     // The stage is complete for every thread; every warp is done with the
-    // other stage (read in the previous iteration) and, the first time, with
-    // Q, whose bytes the other stage reuses, before it is refilled.
+    // refilled stage (read in the previous iteration) and, the first time,
+    // with Q, whose bytes the last stage reuses, before it is refilled.
     __syncthreads();
-    if (tile + 1 < ntiles) {
-      issue(tile + 1, stage ^ 1);
-      cp_async_commit();
+    if (tile + kStages - 1 < ntiles) {
+      issue(refill, next_slot);
+      next_slot = slot_of(tile + kStages);
     }
-    const uint8_t* raw = smem + L::kStage0 + stage * (L::kStage1 - L::kStage0);
+    cp_async_commit();  // possibly empty: keeps the group count per tile
+    const uint8_t* raw = smem + L::kStage0 + stage * L::kStageBytes;
     const __nv_bfloat16* kv =
         kFp8 ? s_deq : reinterpret_cast<const __nv_bfloat16*>(raw);
 
@@ -366,7 +417,9 @@ __global__ void __launch_bounds__(128 * kMTiles)
 
     // S = Q K^T for warp (mt, wn, wd).
     {
-      float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      // [k-step parity][n-tile]: four independent accumulator chains, so
+      // the MMA latency of one chain hides behind the others.
+      float s_acc[2][2][4] = {};
       // ldmatrix lanes: B matrices lane / 8 = (row block, column block) =
       // (mi / 2, mi % 2).
       const int mi = lane >> 3;
@@ -381,17 +434,19 @@ __global__ void __launch_bounds__(128 * kMTiles)
         else
           ldmatrix_x4(b, raw + b_row * kFp8RowBytes + kFp8RopeOffset +
                              2 * (d0 - kLatent + b_col));
-        mma_bf16(s_acc[0], q_frag[i], b[0], b[1]);
-        mma_bf16(s_acc[1], q_frag[i], b[2], b[3]);
+        mma_bf16(s_acc[i & 1][0], q_frag[i], b[0], b[1]);
+        mma_bf16(s_acc[i & 1][1], q_frag[i], b[2], b[3]);
       }
       float* ss = s_s + (wd * kHeads + mt * kHeadsPerMma) * kRowsPerTile;
   #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = wn * 16 + nt * 8 + 2 * tq;
+        const float* a0 = s_acc[0][nt];
+        const float* a1 = s_acc[1][nt];
         *reinterpret_cast<float2*>(ss + g * kRowsPerTile + col) =
-            make_float2(s_acc[nt][0], s_acc[nt][1]);
+            make_float2(a0[0] + a1[0], a0[1] + a1[1]);
         *reinterpret_cast<float2*>(ss + (g + 8) * kRowsPerTile + col) =
-            make_float2(s_acc[nt][2], s_acc[nt][3]);
+            make_float2(a0[2] + a1[2], a0[3] + a1[3]);
       }
     }
     __syncthreads();
@@ -485,6 +540,8 @@ __global__ void __launch_bounds__(128 * kMTiles)
         }
       }
     }
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+    refill = refill + 1 == kStages ? 0 : refill + 1;
   }
 
   cp_async_wait_all();  // Q's copy when the split had no rows
@@ -539,10 +596,10 @@ __global__ void __launch_bounds__(128 * kMTiles)
   }
 }
 
-template <int kD, bool kFp8, int kMTiles>
+template <int kD, bool kFp8, int kMTiles, int kStages>
 void launch_decode_kernel(const Params& p, cudaStream_t stream) {
-  constexpr int bytes = SmemLayout<kD, kFp8, kMTiles>::kBytes;
-  auto* kernel = &sparse_mla_decode_kernel<kD, kFp8, kMTiles>;
+  constexpr int bytes = SmemLayout<kD, kFp8, kMTiles, kStages>::kBytes;
+  auto* kernel = &sparse_mla_decode_kernel<kD, kFp8, kMTiles, kStages>;
   // A function attribute, not a stream operation: allowed while capturing.
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        bytes);
@@ -551,13 +608,27 @@ void launch_decode_kernel(const Params& p, cudaStream_t stream) {
   kernel<<<static_cast<unsigned>(ctas), 128 * kMTiles, bytes, stream>>>(p);
 }
 
-// The head-tile count the host chose for p (head_tiles of its head count).
+// The device's opt-in shared memory per block (a device attribute, not a
+// stream operation: allowed while capturing).
+inline int smem_optin_bytes() {
+  int dev = 0, bytes = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return bytes;
+}
+
+// The head-tile count the host chose for p (head_tiles of its head count);
+// the two-tile variant runs the deep pipeline where the device holds it. The
+// depth changes neither the split count nor the arithmetic order.
 template <int kD, bool kFp8>
 void launch_decode(const Params& p, cudaStream_t stream) {
-  if (head_tiles(p.num_heads) == 2)
-    launch_decode_kernel<kD, kFp8, 2>(p, stream);
+  constexpr int kDeep = kFp8 ? kDeepStagesFp8 : kDeepStagesBf16;
+  if (head_tiles(p.num_heads) == 1)
+    launch_decode_kernel<kD, kFp8, 1, kPortableStages>(p, stream);
+  else if (smem_optin_bytes() >= SmemLayout<kD, kFp8, 2, kDeep>::kBytes)
+    launch_decode_kernel<kD, kFp8, 2, kDeep>(p, stream);
   else
-    launch_decode_kernel<kD, kFp8, 1>(p, stream);
+    launch_decode_kernel<kD, kFp8, 2, kPortableStages>(p, stream);
 }
 
 }  // namespace vllm_exl3::sparse_mla

@@ -48,7 +48,8 @@ KV_FORMAT_FP8_DS_MLA = 1
 HEADS_PER_MMA = 16
 TWO_TILE_MIN_HEADS = 64
 ROWS_PER_TILE = 32
-SPLIT_TARGET_CTAS_PER_SM = 2
+SPLIT_CTAS_PER_SM_ONE_TILE = 2
+SPLIT_CTAS_PER_SM_TWO_TILES = 1
 MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
 # q rows, cache rows and their strides move in 16-byte cp.async chunks.
@@ -79,9 +80,14 @@ def num_splits(num_tokens: int, num_heads: int, topk: int, sm_count: int) -> int
     """Split-k count: the C++ rule (num_splits in exl3_sparse_mla.cuh), verbatim."""
     tiles = -(-topk // ROWS_PER_TILE)
     base = num_tokens * head_groups(num_heads)
-    if base <= 0 or base >= sm_count:
+    per_sm = (
+        SPLIT_CTAS_PER_SM_TWO_TILES
+        if head_tiles(num_heads) == 2
+        else SPLIT_CTAS_PER_SM_ONE_TILE
+    )
+    if base <= 0:
         return 1
-    s = -(-(SPLIT_TARGET_CTAS_PER_SM * sm_count) // base)
+    s = sm_count * per_sm // base
     s = min(s, tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS)
     if s <= 1:
         return 1
@@ -125,7 +131,7 @@ def max_workspace_bytes(
 ) -> int:
     """The largest `workspace_bytes` over 1..max_tokens tokens: one buffer, sized
     once, serves every batch a backend (and its CUDA graphs) runs. Split-k only runs
-    below one CTA per SM, so the walk is short."""
+    while one pass has at most one CTA per SM, so the walk is short."""
     if sm_count is None:
         sm_count = _device_sm_count(device)
     last = min(max_tokens, -(-sm_count // head_groups(num_heads)))
