@@ -15,6 +15,8 @@
 #   e2e         scripts/e2e/run_fixture_e2e.py (fixture perplexity, eager vs graphs, vllm serve)
 #   throughput  scripts/e2e/throughput.py (synthetic Qwen3-8B dimensions, EXL3 vs bf16)
 #   bench       scripts/bench/bench_linear.py --no-exl3 --bits 4 (the op against bf16)
+#   harness     ci/test_vllm_harness.sh, GPU part included (vLLM's own harness on our test files;
+#               needs VLLM_EXL3_HARNESS_PACK, the pack `ci/test_vllm_harness.sh --pack` wrote)
 #
 # Everything goes to the results folder ($OUT, or --out DIR, else ./gpu-results): one log per
 # step, each script's JSON, and summary.txt (step, exit status, seconds). Each step runs under
@@ -24,13 +26,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(tests kernels e2e throughput bench)
+ALL_STEPS=(tests kernels e2e throughput bench harness)
 OUT_DIR=${OUT:-gpu-results}
 steps=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR=${2:?--out needs a directory}; shift 2 ;;
-    -h|--help) sed -n '3,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '3,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *)
       if [[ " ${ALL_STEPS[*]} " != *" $1 "* ]]; then
         echo "gpu.sh: unknown step '$1' (steps: ${ALL_STEPS[*]})" >&2; exit 2
@@ -109,6 +111,9 @@ run_step() {
     throughput) "$PY" scripts/e2e/throughput.py --out "$OUT_DIR/throughput" --budget-s "$budget" ;;
     bench) "$PY" scripts/bench/bench_linear.py --out "$OUT_DIR/bench" --no-exl3 --bits 4 \
              --budget-s "$budget" ;;
+    # -v names each test as it starts, so a test that outlives the step is named in its log;
+    # faulthandler dumps the stacks of one still running after 300 s.
+    harness) PYTHON=$PY bash ci/test_vllm_harness.sh -v --durations=20 -o faulthandler_timeout=300 ;;
   esac
 }
 
