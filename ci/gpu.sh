@@ -111,9 +111,10 @@ run_step() {
     throughput) "$PY" scripts/e2e/throughput.py --out "$OUT_DIR/throughput" --budget-s "$budget" ;;
     bench) "$PY" scripts/bench/bench_linear.py --out "$OUT_DIR/bench" --no-exl3 --bits 4 \
              --budget-s "$budget" ;;
-    # -v names each test as it starts, so a test that outlives the step is named in its log;
+    # -v (unbuffered) names each test as it starts, so one that outlives the step is in its log;
     # faulthandler dumps the stacks of one still running after 300 s.
-    harness) PYTHON=$PY bash ci/test_vllm_harness.sh -v --durations=20 -o faulthandler_timeout=300 ;;
+    harness) PYTHONUNBUFFERED=1 PYTHON=$PY bash ci/test_vllm_harness.sh -v --durations=20 \
+               -o faulthandler_timeout=300 ;;
   esac
 }
 
