@@ -15,6 +15,11 @@
 #   e2e         scripts/e2e/run_fixture_e2e.py (fixture perplexity, eager vs graphs, vllm serve)
 #   throughput  scripts/e2e/throughput.py (synthetic Qwen3-8B dimensions, EXL3 vs bf16)
 #   bench       scripts/bench/bench_linear.py --no-exl3 --bits 4 (the op against bf16)
+#   moe         scripts/e2e/run_moe_e2e.py on the MoE fixture conversions staged in
+#               VLLM_EXL3_MOE_DIR by scripts/e2e/stage_fixtures.sh (perplexity, eager vs graphs)
+#   mtp         scripts/e2e/run_mtp_e2e.py (MTP speculation against plain decoding)
+#   sparse      scripts/e2e/run_sparse_mla_e2e.py --resume (EXL3_MLA_SPARSE vs FLASHMLA_SPARSE;
+#               its runs stay in .e2e/sparse-mla, so repeating the step completes the table)
 #   harness     ci/test_vllm_harness.sh, GPU part included (vLLM's own harness on our test files;
 #               needs VLLM_EXL3_HARNESS_PACK, the pack `ci/test_vllm_harness.sh --pack` wrote)
 #
@@ -26,13 +31,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(tests kernels e2e throughput bench harness)
+ALL_STEPS=(tests kernels e2e throughput bench moe mtp sparse harness)
 OUT_DIR=${OUT:-gpu-results}
 steps=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR=${2:?--out needs a directory}; shift 2 ;;
-    -h|--help) sed -n '3,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '3,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *)
       if [[ " ${ALL_STEPS[*]} " != *" $1 "* ]]; then
         echo "gpu.sh: unknown step '$1' (steps: ${ALL_STEPS[*]})" >&2; exit 2
@@ -111,6 +116,14 @@ run_step() {
     throughput) "$PY" scripts/e2e/throughput.py --out "$OUT_DIR/throughput" --budget-s "$budget" ;;
     bench) "$PY" scripts/bench/bench_linear.py --out "$OUT_DIR/bench" --no-exl3 --bits 4 \
              --budget-s "$budget" ;;
+    moe) "$PY" scripts/e2e/run_moe_e2e.py --moe-dir "${VLLM_EXL3_MOE_DIR:?the moe step needs \
+VLLM_EXL3_MOE_DIR (scripts/e2e/stage_fixtures.sh)}" --out "$OUT_DIR/moe" --budget-s "$budget" ;;
+    mtp) "$PY" scripts/e2e/run_mtp_e2e.py --out "$OUT_DIR/mtp" --budget-s "$budget" ;;
+    sparse)
+      "$PY" scripts/e2e/run_sparse_mla_e2e.py --out .e2e/sparse-mla --resume --budget-s "$budget"
+      local rc=$?
+      cp -r .e2e/sparse-mla "$OUT_DIR/"
+      return $rc ;;
     # -v (unbuffered) names each test as it starts, so one that outlives the step is in its log;
     # faulthandler dumps the stacks of one still running after 300 s.
     harness) PYTHONUNBUFFERED=1 PYTHON=$PY bash ci/test_vllm_harness.sh -v --durations=20 \
