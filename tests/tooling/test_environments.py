@@ -2,7 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The environments the project runs in: ci/setup-env.sh (cache location, hash-keyed
 venv path, pinned CUDA libraries), the docker/ image recipe kept in step with the tool
-it runs, and the setup of vLLM's own test harness on the EXL3 test files.
+it runs, the setup of vLLM's own test harness on the EXL3 test files, and the steps of
+the GPU CI entry (ci/gpu.sh).
 """
 
 from __future__ import annotations
@@ -324,3 +325,32 @@ def test_overlay_tests_only_add_to_vllms_tests_tree():
     assert [p for p in ours if (sdist / p).exists()] == []
     # Each test file sits in a directory vLLM's tests tree already has.
     assert [p for p in ours if not (sdist / p).parent.is_dir()] == []
+
+
+GPU_CI = ROOT / "ci" / "gpu.sh"
+
+
+def _gpu_ci_steps() -> list[str]:
+    m = re.search(r"^ALL_STEPS=\(([^)]*)\)", GPU_CI.read_text(), re.M)
+    assert m, "ci/gpu.sh: no ALL_STEPS=(...) line"
+    return m.group(1).split()
+
+
+def test_gpu_ci_documents_and_runs_every_step():
+    steps = _gpu_ci_steps()
+    assert {"kernels", "e2e", "moe", "mtp", "sparse", "harness"} <= set(steps)
+    r = subprocess.run(["bash", str(GPU_CI), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    documented = re.findall(r"^  ([a-z0-9]+) {2,}", r.stdout, re.M)
+    assert documented == steps, (documented, steps)
+    body = GPU_CI.read_text().split("run_step() {", 1)[1]
+    branches = set(re.findall(r"^    ([a-z0-9]+)\)", body, re.M))
+    assert set(steps) <= branches, set(steps) - branches
+
+
+def test_gpu_ci_refuses_an_unknown_step_before_looking_for_a_gpu():
+    r = subprocess.run(
+        ["bash", str(GPU_CI), "kernel"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2
+    assert "unknown step 'kernel'" in r.stderr and "harness" in r.stderr
