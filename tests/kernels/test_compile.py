@@ -223,7 +223,9 @@ def test_sparse_mla_kernels_fit_without_spills(tmp_path: Path, arch: str) -> Non
         )
         assert r.returncode == 0, r.stderr[-3000:]
         assert "warning" not in r.stderr.lower(), r.stderr[-3000:]
-        assert "C7513" not in r.stderr and "serialized" not in r.stderr, r.stderr[-3000:]
+        assert "C7513" not in r.stderr and "serialized" not in r.stderr, r.stderr[
+            -3000:
+        ]
         entries += re.findall(
             r"Compiling entry function '(\S*sparse_mla\S*)'.*?"
             r"(\d+) bytes stack frame, (\d+) bytes spill stores.*?Used (\d+) registers",

@@ -240,7 +240,7 @@ struct WgLayout {
   static constexpr int kQ = 0;
   static constexpr int kKv = kQ + kTileBytes;
   static constexpr int kP = kKv + kStages * kTileBytes;
-  static constexpr int kRaw = kP + kBlockBytes;  // fp8 only, 16-byte aligned
+  static constexpr int kRaw = kP + kBlockBytes;    // fp8 only, 16-byte aligned
   static constexpr int kValid = kRaw + kRawBytes;  // int [2][64]
   static constexpr int kAlpha = kValid + 2 * kWgRows * 4;
   static constexpr int kM = kAlpha + kWgHeads * 4;
@@ -709,7 +709,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     sparse_mla_decode_wgmma_kernel(const __grid_constant__ Params p) {
   #if !EXL3_WGMMA
   __trap();  // never launched: the host selects this path only on sm_90a
-  #else
+  return;
+  #endif
   static_assert(kD == 576 || kD == 512, "head size 576 or 512");
   static_assert(!kFp8 || kD == 576, "fp8_ds_mla rows are 576 wide");
   using L = WgLayout<kD, kFp8>;
@@ -825,8 +826,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   #pragma unroll
       for (int i = 0; i < kRopeChunks / kThreadsPerRow; ++i) {
         const int c = j + kThreadsPerRow * i;
-        *reinterpret_cast<uint4*>(dst +
-                                  wg_chunk_offset(row, kLatent / 8 + c)) =
+        *reinterpret_cast<uint4*>(dst + wg_chunk_offset(row, kLatent / 8 + c)) =
             *reinterpret_cast<const uint4*>(r + kFp8RopeOffset + 16 * c);
       }
       fence_proxy_async_shared();
@@ -845,9 +845,11 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   #pragma unroll
       for (int k = 0; k < kSteps; ++k) {
         const uint32_t off = (k / 4) * L::kBlockBytes + (k % 4) * 32;
+  #if EXL3_WGMMA
         wgmma_ss_bf16<kWgRows, false>(
             s, wgmma_desc_k_major_sw128(base + L::kQ + off),
             wgmma_desc_k_major_sw128(kv_addr + off), k > 0);
+  #endif
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -899,8 +901,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
               __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pe));
           l_run[r] += f.x + f.y;
           const int row = row0 + 8 * r;
-          *reinterpret_cast<uint32_t*>(s_p + wg_chunk_offset(row, n) +
-                                       4 * tq) = pe;
+          *reinterpret_cast<uint32_t*>(s_p + wg_chunk_offset(row, n) + 4 * tq) =
+              pe;
         }
       if (tq == 0) {
         s_alpha[row0] = alpha[0];
@@ -924,11 +926,14 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const uint32_t v_addr =
           kv_addr + wg * (kWgDims / kSwizzleCols) * L::kBlockBytes;
   #pragma unroll
-      for (int k = 0; k < kWgRows / 16; ++k)
+      for (int k = 0; k < kWgRows / 16; ++k) {
+  #if EXL3_WGMMA
         wgmma_ss_bf16<kWgDims, true>(
             o, wgmma_desc_k_major_sw128(base + L::kP + 32 * k),
             wgmma_desc_mn_major_sw128(v_addr + 16 * 128 * k, L::kBlockBytes),
             true);
+  #endif
+      }
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(o);
@@ -986,7 +991,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       p.part_lse[static_cast<int64_t>(split) * p.num_tokens * p.num_heads +
                  th] = lse2;
   }
-  #endif  // EXL3_WGMMA
 }
 
 template <int kD, bool kFp8>

@@ -76,8 +76,8 @@ bool use_wgmma(int32_t device, int64_t heads) {
     if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                device) != cudaSuccess)
       optin = 0;
-    const bool ok = wgmma_supported(device) &&
-                    optin >= mla::WgLayout<576, false>::kBytes;
+    const bool ok =
+        wgmma_supported(device) && optin >= mla::WgLayout<576, false>::kBytes;
     cache[device] = ok ? 1 : 2;
   }
   return cache[device] == 1;
@@ -209,8 +209,7 @@ void exl3_sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices,
   // wgmma_supported asks the current device's loaded image.
   torch::stable::accelerator::DeviceGuard guard(dev);
   const bool wgmma = use_wgmma(dev, H);
-  const int64_t groups =
-      wgmma ? mla::wg_head_groups(H) : mla::head_groups(H);
+  const int64_t groups = wgmma ? mla::wg_head_groups(H) : mla::head_groups(H);
   STD_TORCH_CHECK(T * groups * splits <= kMaxInt32, kOp, ": ", T,
                   " tokens is too many");
   if (T == 0) return;

@@ -58,8 +58,8 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t addr) {
 // next 64 MN values (the leading offset), one atom apart the next 8 k (the
 // stride offset). The sparse-MLA decode reads V this way from the K-major
 // rows it gathered for S = Q K^T.
-__device__ __forceinline__ uint64_t wgmma_desc_mn_major_sw128(
-    uint32_t addr, uint32_t mn_block_bytes) {
+__device__ __forceinline__ uint64_t
+wgmma_desc_mn_major_sw128(uint32_t addr, uint32_t mn_block_bytes) {
   return static_cast<uint64_t>((addr >> 4) & ((1u << kDescAddrBits) - 1)) |
          (static_cast<uint64_t>((mn_block_bytes >> 4) &
                                 ((1u << kDescAddrBits) - 1))
