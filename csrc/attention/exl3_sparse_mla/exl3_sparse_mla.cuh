@@ -796,10 +796,20 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
   for (int tile = 0; tile < ntiles; ++tile) {
+    if constexpr (!kFp8) {
+      // Every warpgroup is done with the previous tile (its wgmmas completed):
+      // its stage takes the next gather now, before this tile's rows are
+      // waited for, so a late tile has the next one in flight behind it.
+      __syncthreads();
+      if (tile + 1 < ntiles) issue(tile + 1);
+      cp_async_commit();
+      cp_async_wait_pending<1>();
+    } else {
+      cp_async_wait_all();
+    }
     // The tile's rows (and, the first time, Q) have landed for every thread
-    // and are ordered before wgmma's reads; every warpgroup is done with the
-    // previous tile (its wgmmas completed), so its slot may be refilled.
-    cp_async_wait_all();
+    // and are ordered before wgmma's reads; fp8: every warpgroup is done with
+    // the previous tile, so the bf16 stage may be rewritten.
     fence_proxy_async_shared();
     __syncthreads();
     const uint8_t* kv = smem + L::kKv + (kFp8 ? 0 : (tile & 1) * L::kTileBytes);
@@ -831,9 +841,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
       fence_proxy_async_shared();
       __syncthreads();  // the bf16 tile is complete; the raw slot is free
+      if (tile + 1 < ntiles) issue(tile + 1);
+      cp_async_commit();
     }
-    if (tile + 1 < ntiles) issue(tile + 1);
-    cp_async_commit();
 
     const int* valid = s_valid + (tile & 1) * kWgRows;
     const uint32_t kv_addr = base + static_cast<uint32_t>(kv - smem);
