@@ -55,7 +55,9 @@ constexpr int kRowsPerTile = 32;
 // registers), so on Hopper the rest of the SM's shared memory is idle; there
 // it keeps kDeepStages* - 1 tiles in flight instead of one, which hides the
 // latency of a random gather behind the compute of several tiles. fp8 rows
-// are 656 bytes instead of 1152, so more of them fit the same budget.
+// are 656 bytes instead of 1152, so more of them fit the same budget. (Where
+// the wgmma path runs, Hopper launches the two-tile variant no more: the deep
+// ring serves an image without sm_90a code.)
 constexpr int kPortableStages = 2;
 constexpr int kDeepStagesBf16 = 4;
 constexpr int kDeepStagesFp8 = 7;
