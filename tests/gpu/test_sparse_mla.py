@@ -574,3 +574,35 @@ def test_wrapper_names_the_argument() -> None:
         mla.sparse_mla_decode(
             q, cache, idx, 0.1, BF16, workspace=torch.empty(0, device="cuda")
         )
+
+
+def _kernel_names(q, cache, idx, case) -> list[str]:
+    """The CUDA kernels one call of the op launches."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        run_kernel(q, cache, idx, case)
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages()]
+
+
+@pytest.mark.skipif(
+    torch.cuda.get_device_capability() != (9, 0), reason="Hopper's wgmma path"
+)
+@pytest.mark.parametrize("kv_format", [BF16, FP8])
+def test_hopper_runs_the_wgmma_path_from_64_heads(kv_format: int) -> None:
+    """On sm_90 64 heads and more run the wgmma kernel (the reference tests above then
+    check it), fewer heads the mma.sync one."""
+    for heads, wgmma in ((128, True), (64, True), (32, False)):
+        case = Case(tokens=2, heads=heads, kv_format=kv_format, topk=256)
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(0)
+        cache, nb = make_cache(case, gen)
+        idx = make_indices(case, nb, gen)
+        q = torch.randn((2, heads, 576), generator=gen, device="cuda").to(
+            torch.bfloat16
+        )
+        names = _kernel_names(q, cache, idx, case)
+        ran = [n for n in names if "sparse_mla_decode" in n]
+        assert ran, names
+        assert any("wgmma" in n for n in ran) == wgmma, (heads, ran)
