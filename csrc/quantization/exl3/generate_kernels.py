@@ -14,12 +14,11 @@ for. `scripts/vllm-exl3 apply` writes them into a vLLM tree beside the other sou
 
 Checked in: exl3_wgmma_ops.h, the wgmma.mma_async wrappers of the Hopper engine (and
 of the sparse-MLA decode's Hopper path, which multiplies bf16 from two shared-memory
-descriptors). An
-m64nNk16 wgmma with fp32 accumulators names N/2 accumulator registers per thread in one
-inline-asm statement (128 operands at N = 256), too many to keep correct by hand. The
-text goes through clang-format (the repository's .clang-format) so the header is what
-the C++ linter expects; CI regenerates it and compares. Rerun after changing the token
-widths:
+descriptors). An m64nNk16 wgmma with fp32 accumulators names N/2 accumulator registers
+per thread in one inline-asm statement (128 operands at N = 256), too many to keep
+correct by hand. The text goes through clang-format (the repository's .clang-format) so
+the header is what the C++ linter expects; CI regenerates it and compares. Rerun after
+changing the token widths:
 
     python generate_kernels.py --wgmma
 """
