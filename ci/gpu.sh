@@ -89,12 +89,12 @@ kernels_step() {
   part moe_memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$san" --tool memcheck \
     --error-exitcode 1 "$PY" -m pytest -q -m gpu tests/gpu/test_moe_kernels.py -k sanitizer_sample
   # Sparse-MLA decode: small cases covering partial head groups of 16 and 32 heads, fp8_ds_mla,
-  # split-k with the combine, short lists, a strided cache, Hopper's deep ring (wrapping, and
-  # shorter than its prologue); shared-memory races and barriers too.
+  # split-k with the combine, short lists, a strided cache, Hopper's wgmma path from 64 heads on
+  # (lists and splits that end inside its 64-row tile); shared-memory races and barriers too.
   local mla_cases="T4-H17-D576-bf16 or T3-H17-D576-fp8 or T4-H20-D576 \
 or T1-H16-D576-bf16-k2048-ctx65536 or T8-H16-D576-fp8-k2048-ctx4096-bs256-strided or T5-H16-D512 \
 or T4-H100-D576 or T3-H64-D576-fp8 or T3-H65-D576-fp8-k4096 or T7-H65-D576-fp8-k33 \
-or T2-H100-D576-bf16-k1000"
+or T2-H100-D576-bf16-k1000 or T2-H64-D576-bf16-k100 or T1-H65-D576-fp8-k2016"
   local tool
   for tool in memcheck racecheck synccheck; do
     part "sparse_mla_$tool" "$san" --tool "$tool" --error-exitcode 1 "$PY" -m pytest -q -m gpu \

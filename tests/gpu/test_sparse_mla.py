@@ -289,19 +289,41 @@ CASES = [
     Case(tokens=128, heads=64, topk=2048, context=8192, kv_format=FP8),
     Case(tokens=512, heads=16, topk=2048, context=8192),
     Case(tokens=512, heads=128, topk=512, context=4096, kv_format=FP8, empty_tokens=5),
-    # one pass of many tiles through the ring of stages (Hopper's deep pipeline at
-    # 32 heads a CTA, the portable one elsewhere), partial head groups
+    # one pass of many tiles through the ring of stages (from 64 heads on: the wgmma
+    # path's two stages on Hopper, the 32-head CTAs' ring elsewhere), partial head
+    # groups
     Case(tokens=160, heads=65, topk=2048, context=8192),
     Case(tokens=160, heads=100, topk=2048, context=8192, kv_format=FP8, pad_frac=0.1),
     Case(tokens=256, heads=128, topk=2048, context=8192),
     Case(tokens=40, heads=128, topk=4096, context=16384, kv_format=FP8),
-    # split-k with the deep pipeline: splits longer and shorter than the ring
+    # split-k from 64 heads on: splits longer and shorter than the ring
     Case(tokens=3, heads=65, topk=4096, context=16384, kv_format=FP8),
     Case(tokens=2, heads=100, topk=1000, context=4096, pad_frac=0.2),
-    # fewer tiles than the prologue fills (empty commit groups)
+    # fewer tiles than the ring's prologue fills (empty commit groups; one partial
+    # tile of the wgmma path)
     Case(tokens=5, heads=128, topk=100, context=4096, pad_frac=0.3),
     Case(tokens=5, heads=128, topk=100, context=4096, kv_format=FP8),
     Case(tokens=7, heads=65, topk=33, context=64, kv_format=FP8, empty_tokens=2),
+    # Hopper's wgmma path (a CTA per 64 heads from 64 heads on; mma.sync elsewhere):
+    # lists that are no multiple of its 64-row tile, one short tile, splits of an odd
+    # number of 32-row units (96 rows: a full and a half tile), the peaky softmax
+    # rescaled across its tiles, strided fp8 rows with empty tokens
+    Case(tokens=2, heads=64, topk=100, context=4096),
+    Case(tokens=5, heads=100, topk=17, context=32, pad_frac=0.3),
+    Case(tokens=3, heads=128, topk=2048, context=16384, head_size=512),
+    Case(tokens=1, heads=65, topk=2016, context=8192, kv_format=FP8),
+    Case(tokens=3, heads=128, scale=1.0, context=8192),
+    Case(tokens=3, heads=128, scale=1.0, context=8192, kv_format=FP8),
+    Case(
+        tokens=6,
+        heads=64,
+        topk=1000,
+        context=2048,
+        kv_format=FP8,
+        block_size=256,
+        strided=True,
+        empty_tokens=2,
+    ),
     # slots outside the cache count as none (never read)
     Case(tokens=4, heads=16, junk_frac=0.2),
     Case(tokens=2, heads=16, junk_frac=0.3, kv_format=FP8, context=65536),
@@ -368,20 +390,25 @@ def test_nan_never_passes() -> None:
     assert compare(case, 1, out, bad_lse, ref_out, ref_lse, cache)
 
 
+@pytest.mark.parametrize("heads", [32, 128])  # mma.sync everywhere; wgmma on Hopper
 @pytest.mark.parametrize("kv_format", [BF16, FP8])
 @pytest.mark.parametrize("tokens", [2, 200])  # split-k and its combine; one pass
-def test_nan_inputs_reach_the_output(kv_format: int, tokens: int) -> None:
+def test_nan_inputs_reach_the_output(kv_format: int, tokens: int, heads: int) -> None:
     """A NaN in q or in a selected row gives NaN (out and lse) where the reference
     has it, never zeros or a finite lse; every other head still matches."""
-    case = Case(tokens=tokens, heads=32, kv_format=kv_format, context=8192)
+    case = Case(tokens=tokens, heads=heads, kv_format=kv_format, context=8192)
     gen = torch.Generator(device="cuda")
     seed = random.SystemRandom().randrange(2**31)
     gen.manual_seed(seed)
     cache, nb = make_cache(case, gen)
     idx = make_indices(case, nb, gen)
-    q = torch.randn((tokens, 32, 576), generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.randn((tokens, heads, 576), generator=gen, device="cuda").to(
+        torch.bfloat16
+    )
     q[0, 3] = float("nan")  # a whole head
     q[1, 20, 7] = float("nan")  # one value of another
+    if heads > 64:
+        q[0, 90] = float("nan")  # a head of the second group of 64
     # a NaN in one selected row poisons every head of the token that selected it
     slot = int(idx[1][idx[1] >= 0][0])
     row = cache[slot // case.block_size, slot % case.block_size]
@@ -504,10 +531,11 @@ def test_bad_inputs_raise_named_errors() -> None:
         assert needle in str(ei.value), (needle, str(ei.value))
 
 
-def test_workspace_rule_matches_the_kernel() -> None:
+@pytest.mark.parametrize("t,h", [(1, 16), (2, 128)])
+def test_workspace_rule_matches_the_kernel(t: int, h: int) -> None:
     """The wrapper's workspace_bytes is exactly the C++ requirement: one byte less is
-    refused, naming the rule (a split-k shape: 1 token, 16 heads)."""
-    t, h, k = 1, 16, 2048
+    refused, naming the rule (split-k shapes of 16 and 128 heads)."""
+    k = 2048
     need = mla.workspace_bytes(t, h, k)
     assert need > 0
     q = torch.randn((t, h, 576), device="cuda").to(torch.bfloat16)
@@ -546,3 +574,35 @@ def test_wrapper_names_the_argument() -> None:
         mla.sparse_mla_decode(
             q, cache, idx, 0.1, BF16, workspace=torch.empty(0, device="cuda")
         )
+
+
+def _kernel_names(q, cache, idx, case) -> list[str]:
+    """The CUDA kernels one call of the op launches."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        run_kernel(q, cache, idx, case)
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages()]
+
+
+@pytest.mark.skipif(
+    torch.cuda.get_device_capability() != (9, 0), reason="Hopper's wgmma path"
+)
+@pytest.mark.parametrize("kv_format", [BF16, FP8])
+def test_hopper_runs_the_wgmma_path_from_64_heads(kv_format: int) -> None:
+    """On sm_90 64 heads and more run the wgmma kernel (the reference tests above then
+    check it), fewer heads the mma.sync one."""
+    for heads, wgmma in ((128, True), (64, True), (32, False)):
+        case = Case(tokens=2, heads=heads, kv_format=kv_format, topk=256)
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(0)
+        cache, nb = make_cache(case, gen)
+        idx = make_indices(case, nb, gen)
+        q = torch.randn((2, heads, 576), generator=gen, device="cuda").to(
+            torch.bfloat16
+        )
+        names = _kernel_names(q, cache, idx, case)
+        ran = [n for n in names if "sparse_mla_decode" in n]
+        assert ran, names
+        assert any("wgmma" in n for n in ran) == wgmma, (heads, ran)

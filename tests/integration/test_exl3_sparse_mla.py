@@ -39,6 +39,7 @@ def test_constants_mirror_the_cuda_header() -> None:
         "kHeadsPerMma": mla.HEADS_PER_MMA,
         "kTwoTileMinHeads": mla.TWO_TILE_MIN_HEADS,
         "kRowsPerTile": mla.ROWS_PER_TILE,
+        "kWgHeads": mla.WGMMA_HEADS,
         "kSplitCtasPerSmOneTile": mla.SPLIT_CTAS_PER_SM_ONE_TILE,
         "kSplitCtasPerSmTwoTiles": mla.SPLIT_CTAS_PER_SM_TWO_TILES,
         "kMinTilesPerSplit": mla.MIN_TILES_PER_SPLIT,
@@ -52,10 +53,12 @@ def test_constants_mirror_the_cuda_header() -> None:
 
 
 def test_split_rule() -> None:
-    # enough CTAs to fill every slot (two per SM at 16 heads, one at 32) without
-    # splitting: one pass, no workspace
+    # enough work to fill every slot (two CTAs per SM at 16 heads, one group of 64
+    # heads per SM from 64 heads on) without splitting: one pass, no workspace
     assert mla.num_splits(133, 16, 2048, 132) == 1
-    assert mla.num_splits(33, 128, 2048, 132) == 1  # 4 groups of 32 heads
+    assert mla.num_splits(67, 128, 2048, 132) == 1  # 2 groups of 64 heads
+    assert mla.num_splits(66, 128, 2048, 132) == 1  # 132 units: one full pass
+    assert mla.num_splits(33, 128, 2048, 132) == 2  # 66 units: two splits fill it
     # 132 tokens of 16 heads fill one of the two slots per SM: two splits
     assert mla.num_splits(132, 16, 2048, 132) == 2
     # never a second, partial wave: 128 CTAs of 16 heads take 2 splits, not 3
@@ -73,10 +76,22 @@ def test_split_rule() -> None:
     assert mla.workspace_bytes(133, 16, 2048, sm_count=132) == 0
     # one token: 64 tiles cut into 32 splits of 2 (the minimum length)
     assert mla.num_splits(1, 16, 2048, 132) == 32
-    # 8 tokens x 4 head groups = 32 CTAs of 32 heads, one slot per SM: 4 splits
-    assert mla.num_splits(8, 128, 2048, 132) == 4
-    # 20 tokens x 4 groups = 80 CTAs: one split fills at most 132 slots
-    assert mla.num_splits(20, 128, 2048, 132) == 1
+    assert [mla.split_units(h) for h in (1, 16, 17, 63, 64, 65, 100, 128)] == [
+        1,
+        1,
+        2,
+        4,
+        1,
+        2,
+        2,
+        2,
+    ]
+    # 8 tokens x 2 groups of 64 heads = 16 units, one slot per SM: 8 splits
+    assert mla.num_splits(8, 128, 2048, 132) == 8
+    # 20 tokens x 2 groups = 40 units: 3 splits of 22, 22 and 20 tiles
+    assert mla.num_splits(20, 128, 2048, 132) == 3
+    # 80 units: a second split would overfill the 132 slots
+    assert mla.num_splits(40, 100, 2048, 132) == 1
     # short lists are not split below two tiles
     assert mla.num_splits(1, 16, 64, 132) == 1
     assert mla.num_splits(1, 16, 96, 132) == 1
@@ -86,7 +101,7 @@ def test_split_rule() -> None:
 @pytest.mark.parametrize("sms", [1, 20, 48, 132, 188])
 def test_splits_are_never_empty_and_cover_the_list(sms: int) -> None:
     for t in (1, 2, 3, 7, 31, 100):
-        for h in (1, 16, 17, 128):
+        for h in (1, 16, 17, 64, 65, 128):
             for topk in (1, 31, 32, 33, 64, 100, 2048, 4095, 4096):
                 s = mla.num_splits(t, h, topk, sms)
                 tiles = math.ceil(topk / mla.ROWS_PER_TILE)
@@ -100,7 +115,7 @@ def test_splits_are_never_empty_and_cover_the_list(sms: int) -> None:
 
 def test_max_workspace_covers_every_batch() -> None:
     for sms in (8, 132, 188):
-        for h in (1, 16, 128):
+        for h in (1, 16, 65, 128):
             for topk in (64, 2048, 4096):
                 for max_t in (1, 5, 64, 8192):
                     top = mla.max_workspace_bytes(max_t, h, topk, sm_count=sms)

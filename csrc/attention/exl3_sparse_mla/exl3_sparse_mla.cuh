@@ -19,6 +19,17 @@
 //   O += P V: warp w owns output dims [512 w / warps, 512 (w + 1) / warps) of
 //     every head (64 fp32 accumulators per thread); each V fragment serves
 //     all head tiles.
+// Hopper (sm_90a) with 64 heads or more takes the warpgroup-MMA path instead:
+// one CTA per (token, 64 heads, split), two warpgroups, 64 KV rows per stage
+// gathered by cp.async straight into the 128-byte-swizzled layout wgmma's
+// shared-memory descriptors read (fp8_ds_mla: raw rows, dequantized by the
+// CTA into that layout).
+//   S = Q K^T (64 heads x 64 rows, K = 576 or 512): warpgroup 0 alone, wgmma
+//     m64n64k16 from the Q and K descriptors; online softmax in its
+//     registers, P (bf16) and the rescale factors to shared memory.
+//   O += P V: warpgroup g owns output dims [256 g, 256 g + 256) of every head
+//     (128 fp32 accumulators a thread), wgmma m64n256k16 with P K-major and V
+//     MN-major from the same gathered rows.
 // Split-k: with fewer CTAs than SMs, the top-k list is cut into splits whose
 // normalized partials (and log2 sum-exp) go to the workspace and a combine
 // kernel merges them; the split count depends only on (T, H, topk, SMs).
@@ -44,7 +55,9 @@ constexpr int kRowsPerTile = 32;
 // registers), so on Hopper the rest of the SM's shared memory is idle; there
 // it keeps kDeepStages* - 1 tiles in flight instead of one, which hides the
 // latency of a random gather behind the compute of several tiles. fp8 rows
-// are 656 bytes instead of 1152, so more of them fit the same budget.
+// are 656 bytes instead of 1152, so more of them fit the same budget. (Where
+// the wgmma path runs, Hopper launches the two-tile variant no more: the deep
+// ring serves an image without sm_90a code.)
 constexpr int kPortableStages = 2;
 constexpr int kDeepStagesBf16 = 4;
 constexpr int kDeepStagesFp8 = 7;
@@ -68,13 +81,45 @@ constexpr int kSplitCtasPerSmTwoTiles = 1;
 constexpr int kMinTilesPerSplit = 2;
 constexpr int kMaxSplits = 64;
 
+// The wgmma path: wgmma's M is 64, so one CTA serves 64 heads; a stage holds
+// 64 KV rows (S's N, and four k16 steps of O += P V); two warpgroups split
+// the 512 output dims so that each holds 128 accumulators a thread.
+constexpr int kWgHeads = 64;
+constexpr int kWgRows = 64;
+constexpr int kWgGroups = 2;
+constexpr int kWgGroupThreads = 128;  // a warpgroup
+constexpr int kWgThreads = kWgGroups * kWgGroupThreads;
+constexpr int kWgDims = kLatent / kWgGroups;
+// bf16 rows land in the stage wgmma reads: one stage gathered while one is
+// consumed (two 72 KB stages and the 72 KB Q fill Hopper's 227 KB). fp8 rows
+// land raw in one ring slot and are dequantized into a single bf16 stage at
+// the top of their tile, freeing the slot for the next gather.
+constexpr int kWgStagesBf16 = 2;
+// One 128-byte swizzled row holds 64 bf16; eight rows make the 1024-byte
+// atom the swizzle repeats with (exl3_wgmma.cuh's kSwizzleAtomBytes).
+constexpr int kSwizzleCols = 64;
+constexpr int kWgAtomBytes = 1024;
+
 // Head tiles per CTA for a head count (1 or 2).
 inline int head_tiles(int64_t heads) {
   return heads >= kTwoTileMinHeads ? 2 : 1;
 }
+// CTAs per token and split of the mma.sync path.
 inline int64_t head_groups(int64_t heads) {
   const int64_t per = kHeadsPerMma * head_tiles(heads);
   return (heads + per - 1) / per;
+}
+// CTAs per token and split of the wgmma path.
+inline int64_t wg_head_groups(int64_t heads) {
+  return (heads + kWgHeads - 1) / kWgHeads;
+}
+// The split rule's unit of work per token: a one-tile CTA (two per SM), or
+// from kTwoTileMinHeads heads on, 64 heads at one per SM: one CTA of the wgmma
+// path; two of the two-tile mma.sync path (sm_12x), which then runs two waves
+// of splits half as long. One rule for both keeps the split count a function
+// of the shape and the SM count only.
+inline int64_t split_units(int64_t heads) {
+  return head_tiles(heads) == 2 ? wg_head_groups(heads) : head_groups(heads);
 }
 
 // Split count of a problem: a pure function of its shape and the SM count, so
@@ -82,7 +127,7 @@ inline int64_t head_groups(int64_t heads) {
 inline int num_splits(int64_t tokens, int64_t heads, int64_t topk,
                       int64_t sms) {
   const int64_t tiles = (topk + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t base = tokens * head_groups(heads);
+  const int64_t base = tokens * split_units(heads);
   const int64_t slots = sms * (head_tiles(heads) == 2 ? kSplitCtasPerSmTwoTiles
                                                       : kSplitCtasPerSmOneTile);
   if (base <= 0) return 1;
@@ -182,10 +227,40 @@ static_assert(SmemLayout<576, true, 2, kDeepStagesFp8>::kBytes <=
                   kSmemLimitSm90,
               "deep fp8");
 
+// Shared memory of the wgmma path. Every operand region is a whole number of
+// 1024-byte swizzle atoms from a 1024-byte aligned base (the swizzle is
+// decoded from absolute address bits): a 64-row operand of kD columns is kD /
+// 64 blocks of 64 rows x 128 bytes, block c holding columns [64 c, 64 c + 64).
+template <int kD, bool kFp8>
+struct WgLayout {
+  static constexpr int kBlockBytes = kWgRows * 128;  // 64 rows x 64 bf16
+  static_assert(kWgHeads == kWgRows, "Q, K and P blocks share one shape");
+  static constexpr int kColBlocks = kD / kSwizzleCols;
+  static constexpr int kTileBytes = kColBlocks * kBlockBytes;
+  static constexpr int kStages = kFp8 ? 1 : kWgStagesBf16;  // bf16 stages
+  static constexpr int kRawBytes = kFp8 ? kWgRows * kFp8RowBytes : 0;
+  static constexpr int kQ = 0;
+  static constexpr int kKv = kQ + kTileBytes;
+  static constexpr int kP = kKv + kStages * kTileBytes;
+  static constexpr int kRaw = kP + kBlockBytes;    // fp8 only, 16-byte aligned
+  static constexpr int kValid = kRaw + kRawBytes;  // int [2][64]
+  static constexpr int kAlpha = kValid + 2 * kWgRows * 4;
+  static constexpr int kM = kAlpha + kWgHeads * 4;
+  static constexpr int kL = kM + kWgHeads * 4;
+  static constexpr int kEnd = kL + kWgHeads * 4;
+  // The dynamic shared memory base is only 16-byte aligned: room to align it.
+  static constexpr int kBytes = kEnd + kWgAtomBytes;
+  static_assert(kTileBytes % kWgAtomBytes == 0, "whole atoms");
+};
+static_assert(WgLayout<576, false>::kBytes <= kSmemLimitSm90, "wgmma bf16");
+static_assert(WgLayout<576, true>::kBytes <= kSmemLimitSm90, "wgmma fp8");
+
 // Launchers: bf16 rows of width d (576 or 512) and the split-k combine in
 // exl3_sparse_mla_bf16.cu, fp8_ds_mla rows (576) in exl3_sparse_mla_fp8.cu.
-void launch_decode_bf16(const Params& p, int d, cudaStream_t stream);
-void launch_decode_fp8(const Params& p, cudaStream_t stream);
+// `wgmma`: the host chose the warpgroup-MMA path (use_wgmma).
+void launch_decode_bf16(const Params& p, int d, bool wgmma,
+                        cudaStream_t stream);
+void launch_decode_fp8(const Params& p, bool wgmma, cudaStream_t stream);
 void launch_combine(const Params& p, cudaStream_t stream);
 
 }  // namespace vllm_exl3::sparse_mla
@@ -196,7 +271,12 @@ void launch_combine(const Params& p, cudaStream_t stream);
 
   #include <cmath>
 
+  #include "../../quantization/exl3/exl3_wgmma.cuh"
+
 namespace vllm_exl3::sparse_mla {
+
+static_assert(kWgAtomBytes == kSwizzleAtomBytes, "one swizzle atom");
+static_assert(kWgGroupThreads == kWarpgroupThreads, "one warpgroup");
 
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -617,13 +697,336 @@ inline int smem_optin_bytes() {
   return bytes;
 }
 
-// The head-tile count the host chose for p (head_tiles of its head count);
-// the two-tile variant runs the deep pipeline where the device holds it. The
-// depth changes neither the split count nor the arithmetic order.
+// Byte offset of 16-byte chunk `chunk` (columns [8 chunk, 8 chunk + 8)) of row
+// `row` in a 64-row operand of WgLayout (128-byte swizzle: the chunk's index
+// within its 128-byte row is XORed with row mod 8).
+__device__ __forceinline__ int wg_chunk_offset(int row, int chunk) {
+  constexpr int kChunksPerRow = kSwizzleCols / 8;
+  return (chunk / kChunksPerRow) * (kWgRows * 128) + row * 128 +
+         (((chunk % kChunksPerRow) ^ (row & 7)) << 4);
+}
+
 template <int kD, bool kFp8>
-void launch_decode(const Params& p, cudaStream_t stream) {
+__global__ void __launch_bounds__(kWgThreads, 1)
+    sparse_mla_decode_wgmma_kernel(const __grid_constant__ Params p) {
+  #if !EXL3_WGMMA
+  __trap();  // never launched: the host selects this path only on sm_90a
+  return;
+  #endif
+  static_assert(kD == 576 || kD == 512, "head size 576 or 512");
+  static_assert(!kFp8 || kD == 576, "fp8_ds_mla rows are 576 wide");
+  using L = WgLayout<kD, kFp8>;
+  constexpr int kThreadsPerRow = kWgThreads / kWgRows;  // gathers
+  constexpr int kChunks = kD / 8;                       // per bf16 row
+  constexpr int kSteps = kD / 16;                       // S's k16 steps
+  constexpr int kNBlocks = kWgRows / 8;                 // S's n8 blocks
+  constexpr int kONBlocks = kWgDims / 8;                // O's n8 blocks
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const uint32_t raw_addr = smem_addr(smem_raw);
+  uint8_t* smem = smem_raw + (((raw_addr + kWgAtomBytes - 1) &
+                               ~uint32_t{kWgAtomBytes - 1}) -
+                              raw_addr);
+  const uint32_t base = smem_addr(smem);
+  int* s_valid = reinterpret_cast<int*>(smem + L::kValid);
+  float* s_alpha = reinterpret_cast<float*>(smem + L::kAlpha);
+  float* s_m = reinterpret_cast<float*>(smem + L::kM);
+  float* s_l = reinterpret_cast<float*>(smem + L::kL);
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int wg = tid / kWarpgroupThreads;
+  // Rows g and g + 8 of the warp's 16 in wgmma's accumulator layout.
+  const int row0 = ((tid % kWarpgroupThreads) / 32) * 16 + (lane >> 2);
+  const int tq = lane & 3;
+  int bid = blockIdx.x;
+  const int group = bid % p.head_groups;
+  bid /= p.head_groups;
+  const int split = bid % p.num_splits;
+  const int t = bid / p.num_splits;
+  const int h0 = group * kWgHeads;
+  const int begin = split * p.tiles_per_split * kRowsPerTile;
+  const int end = min(p.topk, begin + p.tiles_per_split * kRowsPerTile);
+  const int ntiles = end > begin ? (end - begin + kWgRows - 1) / kWgRows : 0;
+
+  // Q: 64 heads x D; heads past H are zero rows (their results are dropped).
+  for (int i = tid; i < kWgHeads * kChunks; i += kWgThreads) {
+    const int row = i / kChunks, c = i % kChunks;
+    const int h = h0 + row;
+    const bool ok = h < p.num_heads;
+    const uint8_t* src =
+        static_cast<const uint8_t*>(p.q) +
+        (ok ? 2 * (t * p.q_token_stride + h * p.q_head_stride) + 16 * c : 0);
+    cp_async16(smem + L::kQ + wg_chunk_offset(row, c), src, ok ? 16 : 0);
+  }
+
+  // Gathers the rows of tile `tile` into its slot (bf16: stage tile % 2, fp8:
+  // the raw slot), kThreadsPerRow threads a row. Rows past the split, -1 and
+  // out-of-range slots are zero-filled (never read) and masked.
+  auto issue = [&](int tile) {
+    const int row = tid / kThreadsPerRow;
+    const int pos = begin + tile * kWgRows + row;
+    const int slot =
+        pos < end ? __ldg(p.indices + t * p.indices_stride + pos) : -1;
+    const bool ok = slot >= 0 && slot < p.num_slots;
+    const uint8_t* src = p.kv;
+    if (ok) {
+      const int blk = slot / p.block_size;
+      src += blk * p.block_stride +
+             static_cast<int64_t>(slot - blk * p.block_size) * p.row_stride;
+    }
+    if (tid % kThreadsPerRow == 0) s_valid[(tile & 1) * kWgRows + row] = ok;
+    if constexpr (kFp8) {
+      uint8_t* dst = smem + L::kRaw + row * kFp8RowBytes;
+      for (int c = tid % kThreadsPerRow; c < kFp8RowBytes / 16;
+           c += kThreadsPerRow)
+        cp_async16(dst + 16 * c, ok ? src + 16 * c : src, ok ? 16 : 0);
+    } else {
+      uint8_t* dst = smem + L::kKv + (tile & 1) * L::kTileBytes;
+      for (int c = tid % kThreadsPerRow; c < kChunks; c += kThreadsPerRow)
+        cp_async16(dst + wg_chunk_offset(row, c), ok ? src + 16 * c : src,
+                   ok ? 16 : 0);
+    }
+  };
+
+  if (ntiles > 0) issue(0);
+  cp_async_commit();
+
+  float o[kONBlocks * 4];
+  #pragma unroll
+  for (int i = 0; i < kONBlocks * 4; ++i) o[i] = 0.f;
+  // Softmax state of rows row0 and row0 + 8 (warpgroup 0; identical in the
+  // four threads of a row); l: this thread's columns only, summed at the end.
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  for (int tile = 0; tile < ntiles; ++tile) {
+    if constexpr (!kFp8) {
+      // Every warpgroup is done with the previous tile (its wgmmas completed):
+      // its stage takes the next gather now, before this tile's rows are
+      // waited for, so a late tile has the next one in flight behind it.
+      __syncthreads();
+      if (tile + 1 < ntiles) issue(tile + 1);
+      cp_async_commit();
+      cp_async_wait_pending<1>();
+    } else {
+      cp_async_wait_all();
+    }
+    // The tile's rows (and, the first time, Q) have landed for every thread
+    // and are ordered before wgmma's reads; fp8: every warpgroup is done with
+    // the previous tile, so the bf16 stage may be rewritten.
+    fence_proxy_async_shared();
+    __syncthreads();
+    const uint8_t* kv = smem + L::kKv + (kFp8 ? 0 : (tile & 1) * L::kTileBytes);
+    if constexpr (kFp8) {
+      // Thread j of a row: latent values [128 j, 128 j + 128) (one scale
+      // group) and rope chunks j, j + 4 (16 bytes each, bf16 already).
+      static_assert(kThreadsPerRow * kFp8ScaleGroup == kLatent, "one group");
+      const int row = tid / kThreadsPerRow, j = tid % kThreadsPerRow;
+      const uint8_t* r = smem + L::kRaw + row * kFp8RowBytes;
+      const float sc = reinterpret_cast<const float*>(r + kFp8ScaleOffset)[j];
+      uint8_t* dst = smem + L::kKv;
+  #pragma unroll 4
+      for (int i = 0; i < kFp8ScaleGroup / 8; ++i) {
+        const int c = j * (kFp8ScaleGroup / 8) + i;  // 8 values
+        const uint2 v = *reinterpret_cast<const uint2*>(r + 8 * c);
+        uint4 q;
+        q.x = dequant_e4m3x2(static_cast<uint16_t>(v.x & 0xffff), sc);
+        q.y = dequant_e4m3x2(static_cast<uint16_t>(v.x >> 16), sc);
+        q.z = dequant_e4m3x2(static_cast<uint16_t>(v.y & 0xffff), sc);
+        q.w = dequant_e4m3x2(static_cast<uint16_t>(v.y >> 16), sc);
+        *reinterpret_cast<uint4*>(dst + wg_chunk_offset(row, c)) = q;
+      }
+      constexpr int kRopeChunks = 2 * kRope / 16;
+  #pragma unroll
+      for (int i = 0; i < kRopeChunks / kThreadsPerRow; ++i) {
+        const int c = j + kThreadsPerRow * i;
+        *reinterpret_cast<uint4*>(dst + wg_chunk_offset(row, kLatent / 8 + c)) =
+            *reinterpret_cast<const uint4*>(r + kFp8RopeOffset + 16 * c);
+      }
+      fence_proxy_async_shared();
+      __syncthreads();  // the bf16 tile is complete; the raw slot is free
+      if (tile + 1 < ntiles) issue(tile + 1);
+      cp_async_commit();
+    }
+
+    const int* valid = s_valid + (tile & 1) * kWgRows;
+    const uint32_t kv_addr = base + static_cast<uint32_t>(kv - smem);
+    if (wg == 0) {
+      float s[kNBlocks * 4];
+  #pragma unroll
+      for (int i = 0; i < kNBlocks * 4; ++i) s[i] = 0.f;
+      wgmma_fence();
+  #pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        const uint32_t off = (k / 4) * L::kBlockBytes + (k % 4) * 32;
+  #if EXL3_WGMMA
+        wgmma_ss_bf16<kWgRows, false>(
+            s, wgmma_desc_k_major_sw128(base + L::kQ + off),
+            wgmma_desc_k_major_sw128(kv_addr + off), k > 0);
+  #endif
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(s);
+
+      // Online softmax of rows row0 (values s[4 n], s[4 n + 1]) and row0 + 8
+      // (s[4 n + 2], s[4 n + 3]), columns 8 n + 2 tq, + 1.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+      int nan_seen[2] = {0, 0};
+  #pragma unroll
+      for (int n = 0; n < kNBlocks; ++n)
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * n + 2 * tq + (e & 1);
+          float& x = s[4 * n + e];
+          x = valid[col] ? x * p.scale_log2 : -INFINITY;
+          nan_seen[e >> 1] |= x != x;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], x);
+        }
+      float alpha[2], m_new[2];
+  #pragma unroll
+      for (int r = 0; r < 2; ++r) {
+  #pragma unroll
+        for (int o2 = 1; o2 < 4; o2 <<= 1) {
+          tile_max[r] =
+              fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], o2));
+          nan_seen[r] |= __shfl_xor_sync(0xffffffffu, nan_seen[r], o2);
+        }
+        // fmaxf drops NaN: a NaN score (NaN in q or a selected row) must
+        // poison the head's output and lse, not vanish from the maximum.
+        m_new[r] = nan_seen[r] ? NAN : fmaxf(m_run[r], tile_max[r]);
+        alpha[r] = m_new[r] == -INFINITY ? 1.f : exp2f(m_run[r] - m_new[r]);
+        l_run[r] *= alpha[r];
+        m_run[r] = m_new[r];
+      }
+      uint8_t* s_p = smem + L::kP;
+  #pragma unroll
+      for (int n = 0; n < kNBlocks; ++n)
+  #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float e0 = 0.f, e1 = 0.f;
+          if (m_new[r] != -INFINITY) {
+            e0 = exp2f(s[4 * n + 2 * r] - m_new[r]);
+            e1 = exp2f(s[4 * n + 2 * r + 1] - m_new[r]);
+          }
+          // The sum uses the bf16 probabilities the MMA multiplies.
+          const uint32_t pe = pack_bf16(e0, e1);
+          const float2 f =
+              __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pe));
+          l_run[r] += f.x + f.y;
+          const int row = row0 + 8 * r;
+          *reinterpret_cast<uint32_t*>(s_p + wg_chunk_offset(row, n) + 4 * tq) =
+              pe;
+        }
+      if (tq == 0) {
+        s_alpha[row0] = alpha[0];
+        s_alpha[row0 + 8] = alpha[1];
+      }
+      fence_proxy_async_shared();  // P is read by both warpgroups' wgmma
+    }
+    __syncthreads();  // P and the rescale factors are complete
+
+    // O = alpha O + P V over this warpgroup's kWgDims output dims.
+    {
+      const float a_lo = s_alpha[row0], a_hi = s_alpha[row0 + 8];
+  #pragma unroll
+      for (int n = 0; n < kONBlocks; ++n) {
+        o[4 * n] *= a_lo;
+        o[4 * n + 1] *= a_lo;
+        o[4 * n + 2] *= a_hi;
+        o[4 * n + 3] *= a_hi;
+      }
+      wgmma_fence();
+      const uint32_t v_addr =
+          kv_addr + wg * (kWgDims / kSwizzleCols) * L::kBlockBytes;
+  #pragma unroll
+      for (int k = 0; k < kWgRows / 16; ++k) {
+  #if EXL3_WGMMA
+        wgmma_ss_bf16<kWgDims, true>(
+            o, wgmma_desc_k_major_sw128(base + L::kP + 32 * k),
+            wgmma_desc_mn_major_sw128(v_addr + 16 * 128 * k, L::kBlockBytes),
+            true);
+  #endif
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+    }
+  }
+
+  cp_async_wait_all();  // Q's copy when the split had no rows
+  if (wg == 0) {
+  #pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+      l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+      if (tq == 0) {
+        s_m[row0 + 8 * r] = m_run[r];
+        s_l[row0 + 8 * r] = l_run[r];
+      }
+    }
+  }
+  __syncthreads();
+
+  const bool direct = p.num_splits == 1;
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    const int h = h0 + row;
+    if (h >= p.num_heads) continue;
+    const float l = s_l[row];
+    // l = 0: no selected row (zeros); NaN: a NaN score, kept.
+    const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : NAN);
+    const int64_t th = static_cast<int64_t>(t) * p.num_heads + h;
+  #pragma unroll
+    for (int n = 0; n < kONBlocks; ++n) {
+      const int dim = wg * kWgDims + 8 * n + 2 * tq;
+      const float v0 = o[4 * n + 2 * r] * inv;
+      const float v1 = o[4 * n + 2 * r + 1] * inv;
+      if (direct) {
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) +
+                                     th * kLatent + dim) = pack_bf16(v0, v1);
+      } else {
+        const int64_t pt =
+            static_cast<int64_t>(split) * p.num_tokens * p.num_heads + th;
+        *reinterpret_cast<float2*>(p.part_out + pt * kLatent + dim) =
+            make_float2(v0, v1);
+      }
+    }
+  }
+  if (tid < kWgHeads && h0 + tid < p.num_heads) {
+    const float l = s_l[tid];
+    const float lse2 =
+        l > 0.f ? s_m[tid] + log2f(l) : (l == 0.f ? -INFINITY : NAN);
+    const int64_t th = static_cast<int64_t>(t) * p.num_heads + h0 + tid;
+    if (direct)
+      p.lse[th] = lse2 * kLn2;
+    else
+      p.part_lse[static_cast<int64_t>(split) * p.num_tokens * p.num_heads +
+                 th] = lse2;
+  }
+}
+
+template <int kD, bool kFp8>
+void launch_decode_wgmma(const Params& p, cudaStream_t stream) {
+  constexpr int bytes = WgLayout<kD, kFp8>::kBytes;
+  auto* kernel = &sparse_mla_decode_wgmma_kernel<kD, kFp8>;
+  // A function attribute, not a stream operation: allowed while capturing.
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       bytes);
+  const int64_t ctas =
+      static_cast<int64_t>(p.num_tokens) * p.num_splits * p.head_groups;
+  kernel<<<static_cast<unsigned>(ctas), kWgThreads, bytes, stream>>>(p);
+}
+
+// The path the host chose (wgmma: p.head_groups counts 64-head groups), else
+// the head-tile count of p's head count; the two-tile variant runs the deep
+// pipeline where the device holds it. The depth changes neither the split
+// count nor the arithmetic order.
+template <int kD, bool kFp8>
+void launch_decode(const Params& p, bool wgmma, cudaStream_t stream) {
   constexpr int kDeep = kFp8 ? kDeepStagesFp8 : kDeepStagesBf16;
-  if (head_tiles(p.num_heads) == 1)
+  if (wgmma)
+    launch_decode_wgmma<kD, kFp8>(p, stream);
+  else if (head_tiles(p.num_heads) == 1)
     launch_decode_kernel<kD, kFp8, 1, kPortableStages>(p, stream);
   else if (smem_optin_bytes() >= SmemLayout<kD, kFp8, 2, kDeep>::kBytes)
     launch_decode_kernel<kD, kFp8, 2, kDeep>(p, stream);

@@ -46,11 +46,12 @@ __global__ void __launch_bounds__(kCombineThreads)
     p.lse[th] = best != -INFINITY ? (best + log2f(wsum)) * kLn2 : -INFINITY;
 }
 
-void launch_decode_bf16(const Params& p, int d, cudaStream_t stream) {
+void launch_decode_bf16(const Params& p, int d, bool wgmma,
+                        cudaStream_t stream) {
   if (d == 576)
-    launch_decode<576, false>(p, stream);
+    launch_decode<576, false>(p, wgmma, stream);
   else
-    launch_decode<512, false>(p, stream);
+    launch_decode<512, false>(p, wgmma, stream);
 }
 
 void launch_combine(const Params& p, cudaStream_t stream) {

@@ -5,8 +5,8 @@
 
 namespace vllm_exl3::sparse_mla {
 
-void launch_decode_fp8(const Params& p, cudaStream_t stream) {
-  launch_decode<576, true>(p, stream);
+void launch_decode_fp8(const Params& p, bool wgmma, cudaStream_t stream) {
+  launch_decode<576, true>(p, wgmma, stream);
 }
 
 }  // namespace vllm_exl3::sparse_mla

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../../quantization/exl3/exl3_kernels.h"
 #include "../../quantization/exl3/exl3_tensor_checks.h"
 #include "exl3_sparse_mla.cuh"
 
@@ -60,6 +61,26 @@ void check_device(const char* name, const Tensor& t, int32_t dev) {
   STD_TORCH_CHECK(t.get_device_index() == dev, kOp, ": ", name,
                   " is on cuda:", t.get_device_index(),
                   " but q is on cuda:", dev);
+}
+
+// The warpgroup-MMA path: from kTwoTileMinHeads heads on, on a device whose
+// loaded image has the sm_90a code (wgmma_supported) and whose blocks take its
+// shared memory; cached per device.
+bool use_wgmma(int32_t device, int64_t heads) {
+  if (mla::head_tiles(heads) != 2) return false;
+  constexpr int kMaxDevices = 64;
+  static int cache[kMaxDevices] = {};  // 0 unknown, 1 yes, 2 no
+  if (device < 0 || device >= kMaxDevices) return false;
+  if (cache[device] == 0) {
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                               device) != cudaSuccess)
+      optin = 0;
+    const bool ok =
+        wgmma_supported(device) && optin >= mla::WgLayout<576, false>::kBytes;
+    cache[device] = ok ? 1 : 2;
+  }
+  return cache[device] == 1;
 }
 
 bool aligned(const Tensor& t, int64_t bytes) {
@@ -185,7 +206,10 @@ void exl3_sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices,
   STD_TORCH_CHECK(need == 0 || aligned(workspace, kChunk), kOp,
                   ": workspace must be 16-byte aligned");
 
-  const int64_t groups = mla::head_groups(H);
+  // wgmma_supported asks the current device's loaded image.
+  torch::stable::accelerator::DeviceGuard guard(dev);
+  const bool wgmma = use_wgmma(dev, H);
+  const int64_t groups = wgmma ? mla::wg_head_groups(H) : mla::head_groups(H);
   STD_TORCH_CHECK(T * groups * splits <= kMaxInt32, kOp, ": ", T,
                   " tokens is too many");
   if (T == 0) return;
@@ -215,14 +239,13 @@ void exl3_sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices,
   p.num_splits = splits;
   p.tiles_per_split = mla::tiles_per_split(topk, splits);
 
-  torch::stable::accelerator::DeviceGuard guard(dev);
   void* s = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(dev, &s));
   const cudaStream_t stream = static_cast<cudaStream_t>(s);
   if (fp8)
-    mla::launch_decode_fp8(p, stream);
+    mla::launch_decode_fp8(p, wgmma, stream);
   else
-    mla::launch_decode_bf16(p, static_cast<int>(D), stream);
+    mla::launch_decode_bf16(p, static_cast<int>(D), wgmma, stream);
   cudaError_t e = cudaGetLastError();
   STD_TORCH_CHECK(e == cudaSuccess, kOp,
                   ": kernel launch failed: ", cudaGetErrorString(e));

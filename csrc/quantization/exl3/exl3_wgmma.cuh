@@ -53,6 +53,20 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t addr) {
          (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) |
          kDescSwizzle128;
 }
+// Descriptor of an MN-major operand in the same 128-byte swizzle: rows of 64
+// MN values (one k each) in atoms of 8 k rows; `mn_block_bytes` apart sit the
+// next 64 MN values (the leading offset), one atom apart the next 8 k (the
+// stride offset). The sparse-MLA decode reads V this way from the K-major
+// rows it gathered for S = Q K^T.
+__device__ __forceinline__ uint64_t
+wgmma_desc_mn_major_sw128(uint32_t addr, uint32_t mn_block_bytes) {
+  return static_cast<uint64_t>((addr >> 4) & ((1u << kDescAddrBits) - 1)) |
+         (static_cast<uint64_t>((mn_block_bytes >> 4) &
+                                ((1u << kDescAddrBits) - 1))
+          << 16) |
+         (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) |
+         kDescSwizzle128;
+}
 // The descriptor of the k16 step `kk` inside a 64-k stage row: 32 bytes
 // further, in >> 4 units.
 constexpr uint64_t kDescK16Step = (16 * 2) >> 4;

@@ -48,6 +48,9 @@ KV_FORMAT_FP8_DS_MLA = 1
 HEADS_PER_MMA = 16
 TWO_TILE_MIN_HEADS = 64
 ROWS_PER_TILE = 32
+# Heads of one CTA of Hopper's wgmma path (wgmma's M); from TWO_TILE_MIN_HEADS heads on
+# the split rule counts work in these units on every architecture.
+WGMMA_HEADS = 64
 SPLIT_CTAS_PER_SM_ONE_TILE = 2
 SPLIT_CTAS_PER_SM_TWO_TILES = 1
 MIN_TILES_PER_SPLIT = 2
@@ -72,14 +75,22 @@ def head_tiles(num_heads: int) -> int:
 
 
 def head_groups(num_heads: int) -> int:
-    """CTAs per token and split."""
+    """CTAs per token and split of the mma.sync path."""
     return -(-num_heads // (HEADS_PER_MMA * head_tiles(num_heads)))
+
+
+def split_units(num_heads: int) -> int:
+    """The split rule's units of work per token (split_units in exl3_sparse_mla.cuh):
+    one-tile CTAs, or from TWO_TILE_MIN_HEADS heads on groups of WGMMA_HEADS heads."""
+    if head_tiles(num_heads) == 2:
+        return -(-num_heads // WGMMA_HEADS)
+    return head_groups(num_heads)
 
 
 def num_splits(num_tokens: int, num_heads: int, topk: int, sm_count: int) -> int:
     """Split-k count: the C++ rule (num_splits in exl3_sparse_mla.cuh), verbatim."""
     tiles = -(-topk // ROWS_PER_TILE)
-    base = num_tokens * head_groups(num_heads)
+    base = num_tokens * split_units(num_heads)
     per_sm = (
         SPLIT_CTAS_PER_SM_TWO_TILES
         if head_tiles(num_heads) == 2
@@ -134,7 +145,7 @@ def max_workspace_bytes(
     while one pass has at most one CTA per SM, so the walk is short."""
     if sm_count is None:
         sm_count = _device_sm_count(device)
-    last = min(max_tokens, -(-sm_count // head_groups(num_heads)))
+    last = min(max_tokens, -(-sm_count // split_units(num_heads)))
     return max(
         (workspace_bytes(t, num_heads, topk, sm_count) for t in range(1, last + 1)),
         default=0,
