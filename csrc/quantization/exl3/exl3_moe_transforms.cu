@@ -107,9 +107,30 @@ __global__ void __launch_bounds__(kMoeRowThreads)
   store_transformed(xv, s1, dst1, lane);
 }
 
+// The sum over the splits of one pair's partial row at 4 columns, split 0
+// first (a fixed order: the same bits on every run).
+__device__ __forceinline__ void sum_splits(const float* __restrict__ part,
+                                           size_t split_stride, int splits,
+                                           float (&v)[4]) {
+  const float4 first = *reinterpret_cast<const float4*>(part);
+  v[0] = first.x;
+  v[1] = first.y;
+  v[2] = first.z;
+  v[3] = first.w;
+  for (int s = 1; s < splits; ++s) {
+    const float4 p = *reinterpret_cast<const float4*>(part + s * split_stride);
+    v[0] += p.x;
+    v[1] += p.y;
+    v[2] += p.z;
+    v[3] += p.w;
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kMoeRowThreads)
     exl3_moe_act_transform_kernel(const T* __restrict__ y13,
+                                  const float* __restrict__ partial13,
+                                  int splits13,
                                   const __half* __restrict__ suh2,
                                   const int32_t* __restrict__ sorted_ids,
                                   const int32_t* __restrict__ expert_ids,
@@ -128,9 +149,16 @@ __global__ void __launch_bounds__(kMoeRowThreads)
     return;
   }
   float g[4], u[4], s[4], v[4];
-  const T* src = y13 + static_cast<size_t>(it.slot) * i + it.col;
-  load4_f32(src, g);
-  load4_f32(src + static_cast<size_t>(slots) * i, u);
+  if (partial13 != nullptr) {
+    const size_t role_stride = static_cast<size_t>(pairs) * i;
+    const float* src = partial13 + static_cast<size_t>(it.pair) * i + it.col;
+    sum_splits(src, 2 * role_stride, splits13, g);
+    sum_splits(src + role_stride, 2 * role_stride, splits13, u);
+  } else {
+    const T* src = y13 + static_cast<size_t>(it.slot) * i + it.col;
+    load4_f32(src, g);
+    load4_f32(src + static_cast<size_t>(slots) * i, u);
+  }
   load4_f32(suh2 + static_cast<size_t>(it.expert) * i + it.col, s);
 #pragma unroll
   for (int j = 0; j < 4; ++j) v[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
@@ -140,6 +168,7 @@ __global__ void __launch_bounds__(kMoeRowThreads)
 template <typename T, typename Id>
 __global__ void __launch_bounds__(kMoeRowThreads)
     exl3_moe_combine_kernel(const T* __restrict__ rows,
+                            const float* __restrict__ partial2, int splits2,
                             const Id* __restrict__ topk_ids,
                             const int32_t* __restrict__ expert_map,
                             int global_experts, int experts, T* __restrict__ y,
@@ -160,7 +189,11 @@ __global__ void __launch_bounds__(kMoeRowThreads)
     if (local < 0 || local >= experts)
       continue;  // not routed on this rank: no row written
     float v[4];
-    load4_f32(rows + pair * h + col, v);
+    if (partial2 != nullptr)
+      sum_splits(partial2 + pair * h + col, static_cast<size_t>(m) * topk * h,
+                 splits2, v);
+    else
+      load4_f32(rows + pair * h + col, v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[j] += v[j];
   }
@@ -203,7 +236,8 @@ void launch_moe_input_transform(
     go(static_cast<const __half*>(x));
 }
 
-void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
+void launch_moe_act_transform(const void* y13, const float* partial13,
+                              int splits13, bool bf16, const void* suh2,
                               const int32_t* sorted_ids,
                               const int32_t* expert_ids,
                               const int32_t* num_post_pad, void* xh2, int i,
@@ -214,7 +248,7 @@ void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
   auto go = [&](auto* yt) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
     exl3_moe_act_transform_kernel<T><<<grid, kMoeRowThreads, 0, stream>>>(
-        yt, static_cast<const __half*>(suh2), sorted_ids, expert_ids,
+        yt, partial13, splits13, static_cast<const __half*>(suh2), sorted_ids, expert_ids,
         num_post_pad, static_cast<__half*>(xh2), i, slots, sorted_len, block,
         pairs, experts);
   };
@@ -224,7 +258,8 @@ void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
     go(static_cast<const __half*>(y13));
 }
 
-void launch_moe_combine(const void* rows, const void* topk_ids, bool ids64,
+void launch_moe_combine(const void* rows, const float* partial2, int splits2,
+                        const void* topk_ids, bool ids64,
                         const int32_t* expert_map, int global_experts,
                         int experts, void* y, bool bf16, int m, int h, int topk,
                         cudaStream_t stream) {
@@ -232,7 +267,7 @@ void launch_moe_combine(const void* rows, const void* topk_ids, bool ids64,
   auto go = [&](auto* rt, auto* ids) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(rt)>>;
     exl3_moe_combine_kernel<<<grid, kMoeRowThreads, 0, stream>>>(
-        rt, ids, expert_map, global_experts, experts, static_cast<T*>(y), m, h,
+        rt, partial2, splits2, ids, expert_map, global_experts, experts, static_cast<T*>(y), m, h,
         topk);
   };
   auto with_ids = [&](auto* rt) {
