@@ -240,6 +240,10 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         # Rows per expert from which apply reconstructs (None: never, the layer's
         # experts do not fit the scratch or batch invariance is on); set by prepare.
         self.reconstruct_min_rows: float | None = None
+        # (gate_up_splits, down_splits) for every call of the decode tiers instead of
+        # moe_splits' choice, each capped at its k's stages (tests and benchmarks:
+        # (1, 1) is the unsplit kernel); None: the rule.
+        self.force_splits: tuple[int, int] | None = None
 
     def prepare(self, w: Exl3MoEWeights, act_dtype: torch.dtype) -> None:
         if envs.VLLM_BATCH_INVARIANT:
@@ -337,6 +341,42 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         rows = tokens * top_k / max(global_num_experts, 1)
         return next((b for b in BLOCK_SIZES if b >= rows), BLOCK_SIZES[-1])
 
+    def splits(
+        self,
+        tokens: int,
+        top_k: int,
+        global_num_experts: int,
+        w: Exl3MoEWeights,
+        block: int,
+        rates: tuple[list[int], list[int]],
+        device: torch.device,
+    ) -> tuple[int, int]:
+        """The op's (gate_up_splits, down_splits) for one call (see moe_splits)."""
+        from .moe_ops import SPLIT_BLOCK_SIZES, STAGE_K
+
+        if block not in SPLIT_BLOCK_SIZES:
+            return 1, 1
+        if self.force_splits is not None:
+            s13, s2 = self.force_splits
+            return (
+                max(1, min(s13, w.hidden // STAGE_K)),
+                max(1, min(s2, w.width // STAGE_K)),
+            )
+        if envs.VLLM_BATCH_INVARIANT:
+            # A split changes the order of a row's sums with the batch size.
+            return 1, 1
+        return moe_splits(
+            tokens,
+            top_k,
+            global_num_experts,
+            w.num_experts,
+            w.hidden,
+            w.width,
+            block,
+            (max(rates[0]), max(rates[1])),
+            split_device(device),
+        )
+
     def rates(self, w: Exl3MoEWeights, codebook: int) -> tuple[list[int], list[int]]:
         """The distinct k2 of gate/up and of down, checked against the trellis buffers.
 
@@ -420,23 +460,14 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         sorted_ids, expert_ids, post_pad = moe_align_block_size(
             topk_ids, block, global_num_experts, expert_map, ignore_invalid_experts=True
         )
-        splits = (1, 1)
-        if not envs.VLLM_BATCH_INVARIANT:
-            # A split changes the order of a row's sums with the batch size.
-            splits = moe_splits(
-                m,
-                top_k,
-                global_num_experts,
-                w.num_experts,
-                w.hidden,
-                w.width,
-                block,
-                (max(rates13), max(rates2)),
-                split_device(x.device),
-            )
+        splits = self.splits(
+            m, top_k, global_num_experts, w, block, (rates13, rates2), x.device
+        )
         floats = moe_ops.split_workspace_floats(m, top_k, w.hidden, w.width, *splits)
         workspace = (
-            torch.empty(floats, dtype=torch.float32, device=x.device) if floats else None
+            torch.empty(floats, dtype=torch.float32, device=x.device)
+            if floats
+            else None
         )
         return moe_ops.exl3_moe(
             x.contiguous(),

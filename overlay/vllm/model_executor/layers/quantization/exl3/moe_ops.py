@@ -171,7 +171,9 @@ def split_workspace_floats(
     """float32 elements of the op's partial sums: gate/up's [splits][2][pairs][width],
     then down's [splits][pairs][hidden]; an unsplit GEMM (1) takes none."""
     pairs = tokens * top_k
-    gate_up = gate_up_splits * GATE_UP_ROLES * pairs * width if gate_up_splits > 1 else 0
+    gate_up = (
+        gate_up_splits * GATE_UP_ROLES * pairs * width if gate_up_splits > 1 else 0
+    )
     down = down_splits * pairs * hidden if down_splits > 1 else 0
     return gate_up + down
 
