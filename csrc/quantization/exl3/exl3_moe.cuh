@@ -85,11 +85,11 @@ __device__ __forceinline__ const __half* moe_svh(const MoeGemmParams& mp,
 __device__ __forceinline__ void moe_store_partial(const MoeGemmParams& mp,
                                                   int role, int pair, int col,
                                                   const float (&v)[4]) {
-  float* dst = mp.partial +
-               ((static_cast<size_t>(blockIdx.z) * mp.roles + role) * mp.pairs +
-                pair) *
-                   mp.n +
-               col;
+  float* dst =
+      mp.partial +
+      ((static_cast<size_t>(blockIdx.z) * mp.roles + role) * mp.pairs + pair) *
+          mp.n +
+      col;
   *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
 }
 
@@ -178,12 +178,19 @@ __global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
   const MoeBlock b = moe_block<BM>(mp);
   // Written by moe_align_block_size, which completed before the input transform
   // started; this grid overlaps only the transform (programmatic launch), so
-  // these reads need no wait.
-  if (b.row0 >= min(*mp.num_post_pad, mp.sorted_len)) return;
-  if (b.expert < 0 || b.expert >= mp.experts) return;
+  // these reads need no wait. A block with nothing to do still waits for the
+  // grid before it: a programmatically launched grid whose blocks all return
+  // at once (a bitrate no routed expert has) could otherwise end before its
+  // predecessor, and the kernels after it rely on stream order through it.
+  const bool idle = b.row0 >= min(*mp.num_post_pad, mp.sorted_len) ||
+                    b.expert < 0 || b.expert >= mp.experts;
   const int64_t* meta =
-      mp.meta + 2 * (static_cast<int64_t>(b.expert) * mp.roles + b.role);
-  if (meta[1] != K2) return;
+      mp.meta +
+      2 * (static_cast<int64_t>(idle ? 0 : b.expert) * mp.roles + b.role);
+  if (idle || meta[1] != K2) {
+    grid_dependency_wait();
+    return;
+  }
   const int64_t offset = meta[0];
   const int64_t size = static_cast<int64_t>(mp.k / kTile) * (mp.n / kTile) *
                        Rate<K2>::kTileBytes / 2;

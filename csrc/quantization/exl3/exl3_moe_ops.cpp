@@ -232,6 +232,7 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   const int64_t pairs = m * topk;
   STD_TORCH_CHECK(
       pairs < (int64_t{1} << 31) && slots < (int64_t{1} << 31) &&
+          m * (h / kHadamardBlock) < (int64_t{1} << 31) &&
           slots * std::max(h, inter) * kGateUpRoles < (int64_t{1} << 40),
       kOp, ": problem too large (", pairs, " routed pairs, ", slots, " slots)");
   STD_TORCH_CHECK(w13_trellis.numel() < (int64_t{1} << 40) &&
@@ -242,37 +243,36 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   // stage of k; the partial sums live in the caller's fp32 workspace, gate/up's
   // [gate_up_splits][2][pairs][inter] first, then down's
   // [down_splits][pairs][h] (an unsplit stage takes none).
-  STD_TORCH_CHECK(gate_up_splits >= 1 && gate_up_splits <= h / kStageDepth,
-                  kOp, ": gate_up_splits = ", gate_up_splits,
-                  " is outside 1..", h / kStageDepth,
-                  " (the 64-deep stages of the hidden size ", h, ")");
+  STD_TORCH_CHECK(gate_up_splits >= 1 && gate_up_splits <= h / kStageDepth, kOp,
+                  ": gate_up_splits = ", gate_up_splits, " is outside 1..",
+                  h / kStageDepth, " (the 64-deep stages of the hidden size ",
+                  h, ")");
   STD_TORCH_CHECK(down_splits >= 1 && down_splits <= inter / kStageDepth, kOp,
                   ": down_splits = ", down_splits, " is outside 1..",
                   inter / kStageDepth,
                   " (the 64-deep stages of the expert width ", inter, ")");
   const bool split13 = gate_up_splits > 1, split2 = down_splits > 1;
-  STD_TORCH_CHECK(!(split13 || split2) ||
-                      block_size <= kTileEdge * kMoeSplitMaxTier,
-                  kOp, ": k-splits (", gate_up_splits, ", ", down_splits,
-                  ") are built for block sizes up to ",
-                  kTileEdge * kMoeSplitMaxTier, ", got block_size ",
-                  block_size);
+  STD_TORCH_CHECK(
+      !(split13 || split2) || block_size <= kTileEdge * kMoeSplitMaxTier, kOp,
+      ": k-splits (", gate_up_splits, ", ", down_splits,
+      ") are built for block sizes up to ", kTileEdge * kMoeSplitMaxTier,
+      ", got block_size ", block_size);
   const int64_t partial13 =
       split13 ? gate_up_splits * kGateUpRoles * pairs * inter : 0;
   const int64_t partial2 = split2 ? down_splits * pairs * h : 0;
   float* ws = nullptr;
   if (split13 || split2) {
-    STD_TORCH_CHECK(workspace.has_value(), kOp, ": gate_up_splits = ",
-                    gate_up_splits, " and down_splits = ", down_splits,
-                    " need a workspace of ", partial13 + partial2,
-                    " float32 elements, got none");
+    STD_TORCH_CHECK(workspace.has_value(), kOp,
+                    ": gate_up_splits = ", gate_up_splits,
+                    " and down_splits = ", down_splits, " need a workspace of ",
+                    partial13 + partial2, " float32 elements, got none");
     check_tensor(kOp, "workspace", *workspace, 1, dev, kRowAlign);
     check_dtype(kOp, "workspace", *workspace, ScalarType::Float);
-    STD_TORCH_CHECK(workspace->numel() >= partial13 + partial2, kOp,
-                    ": workspace ", shape_str(*workspace), " holds fewer than the ",
-                    partial13 + partial2, " float32 partial sums of ",
-                    gate_up_splits, " gate/up and ", down_splits,
-                    " down splits over ", pairs, " routed pairs");
+    STD_TORCH_CHECK(
+        workspace->numel() >= partial13 + partial2, kOp, ": workspace ",
+        shape_str(*workspace), " holds fewer than the ", partial13 + partial2,
+        " float32 partial sums of ", gate_up_splits, " gate/up and ",
+        down_splits, " down splits over ", pairs, " routed pairs");
     ws = static_cast<float*>(workspace->data_ptr());
   }
 
@@ -333,8 +333,7 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   // Unsplit, gate/up writes its rows in the activation dtype; split, the
   // partial sums replace them.
   std::optional<Tensor> y13;
-  if (!split13)
-    y13 = torch::stable::new_empty(x, {kGateUpRoles, slots, inter});
+  if (!split13) y13 = torch::stable::new_empty(x, {kGateUpRoles, slots, inter});
   float* part13 = split13 ? ws : nullptr;
   float* part2 = split2 ? ws + partial13 : nullptr;
   MoeGemmParams g = p;
@@ -358,10 +357,11 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   Tensor xh2 = torch::stable::new_empty(x, {slots, inter}, ScalarType::Half);
   launch_moe_act_transform(
       split13 ? nullptr : y13->data_ptr(), part13,
-      static_cast<int>(gate_up_splits), bf16, w2_suh.data_ptr(), sorted, blocks, post_pad,
-      xh2.data_ptr(), static_cast<int>(inter), static_cast<int>(slots),
-      static_cast<int>(sorted_len), static_cast<int>(block_size),
-      static_cast<int>(pairs), static_cast<int>(experts), stream);
+      static_cast<int>(gate_up_splits), bf16, w2_suh.data_ptr(), sorted, blocks,
+      post_pad, xh2.data_ptr(), static_cast<int>(inter),
+      static_cast<int>(slots), static_cast<int>(sorted_len),
+      static_cast<int>(block_size), static_cast<int>(pairs),
+      static_cast<int>(experts), stream);
   check_launch("SwiGLU transform");
 
   std::optional<Tensor> rows;

@@ -130,8 +130,7 @@ template <typename T>
 __global__ void __launch_bounds__(kMoeRowThreads)
     exl3_moe_act_transform_kernel(const T* __restrict__ y13,
                                   const float* __restrict__ partial13,
-                                  int splits13,
-                                  const __half* __restrict__ suh2,
+                                  int splits13, const __half* __restrict__ suh2,
                                   const int32_t* __restrict__ sorted_ids,
                                   const int32_t* __restrict__ expert_ids,
                                   const int32_t* __restrict__ num_post_pad,
@@ -173,13 +172,15 @@ __global__ void __launch_bounds__(kMoeRowThreads)
                             const int32_t* __restrict__ expert_map,
                             int global_experts, int experts, T* __restrict__ y,
                             int m, int h, int topk) {
-  const int64_t item =
+  const int64_t warp =
       static_cast<int64_t>(blockIdx.x) * kMoeRowWarps + (threadIdx.x >> 5);
   const int per_row = h / kHadamard;
-  if (item >= static_cast<int64_t>(m) * per_row) return;
-  const int token = static_cast<int>(item / per_row);
-  const int col =
-      static_cast<int>(item % per_row) * kHadamard + 4 * (threadIdx.x & 31);
+  if (warp >= static_cast<int64_t>(m) * per_row) return;
+  // The op keeps m * h / 128 below 2^31: a 32-bit division (the 64-bit one is a
+  // called routine, and its stack frame spilled).
+  const int item = static_cast<int>(warp);
+  const int token = item / per_row;
+  const int col = (item % per_row) * kHadamard + 4 * (threadIdx.x & 31);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int k = 0; k < topk; ++k) {
     const int64_t pair = static_cast<int64_t>(token) * topk + k;
@@ -248,9 +249,9 @@ void launch_moe_act_transform(const void* y13, const float* partial13,
   auto go = [&](auto* yt) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
     exl3_moe_act_transform_kernel<T><<<grid, kMoeRowThreads, 0, stream>>>(
-        yt, partial13, splits13, static_cast<const __half*>(suh2), sorted_ids, expert_ids,
-        num_post_pad, static_cast<__half*>(xh2), i, slots, sorted_len, block,
-        pairs, experts);
+        yt, partial13, splits13, static_cast<const __half*>(suh2), sorted_ids,
+        expert_ids, num_post_pad, static_cast<__half*>(xh2), i, slots,
+        sorted_len, block, pairs, experts);
   };
   if (bf16)
     go(static_cast<const __nv_bfloat16*>(y13));
@@ -267,8 +268,8 @@ void launch_moe_combine(const void* rows, const float* partial2, int splits2,
   auto go = [&](auto* rt, auto* ids) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(rt)>>;
     exl3_moe_combine_kernel<<<grid, kMoeRowThreads, 0, stream>>>(
-        rt, partial2, splits2, ids, expert_map, global_experts, experts, static_cast<T*>(y), m, h,
-        topk);
+        rt, partial2, splits2, ids, expert_map, global_experts, experts,
+        static_cast<T*>(y), m, h, topk);
   };
   auto with_ids = [&](auto* rt) {
     if (ids64)
