@@ -101,8 +101,8 @@ struct MoeRateKernels {
   void (*reconstruct)(int cb, const MoeReconParams& p, cudaStream_t stream);
 };
 
-// The launcher table of one bitrate; K2 must be a valid rate (2..16 even, or 3,
-// 5, 7).
+// The launcher table of one bitrate (the generated exl3_rate_table.cpp, over
+// the rates generate_kernels.py builds); throws for any other K2.
 const MoeRateKernels& moe_rate_kernels(int k2);
 
 // Rate-independent kernels (exl3_moe_transforms.cu), all reading the live slot

@@ -28,23 +28,6 @@
 
 namespace vllm_exl3 {
 
-#define EXL3_MOE_RATES(X) \
-  X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(14) X(16)
-#define EXL3_MOE_DECLARE(K2) const MoeRateKernels& moe_rate_kernels_k##K2();
-EXL3_MOE_RATES(EXL3_MOE_DECLARE)
-
-const MoeRateKernels& moe_rate_kernels(int k2) {
-  switch (k2) {
-#define EXL3_MOE_CASE(K2) \
-  case K2:                \
-    return moe_rate_kernels_k##K2();
-    EXL3_MOE_RATES(EXL3_MOE_CASE)
-    default:
-      throw std::runtime_error("exl3_moe: no kernels for 2*bits = " +
-                               std::to_string(k2));
-  }
-}
-
 namespace {
 
 using torch::headeronly::ScalarType;
