@@ -4,9 +4,17 @@
 // and the fp32 sum's rounding. One warp per (slot or token, 128 columns), lane
 // l holding columns 4l..4l+3, like the dense input transform
 // (exl3_transforms.cu).
+//
+// The kernels after a grouped GEMM (SwiGLU transform, combine, sum rounding)
+// are launched programmatically: their blocks are scheduled while the GEMM runs
+// and wait for it at their start, which hides a launch gap per stage. Every
+// block waits, so each of them ends after the GEMM it follows, and what follows
+// them in the stream sees the whole layer done.
 #include <type_traits>
+#include <utility>
 
 #include "exl3_hadamard.cuh"
+#include "exl3_kernels.h"
 #include "exl3_moe.h"
 
 namespace vllm_exl3 {
@@ -18,6 +26,17 @@ constexpr int kMoeRowWarps = kMoeRowThreads / kWarpSize;
 
 unsigned grid_for(int64_t warps) {
   return static_cast<unsigned>((warps + kMoeRowWarps - 1) / kMoeRowWarps);
+}
+
+// A row kernel launched to overlap the grid before it (programmatic stream
+// serialization); the kernel waits for that grid before anything else.
+template <typename... Params, typename... Args>
+void launch_after_gemm(void (*kernel)(Params...), unsigned grid,
+                       cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  programmatic_launch(cfg, attr, dim3(grid), dim3(kMoeRowThreads), 0, stream);
+  cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 // The warp's (slot, 128-column block) item, or false when the slot is not live.
@@ -137,6 +156,7 @@ __global__ void __launch_bounds__(kMoeRowThreads)
                                   __half* __restrict__ xh2, int i, int slots,
                                   int sorted_len, int block, int pairs,
                                   int experts) {
+  grid_dependency_wait();  // the gate/up GEMM's rows or partial sums
   SlotItem it;
   if (!slot_item(i, sorted_len, block, num_post_pad, sorted_ids, expert_ids,
                  experts, it))
@@ -172,6 +192,7 @@ __global__ void __launch_bounds__(kMoeRowThreads)
                             const int32_t* __restrict__ expert_map,
                             int global_experts, int experts, T* __restrict__ y,
                             int m, int h, int topk) {
+  grid_dependency_wait();  // the down GEMM's rows or partial sums
   const int64_t warp =
       static_cast<int64_t>(blockIdx.x) * kMoeRowWarps + (threadIdx.x >> 5);
   const int per_row = h / kHadamard;
@@ -206,6 +227,7 @@ template <typename T>
 __global__ void exl3_moe_finish_sum_kernel(const float4* __restrict__ acc,
                                            uint2* __restrict__ y,
                                            int64_t quads) {
+  grid_dependency_wait();  // the down GEMM's sum
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= quads) return;
   const float4 a = acc[i];
@@ -248,10 +270,10 @@ void launch_moe_act_transform(const void* y13, const float* partial13,
       grid_for(static_cast<int64_t>(sorted_len) * (i / kHadamard));
   auto go = [&](auto* yt) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
-    exl3_moe_act_transform_kernel<T><<<grid, kMoeRowThreads, 0, stream>>>(
-        yt, partial13, splits13, static_cast<const __half*>(suh2), sorted_ids,
-        expert_ids, num_post_pad, static_cast<__half*>(xh2), i, slots,
-        sorted_len, block, pairs, experts);
+    launch_after_gemm(
+        exl3_moe_act_transform_kernel<T>, grid, stream, yt, partial13, splits13,
+        static_cast<const __half*>(suh2), sorted_ids, expert_ids, num_post_pad,
+        static_cast<__half*>(xh2), i, slots, sorted_len, block, pairs, experts);
   };
   if (bf16)
     go(static_cast<const __nv_bfloat16*>(y13));
@@ -267,9 +289,11 @@ void launch_moe_combine(const void* rows, const float* partial2, int splits2,
   const unsigned grid = grid_for(static_cast<int64_t>(m) * (h / kHadamard));
   auto go = [&](auto* rt, auto* ids) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(rt)>>;
-    exl3_moe_combine_kernel<<<grid, kMoeRowThreads, 0, stream>>>(
-        rt, partial2, splits2, ids, expert_map, global_experts, experts,
-        static_cast<T*>(y), m, h, topk);
+    launch_after_gemm(
+        exl3_moe_combine_kernel<
+            T, std::remove_const_t<std::remove_pointer_t<decltype(ids)>>>,
+        grid, stream, rt, partial2, splits2, ids, expert_map, global_experts,
+        experts, static_cast<T*>(y), m, h, topk);
   };
   auto with_ids = [&](auto* rt) {
     if (ids64)
@@ -290,11 +314,11 @@ void launch_moe_finish_sum(const float* acc, void* y, bool bf16, int64_t count,
       static_cast<unsigned>((quads + kMoeRowThreads - 1) / kMoeRowThreads);
   const float4* a = reinterpret_cast<const float4*>(acc);
   if (bf16)
-    exl3_moe_finish_sum_kernel<__nv_bfloat16>
-        <<<grid, kMoeRowThreads, 0, stream>>>(a, static_cast<uint2*>(y), quads);
+    launch_after_gemm(exl3_moe_finish_sum_kernel<__nv_bfloat16>, grid, stream,
+                      a, static_cast<uint2*>(y), quads);
   else
-    exl3_moe_finish_sum_kernel<__half>
-        <<<grid, kMoeRowThreads, 0, stream>>>(a, static_cast<uint2*>(y), quads);
+    launch_after_gemm(exl3_moe_finish_sum_kernel<__half>, grid, stream, a,
+                      static_cast<uint2*>(y), quads);
 }
 
 }  // namespace vllm_exl3
