@@ -775,6 +775,7 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
     assert need == 2 * 2 * 6 * 128 + 2 * 6 * 128
     ws = torch.empty(need, dtype=torch.float32, device="cuda")
     call(splits=(2, 2), ws=ws)
+    a64 = ml.align(ids, 64, 4)
     t = layer.tensors()
     cases = [
         (dict(x=x.float()), "x must be bfloat16 or float16"),
@@ -801,7 +802,15 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
         (dict(splits=(2, 2), ws=ws[1:]), "workspace must be 16-byte aligned"),
         (dict(splits=(3, 1), ws=ws), "gate_up_splits = 3 is outside 1..2"),
         (dict(splits=(1, 0), ws=ws), "down_splits = 0 is outside 1..2"),
-        (dict(splits=(2, 1), ws=ws, block=64), "built for block sizes up to 32"),
+        (
+            dict(
+                splits=(2, 1),
+                ws=ws,
+                block=64,
+                **dict(zip(("sorted", "blocks", "pad"), a64)),
+            ),
+            "built for block sizes up to 32",
+        ),
     ]
     for over, message in cases:
         with pytest.raises(RuntimeError, match=re.escape(message)):
