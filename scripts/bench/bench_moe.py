@@ -80,11 +80,25 @@ def routing(gen: torch.Generator, m: int, top_k: int, experts: int):
     return ml.random_routing(gen, m, top_k, experts)
 
 
-def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic, reconstruct=False):
+def exl3_variant(
+    gen,
+    h,
+    i,
+    e,
+    top_k,
+    bits,
+    codebook,
+    deterministic,
+    reconstruct=False,
+    force_splits=None,
+):
     """reconstruct=False: the grouped GEMM at every size (the op's path below
     RECONSTRUCT_MIN_ROWS_PER_EXPERT); True: the large-batch path at every size (every
     local expert reconstructed into the shared scratch, then vLLM's fused_experts), so
-    the two rows place the threshold."""
+    the two rows place the threshold. force_splits: the grouped GEMMs' k-splits
+    (gate/up, down) at the decode tiers instead of the few-token rule's
+    (moe_kernels.moe_splits): (1, 1) is the unsplit kernel, so the rows exl3 and
+    exl3_unsplit measure the rule."""
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
         CudaExl3MoEKernel,
         Exl3MoEWeights,
@@ -98,6 +112,7 @@ def exl3_variant(gen, h, i, e, top_k, bits, codebook, deterministic, reconstruct
         for _ in range(copies_for(expert_bytes, top_k))
     ]
     kernel = CudaExl3MoEKernel()
+    kernel.force_splits = force_splits
     weights = [
         Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
         for lay in layers
@@ -324,6 +339,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the exl3_reconstruct row (the large-batch path at every size)",
     )
+    ap.add_argument(
+        "--no-unsplit",
+        action="store_true",
+        help="skip the exl3_unsplit row (the grouped GEMM without the few-token "
+        "split-k)",
+    )
+    ap.add_argument(
+        "--split-sweep",
+        nargs="*",
+        type=int,
+        default=[],
+        metavar="S",
+        help="also rows exl3_splitS: both grouped GEMMs' k cut S ways at the decode "
+        "tiers (capped at k's 64-deep stages), to place the split rule",
+    )
     args = ap.parse_args(argv)
     if args.write_exllamav3_only:
         for name in args.shapes:
@@ -361,6 +391,14 @@ def main(argv: list[str] | None = None) -> int:
                 exl3_variant, gen, *shape, args.bits, args.codebook, args.deterministic
             )
             variants = [("exl3", exl3)]
+            if not args.no_unsplit:
+                variants.append(
+                    ("exl3_unsplit", functools.partial(exl3, force_splits=(1, 1)))
+                )
+            variants += [
+                (f"exl3_split{s}", functools.partial(exl3, force_splits=(s, s)))
+                for s in args.split_sweep
+            ]
             if not args.no_reconstruct:
                 variants.append(
                     ("exl3_reconstruct", functools.partial(exl3, reconstruct=True))
@@ -449,9 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(dict(meta=meta, rows=rows), indent=1)
     )
     lines = [
-        "| shape | tokens | exl3 us | exl3 reconstruct us | bf16 us | marlin us | "
-        "exllamav3 us | exl3/bf16 | best exl3/bf16 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | tokens | exl3 us | exl3 unsplit us | exl3 reconstruct us | "
+        "bf16 us | marlin us | exllamav3 us | exl3/bf16 | best exl3/bf16 |"
+        + "".join(f" split {s} us |" for s in args.split_sweep),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + "---:|" * len(args.split_sweep),
     ]
     for name in args.shapes:
         for m in args.tokens:
@@ -473,10 +513,12 @@ def main(argv: list[str] | None = None) -> int:
                 default=None,
             )
             lines.append(
-                f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_reconstruct')} | "
+                f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_unsplit')} | "
+                f"{fmt('exl3_reconstruct')} | "
                 f"{fmt('bf16_fused_experts')} | {fmt('marlin_int4_g128')} | "
                 f"{fmt('exllamav3')} | {f'{ratio:.2f}' if ratio else '-'} | "
                 f"{f'{best:.2f}' if best else '-'} |"
+                + "".join(f" {fmt(f'exl3_split{s}')} |" for s in args.split_sweep)
             )
     table = "\n".join(lines)
     (args.out / f"bench_moe_{stamp}.md").write_text(table + "\n")

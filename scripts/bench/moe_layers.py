@@ -284,11 +284,21 @@ def run_op(
     deterministic: bool = True,
     weight_on_input: bool = False,
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    splits: tuple[int, int] = (1, 1),
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """torch.ops._C.exl3_moe with the plain-torch alignment (or the one given)."""
+    """torch.ops._C.exl3_moe with the plain-torch alignment (or the one given) and
+    the given k-splits (gate/up, down); their workspace NaN-filled unless given, so a
+    partial sum read before it was written shows."""
     sorted_ids, expert_ids, post_pad = aligned or align(
         topk_ids, block, global_experts, expert_map
     )
+    if workspace is None and splits != (1, 1):
+        m, top_k = topk_ids.shape
+        floats = split_workspace_floats(m, top_k, layer.hidden, layer.width, *splits)
+        workspace = torch.full(
+            (floats,), float("nan"), dtype=torch.float32, device=x.device
+        )
     k13, k2 = layer.k2s
     return torch.ops._C.exl3_moe(
         x,
@@ -306,4 +316,18 @@ def run_op(
         layer.codebook,
         weight_on_input,
         deterministic,
+        *splits,
+        workspace,
+    )
+
+
+def split_workspace_floats(
+    tokens: int, top_k: int, hidden: int, width: int, gate_up: int, down: int
+) -> int:
+    """The op's split-k workspace in float32 elements: gate/up's partial rows
+    [splits][2][pairs][width], then down's [splits][pairs][hidden]; none for an unsplit
+    GEMM."""
+    pairs = tokens * top_k
+    return (gate_up * 2 * pairs * width if gate_up > 1 else 0) + (
+        down * pairs * hidden if down > 1 else 0
     )

@@ -100,6 +100,8 @@ def run_checked(
     only: int | None = None,
     weight_on_input: bool = False,
     ids_dtype: torch.dtype = torch.int32,
+    splits: tuple[int, int] = (1, 1),
+    drop_nonlocal: bool = True,
     **info: object,
 ) -> torch.Tensor:
     x = activations(gen, m, layer.hidden, dtype)
@@ -109,6 +111,7 @@ def run_checked(
     ref = ml.reference_moe(
         x, w, ids, layer, expert_map, global_experts, weight_on_input
     )
+    aligned = ml.align(ids, block, global_experts, expert_map, drop_nonlocal)
     vk.poison_next((m, layer.hidden), dtype)
     y = ml.run_op(
         x,
@@ -120,6 +123,8 @@ def run_checked(
         expert_map,
         deterministic,
         weight_on_input,
+        aligned=aligned,
+        splits=splits,
     )
     check(
         y,
@@ -129,6 +134,7 @@ def run_checked(
         block=block,
         dtype=str(dtype),
         deterministic=deterministic,
+        splits=splits,
         **info,
     )
     return y
@@ -267,10 +273,187 @@ def test_router_weight_on_input(gen: torch.Generator) -> None:
 
 def test_real_shape_qwen3_30b_a3b(gen: torch.Generator) -> None:
     """One Qwen3-30B-A3B layer (hidden 2048, expert width 768, 128 experts, top-8) at 4
-    bits."""
+    bits, unsplit and with the k-splits the few-token rule picks on an H200 (5 / 4 at
+    one token, 2 / 2 at two) and the most it allows (16 / 6 stages of 2)."""
     layer = ml.random_moe_layer(gen, 128, 2048, 768, [4], 1, gap=False)
     for m, block in ((1, 16), (16, 16), (256, 64)):
         run_checked(gen, layer, m, 8, 128, torch.bfloat16, block, True)
+    for m, splits in ((1, (5, 4)), (2, (2, 2)), (1, (16, 6)), (16, (2, 3))):
+        for det in (True, False):
+            run_checked(gen, layer, m, 8, 128, torch.bfloat16, 16, det, splits=splits)
+
+
+# Few-token decode: the grouped GEMMs' k split (gate/up, down), each split's fp32
+# partial rows summed in order by the SwiGLU transform and the combine. Hidden 384 and
+# width 256 give 6 and 4 stages of k: even shares, uneven ones (6 / 4, 4 / 3) and one
+# stage per split; (1, 1) is the unsplit kernel on the same inputs.
+SPLIT_HIDDEN, SPLIT_WIDTH = 384, 256
+FORCED_SPLITS = ((1, 1), (2, 1), (1, 2), (4, 3), (6, 4))
+SPLIT_BLOCKS = (16, 32)
+
+
+@pytest.mark.parametrize("experts", (8, 64, 512))
+@pytest.mark.parametrize("top_k", (1, 8))
+@pytest.mark.parametrize("m", (1, 2, 4, 8, 16))
+def test_few_tokens_split_k(
+    gen: torch.Generator, m: int, top_k: int, experts: int
+) -> None:
+    """Every forced split against the float64 oracle, both modes, both split tiers, on
+    a mixed-rate layer; the workspace starts NaN, so a partial row read before it was
+    written fails."""
+    layer = ml.random_moe_layer(gen, experts, SPLIT_HIDDEN, SPLIT_WIDTH, [2, 3, 4], 1)
+    x = activations(gen, m, SPLIT_HIDDEN, torch.bfloat16)
+    w, ids = ml.random_routing(gen, m, top_k, experts)
+    ref = ml.reference_moe(x, w, ids, layer, None, experts)
+    for block in SPLIT_BLOCKS:
+        aligned = ml.align(ids, block, experts)
+        for i, splits in enumerate(FORCED_SPLITS):
+            for det in (True, False):
+                vk.poison_next((m, SPLIT_HIDDEN), torch.bfloat16)
+                y = ml.run_op(
+                    x,
+                    w,
+                    ids,
+                    layer,
+                    block,
+                    experts,
+                    None,
+                    det,
+                    aligned=aligned,
+                    splits=splits,
+                )
+                check(y, ref, m=m, top_k=top_k, block=block, splits=splits, det=det)
+
+
+@pytest.mark.parametrize(
+    "codebook,bits", [(1, (2, 3, 4, 5)), (2, (1.5, 2.5, 3.5, 4, 8)), (0, (1, 6, 7, 8))]
+)
+def test_split_k_mixed_bitrates(
+    gen: torch.Generator, codebook: int, bits: tuple[float, ...]
+) -> None:
+    """Every (expert, role) with its own rate: one launch per rate, each split of each
+    launch writing only its own experts' partial rows."""
+    layer = ml.random_moe_layer(gen, 16, SPLIT_HIDDEN, SPLIT_WIDTH, bits, codebook)
+    assert len(layer.k2s[0]) > 1 and len(layer.k2s[1]) > 1, layer.k2s
+    for m, splits in ((1, (6, 4)), (3, (4, 3)), (16, (2, 2))):
+        for block in SPLIT_BLOCKS:
+            run_checked(
+                gen, layer, m, 4, 16, torch.float16, block, m != 3, splits=splits
+            )
+
+
+@pytest.mark.parametrize("drop_nonlocal", (True, False))
+def test_split_k_expert_parallel_map(gen: torch.Generator, drop_nonlocal: bool) -> None:
+    """Rank 1 of 3 (10 of 30 experts local): pairs of the other ranks' experts, left
+    out of the alignment or placed in -1 blocks, have no partial rows and add
+    nothing."""
+    global_experts, local = 30, 10
+    emap = torch.full((global_experts,), -1, dtype=torch.int32)
+    emap[1::3] = torch.arange(local, dtype=torch.int32)
+    emap = emap.cuda()
+    layer = ml.random_moe_layer(gen, local, SPLIT_HIDDEN, SPLIT_WIDTH, [2, 4], 1)
+    for m, top_k in ((1, 8), (5, 6), (16, 2)):
+        for det in (True, False):
+            run_checked(
+                gen,
+                layer,
+                m,
+                top_k,
+                global_experts,
+                torch.bfloat16,
+                16,
+                det,
+                expert_map=emap,
+                splits=(3, 2),
+                drop_nonlocal=drop_nonlocal,
+            )
+
+
+def test_split_k_router_weight_on_input(gen: torch.Generator) -> None:
+    layer = ml.random_moe_layer(gen, 8, 256, 256, [4], 2)
+    for det in (True, False):
+        run_checked(
+            gen,
+            layer,
+            2,
+            2,
+            8,
+            torch.bfloat16,
+            16,
+            det,
+            weight_on_input=True,
+            splits=(2, 4),
+        )
+
+
+def test_split_k_deterministic_bit_exact(gen: torch.Generator) -> None:
+    """Deterministic mode with split GEMMs: the same bits on every run (no atomics: the
+    splits are summed in order)."""
+    layer = ml.random_moe_layer(gen, 64, SPLIT_HIDDEN, SPLIT_WIDTH, [2, 3, 4], 1)
+    for m in (1, 4, 16):
+        x = activations(gen, m, SPLIT_HIDDEN, torch.bfloat16)
+        w, ids = ml.random_routing(gen, m, 8, 64)
+        for splits in ((4, 3), (6, 1), (1, 4)):
+            aligned = ml.align(ids, 16, 64)
+            first = ml.run_op(x, w, ids, layer, 16, 64, aligned=aligned, splits=splits)
+            for _ in range(5):
+                again = ml.run_op(
+                    x, w, ids, layer, 16, 64, aligned=aligned, splits=splits
+                )
+                assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+
+
+@pytest.mark.parametrize("deterministic", (True, False))
+def test_split_k_cuda_graph_replay_equals_eager(
+    gen: torch.Generator, deterministic: bool
+) -> None:
+    """A captured split call replays the same splits (host arguments) on new inputs; the
+    workspace comes from the graph's pool."""
+    layer = ml.random_moe_layer(gen, 32, SPLIT_HIDDEN, SPLIT_WIDTH, [2, 4], 1)
+    m, top_k, splits = 3, 4, (4, 3)
+    x = activations(gen, m, SPLIT_HIDDEN, torch.bfloat16)
+    w, ids = ml.random_routing(gen, m, top_k, 32)
+    aligned = ml.align(ids, 16, 32)
+
+    def call() -> torch.Tensor:
+        return ml.run_op(
+            x,
+            w,
+            ids,
+            layer,
+            16,
+            32,
+            deterministic=deterministic,
+            aligned=aligned,
+            splits=splits,
+        )
+
+    call()  # warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = call()
+    for _ in range(3):
+        x.copy_(activations(gen, m, SPLIT_HIDDEN, torch.bfloat16))
+        graph.replay()
+        eager = call()
+        # Both modes sum a split down projection's partial rows in order.
+        assert torch.equal(y_graph.view(torch.int16), eager.view(torch.int16))
+        check(y_graph, ml.reference_moe(x, w, ids, layer, None, 32))
+
+
+def test_split_k_propagates_nan(gen: torch.Generator) -> None:
+    """A NaN in one token's input reaches that token's output through the split
+    partial sums and leaves the other tokens finite."""
+    layer = ml.random_moe_layer(gen, 8, SPLIT_HIDDEN, SPLIT_WIDTH, [4], 1)
+    x = activations(gen, 3, SPLIT_HIDDEN, torch.bfloat16)
+    x[1, 5] = float("nan")
+    w, ids = ml.random_routing(gen, 3, 2, 8)
+    for splits in ((1, 1), (4, 3)):
+        for det in (True, False):
+            y = ml.run_op(x, w, ids, layer, 16, 8, None, det, splits=splits)
+            assert bool(torch.isnan(y[1]).any()), (splits, det)
+            assert bool(torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all())
 
 
 def test_deterministic_mode_bit_exact(gen: torch.Generator) -> None:
@@ -334,7 +517,15 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
     weights = Exl3MoEWeights(*layer.tensors(), num_experts=16, hidden=256, width=256)
     kernel = CudaExl3MoEKernel()
     emap = torch.arange(16, dtype=torch.int32, device="cuda")
-    for m in (1, 7, 600):
+    for m, force in (
+        (1, None),
+        (1, (1, 1)),
+        (1, (4, 3)),
+        (2, (2, 4)),
+        (7, None),
+        (600, None),
+    ):
+        kernel.force_splits = force
         for det, expert_map in ((True, None), (False, emap)):
             x = activations(gen, m, 256, torch.float16)
             w, ids = ml.random_routing(gen, m, 4, 16)
@@ -352,7 +543,7 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
                 codebook=2,
                 deterministic=det,
             )
-            check(y, ref, m=m, det=det)
+            check(y, ref, m=m, det=det, force=force)
 
 
 # The reconstructed weights against float64: the dense original-basis reconstruct's
@@ -499,7 +690,8 @@ def test_large_batch_path(gen: torch.Generator) -> None:
 def test_sanitizer_sample(gen: torch.Generator) -> None:
     """A small sample of every MoE kernel for compute-sanitizer (memcheck, racecheck):
     both stages at every block size, mixed rates, both combines, -1 blocks of an
-    expert_map, all tokens to one expert, the reconstruct. Also an ordinary test.
+    expert_map, all tokens to one expert, the split-k path (both tiers, both modes,
+    uneven and one-stage splits, -1 blocks), the reconstruct. Also an ordinary test.
 
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
             --error-exitcode 1 python3 -m pytest -q -m gpu \
@@ -516,6 +708,15 @@ def test_sanitizer_sample(gen: torch.Generator) -> None:
     ref = ml.reference_moe(x, w, ids, layer, emap, 10)
     aligned = ml.align(ids, 16, 10, emap, drop_nonlocal=False)
     y = ml.run_op(x, w, ids, layer, 16, 10, emap, False, aligned=aligned)
+    check(y, ref)
+    # Split-k: width 128 and hidden 256 give 2 and 4 stages of k.
+    for block, det, splits in (
+        (16, True, (3, 2)),
+        (32, False, (4, 2)),
+        (16, False, (2, 1)),
+    ):
+        run_checked(gen, layer, 3, 2, 8, torch.bfloat16, block, det, splits=splits)
+    y = ml.run_op(x, w, ids, layer, 16, 10, emap, True, aligned=aligned, splits=(4, 2))
     check(y, ref)
     w1, w2 = reconstruct_all(layer, torch.bfloat16)
     assert bool(torch.isfinite(w1).all()) and bool(torch.isfinite(w2).all())
@@ -543,6 +744,8 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
             k2=k2,
             ge=4,
             cb=1,
+            splits=(1, 1),
+            ws=None,
         )
         args.update(over)
         torch.ops._C.exl3_moe(
@@ -561,9 +764,18 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
             args["cb"],
             False,
             True,
+            *args["splits"],
+            args["ws"],
         )
 
     call()
+    # hidden 128 and width 128: 2 stages of k each; split (2, 2) needs
+    # 2 * 2 * 6 * 128 + 2 * 6 * 128 partial sums.
+    need = ml.split_workspace_floats(3, 2, 128, 128, 2, 2)
+    assert need == 2 * 2 * 6 * 128 + 2 * 6 * 128
+    ws = torch.empty(need, dtype=torch.float32, device="cuda")
+    call(splits=(2, 2), ws=ws)
+    a64 = ml.align(ids, 64, 4)
     t = layer.tensors()
     cases = [
         (dict(x=x.float()), "x must be bfloat16 or float16"),
@@ -584,6 +796,21 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
         ),
         (dict(blocks=aligned[1][:-1]), "expert_ids must be"),
         (dict(x=x.cpu()), "x must be a CUDA tensor"),
+        (dict(splits=(2, 1)), "need a workspace of"),
+        (dict(splits=(2, 2), ws=ws[:-1]), "holds fewer than the"),
+        (dict(splits=(2, 2), ws=ws.half()), "workspace must be float32"),
+        (dict(splits=(2, 2), ws=ws[1:]), "workspace must be 16-byte aligned"),
+        (dict(splits=(3, 1), ws=ws), "gate_up_splits = 3 is outside 1..2"),
+        (dict(splits=(1, 0), ws=ws), "down_splits = 0 is outside 1..2"),
+        (
+            dict(
+                splits=(2, 1),
+                ws=ws,
+                block=64,
+                **dict(zip(("sorted", "blocks", "pad"), a64)),
+            ),
+            "built for block sizes up to 32",
+        ),
     ]
     for over, message in cases:
         with pytest.raises(RuntimeError, match=re.escape(message)):

@@ -322,6 +322,9 @@ def _main(_: int) -> None:
         codebook,
         on_input,
         det,
+        gate_up_splits,
+        down_splits,
+        workspace,
     ):
         return ref.apply(
             x,
@@ -344,9 +347,11 @@ def _main(_: int) -> None:
     lib.impl("exl3_moe", stand_in, "CPU")
     assert moe_ops.load_exl3_moe_op() == (True, None)
 
-    # The fake takes the schema's arguments, by name and in order.
+    # The fake and the wrapper take the schema's arguments, by name and in order.
     names = re.findall(r"(?:Tensor\??|int\[\]|int|bool) (\w+)", schema)
-    assert list(inspect.signature(moe_ops.exl3_moe_fake).parameters) == names
+    assert names[-3:] == ["gate_up_splits", "down_splits", "workspace"], names
+    for fn in (moe_ops.exl3_moe_fake, moe_ops.exl3_moe):
+        assert list(inspect.signature(fn).parameters) == names, fn.__name__
 
     m, top_k = 5, 2
     x = torch.randn(m, 128).to(torch.bfloat16)
@@ -377,6 +382,9 @@ def _main(_: int) -> None:
         1,
         False,
         True,
+        1,
+        1,
+        None,
     )
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -384,6 +392,10 @@ def _main(_: int) -> None:
     with FakeTensorMode(allow_non_fake_inputs=True):
         fx = torch.empty(7, 128, dtype=torch.float16)
         out = torch.ops._C.exl3_moe(fx, *args)
+        assert out.shape == (7, 128) and out.dtype == torch.float16
+        # With k-splits and their workspace: the same output.
+        ws = torch.empty(moe_ops.split_workspace_floats(7, 2, 128, 128, 2, 2))
+        out = torch.ops._C.exl3_moe(fx, *args[:-3], 2, 2, ws)
         assert out.shape == (7, 128) and out.dtype == torch.float16
 
     compiled = torch.compile(
@@ -493,3 +505,137 @@ def test_large_batch_rule_and_shared_scratch() -> None:
         assert w2.data_ptr() - w1.data_ptr() == w1.numel() * 2
     finally:
         mk._reconstruct_scratch.pop(cpu, None)
+
+
+# The few-token split rule (moe_kernels.moe_splits) at the four bench shapes
+# (scripts/bench/bench_moe.py SHAPES: hidden, expert width, experts, top-k), on an
+# H200 (132 SMs, 228 KB of shared memory per SM), 4 bits.
+BENCH_SHAPES = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "qwen3-235b-a22b": (4096, 1536, 128, 8),
+    "glm-4.5-air": (4096, 1408, 128, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+}
+H200_SMS, H200_SMEM_PER_SM = 132, 233472
+# (gate_up_splits, down_splits) by tokens; (1, 1) at every other count.
+SPLITS_AT = {
+    "qwen3-30b-a3b": {1: (5, 4), 2: (2, 2)},
+    "qwen3-235b-a22b": {1: (2, 2)},
+    "glm-4.5-air": {1: (3, 2)},
+    "deepseek-v3": {1: (2, 1)},
+}
+
+
+def test_split_rule_at_the_bench_shapes() -> None:
+    """At one token Qwen3-30B-A3B runs 8 experts x 12 gate/up column blocks = 96 and 8 x
+    16 = 128 down blocks on 132 x 4 resident slots: 528 // 96 = 5 and 528 // 128 = 4
+    splits. From 4 tokens (about 29 of 128 experts reached) the blocks fill more than
+    half the slots and nothing is split."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3.moe_ops import (
+        GATE_UP_ROLES,
+        STAGE_K,
+    )
+
+    dev = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
+    for name, (h, i, e, top_k) in BENCH_SHAPES.items():
+        for tokens in (1, 2, 4, 8, 16, 64, 256):
+            block = mk.CudaExl3MoEKernel.block_size(tokens, top_k, e)
+            got = mk.moe_splits(tokens, top_k, e, e, h, i, block, (8, 8), dev)
+            assert got == SPLITS_AT[name].get(tokens, (1, 1)), (name, tokens, got)
+            # Never past one wave of resident slots, never below 2 stages a split.
+            blocks = mk.expected_row_blocks(tokens, top_k, e, e, block)
+            for splits, tiles, k in (
+                (got[0], blocks * GATE_UP_ROLES * i // 128, h),
+                (got[1], blocks * h // 128, i),
+            ):
+                assert splits == 1 or splits * tiles <= H200_SMS * 4, (name, tokens)
+                assert splits == 1 or k // STAGE_K // splits >= mk.SPLIT_MIN_STAGES
+
+    assert mk.expected_row_blocks(1, 8, 128, 128, 16) == 8  # exactly top-k experts
+    assert mk.expected_row_blocks(0, 8, 128, 128, 16) == 0
+    # Rows past a block per expert: the row count sets the blocks.
+    assert mk.expected_row_blocks(64, 8, 16, 16, 16) == 32
+    # Expert parallelism: 32 of 128 experts local, 8 routed pairs -> 2 expected blocks,
+    # so more splits, capped at 2 stages a split (2048 / 64 / 2 = 16).
+    assert mk.moe_splits(1, 8, 128, 32, 2048, 768, 16, (8, 8), dev) == (16, 6)
+    # The large-batch tiers have no split-k.
+    for block in (64, 128):
+        assert mk.moe_splits(1, 8, 128, 128, 2048, 768, block, (8, 8), dev) == (1, 1)
+
+
+def test_split_rule_resident_blocks() -> None:
+    """Shared memory caps the resident blocks: 4 on an H200 at every rate; on a 100 KB
+    sm_12x SM 4 at 4 bits (4 x (4 x (2 KB + 4 KB) + 1 KB) = 100 KB) but 2 at 8."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+
+    h200 = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
+    sm120 = mk.SplitDevice(170, 100 * 1024)
+    for k2 in (2, 3, 8, 16):
+        assert mk.resident_blocks(16, k2, h200) == 4
+    assert mk.resident_blocks(16, 8, sm120) == 4
+    assert mk.resident_blocks(16, 16, sm120) == 2
+    assert mk.resident_blocks(32, 16, sm120) == 2
+    # Fewer slots, fewer splits: Qwen3-30B-A3B at one token, 8 bits, on such a device.
+    assert mk.moe_splits(1, 8, 128, 128, 2048, 768, 16, (16, 16), sm120) == (3, 2)
+
+
+def test_split_choice_of_the_kernel_class(monkeypatch) -> None:
+    """CudaExl3MoEKernel.splits: the rule, force_splits (capped at k's stages), nothing
+    on the large-batch tiers, nothing under batch invariance."""
+    import vllm.envs as envs
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+
+    # The rule reads only the layer's dimensions.
+    none = torch.empty(0)
+    w = mk.Exl3MoEWeights(*[none] * 8, num_experts=128, hidden=2048, width=768)
+    kernel = mk.CudaExl3MoEKernel()
+    cpu = torch.device("cpu")
+    mk._split_devices[cpu] = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
+    try:
+        rates = ([8], [8])
+        assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (5, 4)
+        assert kernel.splits(1, 8, 128, w, 64, rates, cpu) == (1, 1)
+        kernel.force_splits = (1, 1)
+        assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (1, 1)
+        kernel.force_splits = (100, 100)
+        assert kernel.splits(16, 8, 128, w, 32, rates, cpu) == (32, 12)
+        assert kernel.splits(16, 8, 128, w, 128, rates, cpu) == (1, 1)
+        kernel.force_splits = None
+        monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+        assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (1, 1)
+    finally:
+        mk._split_devices.pop(cpu, None)
+
+
+def test_split_workspace_accounting() -> None:
+    """The workspace the op checks: gate/up's [splits][2][pairs][width] fp32 partial
+    rows, then down's [splits][pairs][hidden]; an unsplit GEMM takes none. The GPU
+    tests' helper (scripts/bench/moe_layers.py) sizes it the same way."""
+    import sys
+
+    from vllm.model_executor.layers.quantization.exl3.moe_ops import (
+        split_workspace_floats,
+    )
+
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
+    import moe_layers
+
+    for tokens, top_k, h, i, s13, s2 in (
+        (1, 8, 2048, 768, 5, 4),
+        (2, 8, 2048, 768, 2, 2),
+        (1, 8, 7168, 2048, 2, 1),
+        (3, 2, 128, 128, 1, 2),
+        (16, 1, 384, 256, 1, 1),
+    ):
+        pairs = tokens * top_k
+        want = (s13 * 2 * pairs * i if s13 > 1 else 0) + (
+            s2 * pairs * h if s2 > 1 else 0
+        )
+        assert split_workspace_floats(tokens, top_k, h, i, s13, s2) == want
+        assert moe_layers.split_workspace_floats(tokens, top_k, h, i, s13, s2) == want
+    # Qwen3-30B-A3B at one token with the rule's splits: 0.5 MB.
+    assert split_workspace_floats(1, 8, 2048, 768, 5, 4) * 4 == 507904
+    # The gate/up part ends on a 16-byte boundary (width is whole 128-column blocks),
+    # so down's partial rows start aligned for float4 stores.
+    assert (split_workspace_floats(1, 8, 2048, 768, 5, 1) * 4) % 16 == 0

@@ -67,6 +67,7 @@ def test_one_generated_unit_per_rate_of_the_format(tmp_path: Path) -> None:
         assert f"EXL3_DEFINE_MOE_RATE({k2})" in unit
         table = (tmp_path / gen.RATE_TABLE).read_text()
         assert f"return rate_kernels_k{k2}();" in table
+        assert f"return moe_rate_kernels_k{k2}();" in table
     mtimes = {p: p.stat().st_mtime_ns for p in written}
     os.utime(written[0], ns=(1, 1))
     gen.write_build_sources(tmp_path)

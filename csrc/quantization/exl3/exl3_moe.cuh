@@ -80,13 +80,38 @@ __device__ __forceinline__ const __half* moe_svh(const MoeGemmParams& mp,
          (static_cast<size_t>(b.expert) * mp.roles + b.role) * mp.n + b.n0;
 }
 
-// Gate/up: the block's rows go to y13[role][slot], in the activation dtype.
+// A split's partial row of `pair` (exl3_moe.h: partial[z][role][pair][n]), at
+// the lane's four columns.
+__device__ __forceinline__ void moe_store_partial(const MoeGemmParams& mp,
+                                                  int role, int pair, int col,
+                                                  const float (&v)[4]) {
+  float* dst =
+      mp.partial +
+      ((static_cast<size_t>(blockIdx.z) * mp.roles + role) * mp.pairs + pair) *
+          mp.n +
+      col;
+  *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// Gate/up: the block's rows go to y13[role][slot], in the activation dtype, or
+// (split-k) the live pairs' rows to the split's fp32 partial sums.
 template <int BM>
 struct MoeGateUpEpilogue {
   const MoeGemmParams& mp;
   template <typename Shape>
   __device__ __forceinline__ void store(const float* s_c, int rows) const {
     const MoeBlock b = moe_block<BM>(mp);
+    if (BM <= kMoeSplitMaxTier * kTile && mp.partial != nullptr) {
+      const int32_t* ids = mp.sorted_ids + b.row0;
+      const int live = min(rows, mp.sorted_len - b.row0);
+      moe_store_rows<Shape>(
+          s_c, live, moe_svh(mp, b), [&](int r, float (&v)[4], int lane) {
+            const int pair = ids[r];
+            if (pair >= 0 && pair < mp.pairs)
+              moe_store_partial(mp, b.role, pair, b.n0 + 4 * lane, v);
+          });
+      return;
+    }
     uint16_t* y = static_cast<uint16_t*>(mp.out) +
                   (static_cast<size_t>(b.role) * mp.slots + b.row0) * mp.n +
                   b.n0;
@@ -100,7 +125,8 @@ struct MoeGateUpEpilogue {
 
 // Down: row r is slot row0 + r, i.e. pair sorted_ids[slot] (padding: nothing),
 // scaled by its routing weight, then either written as the pair's row
-// (deterministic combine afterwards) or added into its token's fp32 sum.
+// (deterministic combine afterwards), or as the split's fp32 partial row
+// (split-k: the combine sums the splits), or added into its token's fp32 sum.
 template <int BM>
 struct MoeDownEpilogue {
   const MoeGemmParams& mp;
@@ -120,7 +146,9 @@ struct MoeDownEpilogue {
             for (int j = 0; j < 4; ++j) v[j] *= w;
           }
           const int col = b.n0 + 4 * lane;
-          if (p.accumulate) {
+          if (BM <= kMoeSplitMaxTier * kTile && p.partial != nullptr) {
+            moe_store_partial(p, 0, pair, col, v);
+          } else if (p.accumulate) {
             float* dst = static_cast<float*>(p.out) +
                          static_cast<size_t>(pair / p.topk) * p.n + col;
             red_add_f32x4(dst, v[0], v[1], v[2], v[3]);
@@ -141,8 +169,8 @@ template <int K2, int MT>
 constexpr int kMoeMinBlocks =
     MT >= 4 ? 2 : GemmShape<K2, MT, false>::kMinBlocks;
 
-// grid (row blocks, roles * n / 128). Launched once per distinct bitrate of the
-// layer.
+// grid (row blocks, roles * n / 128, k-splits). Launched once per distinct
+// bitrate of the layer.
 template <int K2, int CB, int MT, MoeStage STAGE>
 __global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
     exl3_moe_gemm_kernel(const __grid_constant__ MoeGemmParams mp) {
@@ -150,12 +178,19 @@ __global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
   const MoeBlock b = moe_block<BM>(mp);
   // Written by moe_align_block_size, which completed before the input transform
   // started; this grid overlaps only the transform (programmatic launch), so
-  // these reads need no wait.
-  if (b.row0 >= min(*mp.num_post_pad, mp.sorted_len)) return;
-  if (b.expert < 0 || b.expert >= mp.experts) return;
+  // these reads need no wait. A block with nothing to do still waits for the
+  // grid before it: a programmatically launched grid whose blocks all return
+  // at once (a bitrate no routed expert has) could otherwise end before its
+  // predecessor, and the kernels after it rely on stream order through it.
+  const bool idle = b.row0 >= min(*mp.num_post_pad, mp.sorted_len) ||
+                    b.expert < 0 || b.expert >= mp.experts;
   const int64_t* meta =
-      mp.meta + 2 * (static_cast<int64_t>(b.expert) * mp.roles + b.role);
-  if (meta[1] != K2) return;
+      mp.meta +
+      2 * (static_cast<int64_t>(idle ? 0 : b.expert) * mp.roles + b.role);
+  if (idle || meta[1] != K2) {
+    grid_dependency_wait();
+    return;
+  }
   const int64_t offset = meta[0];
   const int64_t size = static_cast<int64_t>(mp.k / kTile) * (mp.n / kTile) *
                        Rate<K2>::kTileBytes / 2;
@@ -175,12 +210,18 @@ __global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
   p.shards.count = 1;
   p.shards.end[0] = mp.n;
   uint32_t a_phase = 0;
+  // This block's k-split: 64-deep stages [c_begin, c_end), the dense classic
+  // grid's share-out (splits never exceed the stages: the host checks it).
   const int chunks = mp.k / kStageK;
+  constexpr bool kSplit = MT <= kMoeSplitMaxTier;
+  const int z = kSplit ? static_cast<int>(blockIdx.z) : 0;
+  const int c_begin = kSplit ? z * chunks / mp.splits : 0;
+  const int c_end = kSplit ? (z + 1) * chunks / mp.splits : chunks;
   if constexpr (STAGE == MoeStage::kGateUp)
-    gemm_segment<K2, CB, MT, false>(p, 0, b.n0, 0, chunks, false, a_phase,
+    gemm_segment<K2, CB, MT, false>(p, 0, b.n0, c_begin, c_end, false, a_phase,
                                     MoeGateUpEpilogue<BM>{mp});
   else
-    gemm_segment<K2, CB, MT, false>(p, 0, b.n0, 0, chunks, false, a_phase,
+    gemm_segment<K2, CB, MT, false>(p, 0, b.n0, c_begin, c_end, false, a_phase,
                                     MoeDownEpilogue<BM>{mp});
 }
 
@@ -190,7 +231,7 @@ void moe_gemm_launch_tier(const MoeGemmParams& p, cudaStream_t stream) {
   auto kernel = exl3_moe_gemm_kernel<K2, CB, MT, STAGE>;
   static unsigned smem_done = 0;
   allow_smem(kernel, Shape::kSmemBytes, smem_done);
-  const dim3 grid(p.slots / Shape::kBM, p.roles * p.n / kBlockN);
+  const dim3 grid(p.slots / Shape::kBM, p.roles * p.n / kBlockN, p.splits);
   cudaLaunchConfig_t cfg{};
   cudaLaunchAttribute attr[1];
   programmatic_launch(cfg, attr, grid, dim3(kGemmThreads), Shape::kSmemBytes,

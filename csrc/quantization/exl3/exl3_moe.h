@@ -22,6 +22,11 @@ namespace vllm_exl3 {
 // holds an expert's typical row count (16 for decode: the fewest padded rows).
 constexpr int kMoeTiers[] = {1, 2, 4, 8};
 constexpr int kNumMoeTiers = 4;
+// The tiers built with split-k (m16 tiles, up to 32 rows): the few-token path,
+// where few blocks would run. The larger tiers serve batches whose blocks fill
+// the device already, and the partial-sum epilogue pushed the 128-row 8-bit
+// tier past its register budget (ptxas spilled).
+constexpr int kMoeSplitMaxTier = 2;
 
 // The two grouped GEMMs of an MoE layer.
 enum class MoeStage : int {
@@ -48,6 +53,12 @@ struct MoeGemmParams {
   const float* topk_weights;  // [pairs]; null: no routing weight at the output
   void* out;  // kGateUp: T [roles][P][n]; kDown: T [pairs][n], or fp32 [M][n]
               // if accumulate
+  // Split-k (splits > 1): grid z = the k-split; each split writes its fp32
+  // partial rows, already through the stage's epilogue (Ĥ, svh, routing weight:
+  // all linear), to partial[z][role][pair][n] instead of out, for the live
+  // routed pairs only (padding rows are never read). The consumer sums the
+  // splits in order: the SwiGLU transform (gate/up) or the combine (down).
+  float* partial;
   int64_t trellis_numel;  // int16 elements: offsets past it trap instead of
                           // reading stray memory
   int k, n;               // of one role
@@ -58,6 +69,7 @@ struct MoeGemmParams {
   int pairs;       // M * topk, also the padding sentinel
   int topk;
   int experts;  // local experts E
+  int splits;   // k-splits (grid z), 1 = unsplit
   bool out_bf16;
   bool accumulate;
 };
@@ -89,8 +101,8 @@ struct MoeRateKernels {
   void (*reconstruct)(int cb, const MoeReconParams& p, cudaStream_t stream);
 };
 
-// The launcher table of one bitrate; K2 must be a valid rate (2..16 even, or 3,
-// 5, 7).
+// The launcher table of one bitrate (the generated exl3_rate_table.cpp, over
+// the rates generate_kernels.py builds); throws for any other K2.
 const MoeRateKernels& moe_rate_kernels(int k2);
 
 // Rate-independent kernels (exl3_moe_transforms.cu), all reading the live slot
@@ -105,17 +117,24 @@ void launch_moe_input_transform(
     uint32_t rates2, const int32_t* sorted_ids, const int32_t* expert_ids,
     const int32_t* num_post_pad, void* xh13, int h, int slots, int sorted_len,
     int block, int pairs, int topk, int experts, cudaStream_t stream);
-// xh2[slot] = fp16(Ĥ(SiLU(y13[0][slot]) * y13[1][slot] * suh2[e])).
-void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
+// xh2[slot] = fp16(Ĥ(SiLU(g) * u * suh2[e])), g and u the slot's gate and up
+// rows: y13[0][slot] and y13[1][slot], or, when partial13 is given (split-k),
+// the sums over s = 0, 1, ... of partial13[s][0 / 1][pair] (fp32 [splits][2]
+// [pairs][i]), in that order.
+void launch_moe_act_transform(const void* y13, const float* partial13,
+                              int splits13, bool bf16, const void* suh2,
                               const int32_t* sorted_ids,
                               const int32_t* expert_ids,
                               const int32_t* num_post_pad, void* xh2, int i,
                               int slots, int sorted_len, int block, int pairs,
                               int experts, cudaStream_t stream);
-// y[t] = sum over k in order of rows[t * topk + k] (fp32), for the pairs whose
+// y[t] = sum over k in order of row(t * topk + k) (fp32), for the pairs whose
 // expert is local: 0 <= topk_ids < global_experts and expert_map (if any) >= 0
-// there. ids: int32 or int64.
-void launch_moe_combine(const void* rows, const void* topk_ids, bool ids64,
+// there. row(pair) = rows[pair] (the activation dtype), or, when partial2 is
+// given (split-k), the sum over s = 0, 1, ... of partial2[s][pair] (fp32
+// [splits][pairs][h]), in that order. ids: int32 or int64.
+void launch_moe_combine(const void* rows, const float* partial2, int splits2,
+                        const void* topk_ids, bool ids64,
                         const int32_t* expert_map, int global_experts,
                         int experts, void* y, bool bf16, int m, int h, int topk,
                         cudaStream_t stream);

@@ -2,8 +2,10 @@
 // torch.ops._C.exl3_moe: one EXL3 mixture-of-experts layer (routed experts)
 // over vLLM's expert alignment: input validation, the kernel sequence,
 // registration. Stable ABI only, like exl3_ops.cpp. Scratch comes from torch's
-// caching allocator (new_empty), so the op is safe under CUDA-graph capture; it
-// never synchronises and never reads device data on the host.
+// caching allocator (new_empty) and the split-k partial sums from the caller's
+// workspace, so the op is safe under CUDA-graph capture; it never synchronises
+// and never reads device data on the host. The k-splits are arguments: the
+// caller's rule (moe_kernels.py) picks them from host-known shapes only.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -26,23 +28,6 @@
 
 namespace vllm_exl3 {
 
-#define EXL3_MOE_RATES(X) \
-  X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(14) X(16)
-#define EXL3_MOE_DECLARE(K2) const MoeRateKernels& moe_rate_kernels_k##K2();
-EXL3_MOE_RATES(EXL3_MOE_DECLARE)
-
-const MoeRateKernels& moe_rate_kernels(int k2) {
-  switch (k2) {
-#define EXL3_MOE_CASE(K2) \
-  case K2:                \
-    return moe_rate_kernels_k##K2();
-    EXL3_MOE_RATES(EXL3_MOE_CASE)
-    default:
-      throw std::runtime_error("exl3_moe: no kernels for 2*bits = " +
-                               std::to_string(k2));
-  }
-}
-
 namespace {
 
 using torch::headeronly::ScalarType;
@@ -58,6 +43,9 @@ constexpr int64_t kMetaFields = 2;  // (offset, k2)
 constexpr int64_t kGateUpRoles = 2;
 // CUDA's grid z limit: the reconstruct runs one (expert, role) per z.
 constexpr int64_t kMaxGridZ = 65535;
+// k per grouped-GEMM pipeline stage (exl3_gemm.cuh kStageK): a k-split owns
+// whole stages, so a stage count bounds the splits.
+constexpr int64_t kStageDepth = 64;
 // 16-byte rows for cp.async and vector access; 8 bytes for 4-element vector
 // loads.
 constexpr uintptr_t kRowAlign = 16;
@@ -124,7 +112,9 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
                 Tensor w2_suh, Tensor w2_svh, int64_t block_size,
                 std::vector<int64_t> w13_k2s, std::vector<int64_t> w2_k2s,
                 int64_t global_num_experts, int64_t codebook,
-                bool apply_router_weight_on_input, bool deterministic) {
+                bool apply_router_weight_on_input, bool deterministic,
+                int64_t gate_up_splits, int64_t down_splits,
+                std::optional<Tensor> workspace) {
   STD_TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const int32_t dev = x.get_device_index();
   check_tensor(kOp, "x", x, 2, dev, kRowAlign);
@@ -225,11 +215,49 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   const int64_t pairs = m * topk;
   STD_TORCH_CHECK(
       pairs < (int64_t{1} << 31) && slots < (int64_t{1} << 31) &&
+          m * (h / kHadamardBlock) < (int64_t{1} << 31) &&
           slots * std::max(h, inter) * kGateUpRoles < (int64_t{1} << 40),
       kOp, ": problem too large (", pairs, " routed pairs, ", slots, " slots)");
   STD_TORCH_CHECK(w13_trellis.numel() < (int64_t{1} << 40) &&
                       w2_trellis.numel() < (int64_t{1} << 40),
                   kOp, ": trellis too large");
+
+  // Split-k (the caller's rule, moe_kernels.py): each split owns at least one
+  // stage of k; the partial sums live in the caller's fp32 workspace, gate/up's
+  // [gate_up_splits][2][pairs][inter] first, then down's
+  // [down_splits][pairs][h] (an unsplit stage takes none).
+  STD_TORCH_CHECK(gate_up_splits >= 1 && gate_up_splits <= h / kStageDepth, kOp,
+                  ": gate_up_splits = ", gate_up_splits, " is outside 1..",
+                  h / kStageDepth, " (the 64-deep stages of the hidden size ",
+                  h, ")");
+  STD_TORCH_CHECK(down_splits >= 1 && down_splits <= inter / kStageDepth, kOp,
+                  ": down_splits = ", down_splits, " is outside 1..",
+                  inter / kStageDepth,
+                  " (the 64-deep stages of the expert width ", inter, ")");
+  const bool split13 = gate_up_splits > 1, split2 = down_splits > 1;
+  STD_TORCH_CHECK(
+      !(split13 || split2) || block_size <= kTileEdge * kMoeSplitMaxTier, kOp,
+      ": k-splits (", gate_up_splits, ", ", down_splits,
+      ") are built for block sizes up to ", kTileEdge * kMoeSplitMaxTier,
+      ", got block_size ", block_size);
+  const int64_t partial13 =
+      split13 ? gate_up_splits * kGateUpRoles * pairs * inter : 0;
+  const int64_t partial2 = split2 ? down_splits * pairs * h : 0;
+  float* ws = nullptr;
+  if (split13 || split2) {
+    STD_TORCH_CHECK(workspace.has_value(), kOp,
+                    ": gate_up_splits = ", gate_up_splits,
+                    " and down_splits = ", down_splits, " need a workspace of ",
+                    partial13 + partial2, " float32 elements, got none");
+    check_tensor(kOp, "workspace", *workspace, 1, dev, kRowAlign);
+    check_dtype(kOp, "workspace", *workspace, ScalarType::Float);
+    STD_TORCH_CHECK(
+        workspace->numel() >= partial13 + partial2, kOp, ": workspace ",
+        shape_str(*workspace), " holds fewer than the ", partial13 + partial2,
+        " float32 partial sums of ", gate_up_splits, " gate/up and ",
+        down_splits, " down splits over ", pairs, " routed pairs");
+    ws = static_cast<float*>(workspace->data_ptr());
+  }
 
   torch::stable::accelerator::DeviceGuard guard(dev);
   const cudaStream_t stream = current_stream(dev);
@@ -245,9 +273,12 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
 
   // The fast combine adds the top-k rows into one fp32 sum per token (order
   // unspecified); zero it first, before anything else is queued, so it never
-  // sits between two dependent grids.
+  // sits between two dependent grids. A split down projection needs neither:
+  // its partial rows go to the workspace, and the combine sums them in a fixed
+  // order in both modes (one node fewer than zeroing plus rounding).
+  const bool atomic_sum = !deterministic && !split2;
   std::optional<Tensor> acc;
-  if (!deterministic) {
+  if (atomic_sum) {
     acc = torch::stable::new_empty(x, {m, h}, ScalarType::Float);
     const cudaError_t e = cudaMemsetAsync(
         acc->data_ptr(), 0, static_cast<size_t>(m * h) * sizeof(float), stream);
@@ -280,15 +311,23 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   p.topk = static_cast<int>(topk);
   p.experts = static_cast<int>(experts);
   p.out_bf16 = bf16;
+  p.splits = 1;
 
-  Tensor y13 = torch::stable::new_empty(x, {kGateUpRoles, slots, inter});
+  // Unsplit, gate/up writes its rows in the activation dtype; split, the
+  // partial sums replace them.
+  std::optional<Tensor> y13;
+  if (!split13) y13 = torch::stable::new_empty(x, {kGateUpRoles, slots, inter});
+  float* part13 = split13 ? ws : nullptr;
+  float* part2 = split2 ? ws + partial13 : nullptr;
   MoeGemmParams g = p;
   g.xh = xh13.data_ptr();
   g.trellis = w13_trellis.data_ptr();
   g.trellis_numel = w13_trellis.numel();
   g.meta = static_cast<const int64_t*>(w13_meta.data_ptr());
   g.svh = w13_svh.data_ptr();
-  g.out = y13.data_ptr();
+  g.out = split13 ? nullptr : y13->data_ptr();
+  g.partial = part13;
+  g.splits = static_cast<int>(gate_up_splits);
   g.k = static_cast<int>(h);
   g.n = static_cast<int>(inter);
   g.roles = static_cast<int>(kGateUpRoles);
@@ -300,14 +339,16 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
 
   Tensor xh2 = torch::stable::new_empty(x, {slots, inter}, ScalarType::Half);
   launch_moe_act_transform(
-      y13.data_ptr(), bf16, w2_suh.data_ptr(), sorted, blocks, post_pad,
-      xh2.data_ptr(), static_cast<int>(inter), static_cast<int>(slots),
-      static_cast<int>(sorted_len), static_cast<int>(block_size),
-      static_cast<int>(pairs), static_cast<int>(experts), stream);
+      split13 ? nullptr : y13->data_ptr(), part13,
+      static_cast<int>(gate_up_splits), bf16, w2_suh.data_ptr(), sorted, blocks,
+      post_pad, xh2.data_ptr(), static_cast<int>(inter),
+      static_cast<int>(slots), static_cast<int>(sorted_len),
+      static_cast<int>(block_size), static_cast<int>(pairs),
+      static_cast<int>(experts), stream);
   check_launch("SwiGLU transform");
 
   std::optional<Tensor> rows;
-  if (deterministic) rows = torch::stable::new_empty(x, {pairs, h});
+  if (deterministic && !split2) rows = torch::stable::new_empty(x, {pairs, h});
   MoeGemmParams d = p;
   d.xh = xh2.data_ptr();
   d.trellis = w2_trellis.data_ptr();
@@ -315,8 +356,10 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   d.meta = static_cast<const int64_t*>(w2_meta.data_ptr());
   d.svh = w2_svh.data_ptr();
   d.topk_weights = apply_router_weight_on_input ? nullptr : weights;
-  d.out = deterministic ? rows->data_ptr() : acc->data_ptr();
-  d.accumulate = !deterministic;
+  d.out = split2 ? nullptr : atomic_sum ? acc->data_ptr() : rows->data_ptr();
+  d.accumulate = atomic_sum;
+  d.partial = part2;
+  d.splits = static_cast<int>(down_splits);
   d.k = static_cast<int>(inter);
   d.n = static_cast<int>(h);
   d.roles = 1;
@@ -326,8 +369,9 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
     check_launch("down GEMM");
   }
 
-  if (deterministic) {
-    launch_moe_combine(rows->data_ptr(), topk_ids.data_ptr(),
+  if (!atomic_sum) {
+    launch_moe_combine(split2 ? nullptr : rows->data_ptr(), part2,
+                       static_cast<int>(down_splits), topk_ids.data_ptr(),
                        topk_ids.scalar_type() == ScalarType::Long, map_ptr,
                        static_cast<int>(global_num_experts),
                        static_cast<int>(experts), y.data_ptr(), bf16,
@@ -422,7 +466,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
       "w2_k2s, "
       "int global_num_experts, int codebook, bool "
       "apply_router_weight_on_input, "
-      "bool deterministic) -> Tensor");
+      "bool deterministic, int gate_up_splits, int down_splits, "
+      "Tensor? workspace) -> Tensor");
   m.def(
       "exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor "
       "svh, int[] k2s, int codebook, Tensor(a!) out) -> ()");

@@ -4,9 +4,17 @@
 // and the fp32 sum's rounding. One warp per (slot or token, 128 columns), lane
 // l holding columns 4l..4l+3, like the dense input transform
 // (exl3_transforms.cu).
+//
+// The kernels after a grouped GEMM (SwiGLU transform, combine, sum rounding)
+// are launched programmatically: their blocks are scheduled while the GEMM runs
+// and wait for it at their start, which hides a launch gap per stage. Every
+// block waits, so each of them ends after the GEMM it follows, and what follows
+// them in the stream sees the whole layer done.
 #include <type_traits>
+#include <utility>
 
 #include "exl3_hadamard.cuh"
+#include "exl3_kernels.h"
 #include "exl3_moe.h"
 
 namespace vllm_exl3 {
@@ -18,6 +26,17 @@ constexpr int kMoeRowWarps = kMoeRowThreads / kWarpSize;
 
 unsigned grid_for(int64_t warps) {
   return static_cast<unsigned>((warps + kMoeRowWarps - 1) / kMoeRowWarps);
+}
+
+// A row kernel launched to overlap the grid before it (programmatic stream
+// serialization); the kernel waits for that grid before anything else.
+template <typename... Params, typename... Args>
+void launch_after_gemm(void (*kernel)(Params...), unsigned grid,
+                       cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cudaLaunchAttribute attr[1];
+  programmatic_launch(cfg, attr, dim3(grid), dim3(kMoeRowThreads), 0, stream);
+  cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 // The warp's (slot, 128-column block) item, or false when the slot is not live.
@@ -107,16 +126,37 @@ __global__ void __launch_bounds__(kMoeRowThreads)
   store_transformed(xv, s1, dst1, lane);
 }
 
+// The sum over the splits of one pair's partial row at 4 columns, split 0
+// first (a fixed order: the same bits on every run).
+__device__ __forceinline__ void sum_splits(const float* __restrict__ part,
+                                           size_t split_stride, int splits,
+                                           float (&v)[4]) {
+  const float4 first = *reinterpret_cast<const float4*>(part);
+  v[0] = first.x;
+  v[1] = first.y;
+  v[2] = first.z;
+  v[3] = first.w;
+  for (int s = 1; s < splits; ++s) {
+    const float4 p = *reinterpret_cast<const float4*>(part + s * split_stride);
+    v[0] += p.x;
+    v[1] += p.y;
+    v[2] += p.z;
+    v[3] += p.w;
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kMoeRowThreads)
     exl3_moe_act_transform_kernel(const T* __restrict__ y13,
-                                  const __half* __restrict__ suh2,
+                                  const float* __restrict__ partial13,
+                                  int splits13, const __half* __restrict__ suh2,
                                   const int32_t* __restrict__ sorted_ids,
                                   const int32_t* __restrict__ expert_ids,
                                   const int32_t* __restrict__ num_post_pad,
                                   __half* __restrict__ xh2, int i, int slots,
                                   int sorted_len, int block, int pairs,
                                   int experts) {
+  grid_dependency_wait();  // the gate/up GEMM's rows or partial sums
   SlotItem it;
   if (!slot_item(i, sorted_len, block, num_post_pad, sorted_ids, expert_ids,
                  experts, it))
@@ -128,9 +168,16 @@ __global__ void __launch_bounds__(kMoeRowThreads)
     return;
   }
   float g[4], u[4], s[4], v[4];
-  const T* src = y13 + static_cast<size_t>(it.slot) * i + it.col;
-  load4_f32(src, g);
-  load4_f32(src + static_cast<size_t>(slots) * i, u);
+  if (partial13 != nullptr) {
+    const size_t role_stride = static_cast<size_t>(pairs) * i;
+    const float* src = partial13 + static_cast<size_t>(it.pair) * i + it.col;
+    sum_splits(src, 2 * role_stride, splits13, g);
+    sum_splits(src + role_stride, 2 * role_stride, splits13, u);
+  } else {
+    const T* src = y13 + static_cast<size_t>(it.slot) * i + it.col;
+    load4_f32(src, g);
+    load4_f32(src + static_cast<size_t>(slots) * i, u);
+  }
   load4_f32(suh2 + static_cast<size_t>(it.expert) * i + it.col, s);
 #pragma unroll
   for (int j = 0; j < 4; ++j) v[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
@@ -140,17 +187,21 @@ __global__ void __launch_bounds__(kMoeRowThreads)
 template <typename T, typename Id>
 __global__ void __launch_bounds__(kMoeRowThreads)
     exl3_moe_combine_kernel(const T* __restrict__ rows,
+                            const float* __restrict__ partial2, int splits2,
                             const Id* __restrict__ topk_ids,
                             const int32_t* __restrict__ expert_map,
                             int global_experts, int experts, T* __restrict__ y,
                             int m, int h, int topk) {
-  const int64_t item =
+  grid_dependency_wait();  // the down GEMM's rows or partial sums
+  const int64_t warp =
       static_cast<int64_t>(blockIdx.x) * kMoeRowWarps + (threadIdx.x >> 5);
   const int per_row = h / kHadamard;
-  if (item >= static_cast<int64_t>(m) * per_row) return;
-  const int token = static_cast<int>(item / per_row);
-  const int col =
-      static_cast<int>(item % per_row) * kHadamard + 4 * (threadIdx.x & 31);
+  if (warp >= static_cast<int64_t>(m) * per_row) return;
+  // The op keeps m * h / 128 below 2^31: a 32-bit division (the 64-bit one is a
+  // called routine, and its stack frame spilled).
+  const int item = static_cast<int>(warp);
+  const int token = item / per_row;
+  const int col = (item % per_row) * kHadamard + 4 * (threadIdx.x & 31);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int k = 0; k < topk; ++k) {
     const int64_t pair = static_cast<int64_t>(token) * topk + k;
@@ -160,7 +211,11 @@ __global__ void __launch_bounds__(kMoeRowThreads)
     if (local < 0 || local >= experts)
       continue;  // not routed on this rank: no row written
     float v[4];
-    load4_f32(rows + pair * h + col, v);
+    if (partial2 != nullptr)
+      sum_splits(partial2 + pair * h + col, static_cast<size_t>(m) * topk * h,
+                 splits2, v);
+    else
+      load4_f32(rows + pair * h + col, v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[j] += v[j];
   }
@@ -172,6 +227,7 @@ template <typename T>
 __global__ void exl3_moe_finish_sum_kernel(const float4* __restrict__ acc,
                                            uint2* __restrict__ y,
                                            int64_t quads) {
+  grid_dependency_wait();  // the down GEMM's sum
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= quads) return;
   const float4 a = acc[i];
@@ -203,7 +259,8 @@ void launch_moe_input_transform(
     go(static_cast<const __half*>(x));
 }
 
-void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
+void launch_moe_act_transform(const void* y13, const float* partial13,
+                              int splits13, bool bf16, const void* suh2,
                               const int32_t* sorted_ids,
                               const int32_t* expert_ids,
                               const int32_t* num_post_pad, void* xh2, int i,
@@ -213,10 +270,10 @@ void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
       grid_for(static_cast<int64_t>(sorted_len) * (i / kHadamard));
   auto go = [&](auto* yt) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(yt)>>;
-    exl3_moe_act_transform_kernel<T><<<grid, kMoeRowThreads, 0, stream>>>(
-        yt, static_cast<const __half*>(suh2), sorted_ids, expert_ids,
-        num_post_pad, static_cast<__half*>(xh2), i, slots, sorted_len, block,
-        pairs, experts);
+    launch_after_gemm(
+        exl3_moe_act_transform_kernel<T>, grid, stream, yt, partial13, splits13,
+        static_cast<const __half*>(suh2), sorted_ids, expert_ids, num_post_pad,
+        static_cast<__half*>(xh2), i, slots, sorted_len, block, pairs, experts);
   };
   if (bf16)
     go(static_cast<const __nv_bfloat16*>(y13));
@@ -224,16 +281,19 @@ void launch_moe_act_transform(const void* y13, bool bf16, const void* suh2,
     go(static_cast<const __half*>(y13));
 }
 
-void launch_moe_combine(const void* rows, const void* topk_ids, bool ids64,
+void launch_moe_combine(const void* rows, const float* partial2, int splits2,
+                        const void* topk_ids, bool ids64,
                         const int32_t* expert_map, int global_experts,
                         int experts, void* y, bool bf16, int m, int h, int topk,
                         cudaStream_t stream) {
   const unsigned grid = grid_for(static_cast<int64_t>(m) * (h / kHadamard));
   auto go = [&](auto* rt, auto* ids) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(rt)>>;
-    exl3_moe_combine_kernel<<<grid, kMoeRowThreads, 0, stream>>>(
-        rt, ids, expert_map, global_experts, experts, static_cast<T*>(y), m, h,
-        topk);
+    launch_after_gemm(
+        exl3_moe_combine_kernel<
+            T, std::remove_const_t<std::remove_pointer_t<decltype(ids)>>>,
+        grid, stream, rt, partial2, splits2, ids, expert_map, global_experts,
+        experts, static_cast<T*>(y), m, h, topk);
   };
   auto with_ids = [&](auto* rt) {
     if (ids64)
@@ -254,11 +314,11 @@ void launch_moe_finish_sum(const float* acc, void* y, bool bf16, int64_t count,
       static_cast<unsigned>((quads + kMoeRowThreads - 1) / kMoeRowThreads);
   const float4* a = reinterpret_cast<const float4*>(acc);
   if (bf16)
-    exl3_moe_finish_sum_kernel<__nv_bfloat16>
-        <<<grid, kMoeRowThreads, 0, stream>>>(a, static_cast<uint2*>(y), quads);
+    launch_after_gemm(exl3_moe_finish_sum_kernel<__nv_bfloat16>, grid, stream,
+                      a, static_cast<uint2*>(y), quads);
   else
-    exl3_moe_finish_sum_kernel<__half>
-        <<<grid, kMoeRowThreads, 0, stream>>>(a, static_cast<uint2*>(y), quads);
+    launch_after_gemm(exl3_moe_finish_sum_kernel<__half>, grid, stream, a,
+                      static_cast<uint2*>(y), quads);
 }
 
 }  // namespace vllm_exl3

@@ -10,6 +10,7 @@ contiguous block of a flat int16 buffer, located by a per-expert `meta` table of
 (offset, k2), so experts and roles may carry different bitrates.
 """
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -239,6 +240,10 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         # Rows per expert from which apply reconstructs (None: never, the layer's
         # experts do not fit the scratch or batch invariance is on); set by prepare.
         self.reconstruct_min_rows: float | None = None
+        # (gate_up_splits, down_splits) for every call of the decode tiers instead of
+        # moe_splits' choice, each capped at its k's stages (tests and benchmarks:
+        # (1, 1) is the unsplit kernel); None: the rule.
+        self.force_splits: tuple[int, int] | None = None
 
     def prepare(self, w: Exl3MoEWeights, act_dtype: torch.dtype) -> None:
         if envs.VLLM_BATCH_INVARIANT:
@@ -336,6 +341,42 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         rows = tokens * top_k / max(global_num_experts, 1)
         return next((b for b in BLOCK_SIZES if b >= rows), BLOCK_SIZES[-1])
 
+    def splits(
+        self,
+        tokens: int,
+        top_k: int,
+        global_num_experts: int,
+        w: Exl3MoEWeights,
+        block: int,
+        rates: tuple[list[int], list[int]],
+        device: torch.device,
+    ) -> tuple[int, int]:
+        """The op's (gate_up_splits, down_splits) for one call (see moe_splits)."""
+        from .moe_ops import SPLIT_BLOCK_SIZES, STAGE_K
+
+        if block not in SPLIT_BLOCK_SIZES:
+            return 1, 1
+        if self.force_splits is not None:
+            s13, s2 = self.force_splits
+            return (
+                max(1, min(s13, w.hidden // STAGE_K)),
+                max(1, min(s2, w.width // STAGE_K)),
+            )
+        if envs.VLLM_BATCH_INVARIANT:
+            # A split changes the order of a row's sums with the batch size.
+            return 1, 1
+        return moe_splits(
+            tokens,
+            top_k,
+            global_num_experts,
+            w.num_experts,
+            w.hidden,
+            w.width,
+            block,
+            (max(rates[0]), max(rates[1])),
+            split_device(device),
+        )
+
     def rates(self, w: Exl3MoEWeights, codebook: int) -> tuple[list[int], list[int]]:
         """The distinct k2 of gate/up and of down, checked against the trellis buffers.
 
@@ -419,6 +460,15 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         sorted_ids, expert_ids, post_pad = moe_align_block_size(
             topk_ids, block, global_num_experts, expert_map, ignore_invalid_experts=True
         )
+        splits = self.splits(
+            m, top_k, global_num_experts, w, block, (rates13, rates2), x.device
+        )
+        floats = moe_ops.split_workspace_floats(m, top_k, w.hidden, w.width, *splits)
+        workspace = (
+            torch.empty(floats, dtype=torch.float32, device=x.device)
+            if floats
+            else None
+        )
         return moe_ops.exl3_moe(
             x.contiguous(),
             topk_weights.float().contiguous(),
@@ -442,7 +492,122 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
             codebook,
             apply_router_weight_on_input,
             deterministic,
+            *splits,
+            workspace,
         )
+
+
+# The few-token path: split-k over the experts' k. At a few tokens each active expert's
+# gate/up and down run in a few 16-row blocks that each walk the expert's whole k alone
+# on one SM (Qwen3-30B-A3B at one token: 96 gate/up blocks over 32 stages of k, 128 down
+# blocks over 12, on 132 SMs), so the time is one block's latency, not bytes. Splitting
+# k spreads the same trellis over every resident block slot; the fp32 partial sums (a
+# few hundred KB at these sizes, against MBs of trellis) are summed in a fixed order by
+# the consumer that already exists (the SwiGLU transform, the top-k combine).
+#
+# Blocks of the 16- and 32-row tiers an SM holds at once, at most: their register cap
+# (GemmShape::kMinBlocks, exl3_gemm.cuh) asks for 4 of 256 threads.
+SPLIT_RESIDENT_BLOCKS_PER_SM = 4
+# Their shared memory (GemmShape::kSmemBytes): GEMM_STAGES pipeline stages of 64 k,
+# each one BM-row activation tile of 128 bytes a row and 512 * k2 bytes of trellis
+# (4 k16 rows x 8 tiles x 16 * k2 bytes); the epilogue's staging reuses them. CUDA
+# reserves 1 KB per block beside it. At 8 bits this allows only 2 blocks on sm_12x's
+# 100 KB.
+GEMM_STAGES = 4
+STAGE_ROW_BYTES = 128
+STAGE_TRELLIS_BYTES_PER_K2 = 512
+SMEM_RESERVED_PER_BLOCK = 1024
+# A k-split shorter than this many 64-deep stages leaves the cp.async pipeline no steady
+# state (the dense plans' kMinChunksPerSplit).
+SPLIT_MIN_STAGES = 2
+# Columns of one GEMM block (one Hadamard block).
+BLOCK_N = 128
+
+
+@dataclass(frozen=True)
+class SplitDevice:
+    """What the split rule needs of the device: SMs and shared memory per SM."""
+
+    sms: int
+    smem_per_sm: int
+
+
+_split_devices: dict[torch.device, SplitDevice] = {}
+
+
+def split_device(device: torch.device) -> SplitDevice:
+    """The device's SplitDevice (read once per device; no sync, safe in capture)."""
+    found = _split_devices.get(device)
+    if found is None:
+        props = torch.cuda.get_device_properties(device)
+        found = SplitDevice(
+            props.multi_processor_count, props.shared_memory_per_multiprocessor
+        )
+        _split_devices[device] = found
+    return found
+
+
+def expected_row_blocks(
+    tokens: int, top_k: int, global_experts: int, local_experts: int, block: int
+) -> int:
+    """Row blocks the alignment is expected to give this rank: the local experts a
+    uniform routing of `tokens` x top-k distinct experts reaches, or the routed rows
+    over the block size where those outnumber them. Host-known shapes only: real
+    routings are skewed and reach fewer experts, so this errs towards fewer splits."""
+    if tokens <= 0:
+        return 0
+    miss = (1.0 - min(top_k, global_experts) / global_experts) ** tokens
+    reached = round(local_experts * (1.0 - miss))
+    rows = tokens * top_k * local_experts / global_experts
+    return max(1, reached, math.ceil(rows / block))
+
+
+def resident_blocks(block: int, k2: int, dev: SplitDevice) -> int:
+    """Blocks of the block-row tier at bitrate k2 that one SM holds at once."""
+    smem = (
+        GEMM_STAGES * (block * STAGE_ROW_BYTES + STAGE_TRELLIS_BYTES_PER_K2 * k2)
+        + SMEM_RESERVED_PER_BLOCK
+    )
+    return max(1, min(SPLIT_RESIDENT_BLOCKS_PER_SM, dev.smem_per_sm // smem))
+
+
+def gemm_splits(tiles: int, k: int, slots: int) -> int:
+    """k-splits of one grouped GEMM of `tiles` blocks over k: as many as fit one wave of
+    the resident slots (a second, partial wave would cost a whole split's time), each
+    at least SPLIT_MIN_STAGES stages deep; 1 once the blocks fill half the slots."""
+    from .moe_ops import STAGE_K
+
+    if tiles <= 0:
+        return 1
+    return max(1, min(slots // tiles, k // STAGE_K // SPLIT_MIN_STAGES))
+
+
+def moe_splits(
+    tokens: int,
+    top_k: int,
+    global_experts: int,
+    local_experts: int,
+    hidden: int,
+    width: int,
+    block: int,
+    k2s: tuple[int, int],
+    dev: SplitDevice,
+) -> tuple[int, int]:
+    """(gate_up_splits, down_splits) of the op for one call: a pure function of
+    host-known shapes (k2s: the largest 2 * bits of gate/up and of down, which set the
+    shared memory) and the device, so every replay of a captured graph and every
+    process runs the same splits. Only the decode tiers are built with split-k."""
+    from .moe_ops import GATE_UP_ROLES, SPLIT_BLOCK_SIZES
+
+    if block not in SPLIT_BLOCK_SIZES:
+        return 1, 1
+    blocks = expected_row_blocks(tokens, top_k, global_experts, local_experts, block)
+    slots13 = dev.sms * resident_blocks(block, k2s[0], dev)
+    slots2 = dev.sms * resident_blocks(block, k2s[1], dev)
+    return (
+        gemm_splits(blocks * GATE_UP_ROLES * width // BLOCK_N, hidden, slots13),
+        gemm_splits(blocks * hidden // BLOCK_N, width, slots2),
+    )
 
 
 # The large-batch path: from this many routed rows per expert (tokens * top_k / global

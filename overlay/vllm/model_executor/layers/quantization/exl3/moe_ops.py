@@ -9,6 +9,11 @@ into the down projection's input transform, the down grouped GEMM with the routi
 weights, and the top-k combine. It is built into the same extension as the dense ops
 (ops.py loads it); nothing is loaded at import time.
 
+`gate_up_splits` / `down_splits` cut the two grouped GEMMs' k (the caller's rule,
+moe_kernels.py `moe_splits`); their fp32 partial sums go to `workspace`
+(`split_workspace_floats` elements, None when both are 1) and are summed in a fixed
+order by the SwiGLU transform and the combine.
+
 `exl3_moe_reconstruct` writes every (expert, role) weight of one weight set (w13: gate
 and up, or w2: down) in the original basis and transposed, into a caller-owned buffer
 laid out as vLLM's fused-MoE weights: the large-batch path.
@@ -24,6 +29,12 @@ RECONSTRUCT_OP = "exl3_moe_reconstruct"
 # Row-block sizes the grouped GEMM is built for (16 * its m16 tiers, exl3_moe.h
 # kMoeTiers).
 BLOCK_SIZES = (16, 32, 64, 128)
+# The block sizes built with split-k (exl3_moe.h kMoeSplitMaxTier): the decode tiers.
+SPLIT_BLOCK_SIZES = (16, 32)
+# k per grouped-GEMM pipeline stage: a k-split owns whole stages.
+STAGE_K = 64
+# Gate and up: the two roles of the w13 GEMM.
+GATE_UP_ROLES = 2
 
 
 def load_exl3_moe_op() -> tuple[bool, str | None]:
@@ -63,6 +74,9 @@ def exl3_moe_fake(
     codebook: int,
     apply_router_weight_on_input: bool,
     deterministic: bool,
+    gate_up_splits: int,
+    down_splits: int,
+    workspace: torch.Tensor | None,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[1]))
 
@@ -111,6 +125,9 @@ def exl3_moe(
     codebook: int,
     apply_router_weight_on_input: bool,
     deterministic: bool,
+    gate_up_splits: int,
+    down_splits: int,
+    workspace: torch.Tensor | None,
 ) -> torch.Tensor:
     """y [M, h] in x.dtype: the routed experts' weighted sum per token (see the module
     doc)."""
@@ -137,7 +154,28 @@ def exl3_moe(
         codebook,
         apply_router_weight_on_input,
         deterministic,
+        gate_up_splits,
+        down_splits,
+        workspace,
     )
+
+
+def split_workspace_floats(
+    tokens: int,
+    top_k: int,
+    hidden: int,
+    width: int,
+    gate_up_splits: int,
+    down_splits: int,
+) -> int:
+    """float32 elements of the op's partial sums: gate/up's [splits][2][pairs][width],
+    then down's [splits][pairs][hidden]; an unsplit GEMM (1) takes none."""
+    pairs = tokens * top_k
+    gate_up = (
+        gate_up_splits * GATE_UP_ROLES * pairs * width if gate_up_splits > 1 else 0
+    )
+    down = down_splits * pairs * hidden if down_splits > 1 else 0
+    return gate_up + down
 
 
 def exl3_moe_reconstruct(
