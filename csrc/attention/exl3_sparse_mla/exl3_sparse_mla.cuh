@@ -342,6 +342,41 @@ __device__ __forceinline__ uint32_t dequant_e4m3x2(uint16_t bits, float s) {
   return pack_bf16(f.x * s, f.y * s);
 }
 
+// The epilogue both MMA paths share. 1 / l for one head's row sum: l = 0 is a
+// head with no selected row (zeros), a NaN l a NaN score (kept).
+__device__ __forceinline__ float inv_row_sum(float l) {
+  return l > 0.f ? 1.f / l : (l == 0.f ? 0.f : NAN);
+}
+
+// Two adjacent output dims of token-head th: bf16 into out when the list was
+// not split, else fp32 into this split's partial output for the combine.
+__device__ __forceinline__ void store_out_pair(const Params& p, bool direct,
+                                               int split, int64_t th, int dim,
+                                               float v0, float v1) {
+  if (direct) {
+    *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) +
+                                 th * kLatent + dim) = pack_bf16(v0, v1);
+  } else {
+    const int64_t pt =
+        static_cast<int64_t>(split) * p.num_tokens * p.num_heads + th;
+    *reinterpret_cast<float2*>(p.part_out + pt * kLatent + dim) =
+        make_float2(v0, v1);
+  }
+}
+
+// Token-head th's log-sum-exp from its running max m (log2 units) and sum l:
+// natural log into lse, or log2 into this split's partial for the combine.
+__device__ __forceinline__ void store_lse(const Params& p, bool direct,
+                                          int split, int64_t th, float m,
+                                          float l) {
+  const float lse2 = l > 0.f ? m + log2f(l) : (l == 0.f ? -INFINITY : NAN);
+  if (direct)
+    p.lse[th] = lse2 * kLn2;
+  else
+    p.part_lse[static_cast<int64_t>(split) * p.num_tokens * p.num_heads + th] =
+        lse2;
+}
+
 template <int kD, bool kFp8, int kMTiles, int kStages>
 __global__ void __launch_bounds__(128 * kMTiles)
     sparse_mla_decode_kernel(const __grid_constant__ Params p) {
@@ -642,38 +677,20 @@ __global__ void __launch_bounds__(128 * kMTiles)
       const int row = m * kHeadsPerMma + g + 8 * half;
       const int h = h0 + row;
       if (h >= p.num_heads) continue;
-      const float l = s_l[row];
-      // l = 0: no selected row (zeros); NaN: a NaN score, kept.
-      const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : NAN);
+      const float inv = inv_row_sum(s_l[row]);
       const int64_t th = static_cast<int64_t>(t) * p.num_heads + h;
   #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
         const int dim = warp * kDimsPerWarp + nt * 8 + 2 * tq;
-        const float v0 = acc[m][nt][2 * half] * inv;
-        const float v1 = acc[m][nt][2 * half + 1] * inv;
-        if (direct) {
-          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) +
-                                       th * kLatent + dim) = pack_bf16(v0, v1);
-        } else {
-          const int64_t pt =
-              static_cast<int64_t>(split) * p.num_tokens * p.num_heads + th;
-          *reinterpret_cast<float2*>(p.part_out + pt * kLatent + dim) =
-              make_float2(v0, v1);
-        }
+        store_out_pair(p, direct, split, th, dim, acc[m][nt][2 * half] * inv,
+                       acc[m][nt][2 * half + 1] * inv);
       }
     }
   }
-  if (tid < kHeads && h0 + tid < p.num_heads) {
-    const float l = s_l[tid];
-    const float lse2 =
-        l > 0.f ? s_m[tid] + log2f(l) : (l == 0.f ? -INFINITY : NAN);
-    const int64_t th = static_cast<int64_t>(t) * p.num_heads + h0 + tid;
-    if (direct)
-      p.lse[th] = lse2 * kLn2;
-    else
-      p.part_lse[static_cast<int64_t>(split) * p.num_tokens * p.num_heads +
-                 th] = lse2;
-  }
+  if (tid < kHeads && h0 + tid < p.num_heads)
+    store_lse(p, direct, split,
+              static_cast<int64_t>(t) * p.num_heads + h0 + tid, s_m[tid],
+              s_l[tid]);
 }
 
 template <int kD, bool kFp8, int kMTiles, int kStages>
@@ -972,37 +989,19 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int row = row0 + 8 * r;
     const int h = h0 + row;
     if (h >= p.num_heads) continue;
-    const float l = s_l[row];
-    // l = 0: no selected row (zeros); NaN: a NaN score, kept.
-    const float inv = l > 0.f ? 1.f / l : (l == 0.f ? 0.f : NAN);
+    const float inv = inv_row_sum(s_l[row]);
     const int64_t th = static_cast<int64_t>(t) * p.num_heads + h;
   #pragma unroll
     for (int n = 0; n < kONBlocks; ++n) {
       const int dim = wg * kWgDims + 8 * n + 2 * tq;
-      const float v0 = o[4 * n + 2 * r] * inv;
-      const float v1 = o[4 * n + 2 * r + 1] * inv;
-      if (direct) {
-        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.out) +
-                                     th * kLatent + dim) = pack_bf16(v0, v1);
-      } else {
-        const int64_t pt =
-            static_cast<int64_t>(split) * p.num_tokens * p.num_heads + th;
-        *reinterpret_cast<float2*>(p.part_out + pt * kLatent + dim) =
-            make_float2(v0, v1);
-      }
+      store_out_pair(p, direct, split, th, dim, o[4 * n + 2 * r] * inv,
+                     o[4 * n + 2 * r + 1] * inv);
     }
   }
-  if (tid < kWgHeads && h0 + tid < p.num_heads) {
-    const float l = s_l[tid];
-    const float lse2 =
-        l > 0.f ? s_m[tid] + log2f(l) : (l == 0.f ? -INFINITY : NAN);
-    const int64_t th = static_cast<int64_t>(t) * p.num_heads + h0 + tid;
-    if (direct)
-      p.lse[th] = lse2 * kLn2;
-    else
-      p.part_lse[static_cast<int64_t>(split) * p.num_tokens * p.num_heads +
-                 th] = lse2;
-  }
+  if (tid < kWgHeads && h0 + tid < p.num_heads)
+    store_lse(p, direct, split,
+              static_cast<int64_t>(t) * p.num_heads + h0 + tid, s_m[tid],
+              s_l[tid]);
 }
 
 template <int kD, bool kFp8>
