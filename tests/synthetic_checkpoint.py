@@ -530,13 +530,15 @@ def _exl3_tensors(
 ) -> dict[str, torch.Tensor]:
     k_pad, n_pad = slot.padded
     width = int(bits * fmt.WORDS_PER_BIT)
+    # Drawn as int16 directly: an int32 draw and a conversion take 8x as long, most of
+    # the writer's time at real dims (Qwen3-30B-A3B's 48 layers).
     trellis = torch.randint(
         -(1 << 15),
         1 << 15,
         (k_pad // fmt.TILE, n_pad // fmt.TILE, width),
         generator=gen,
-        dtype=torch.int32,
-    ).to(torch.int16)
+        dtype=torch.int16,
+    )
     out: dict[str, torch.Tensor] = {}
     if legacy:
         out[f"{slot.name}.su"] = torch.randint(
