@@ -342,6 +342,26 @@ __device__ __forceinline__ uint32_t dequant_e4m3x2(uint16_t bits, float s) {
   return pack_bf16(f.x * s, f.y * s);
 }
 
+// One CTA's share of the grid: its token, split and head group, and the span
+// [begin, end) of the top-k list its split covers. Head groups vary fastest:
+// the CTAs of one token and split run together and share their KV rows through
+// L2.
+struct CtaWork {
+  int t, split, group, begin, end;
+};
+
+__device__ __forceinline__ CtaWork cta_work(const Params& p) {
+  int bid = blockIdx.x;
+  CtaWork w;
+  w.group = bid % p.head_groups;
+  bid /= p.head_groups;
+  w.split = bid % p.num_splits;
+  w.t = bid / p.num_splits;
+  w.begin = w.split * p.tiles_per_split * kRowsPerTile;
+  w.end = min(p.topk, w.begin + p.tiles_per_split * kRowsPerTile);
+  return w;
+}
+
 // The epilogue both MMA paths share. 1 / l for one head's row sum: l = 0 is a
 // head with no selected row (zeros), a NaN l a NaN score (kept).
 __device__ __forceinline__ float inv_row_sum(float l) {
@@ -403,16 +423,9 @@ __global__ void __launch_bounds__(128 * kMTiles)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3;
-  // Head groups vary fastest: the CTAs of one token and split run together
-  // and share their KV rows through L2.
-  int bid = blockIdx.x;
-  const int group = bid % p.head_groups;
-  bid /= p.head_groups;
-  const int split = bid % p.num_splits;
-  const int t = bid / p.num_splits;
-  const int h0 = group * kHeads;
-  const int begin = split * p.tiles_per_split * kRowsPerTile;
-  const int end = min(p.topk, begin + p.tiles_per_split * kRowsPerTile);
+  const CtaWork w = cta_work(p);
+  const int t = w.t, split = w.split, begin = w.begin, end = w.end;
+  const int h0 = w.group * kHeads;
   const int ntiles =
       end > begin ? (end - begin + kRowsPerTile - 1) / kRowsPerTile : 0;
 
@@ -754,14 +767,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   // Rows g and g + 8 of the warp's 16 in wgmma's accumulator layout.
   const int row0 = ((tid % kWarpgroupThreads) / 32) * 16 + (lane >> 2);
   const int tq = lane & 3;
-  int bid = blockIdx.x;
-  const int group = bid % p.head_groups;
-  bid /= p.head_groups;
-  const int split = bid % p.num_splits;
-  const int t = bid / p.num_splits;
-  const int h0 = group * kWgHeads;
-  const int begin = split * p.tiles_per_split * kRowsPerTile;
-  const int end = min(p.topk, begin + p.tiles_per_split * kRowsPerTile);
+  const CtaWork w = cta_work(p);
+  const int t = w.t, split = w.split, begin = w.begin, end = w.end;
+  const int h0 = w.group * kWgHeads;
   const int ntiles = end > begin ? (end - begin + kWgRows - 1) / kWgRows : 0;
 
   // Q: 64 heads x D; heads past H are zero rows (their results are dropped).
