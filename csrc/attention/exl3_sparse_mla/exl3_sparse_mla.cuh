@@ -342,6 +342,14 @@ __device__ __forceinline__ uint32_t dequant_e4m3x2(uint16_t bits, float s) {
   return pack_bf16(f.x * s, f.y * s);
 }
 
+// The cache row of a valid physical slot through the paged layout (slots are
+// int32: 32-bit division).
+__device__ __forceinline__ const uint8_t* kv_row(const Params& p, int slot) {
+  const int blk = slot / p.block_size;
+  return p.kv + blk * p.block_stride +
+         static_cast<int64_t>(slot - blk * p.block_size) * p.row_stride;
+}
+
 // One CTA's share of the grid: its token, split and head group, and the span
 // [begin, end) of the top-k list its split covers. Head groups vary fastest:
 // the CTAs of one token and split run together and share their KV rows through
@@ -456,13 +464,8 @@ __global__ void __launch_bounds__(128 * kMTiles)
   auto issue = [&](int dst_stage, int slot) {
     const int row = tid / kThreadsPerRow;
     const bool ok = slot >= 0 && slot < p.num_slots;
-    const uint8_t* src = p.kv;
-    if (ok) {
-      // Slots are int32: 32-bit division.
-      const int blk = slot / p.block_size;
-      src += blk * p.block_stride +
-             static_cast<int64_t>(slot - blk * p.block_size) * p.row_stride;
-    }
+    // A masked row still needs a valid source for its zero-filling copy.
+    const uint8_t* src = ok ? kv_row(p, slot) : p.kv;
     if (tid % kThreadsPerRow == 0) s_valid[dst_stage * kRowsPerTile + row] = ok;
     constexpr int kRowBytes = kFp8 ? kFp8RowBytes : 2 * L::kKvStride;
     constexpr int kChunks = kFp8 ? kFp8RowBytes / 16 : kD / 8;
@@ -792,12 +795,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int slot =
         pos < end ? __ldg(p.indices + t * p.indices_stride + pos) : -1;
     const bool ok = slot >= 0 && slot < p.num_slots;
-    const uint8_t* src = p.kv;
-    if (ok) {
-      const int blk = slot / p.block_size;
-      src += blk * p.block_stride +
-             static_cast<int64_t>(slot - blk * p.block_size) * p.row_stride;
-    }
+    // A masked row still needs a valid source for its zero-filling copy.
+    const uint8_t* src = ok ? kv_row(p, slot) : p.kv;
     if (tid % kThreadsPerRow == 0) s_valid[(tile & 1) * kWgRows + row] = ok;
     if constexpr (kFp8) {
       uint8_t* dst = smem + L::kRaw + row * kFp8RowBytes;
