@@ -409,8 +409,10 @@ def test_nan_inputs_reach_the_output(kv_format: int, tokens: int, heads: int) ->
     q[1, 20, 7] = float("nan")  # one value of another
     if heads > 64:
         q[0, 90] = float("nan")  # a head of the second group of 64
-    # a NaN in one selected row poisons every head of the token that selected it
-    slot = int(idx[1][idx[1] >= 0][0])
+    # a NaN in one selected row poisons every head of each token that selected it: a
+    # row token 0 did not select, so token 0 keeps finite heads to compare
+    chosen = idx[1][idx[1] >= 0]
+    slot = int(chosen[~torch.isin(chosen, idx[0])][0])
     row = cache[slot // case.block_size, slot % case.block_size]
     if kv_format == FP8:
         row[mla.FP8_ROPE_OFFSET : mla.FP8_ROPE_OFFSET + 2] = torch.tensor(
