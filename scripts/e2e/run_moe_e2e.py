@@ -24,6 +24,7 @@ Prints a compact table; writes moe_e2e[_<models>].json to --out (default $OUT).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -48,6 +49,20 @@ class MoEModel:
     # The conversion dequantized to bf16 when the original is not at hand: the highest
     # rate.
     twin_source: str
+    # Environment for every engine of the model (and its `vllm serve`), with the reason.
+    env: tuple[tuple[str, str], ...] = ()
+    env_reason: str = ""
+
+
+# vLLM 0.26 has no MLA kernel for dsv3-tiny's dims on Hopper: MLA decode needs a
+# 576-wide latent head (kv_lora_rank 512) and FlashAttention's MLA prefill takes
+# (qk_nope, rope, v) = (128, 64, 128), (192, 64, 256) or (64, 64, 128); the fixture has
+# rank 128 and (64, 64, 64). vLLM's DeepSeek MHA form computes the same attention.
+DSV3_TINY_MHA = (
+    "VLLM_MLA_DISABLE=1: vLLM 0.26 has no MLA kernel for dsv3-tiny's dims (kv_lora_rank "
+    "128, qk_nope/rope/v 64/64/64); its attention runs as vLLM's DeepSeek MHA (kv_b "
+    "expanded per token), the same math; q_a, kv_a, q_b and o stay EXL3"
+)
 
 
 MODELS = {
@@ -57,7 +72,11 @@ MODELS = {
         "exl3-5.0bpw-mul1",
     ),
     "dsv3-tiny": MoEModel(
-        "ppl_exllamav3_dsv3.json", ("exl3-4.0bpw-mcg",), "exl3-4.0bpw-mcg"
+        "ppl_exllamav3_dsv3.json",
+        ("exl3-4.0bpw-mcg",),
+        "exl3-4.0bpw-mcg",
+        env=(("VLLM_MLA_DISABLE", "1"),),
+        env_reason=DSV3_TINY_MHA,
     ),
 }
 ORIGINAL = "bf16"  # the original checkpoint's directory name in the fixture set
@@ -70,6 +89,28 @@ SUMS = "SHA256SUMS"  # written by stage_fixtures.sh
 
 def label(model: str, checkpoint: str) -> str:
     return f"{model}/{checkpoint}"
+
+
+@contextlib.contextmanager
+def model_environment(model: str | None):
+    """The model's engine environment (MoEModel.env) while its engines run; vLLM's
+    settings cache is dropped on entry and exit so each engine reads it afresh."""
+    import vllm.envs as envs
+
+    saved = {}
+    for key, value in MODELS[model].env if model in MODELS else ():
+        saved[key] = os.environ.get(key)
+        os.environ[key] = value
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        envs.disable_envs_cache()
 
 
 def record_path(moe_dir: Path, model: str) -> Path:
@@ -290,15 +331,18 @@ def run(
 
     for model in args.models:
         convs, ref = prepare(args, model)
-        for c in convs:
-            checkpoints[c.label] = c
-            one(c)
-        if ref is not None:
-            checkpoints[ref.label] = ref
+        if MODELS[model].env_reason:
+            convs[0].notes.append(MODELS[model].env_reason)
+        with model_environment(model):
             for c in convs:
-                reference_of[c.label] = ref.label
-            if fx.attempt(errors, f"{ref.label} prepare", make_reference, ref):
-                one(ref)
+                checkpoints[c.label] = c
+                one(c)
+            if ref is not None:
+                checkpoints[ref.label] = ref
+                for c in convs:
+                    reference_of[c.label] = ref.label
+                if fx.attempt(errors, f"{ref.label} prepare", make_reference, ref):
+                    one(ref)
 
     serve = None
     serve_label = args.serve
@@ -315,17 +359,21 @@ def run(
                 if args.attention_backend
                 else ()
             )
-            serve = fx.attempt(
-                errors,
-                f"serve {serve_label}",
-                fx.serve_once,
-                serve_label,
-                checkpoints[serve_label].path,
-                1,
-                args.work,
-                min(fx.SERVE_READY_TIMEOUT_S, deadline.remaining() - fx.SERVE_TAIL_S),
-                extra,
-            )
+            with model_environment(serve_label.split("/")[0]):
+                serve = fx.attempt(
+                    errors,
+                    f"serve {serve_label}",
+                    fx.serve_once,
+                    serve_label,
+                    checkpoints[serve_label].path,
+                    1,
+                    args.work,
+                    min(
+                        fx.SERVE_READY_TIMEOUT_S,
+                        deadline.remaining() - fx.SERVE_TAIL_S,
+                    ),
+                    extra,
+                )
         else:
             skipped.append(f"serve {serve_label} (time budget)")
     elif serve_label is None:

@@ -16,6 +16,7 @@ the same checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,6 +212,9 @@ def _fake_run(ppl: float, jitter: float) -> dict:
     }
 
 
+MLA_OFF = "VLLM_MLA_DISABLE"
+
+
 def _moe_run(
     monkeypatch,
     tmp_path,
@@ -228,7 +232,7 @@ def _moe_run(
     engines, twins = [], []
 
     def run_mode(name, model_dir, windows, *, eager, tp, full_ppl, engine_args):
-        engines.append((name, eager, engine_args))
+        engines.append((name, eager, engine_args, os.environ.get(MLA_OFF)))
         model, ckpt = name.split("/")
         base = RECORDED[model].get(ckpt, RECORDED[model].get("bf16"))
         if ckpt == moe.DEQUANTIZED:
@@ -249,6 +253,7 @@ def _moe_run(
             "checkpoint": name,
             "text": "    return n\n",
             "extra": extra,
+            "mla_off": os.environ.get(MLA_OFF),
         },
     )
     monkeypatch.setattr(moe, "dequantized_twin", twin)
@@ -288,6 +293,14 @@ def test_checks_pass_against_the_dequantized_twin(monkeypatch, tmp_path):
     assert out["serve"]["extra"] == ("--attention-backend", "TRITON_MLA")
     assert out["serve"]["matches_offline"] is True
     assert any("topk_method" in n for n in out["notes"]["dsv3-tiny/exl3-4.0bpw-mcg"])
+    # dsv3-tiny's engines (conversion and twin) run vLLM's MHA form, the others MLA's
+    # default, and the setting is gone afterwards.
+    assert {e[0].split("/")[0]: e[3] for e in out["engines"]} == {
+        "qwen3moe-e16-tiny": None,
+        "dsv3-tiny": "1",
+    }
+    assert out["serve"]["mla_off"] is None and MLA_OFF not in os.environ
+    assert any(MLA_OFF in n for n in out["notes"]["dsv3-tiny/exl3-4.0bpw-mcg"])
     judged = [c["check"] for c in out["checks"] if "eager" in c["check"]]
     assert (
         "dsv3-tiny/exl3-4.0bpw-mcg: eager vs default mean |dlogprob| (decode) vs "
@@ -312,6 +325,18 @@ def test_original_bf16_is_the_reference_when_staged(monkeypatch, tmp_path):
         (tmp_path / "w" / "models" / "dsv3-tiny" / "bf16" / "config.json").read_text()
     )
     assert cfg["scoring_func"] == "sigmoid"
+
+
+def test_dsv3_serve_runs_in_its_model_environment(monkeypatch, tmp_path):
+    out = _moe_run(
+        monkeypatch,
+        tmp_path,
+        bf16=False,
+        models="dsv3-tiny",
+        serve="dsv3-tiny/exl3-4.0bpw-mcg",
+    )
+    assert out["serve"]["checkpoint"] == "dsv3-tiny/exl3-4.0bpw-mcg"
+    assert out["serve"]["mla_off"] == "1" and MLA_OFF not in os.environ
 
 
 def test_checks_fail_on_perplexity_and_eager_disagreement(monkeypatch, tmp_path):

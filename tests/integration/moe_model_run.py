@@ -196,7 +196,11 @@ def run_logits(model, vllm_config, ids: torch.Tensor) -> torch.Tensor:
     ):
         for layer in model.model.layers:
             attn = layer.self_attn
-            if not hasattr(attn, "mla_attn"):
+            if hasattr(attn, "qk_head_dim") and not hasattr(attn, "mla_attn"):
+                # DeepSeek's MHA form (VLLM_MLA_DISABLE=1): v padded to qk_head_dim.
+                heads = attn.num_local_heads
+                attn.attn = CausalSdpa(heads, heads, attn.qk_head_dim, attn.scaling)
+            elif not hasattr(attn, "mla_attn"):
                 attn.attn = CausalSdpa(
                     attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scaling
                 )

@@ -254,6 +254,28 @@ def test_fixture_model_matches_transformers(name, tmp_path, monkeypatch, world1)
     check_against_transformers(ckpt, got, ids)
 
 
+def test_dsv3_fixture_as_mha_matches_transformers(tmp_path, monkeypatch, world1):
+    """dsv3-tiny with VLLM_MLA_DISABLE=1: vLLM's DeepSeek MHA attention (kv_b expanded
+    per token, q_a and kv_a as separate EXL3 linears), the form its GPU perplexity run
+    takes on Hopper, where vLLM 0.26 has no MLA kernel for the fixture's dims."""
+    import vllm.envs as envs
+    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
+
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    envs.disable_envs_cache()
+    ckpt = assemble("dsv3-4.0bpw-mcg", tmp_path / "ckpt")
+    ids = token_ids()
+    got, model = vllm_logits(ckpt, ids, monkeypatch, dtype=MODEL_DTYPE)
+    attn = model.model.layers[1].self_attn
+    assert not hasattr(attn, "mla_attn"), type(attn).__name__
+    for name in ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj"):
+        assert isinstance(getattr(attn, name).quant_method, Exl3LinearMethod), name
+    assert not isinstance(attn.kv_b_proj.quant_method, Exl3LinearMethod)
+    assert got.shape == (TOKENS, 4096)
+    assert torch.isfinite(got).all()
+    check_against_transformers(ckpt, got, ids)
+
+
 # A synthetic EXL3 checkpoint of each MoE architecture both ExLlamaV3 1.6.5 and vLLM
 # 0.26 run, written in ExLlamaV3's layout (tests/synthetic_checkpoint.py, names from its
 # architecture files), loaded through vLLM's own model loader, every MoE block checked
