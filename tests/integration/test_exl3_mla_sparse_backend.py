@@ -670,9 +670,8 @@ def test_forward_mqa(tmp_path, monkeypatch, request, mode, cache_dtype, block_si
         monkeypatch.setenv("VLLM_EXL3_FORCE_REFERENCE", "1")
         # Chunks of REFERENCE_CHUNK_TOKENS: the last one partial, the empty token's
         # inside one.
-        monkeypatch.setattr(
-            ops_module, "REFERENCE_CHUNK_BYTES", REFERENCE_CHUNK_TOKENS * TOPK * HEAD * 4
-        )
+        chunk_bytes = REFERENCE_CHUNK_TOKENS * TOPK * HEAD * 4
+        monkeypatch.setattr(ops_module, "REFERENCE_CHUNK_BYTES", chunk_bytes)
     else:
         monkeypatch.setenv("VLLM_EXL3_FORCE_REFERENCE", "0")
     from vllm.config import (
