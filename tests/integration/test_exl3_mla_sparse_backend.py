@@ -674,6 +674,9 @@ def test_forward_mqa(tmp_path, monkeypatch, request, mode, cache_dtype, block_si
         monkeypatch.setattr(ops_module, "REFERENCE_CHUNK_BYTES", chunk_bytes)
     else:
         monkeypatch.setenv("VLLM_EXL3_FORCE_REFERENCE", "0")
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()  # an engine built earlier in this process froze them
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
