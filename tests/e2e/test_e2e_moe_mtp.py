@@ -692,6 +692,8 @@ AGREEING = {
     "flashmla-sparse-fp8": _fake_dsa_run(0.001, beyond=0.3),
     "flashmla-dense": _fake_dsa_run(0.0),
     "triton-dense": _fake_dsa_run(0.0015),
+    # Nearer EXL3_MLA_SPARSE (0.0008 away) than FLASHMLA_SPARSE (0.0012).
+    "exl3-sparse-reference-bf16": _fake_dsa_run(0.0012, beyond=0.3),
 }
 
 
@@ -700,7 +702,7 @@ def test_sparse_mla_checks_pass_when_the_pairs_agree_like_the_dense_pair(
 ):
     out = _dsa_run(monkeypatch, tmp_path, AGREEING)
     assert out["calls"] == list(dsa.RUNS)
-    assert len(out["checks"]) == 7, out["checks"]
+    assert len(out["checks"]) == 9, out["checks"]
     assert all(c["pass"] for c in out["checks"]), out["checks"]
     topk = out["summary"][dsa.TOPK_PAIR[0]]
     assert (
@@ -708,6 +710,8 @@ def test_sparse_mla_checks_pass_when_the_pairs_agree_like_the_dense_pair(
     )
     table = dsa.markdown(out)
     assert "| EXL3_MLA_SPARSE vs FLASHMLA_SPARSE, bf16 cache |" in table
+    assert "| EXL3_MLA_SPARSE vs reference |" in table
+    assert "| FLASHMLA_SPARSE vs reference |" in table
     stored = sorted(p.stem for p in (tmp_path / dsa.RUNS_DIR).iterdir())
     assert stored == sorted(dsa.RUNS)
 
@@ -728,7 +732,63 @@ def test_sparse_mla_checks_fail_on_disagreement_and_no_topk_effect(
         f"{label}: mean |dlogprob| (decode) vs the dense pair's",
         f"{label}: greedy matched fraction vs the dense pair's",
         f"{dsa.TOPK_PAIR[0]}: mean |dlogprob| past index_topk vs before it",
+        *_reference_checks(),
     }
+
+
+def _reference_checks() -> list[str]:
+    ours, theirs = (label for label, _, _ in dsa.REFERENCE_PAIRS)
+    return [
+        f"{ours}: mean |dlogprob| ({kind}) vs {theirs} x {dsa.REFERENCE_SLACK}"
+        for kind in ("prompt", "decode")
+    ]
+
+
+def test_sparse_mla_reference_check_fails_when_ours_is_the_farther_one(
+    monkeypatch, tmp_path
+):
+    """The pairs agree as the dense pair does, but the fp32-reference run sits on
+    FLASHMLA_SPARSE (0.0 away) and 0.002 from EXL3_MLA_SPARSE: only the reference
+    checks fail. Within REFERENCE_SLACK of FlashMLA-sparse's distance they pass."""
+    results = {**AGREEING, "exl3-sparse-reference-bf16": _fake_dsa_run(0.0)}
+    out = _dsa_run(monkeypatch, tmp_path, results)
+    failed = {c["check"] for c in out["checks"] if not c["pass"]}
+    assert failed == set(_reference_checks())
+    assert not dsa.passed(out)
+    # 0.00105 from ours, 0.001 from theirs: within the slack.
+    results["exl3-sparse-reference-bf16"] = _fake_dsa_run(0.00095, beyond=0.3)
+    results["flashmla-sparse-bf16"] = _fake_dsa_run(-0.00005, beyond=0.3)
+    out = _dsa_run(monkeypatch, tmp_path, results, argv=("--fresh",))
+    assert all(c["pass"] for c in out["checks"]), out["checks"]
+    summary = out["summary"]
+    ours, theirs = (summary[label] for label, _, _ in dsa.REFERENCE_PAIRS)
+    assert ours["prompt"]["mean_abs"] > theirs["prompt"]["mean_abs"]
+
+
+def test_sparse_mla_reference_run_switches_only_the_attention(monkeypatch):
+    """The reference engine's process: EXL3_MLA_SPARSE layers built after the switch
+    take the reference path (the one VLLM_EXL3_FORCE_REFERENCE selects), the op
+    raises if called, and the setting itself stays off (the EXL3 linears and MoE keep
+    their kernels). Refused when the engine would run in another process."""
+    from vllm.v1.attention.backends.mla import exl3_mla_sparse
+    from vllm.v1.attention.ops import exl3_sparse_mla
+
+    assert dsa.RUNS[dsa.REFERENCE_RUN].reference
+    assert dsa.RUNS[dsa.REFERENCE_RUN].backend == "EXL3_MLA_SPARSE"
+    assert list(dsa.RUNS)[:2] == [a for _, a, _ in dsa.REFERENCE_PAIRS]
+    monkeypatch.setattr(exl3_mla_sparse, "reference_forced", lambda: False)
+    monkeypatch.setattr(exl3_sparse_mla, "sparse_mla_decode", lambda *a, **k: None)
+    monkeypatch.delenv("VLLM_EXL3_FORCE_REFERENCE", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.raises(RuntimeError, match="needs the engine in this process"):
+        dsa.force_reference_attention()
+    assert not exl3_mla_sparse.reference_forced()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    dsa.force_reference_attention()
+    assert exl3_mla_sparse.reference_forced()
+    with pytest.raises(RuntimeError, match="op was called in the reference run"):
+        exl3_sparse_mla.sparse_mla_decode()
+    assert "VLLM_EXL3_FORCE_REFERENCE" not in os.environ
 
 
 def test_sparse_mla_missing_backend_is_a_failed_row(monkeypatch, tmp_path):
@@ -931,7 +991,7 @@ def test_sparse_mla_failed_warm_up_skips_the_sparse_engines(monkeypatch, tmp_pat
     out = _dsa_run(monkeypatch, tmp_path, AGREEING, warm=warm)
     assert out["calls"] == ["flashmla-dense", "triton-dense"]
     assert all("DeepGEMM warm-up did not finish" in s for s in out["skipped"])
-    assert len(out["skipped"]) == 4
+    assert len(out["skipped"]) == 5
     assert "DeepGEMM warm-up FAILED: DeepGEMM warm-up (nvrtc) exit 1" in dsa.markdown(
         out
     )

@@ -13,7 +13,10 @@ conversion by its documented formula, the op by the contract's fp32 semantics (g
 dequantize, softmax, weighted sum). The expected output is computed independently from
 each request's logical rows and its logical top-k positions, so a wrong request id,
 block table, block size, slot or cache layout shows up (unselected and unused slots hold
-NaN). The same test on CUDA (`-m gpu`) runs the real kernels.
+NaN). The same test on CUDA (`-m gpu`) runs the real kernels. With
+VLLM_EXL3_FORCE_REFERENCE=1 it runs the wrapper's chunked fp32 reference instead (on
+CPU and, captured in a CUDA graph, on CUDA), with chunks small enough to cross every
+kind of row.
 """
 
 from __future__ import annotations
@@ -636,6 +639,11 @@ def test_workspace_reserved_for_every_step_size(monkeypatch, ops_stand_in):
 REQUESTS = [(1, 300), (1, 77), (6, 190), (150, 420)]
 TOPK = 128
 NUM_HEADS = 16
+# The forced reference's chunk in these tests: 158 tokens give 22 full chunks and a
+# partial one.
+REFERENCE_CHUNK_TOKENS = 7
+# bf16's relative spacing (8 significant bits): one rounding of the same fp32 value.
+BF16_ULP = 2.0**-7
 
 
 @pytest.mark.parametrize("block_size", [64, 256])
@@ -648,12 +656,27 @@ NUM_HEADS = 16
         # Captured after the eager call (which compiles the Triton kernel), with the
         # workspace locked as vLLM locks it: replay writes what eager did.
         pytest.param("cuda_graph", marks=pytest.mark.gpu),
+        "cpu_reference",
+        pytest.param("cuda_graph_reference", marks=pytest.mark.gpu),
     ],
 )
 def test_forward_mqa(tmp_path, monkeypatch, request, mode, cache_dtype, block_size):
-    device = "cpu" if mode == "cpu" else "cuda"
+    device = "cpu" if mode.startswith("cpu") else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    reference = mode.endswith("_reference")
+    if reference:
+        ops_module = importlib.import_module(OPS_MODULE)
+        monkeypatch.setenv("VLLM_EXL3_FORCE_REFERENCE", "1")
+        # Chunks of REFERENCE_CHUNK_TOKENS: the last one partial, the empty token's
+        # inside one.
+        chunk_bytes = REFERENCE_CHUNK_TOKENS * TOPK * HEAD * 4
+        monkeypatch.setattr(ops_module, "REFERENCE_CHUNK_BYTES", chunk_bytes)
+    else:
+        monkeypatch.setenv("VLLM_EXL3_FORCE_REFERENCE", "0")
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()  # an engine built earlier in this process froze them
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -832,8 +855,9 @@ def test_forward_mqa(tmp_path, monkeypatch, request, mode, cache_dtype, block_si
             impl = make_impl(cache_dtype, topk_buffer.to(dev), scale=scale)
             q_in = (ql_nope.to(dev).transpose(0, 1), q_pe.to(dev))
             cache = cache.to(dev)
+            assert impl.use_reference == reference
             out, lse = impl.forward_mqa(q_in, cache, metadata, None)
-            if mode == "cuda_graph":
+            if mode.startswith("cuda_graph"):
                 workspace.lock_workspace()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -858,7 +882,32 @@ def test_forward_mqa(tmp_path, monkeypatch, request, mode, cache_dtype, block_si
     finite = expected_lse.isfinite()
     # The kernel multiplies fp8 rows as bf16: scores move by a few 1e-3.
     torch.testing.assert_close(lse[finite], expected_lse[finite], atol=1e-2, rtol=1e-3)
+    if reference:
+        # What the wrapper's reference gives on the whole batch at once, to a bf16
+        # rounding of out.
+        ops_module = importlib.import_module(OPS_MODULE)
+        slots = convert_indices_reference(
+            metadata.req_id_per_token[:num_tokens].cpu(),
+            block_table,
+            topk_buffer[:num_tokens],
+            BLOCK_SIZE=block_size,
+            NUM_TOPK_TOKENS=TOPK,
+        )
+        ref_out, ref_lse = ops_module.sparse_mla_reference(
+            torch.cat([ql_nope.transpose(0, 1), q_pe], -1),
+            cache.cpu(),
+            slots,
+            scale,
+            1 if fp8 else 0,
+        )
+        torch.testing.assert_close(
+            out, ref_out.to(torch.bfloat16).float(), rtol=BF16_ULP, atol=1e-6
+        )
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     if recorder is not None:
+        if reference:
+            assert recorder.calls == [], "the op ran although the reference was forced"
+            return
         (call,) = recorder.calls
         assert (call.tokens, call.heads, call.topk) == (num_tokens, NUM_HEADS, TOPK)
         assert call.kv_format == (1 if fp8 else 0) and call.scale == scale

@@ -242,6 +242,58 @@ def test_reference_matches_float64(fmt: int, d: int) -> None:
     assert torch.isinf(lse[1]).all() and (lse[1] < 0).all()
 
 
+@pytest.mark.parametrize("fmt", [0, 1])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 100])
+def test_reference_into_chunks_write_every_token(monkeypatch, fmt, chunk) -> None:
+    """The backend's forced-reference path: chunk after chunk into poisoned outputs,
+    the same as the reference on the whole batch (out rounded to bf16 once)."""
+    q, cache, idx = inputs(t=7, h=4, topk=9, fmt=fmt, seed=40 + fmt)
+    # Slot 0 (the row a "none" slot is gathered from) is an unwritten NaN row.
+    cache.view(torch.uint8)[0, 0] = 0xFF
+    idx[idx == 0] = 1
+    idx[2] = -1  # an empty token
+    idx[5, :4] = 10_000  # slots outside the cache count as none
+    monkeypatch.setattr(mla, "REFERENCE_CHUNK_BYTES", chunk * 9 * 576 * 4)
+    assert mla.reference_chunk_tokens(9, 576) == chunk
+    out = torch.full((7, 4, 512), math.nan, dtype=torch.bfloat16)
+    lse = torch.full((7, 4), math.nan)
+    got_out, got_lse = mla.sparse_mla_reference_into(
+        q, cache, idx, 0.2, fmt, out=out, lse=lse
+    )
+    assert got_out is out and got_lse is lse
+    ref_out, ref_lse = mla.sparse_mla_reference(q, cache, idx, 0.2, fmt)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(
+        out.float(), ref_out.to(torch.bfloat16).float(), rtol=2.0**-7, atol=1e-6
+    )
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert torch.isinf(lse[2]).all() and (lse[2] < 0).all()
+
+
+def test_reference_into_reads_no_value_on_the_host(monkeypatch) -> None:
+    """On meta tensors (no values) any .item(), tensor -> bool or nonzero raises: the
+    forced-reference path runs there, so nothing in it syncs a CUDA stream and a CUDA
+    graph captures it."""
+    monkeypatch.setattr(mla, "REFERENCE_CHUNK_BYTES", 2 * 9 * 576 * 4)
+    for fmt in (0, 1):
+        q, cache, idx = (x.to("meta") for x in inputs(t=5, h=4, topk=9, fmt=fmt))
+        out, lse = mla.sparse_mla_reference_into(q, cache, idx, 0.2, fmt)
+        assert out.shape == (5, 4, 512) and out.dtype == torch.bfloat16
+        assert lse.shape == (5, 4) and lse.dtype == torch.float32
+    with pytest.raises(RuntimeError):
+        bool(idx[0, 0] >= 0)  # the probe: a host read does fail on meta
+
+
+def test_reference_into_checks_its_outputs() -> None:
+    q, cache, idx = inputs(t=3, h=2, topk=5)
+    bad = torch.empty((3, 2, 512), dtype=torch.float32)
+    with pytest.raises(mla.SparseMLAInputError, match="out must be bfloat16"):
+        mla.sparse_mla_reference_into(q, cache, idx, 0.2, 0, out=bad)
+    with pytest.raises(mla.SparseMLAInputError, match=r"lse must be float32 \[3, 2\]"):
+        mla.sparse_mla_reference_into(q, cache, idx, 0.2, 0, lse=torch.empty(3, 3))
+
+
 def test_fp8_rows_roundtrip_like_the_cache_writer() -> None:
     kv = torch.randn((5, 576)) * torch.tensor([3.0] * 128 + [0.01] * 128 + [1.0] * 320)
     kv[2, 128:256] = 0.0  # an all-zero group: scale FLT_MIN, values 0

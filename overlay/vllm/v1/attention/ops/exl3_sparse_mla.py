@@ -57,6 +57,10 @@ MIN_TILES_PER_SPLIT = 2
 MAX_SPLITS = 64
 # q rows, cache rows and their strides move in 16-byte cp.async chunks.
 CHUNK_BYTES = 16
+# The reference's fp32 gather of [tokens, topk, 576] rows, bounded per token chunk: a
+# prefill step of thousands of tokens then needs a few of these, not gigabytes
+# (DeepSeek's top-k of 2048 gives 56 tokens a chunk).
+REFERENCE_CHUNK_BYTES = 256 << 20
 
 OP = "exl3_sparse_mla_decode"
 
@@ -299,6 +303,30 @@ def check_inputs(
     return kv_cache, fmt
 
 
+def _outputs(
+    q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse as the op writes them: allocated when not given, else checked."""
+    t, h, _ = q.shape
+    if out is None:
+        out = q.new_empty((t, h, LATENT))
+    if lse is None:
+        lse = q.new_empty((t, h), dtype=torch.float32)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h, LATENT):
+        got = f"{out.dtype} {list(out.shape)}"
+        _fail(f"out must be bfloat16 [{t}, {h}, {LATENT}], got {got}")
+    if not out.is_contiguous():
+        _fail("out must be contiguous")
+    if lse.dtype != torch.float32 or tuple(lse.shape) != (t, h):
+        _fail(f"lse must be float32 [{t}, {h}], got {lse.dtype} {list(lse.shape)}")
+    if not lse.is_contiguous():
+        _fail("lse must be contiguous")
+    if out.device != q.device or lse.device != q.device:
+        where = f"out is on {out.device}, lse on {lse.device}"
+        _fail(f"{where}; both must be on q's device {q.device}")
+    return out, lse
+
+
 def sparse_mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -314,19 +342,7 @@ def sparse_mla_decode(
     e.g. for the largest batch) to run inside a CUDA graph."""
     kv_cache, fmt = check_inputs(q, kv_cache, indices, scale, kv_format)
     t, h, _ = q.shape
-    if out is None:
-        out = q.new_empty((t, h, LATENT))
-    if lse is None:
-        lse = q.new_empty((t, h), dtype=torch.float32)
-    if out.dtype != torch.bfloat16 or tuple(out.shape) != (t, h, LATENT):
-        got = f"{out.dtype} {list(out.shape)}"
-        _fail(f"out must be bfloat16 [{t}, {h}, {LATENT}], got {got}")
-    if not out.is_contiguous():
-        _fail("out must be contiguous")
-    if lse.dtype != torch.float32 or tuple(lse.shape) != (t, h):
-        _fail(f"lse must be float32 [{t}, {h}], got {lse.dtype} {list(lse.shape)}")
-    if not lse.is_contiguous():
-        _fail("lse must be contiguous")
+    out, lse = _outputs(q, out, lse)
     # A CPU q reaches the op only through a test's stand-in registration.
     need = workspace_bytes(t, h, indices.shape[1], device=q.device) if q.is_cuda else 0
     if workspace is None:
@@ -398,7 +414,9 @@ def sparse_mla_reference(
     kv_format: int | str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (out [T, H, 512], lse [T, H]) by gather, dequantize, softmax and weighted
-    sum, on any device: the tests' oracle and the CPU path of the backend tests.
+    sum, on any device: the tests' oracle, the CPU path of the backend tests and
+    (chunked by `sparse_mla_reference_into`) the backend's VLLM_EXL3_FORCE_REFERENCE
+    path.
     Slots outside the cache count as none, like the kernel."""
     kv_cache, fmt = check_inputs(q, kv_cache, indices, scale, kv_format)
     t, h, d = q.shape
@@ -408,6 +426,9 @@ def sparse_mla_reference(
     safe = torch.where(valid, idx, torch.zeros_like(idx))
     rows = kv_cache[safe // bs, safe % bs]  # [T, topk, row]
     k = dequantize_fp8_ds_mla(rows) if fmt == KV_FORMAT_FP8_DS_MLA else rows.float()
+    # A "none" slot reads row 0, which may hold anything (NaN in an unwritten fp8
+    # row): zeroed, so its zero weight cannot turn it into NaN.
+    k = torch.where(valid.unsqueeze(-1), k, 0.0)
     scores = torch.einsum("thd,tkd->thk", q.float(), k) * float(scale)
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -416,4 +437,37 @@ def sparse_mla_reference(
     out = torch.einsum("thk,tkd->thd", p, k[..., :LATENT])
     out = out.masked_fill(empty.view(t, 1, 1), 0.0)
     lse = lse.masked_fill(empty.view(t, 1), float("-inf"))
+    return out, lse
+
+
+def reference_chunk_tokens(topk: int, head_size: int) -> int:
+    """Tokens per chunk of `sparse_mla_reference_into` (REFERENCE_CHUNK_BYTES of fp32
+    gathered rows; at least one)."""
+    return max(1, REFERENCE_CHUNK_BYTES // (topk * head_size * 4))
+
+
+def sparse_mla_reference_into(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    kv_format: int | str,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mla_reference` in the op's form: written into out (bf16, as the op's) and
+    lse, in token chunks of `reference_chunk_tokens`. The chunks are a function of the
+    shapes and nothing reads a tensor's values on the host, so a CUDA graph captures
+    it: the backend's path under VLLM_EXL3_FORCE_REFERENCE=1."""
+    check_inputs(q, kv_cache, indices, scale, kv_format)
+    out, lse = _outputs(q, out, lse)
+    t, _, d = q.shape
+    step = reference_chunk_tokens(indices.shape[1], d)
+    for start in range(0, t, step):
+        end = min(start + step, t)
+        chunk_out, chunk_lse = sparse_mla_reference(
+            q[start:end], kv_cache, indices[start:end], scale, kv_format
+        )
+        out[start:end].copy_(chunk_out)
+        lse[start:end].copy_(chunk_lse)
     return out, lse

@@ -19,6 +19,11 @@ KV-cache dtypes (`--kv-cache-dtype`):
 | fp8, fp8_e4m3, fp8_ds_mla | fp8_ds_mla | 656 B: 512 e4m3, 4 fp32 scales, 64 bf16 |
 | anything else | rejected at selection, naming the dtype and the accepted ones |
 
+`VLLM_EXL3_FORCE_REFERENCE=1` (read through `vllm.envs` when a layer is built) routes
+`forward_mqa` through the op wrapper's fp32 reference instead of the op, chunked over
+tokens and free of host syncs so CUDA graphs still capture it: a truth anchor for the
+kernel, slow, for debugging. The op is still required at selection.
+
 Head size 576 only: DeepSeek V4 (head 512) builds its own attention layers and backends
 (`vllm/models/deepseek_v4`) and never asks the generic selector for a sparse MLA
 backend, so no vLLM 0.26 model can reach this backend with another head size.
@@ -28,9 +33,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+import vllm.envs as envs
 from vllm import _custom_ops as ops
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.config.cache import CacheDType
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLACommonPrefillMetadata
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     SparseMLACommonImpl,
@@ -55,6 +62,8 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     from vllm.model_executor.models.deepseek_v2 import Indexer
+
+logger = init_logger(__name__)
 
 BACKEND_NAME = "EXL3_MLA_SPARSE"
 
@@ -132,6 +141,11 @@ def sparse_mla_op_unavailable() -> str | None:
     if not loaded:
         return f"{BACKEND_NAME} needs torch.ops._C.{SPARSE_MLA_OP}: {why}"
     return None
+
+
+def reference_forced() -> bool:
+    """VLLM_EXL3_FORCE_REFERENCE: the op's fp32 reference instead of the op."""
+    return envs.VLLM_EXL3_FORCE_REFERENCE
 
 
 def _import_ops() -> "ModuleType":
@@ -378,6 +392,13 @@ class Exl3MLASparseImpl(SparseMLACommonImpl[Exl3MLASparseMetadata]):
                 f"{TOPK_TILE})"
             )
         self._ops = _import_ops()
+        self.use_reference = reference_forced()
+        if self.use_reference:
+            logger.info_once(
+                "%s: VLLM_EXL3_FORCE_REFERENCE=1, sparse MLA through the fp32 "
+                "reference (slow)",
+                BACKEND_NAME,
+            )
         # Reserve the largest step's buffers now: the workspace is locked after the
         # warm-up, and a later step (or a CUDA graph capture) must not grow it. The
         # op's split count, so its workspace, falls as tokens grow: its largest
@@ -432,6 +453,17 @@ class Exl3MLASparseImpl(SparseMLACommonImpl[Exl3MLASparseMetadata]):
         )
         out = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank))
         lse = q.new_empty((num_tokens, self.num_heads), dtype=torch.float32)
+        if self.use_reference:
+            self._ops.sparse_mla_reference_into(
+                q,
+                kv_c_and_k_pe_cache,
+                slots,
+                self.softmax_scale,
+                self.kv_format,
+                out=out,
+                lse=lse,
+            )
+            return out, lse
         self._ops.sparse_mla_decode(
             q,
             kv_c_and_k_pe_cache,
