@@ -559,8 +559,8 @@ def test_split_rule_at_the_bench_shapes() -> None:
     # Rows past a block per expert: the row count sets the blocks.
     assert mk.expected_row_blocks(64, 8, 16, 16, 16) == 32
     # Expert parallelism: DeepSeek-V3 with 32 of 256 experts local, 8 routed pairs ->
-    # 1 expected block of 32 gate/up tiles (room for 16 splits), so the split is capped at
-    # 20 stages a split (7168 / 64 // 20 = 5); down's 32 stages stay whole.
+    # 1 expected block of 32 gate/up tiles (room for 16 splits), so the split is capped
+    # at 20 stages a split (7168 / 64 // 20 = 5); down's 32 stages stay whole.
     assert mk.moe_splits(1, 8, 256, 32, 7168, 2048, 16, (8, 8), dev) == (5, 1)
     # The large-batch tiers have no split-k.
     for block in (64, 128):
