@@ -34,6 +34,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -299,6 +300,27 @@ def _time_calls(call, copies, gen, h, e, top_k, tokens, dtype):
     return out, copies
 
 
+class SplitEntry(NamedTuple):
+    """One --split-sweep entry: its row label and the two grouped GEMMs' k-splits."""
+
+    label: str
+    gate_up: int
+    down: int
+
+
+def split_entry(text: str) -> SplitEntry:
+    """A --split-sweep entry: "S" (both GEMMs S ways, row exl3_splitS) or "GxD"
+    (gate/up G ways, down D ways, row exl3_splitGxD)."""
+    parts = text.lower().split("x")
+    if len(parts) not in (1, 2) or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"--split-sweep entry {text!r}: want S or GxD with positive integers "
+            "(e.g. 2 or 3x1)"
+        )
+    g, d = int(parts[0]), int(parts[-1])
+    return SplitEntry(f"{g}x{d}" if len(parts) == 2 else str(g), g, d)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -348,11 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--split-sweep",
         nargs="*",
-        type=int,
+        type=split_entry,
         default=[],
-        metavar="S",
-        help="also rows exl3_splitS: both grouped GEMMs' k cut S ways at the decode "
-        "tiers (capped at k's 64-deep stages), to place the split rule",
+        metavar="S|GxD",
+        help="also rows exl3_splitS (both grouped GEMMs' k cut S ways at the decode "
+        "tiers) and exl3_splitGxD (gate/up G ways, down D ways), each capped at its "
+        "k's 64-deep stages, to place the split rule",
     )
     args = ap.parse_args(argv)
     if args.write_exllamav3_only:
@@ -396,8 +419,11 @@ def main(argv: list[str] | None = None) -> int:
                     ("exl3_unsplit", functools.partial(exl3, force_splits=(1, 1)))
                 )
             variants += [
-                (f"exl3_split{s}", functools.partial(exl3, force_splits=(s, s)))
-                for s in args.split_sweep
+                (
+                    f"exl3_split{sp.label}",
+                    functools.partial(exl3, force_splits=(sp.gate_up, sp.down)),
+                )
+                for sp in args.split_sweep
             ]
             if not args.no_reconstruct:
                 variants.append(
@@ -475,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         bits=args.bits,
         codebook=args.codebook,
         deterministic=args.deterministic,
+        # exl3_split<label>: the (gate_up, down) k-splits forced at the decode tiers.
+        split_sweep={sp.label: [sp.gate_up, sp.down] for sp in args.split_sweep},
         pool_bytes=POOL_BYTES,
         timing="CUDA-graph replay median / calls per pass",
         exllamav3=(
@@ -489,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "| shape | tokens | exl3 us | exl3 unsplit us | exl3 reconstruct us | "
         "bf16 us | marlin us | exllamav3 us | exl3/bf16 | best exl3/bf16 |"
-        + "".join(f" split {s} us |" for s in args.split_sweep),
+        + "".join(f" split {sp.label} us |" for sp in args.split_sweep),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         + "---:|" * len(args.split_sweep),
     ]
@@ -518,7 +546,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fmt('bf16_fused_experts')} | {fmt('marlin_int4_g128')} | "
                 f"{fmt('exllamav3')} | {f'{ratio:.2f}' if ratio else '-'} | "
                 f"{f'{best:.2f}' if best else '-'} |"
-                + "".join(f" {fmt(f'exl3_split{s}')} |" for s in args.split_sweep)
+                + "".join(
+                    f" {fmt(f'exl3_split{sp.label}')} |" for sp in args.split_sweep
+                )
             )
     table = "\n".join(lines)
     (args.out / f"bench_moe_{stamp}.md").write_text(table + "\n")

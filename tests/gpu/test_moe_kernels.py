@@ -273,14 +273,44 @@ def test_router_weight_on_input(gen: torch.Generator) -> None:
 
 def test_real_shape_qwen3_30b_a3b(gen: torch.Generator) -> None:
     """One Qwen3-30B-A3B layer (hidden 2048, expert width 768, 128 experts, top-8) at 4
-    bits, unsplit and with the k-splits the few-token rule picks on an H200 (5 / 4 at
-    one token, 2 / 2 at two) and the most it allows (16 / 6 stages of 2)."""
+    bits, unsplit (what the few-token rule picks for it on an H200) and with forced
+    k-splits: 5 / 4, 2 / 2, 16 / 6 (two stages a split) and 2 / 3."""
     layer = ml.random_moe_layer(gen, 128, 2048, 768, [4], 1, gap=False)
     for m, block in ((1, 16), (16, 16), (256, 64)):
         run_checked(gen, layer, m, 8, 128, torch.bfloat16, block, True)
     for m, splits in ((1, (5, 4)), (2, (2, 2)), (1, (16, 6)), (16, (2, 3))):
         for det in (True, False):
             run_checked(gen, layer, m, 8, 128, torch.bfloat16, 16, det, splits=splits)
+
+
+@pytest.mark.parametrize("splits", ((1, 1), (2, 2)))
+def test_a_launched_rate_no_expert_has(
+    gen: torch.Generator, splits: tuple[int, int]
+) -> None:
+    """Rates launched before and after the layer's own, none of whose blocks has work:
+    such a grid has one block wait for the grid before it (the others return at once),
+    so the grid after it still sees the input transform's (or the SwiGLU transform's)
+    rows. Repeated, with a long input transform, so an early read would show."""
+    import dataclasses
+
+    layer = ml.random_moe_layer(gen, 64, 1024, 512, [4], 1)
+    k13, k2 = layer.k2s
+    padded = dataclasses.replace(layer, k2s=([2, *k13, 16], [2, *k2, 16]))
+    for _ in range(5):
+        for m in (1, 16, 512):
+            for det in (True, False):
+                block = 16 if m <= 16 else 64
+                run_checked(
+                    gen,
+                    padded,
+                    m,
+                    8,
+                    64,
+                    torch.bfloat16,
+                    block,
+                    det,
+                    splits=splits if block == 16 else (1, 1),
+                )
 
 
 # Few-token decode: the grouped GEMMs' k split (gate/up, down), each split's fp32

@@ -519,17 +519,18 @@ BENCH_SHAPES = {
 H200_SMS, H200_SMEM_PER_SM = 132, 233472
 # (gate_up_splits, down_splits) by tokens; (1, 1) at every other count.
 SPLITS_AT = {
-    "qwen3-30b-a3b": {1: (5, 4), 2: (2, 2)},
-    "qwen3-235b-a22b": {1: (2, 2)},
-    "glm-4.5-air": {1: (3, 2)},
+    "qwen3-30b-a3b": {},
+    "qwen3-235b-a22b": {1: (2, 1)},
+    "glm-4.5-air": {1: (3, 1)},
     "deepseek-v3": {1: (2, 1)},
 }
 
 
 def test_split_rule_at_the_bench_shapes() -> None:
-    """At one token Qwen3-30B-A3B runs 8 experts x 12 gate/up column blocks = 96 and 8 x
-    16 = 128 down blocks on 132 x 4 resident slots: 528 // 96 = 5 and 528 // 128 = 4
-    splits. From 4 tokens (about 29 of 128 experts reached) the blocks fill more than
+    """At one token GLM-4.5-Air runs 8 experts x 22 gate/up column blocks = 176 on 132 x
+    4 resident slots: 528 // 176 = 3 splits of its 64 stages (21 each, at least 20);
+    its down k (22 stages) and all of Qwen3-30B-A3B's (32 and 12) are too short to
+    split. From 2 tokens (about 16 of 128 experts reached) the blocks fill more than
     half the slots and nothing is split."""
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
     from vllm.model_executor.layers.quantization.exl3.moe_ops import (
@@ -543,7 +544,8 @@ def test_split_rule_at_the_bench_shapes() -> None:
             block = mk.CudaExl3MoEKernel.block_size(tokens, top_k, e)
             got = mk.moe_splits(tokens, top_k, e, e, h, i, block, (8, 8), dev)
             assert got == SPLITS_AT[name].get(tokens, (1, 1)), (name, tokens, got)
-            # Never past one wave of resident slots, never below 2 stages a split.
+            # Never past one wave of resident slots, never below the stages a split
+            # needs.
             blocks = mk.expected_row_blocks(tokens, top_k, e, e, block)
             for splits, tiles, k in (
                 (got[0], blocks * GATE_UP_ROLES * i // 128, h),
@@ -556,9 +558,10 @@ def test_split_rule_at_the_bench_shapes() -> None:
     assert mk.expected_row_blocks(0, 8, 128, 128, 16) == 0
     # Rows past a block per expert: the row count sets the blocks.
     assert mk.expected_row_blocks(64, 8, 16, 16, 16) == 32
-    # Expert parallelism: 32 of 128 experts local, 8 routed pairs -> 2 expected blocks,
-    # so more splits, capped at 2 stages a split (2048 / 64 / 2 = 16).
-    assert mk.moe_splits(1, 8, 128, 32, 2048, 768, 16, (8, 8), dev) == (16, 6)
+    # Expert parallelism: DeepSeek-V3 with 32 of 256 experts local, 8 routed pairs ->
+    # 1 expected block of 32 gate/up tiles (room for 16 splits), so the split is capped
+    # at 20 stages a split (7168 / 64 // 20 = 5); down's 32 stages stay whole.
+    assert mk.moe_splits(1, 8, 256, 32, 7168, 2048, 16, (8, 8), dev) == (5, 1)
     # The large-batch tiers have no split-k.
     for block in (64, 128):
         assert mk.moe_splits(1, 8, 128, 128, 2048, 768, block, (8, 8), dev) == (1, 1)
@@ -576,8 +579,10 @@ def test_split_rule_resident_blocks() -> None:
     assert mk.resident_blocks(16, 8, sm120) == 4
     assert mk.resident_blocks(16, 16, sm120) == 2
     assert mk.resident_blocks(32, 16, sm120) == 2
-    # Fewer slots, fewer splits: Qwen3-30B-A3B at one token, 8 bits, on such a device.
-    assert mk.moe_splits(1, 8, 128, 128, 2048, 768, 16, (16, 16), sm120) == (3, 2)
+    # Fewer slots, fewer splits: GLM-4.5-Air at one token, 8 bits: 528 // 176 = 3 on the
+    # H200, 170 x 2 // 176 = 1 on such a device.
+    assert mk.moe_splits(1, 8, 128, 128, 4096, 1408, 16, (16, 16), h200) == (3, 1)
+    assert mk.moe_splits(1, 8, 128, 128, 4096, 1408, 16, (16, 16), sm120) == (1, 1)
 
 
 def test_split_choice_of_the_kernel_class(monkeypatch) -> None:
@@ -586,20 +591,20 @@ def test_split_choice_of_the_kernel_class(monkeypatch) -> None:
     import vllm.envs as envs
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
 
-    # The rule reads only the layer's dimensions.
+    # The rule reads only the layer's dimensions (GLM-4.5-Air's: split at one token).
     none = torch.empty(0)
-    w = mk.Exl3MoEWeights(*[none] * 8, num_experts=128, hidden=2048, width=768)
+    w = mk.Exl3MoEWeights(*[none] * 8, num_experts=128, hidden=4096, width=1408)
     kernel = mk.CudaExl3MoEKernel()
     cpu = torch.device("cpu")
     mk._split_devices[cpu] = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
     try:
         rates = ([8], [8])
-        assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (5, 4)
+        assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (3, 1)
         assert kernel.splits(1, 8, 128, w, 64, rates, cpu) == (1, 1)
         kernel.force_splits = (1, 1)
         assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (1, 1)
         kernel.force_splits = (100, 100)
-        assert kernel.splits(16, 8, 128, w, 32, rates, cpu) == (32, 12)
+        assert kernel.splits(16, 8, 128, w, 32, rates, cpu) == (64, 22)
         assert kernel.splits(16, 8, 128, w, 128, rates, cpu) == (1, 1)
         kernel.force_splits = None
         monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)

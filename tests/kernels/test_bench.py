@@ -6,6 +6,7 @@ bench_linear.py and the ExLlamaV3 anchor guard of exllamav3_anchor.py, on stand-
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
 import bench_linear  # noqa: E402
+import bench_moe  # noqa: E402
 
 # 4-bit MCG k loop at BM = 16 (sass_loop_h200_76c291d_2026-11-30.json) and that run's
 # ceilings.
@@ -69,6 +71,21 @@ def test_the_ratio_to_bf16_uses_the_faster_of_the_two_bf16_timings():
         1100 / 900, 1e-3
     )
     assert (rows[1]["bf16_first_us"], rows[1]["bf16_second_us"]) == (950.0, 900.0)
+
+
+def test_split_sweep_entries_are_both_gemms_or_a_gate_up_by_down_pair(tmp_path: Path):
+    """bench_moe.py --split-sweep: "S" is S x S (row exl3_splitS), "GxD" cuts gate/up
+    G ways and down D ways (row exl3_splitGxD); anything else stops the parse."""
+    entry = bench_moe.split_entry
+    assert entry("3") == ("3", 3, 3)
+    assert entry("3x1") == ("3x1", 3, 1)
+    assert entry("1X2") == ("1x2", 1, 2)
+    assert entry("2x2").label != entry("2").label
+    for bad in ("0", "2x0", "x2", "2x", "2x1x1", "-1", "a", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="GxD"):
+            entry(bad)
+    with pytest.raises(SystemExit):
+        bench_moe.main(["--out", str(tmp_path), "--split-sweep", "2", "3x"])
 
 
 # The benchmark's ExLlamaV3 anchor guard (scripts/bench/exllamav3_anchor.py), on a

@@ -178,17 +178,21 @@ __global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
   const MoeBlock b = moe_block<BM>(mp);
   // Written by moe_align_block_size, which completed before the input transform
   // started; this grid overlaps only the transform (programmatic launch), so
-  // these reads need no wait. A block with nothing to do still waits for the
-  // grid before it: a programmatically launched grid whose blocks all return
-  // at once (a bitrate no routed expert has) could otherwise end before its
-  // predecessor, and the kernels after it rely on stream order through it.
+  // these reads need no wait. A programmatically launched grid whose blocks all
+  // return at once (a bitrate no routed expert has) could end before its
+  // predecessor, and the kernels after it rely on stream order through it: the
+  // grid's first block waits for the predecessor whatever it has to do (a
+  // working block waits in the k loop's prologue). Every other block with
+  // nothing to do returns at once: waiting, it would hold a block slot and its
+  // shared memory that working blocks could use to start their prologue.
   const bool idle = b.row0 >= min(*mp.num_post_pad, mp.sorted_len) ||
                     b.expert < 0 || b.expert >= mp.experts;
   const int64_t* meta =
       mp.meta +
       2 * (static_cast<int64_t>(idle ? 0 : b.expert) * mp.roles + b.role);
   if (idle || meta[1] != K2) {
-    grid_dependency_wait();
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+      grid_dependency_wait();
     return;
   }
   const int64_t offset = meta[0];

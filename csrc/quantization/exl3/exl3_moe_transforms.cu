@@ -7,9 +7,10 @@
 //
 // The kernels after a grouped GEMM (SwiGLU transform, combine, sum rounding)
 // are launched programmatically: their blocks are scheduled while the GEMM runs
-// and wait for it at their start, which hides a launch gap per stage. Every
-// block waits, so each of them ends after the GEMM it follows, and what follows
-// them in the stream sees the whole layer done.
+// and wait for it before reading its output (the SwiGLU transform reads its
+// routing and scales first), which hides a launch gap per stage. Every block
+// waits, so each of them ends after the GEMM it follows, and what follows them
+// in the stream sees the whole layer done.
 #include <type_traits>
 #include <utility>
 
@@ -156,18 +157,22 @@ __global__ void __launch_bounds__(kMoeRowThreads)
                                   __half* __restrict__ xh2, int i, int slots,
                                   int sorted_len, int block, int pairs,
                                   int experts) {
-  grid_dependency_wait();  // the gate/up GEMM's rows or partial sums
+  // The routing (moe_align_block_size's, complete before the input transform
+  // started) and suh2 do not come from the GEMM: read them while it runs.
   SlotItem it;
-  if (!slot_item(i, sorted_len, block, num_post_pad, sorted_ids, expert_ids,
-                 experts, it))
-    return;
+  const bool live = slot_item(i, sorted_len, block, num_post_pad, sorted_ids,
+                              expert_ids, experts, it);
+  const bool routed = live && it.pair >= 0 && it.pair < pairs;
+  float g[4], u[4], s[4], v[4];
+  if (routed) load4_f32(suh2 + static_cast<size_t>(it.expert) * i + it.col, s);
+  grid_dependency_wait();  // the gate/up GEMM's rows or partial sums
+  if (!live) return;
   const int lane = threadIdx.x & 31;
   __half* dst = xh2 + static_cast<size_t>(it.slot) * i + it.col;
-  if (it.pair < 0 || it.pair >= pairs) {
+  if (!routed) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(0u, 0u);
     return;
   }
-  float g[4], u[4], s[4], v[4];
   if (partial13 != nullptr) {
     const size_t role_stride = static_cast<size_t>(pairs) * i;
     const float* src = partial13 + static_cast<size_t>(it.pair) * i + it.col;
@@ -178,7 +183,6 @@ __global__ void __launch_bounds__(kMoeRowThreads)
     load4_f32(src, g);
     load4_f32(src + static_cast<size_t>(slots) * i, u);
   }
-  load4_f32(suh2 + static_cast<size_t>(it.expert) * i + it.col, s);
 #pragma unroll
   for (int j = 0; j < 4; ++j) v[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
   store_transformed(v, s, dst, lane);

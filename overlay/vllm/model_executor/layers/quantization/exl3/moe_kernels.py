@@ -517,9 +517,11 @@ GEMM_STAGES = 4
 STAGE_ROW_BYTES = 128
 STAGE_TRELLIS_BYTES_PER_K2 = 512
 SMEM_RESERVED_PER_BLOCK = 1024
-# A k-split shorter than this many 64-deep stages leaves the cp.async pipeline no steady
-# state (the dense plans' kMinChunksPerSplit).
-SPLIT_MIN_STAGES = 2
+# A k-split shorter than this many 64-deep stages costs more (pipeline fill, its fp32
+# partial rows and their sum) than spreading the trellis over more SMs gains: the H200
+# bench lost with 16-stage splits and gained with 21-stage ones (design notes, "MoE
+# grouped GEMM: the few-token path").
+SPLIT_MIN_STAGES = 20
 # Columns of one GEMM block (one Hadamard block).
 BLOCK_N = 128
 
