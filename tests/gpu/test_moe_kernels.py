@@ -638,6 +638,38 @@ def test_reconstruct_every_expert_and_role(
             )
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize(
+    "codebook,bits", [(1, (2, 4, 5)), (2, (1.5, 3.5, 8)), (0, (3,))]
+)
+def test_reconstruct_bit_identical_to_the_dense_original_basis(
+    gen: torch.Generator, codebook: int, bits: tuple[float, ...], dtype: torch.dtype
+) -> None:
+    """exl3_moe_reconstruct runs the dense original-basis reconstruct's arithmetic and
+    only stores W^T instead of W: each (expert, role) must equal, bit for bit, the W
+    that exl3_linear's original-basis path multiplies by, read back through the
+    identity (I @ W in fp32 is exact). Fresh random layers; the MoE output starts as
+    NaN, so a block the kernel left unwritten fails."""
+    layer = ml.random_moe_layer(gen, 6, 384, 256, bits, codebook)
+    i = layer.width
+    w1, w2 = reconstruct_all(layer, dtype)
+    for e in range(layer.experts):
+        for role in (0, 1, 2):
+            trellis, suh, svh = layer.block(e, role)
+            k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+            eye = torch.eye(k, dtype=dtype, device="cuda")
+            vk.poison_next((k, n), dtype)
+            with vk.knobs(reconstruct_m=1, reconstruct_basis="original"):
+                w = vk.exl3_op(eye, trellis, suh[None], svh, None, [n], codebook)
+            got = w2[e] if role == 2 else w1[e, role * i : (role + 1) * i]
+            assert bool(torch.isfinite(w).all()), dict(expert=e, role=role)
+            # Values, not bits: I @ W turns a -0 of W into +0.
+            same = got == w.T
+            assert bool(same.all()), dict(
+                expert=e, role=role, mismatches=int((~same).sum())
+            )
+
+
 def large_batch_kernel(layer: ml.MoeLayer):
     """CudaExl3MoEKernel with its scratch reserved and the large-batch path taken at
     every size; skips without vLLM (with the overlay) importable."""

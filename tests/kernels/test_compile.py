@@ -194,6 +194,62 @@ def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_120", "sm_121"])
+def test_original_basis_reconstructs_fit_without_spills(
+    tmp_path: Path, arch: str
+) -> None:
+    """The dense original-basis reconstruct and the MoE one (W^T) hold a Hadamard
+    pass's fp32 accumulators in registers: at the narrowest and widest windows, every
+    codebook of 4 bits and both output dtypes, neither uses local memory on any target
+    (kReconOriginalMinBlocks: 80 registers on sm_90, 128 on sm_12x)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not available")
+    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
+    cases = [(2, 1), (3, 2), (8, 0), (8, 1), (8, 2), (16, 1)]
+    src = tmp_path / "reconstructs.cu"
+    src.write_text(
+        '#include "exl3_moe.cuh"\n#include "exl3_rate_instance.cuh"\n'
+        "namespace vllm_exl3 {\n"
+        + "".join(
+            f"template __global__ void {kernel}<{k2}, {cb}, {t}>({params});\n"
+            for k2, cb in cases
+            for t in ("__half", "__nv_bfloat16")
+            for kernel, params in (
+                ("exl3_reconstruct_original_kernel", "ReconParams"),
+                ("exl3_moe_reconstruct_kernel", "MoeReconParams"),
+            )
+        )
+        + "}\n"
+    )
+    r = subprocess.run(
+        [
+            "nvcc",
+            *flags,
+            "-cubin",
+            f"-arch={arch}",
+            f"-I{kernels_build.SOURCES}",
+            "-Xptxas",
+            "-v",
+            str(src),
+            "-o",
+            str(tmp_path / "r.cubin"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    entries = re.findall(
+        r"Compiling entry function '(\S*reconstruct\S*)'.*?"
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores.*?Used (\d+) registers",
+        r.stderr,
+        re.S,
+    )
+    assert len(entries) == 4 * len(cases), r.stderr[-3000:]
+    for name, stack, spills, regs in entries:
+        assert int(stack) == 0 and int(spills) == 0, (name, stack, spills, regs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_120", "sm_121"])
 def test_sparse_mla_kernels_fit_without_spills(tmp_path: Path, arch: str) -> None:
     """The sparse-MLA decode kernels (bf16 576 / 512, fp8_ds_mla; 16 and 32 heads a
     CTA, the latter also with Hopper's deep pipeline; Hopper's wgmma path, a trap

@@ -34,9 +34,15 @@ constexpr int recon_original_smem() {
   return kStageBytes +
          (kHadamard / kTile) * (kHadamard / kTile) * Rate<K2>::kTileBytes;
 }
-// Two resident blocks per SM: 64 fp32 accumulators per thread per pass fit 128
-// registers.
+// Resident blocks per SM the register cap aims for: three on sm_90 (80
+// registers hold a pass's 64 fp32 accumulators per thread without spilling).
+// sm_12x's 100 KB of shared memory holds at most two blocks of
+// recon_original_smem, and ptxas spilled there at the three-block cap.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+constexpr int kReconOriginalMinBlocks = 2;
+#else
 constexpr int kReconOriginalMinBlocks = 3;
+#endif
 // A 128 x 128 block is 8 x 8 tiles of 16 x 16.
 constexpr int kBlockTilesPerSide = kHadamard / kTile;
 
@@ -239,6 +245,8 @@ __device__ __forceinline__ void reconstruct_original_block(
 #pragma unroll
     for (int q = 0; q < kBlockTilesPerSide; ++q)
       ldmatrix_x4(a[q], s_row + q * kTile * 2);
+    // W^T is staged across every warp's rows (below): all reads first.
+    if constexpr (kTransposed) __syncthreads();
     hadamard128_side<false>(a, h16, v);
   }
   // Accumulator (q, h, e) sits at row 16 warp + g + 8 (e >> 1), column 16 q + 8
@@ -249,10 +257,15 @@ __device__ __forceinline__ void reconstruct_original_block(
 #pragma unroll
   for (int r = 0; r < 2; ++r)
     rs[r] = __half2float(suh[warp * kTile + g + 8 * r]);
-  // The warp's own 16 rows of the staging area take the result (no other warp
-  // reads them after the ldmatrix above), then the block stores whole 16-byte
-  // row segments.
-  __syncwarp();
+  // The result is staged in the output's own layout, then the block stores
+  // whole 16-byte row segments. W: the warp's own 16 rows of the staging area
+  // (no other warp reads them after the ldmatrix above). W^T: staged row c is
+  // column c of W, so the pair of values along n goes to two rows as 16-bit
+  // halves, which keeps the global stores coalesced (a 16-byte segment gathered
+  // down a column of W instead would put each lane of a store on its own row of
+  // W^T). In one 16-bit store, lanes t = 0..3 are two staged rows (136 words,
+  // 8 banks) apart and lanes g = 0..7 share 4 consecutive words: conflict-free.
+  if constexpr (!kTransposed) __syncwarp();
 #pragma unroll
   for (int q = 0; q < kBlockTilesPerSide; ++q)
 #pragma unroll
@@ -261,38 +274,31 @@ __device__ __forceinline__ void reconstruct_original_block(
       const float2 cs =
           __half22float2(*reinterpret_cast<const __half2*>(svh + c));
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<uint32_t*>(
-            &staged[(warp * kTile + g + 8 * r) * kStageStride + c]) =
-            Fp16Like<T>::pack2(v[q][h][2 * r] * rs[r] * cs.x,
-                               v[q][h][2 * r + 1] * rs[r] * cs.y);
+      for (int r = 0; r < 2; ++r) {
+        const uint32_t pair = Fp16Like<T>::pack2(
+            v[q][h][2 * r] * rs[r] * cs.x, v[q][h][2 * r + 1] * rs[r] * cs.y);
+        if constexpr (kTransposed) {
+          uint16_t* s = reinterpret_cast<uint16_t*>(staged) + c * kStageStride +
+                        warp * kTile + g + 8 * r;
+          s[0] = static_cast<uint16_t>(pair);
+          s[kStageStride] = static_cast<uint16_t>(pair >> 16);
+        } else {
+          *reinterpret_cast<uint32_t*>(
+              &staged[(warp * kTile + g + 8 * r) * kStageStride + c]) = pair;
+        }
+      }
     }
   __syncthreads();
-  // Whole 16-byte segments of output rows: 8 values along n (W), or along k
-  // gathered down a staged column (W^T).
+  // Whole 16-byte segments of output rows: 8 values along n (W) or along k
+  // (W^T), a warp covering two whole 256-byte rows of the block.
   constexpr int kChunksPerRow = kHadamard * 2 / 16;
   for (int c = threadIdx.x; c < kHadamard * kChunksPerRow; c += kReconThreads) {
-    if constexpr (kTransposed) {
-      // A column of W (an output row of W^T) and 8 rows of W from it; a warp's
-      // lanes take 32 consecutive columns, so each of the 8 shared-memory reads
-      // is one conflict-free 64-byte row segment.
-      const int wcol = c % kHadamard, wrow = (c / kHadamard) * 8;
-      uint16_t e[8];
-      const uint16_t* s = reinterpret_cast<const uint16_t*>(staged);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) e[j] = s[(wrow + j) * kStageStride + wcol];
-      T* dst =
-          static_cast<T*>(w) + static_cast<size_t>(n0 + wcol) * k + k0 + wrow;
-      *reinterpret_cast<uint4*>(dst) = make_uint4(
-          e[0] | (uint32_t{e[1]} << 16), e[2] | (uint32_t{e[3]} << 16),
-          e[4] | (uint32_t{e[5]} << 16), e[6] | (uint32_t{e[7]} << 16));
-    } else {
-      const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-      T* dst =
-          static_cast<T*>(w) + static_cast<size_t>(k0 + row) * n + n0 + col;
-      *reinterpret_cast<uint4*>(dst) =
-          *reinterpret_cast<const uint4*>(&staged[row * kStageStride + col]);
-    }
+    const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+    T* dst = static_cast<T*>(w) +
+             (kTransposed ? static_cast<size_t>(n0 + row) * k + k0 + col
+                          : static_cast<size_t>(k0 + row) * n + n0 + col);
+    *reinterpret_cast<uint4*>(dst) =
+        *reinterpret_cast<const uint4*>(&staged[row * kStageStride + col]);
   }
 }
 

@@ -617,8 +617,10 @@ def moe_splits(
 # vLLM's own fused MoE. The reconstruct writes every local expert's weights once per
 # call (Qwen3-30B-A3B: 1.2 GB per layer), which pays only once each expert's rows fill
 # several of the grouped GEMM's 128-row blocks, each of which decodes the expert's whole
-# trellis again. From the H200 bench (bench_moe.py: rows exl3 and exl3_reconstruct).
-RECONSTRUCT_MIN_ROWS_PER_EXPERT = 128
+# trellis again. Three 128-row blocks: between the H200 crossings of the two paths
+# (bench_moe.py rows exl3 and exl3_reconstruct, 4 bits; design notes: MoE large-batch
+# path), about 290 rows for Qwen3-30B-A3B and 380 for GLM-4.5-Air.
+RECONSTRUCT_MIN_ROWS_PER_EXPERT = 384
 # The reconstruct scratch (one per device, shared by every layer, reserved at load so
 # vLLM's memory profiling counts it) takes at most this fraction of device memory: a
 # layer whose local experts need more keeps the grouped GEMM at every batch size
