@@ -59,9 +59,10 @@ class MoEModel:
 # (qk_nope, rope, v) = (128, 64, 128), (192, 64, 256) or (64, 64, 128); the fixture has
 # rank 128 and (64, 64, 64). vLLM's DeepSeek MHA form computes the same attention.
 DSV3_TINY_MHA = (
-    "VLLM_MLA_DISABLE=1: vLLM 0.26 has no MLA kernel for dsv3-tiny's dims (kv_lora_rank "
-    "128, qk_nope/rope/v 64/64/64); its attention runs as vLLM's DeepSeek MHA (kv_b "
-    "expanded per token), the same math; q_a, kv_a, q_b and o stay EXL3"
+    "VLLM_MLA_DISABLE=1: vLLM 0.26 has no MLA kernel for dsv3-tiny's dims "
+    "(kv_lora_rank 128, qk_nope/rope/v 64/64/64); its attention runs as vLLM's "
+    "DeepSeek MHA (kv_b expanded per token), the same math; q_a, kv_a, q_b and o "
+    "stay EXL3"
 )
 
 

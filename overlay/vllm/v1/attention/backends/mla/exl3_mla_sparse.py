@@ -29,6 +29,7 @@ Head size 576 only: DeepSeek V4 (head 512) builds its own attention layers and b
 backend, so no vLLM 0.26 model can reach this backend with another head size.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -453,18 +454,12 @@ class Exl3MLASparseImpl(SparseMLACommonImpl[Exl3MLASparseMetadata]):
         )
         out = q.new_empty((num_tokens, self.num_heads, self.kv_lora_rank))
         lse = q.new_empty((num_tokens, self.num_heads), dtype=torch.float32)
-        if self.use_reference:
-            self._ops.sparse_mla_reference_into(
-                q,
-                kv_c_and_k_pe_cache,
-                slots,
-                self.softmax_scale,
-                self.kv_format,
-                out=out,
-                lse=lse,
-            )
-            return out, lse
-        self._ops.sparse_mla_decode(
+        run = (
+            self._ops.sparse_mla_reference_into
+            if self.use_reference
+            else functools.partial(self._ops.sparse_mla_decode, workspace=op_workspace)
+        )
+        run(
             q,
             kv_c_and_k_pe_cache,
             slots,
@@ -472,6 +467,5 @@ class Exl3MLASparseImpl(SparseMLACommonImpl[Exl3MLASparseMetadata]):
             self.kv_format,
             out=out,
             lse=lse,
-            workspace=op_workspace,
         )
         return out, lse
