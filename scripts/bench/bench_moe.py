@@ -22,6 +22,9 @@ random weights) included. Without ExLlamaV3 the column says why.
     python scripts/bench/bench_moe.py --out bench-results/moe [--bits 4] \
         [--shapes qwen3-30b-a3b] [--tokens 1 16 256] [--exl3-state DIR]
     python scripts/bench/bench_moe.py --write-exllamav3-only  # checkpoints only, CPU
+
+--profile adds each kernel's GPU time per call to the log, so the graph time splits into
+kernel work and the latency between dependent launches.
 """
 
 from __future__ import annotations
@@ -267,12 +270,14 @@ def exllamav3_variant(args, h, i, e, top_k):
     return call, copies
 
 
-def time_variant(make, gen, h, e, top_k, tokens, dtype=torch.bfloat16):
+def time_variant(make, gen, h, e, top_k, tokens, dtype=torch.bfloat16, profile=False):
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels
 
     call, copies = make()
     try:
-        out, copies = _time_calls(call, copies, gen, h, e, top_k, tokens, dtype)
+        out, copies = _time_calls(
+            call, copies, gen, h, e, top_k, tokens, dtype, profile
+        )
     finally:
         close = getattr(call, "close", None)
         if close is not None:
@@ -285,7 +290,40 @@ def time_variant(make, gen, h, e, top_k, tokens, dtype=torch.bfloat16):
     return out, copies
 
 
-def _time_calls(call, copies, gen, h, e, top_k, tokens, dtype):
+def aggregate_kernels(kernels, calls: int) -> list[tuple[str, float]]:
+    """(name, µs per call) of (name, µs) kernel records over `calls` calls, summed by
+    name, longest first."""
+    total: dict[str, float] = {}
+    for name, us in kernels:
+        total[name] = total.get(name, 0.0) + us
+    return sorted(
+        ((n, t / calls) for n, t in total.items()), key=lambda r: r[1], reverse=True
+    )
+
+
+def kernel_breakdown(calls) -> list[tuple[str, float]]:
+    """Each kernel's GPU time per call of one pass through `calls`, run eagerly under
+    torch.profiler (kernel durations as inside the graph; the graph's time minus their
+    sum is what the launches and the gaps between dependent kernels cost)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+    kernels = [
+        (ev.name, ev.time_range.elapsed_us())
+        for ev in prof.events()
+        if ev.device_type == DeviceType.CUDA
+    ]
+    return aggregate_kernels(kernels, len(calls))
+
+
+def _time_calls(call, copies, gen, h, e, top_k, tokens, dtype, profile=False):
     out = {}
     for m in tokens:
         x = (torch.randn(m, h, generator=gen, device="cuda") / math.sqrt(h)).to(dtype)
@@ -297,6 +335,14 @@ def _time_calls(call, copies, gen, h, e, top_k, tokens, dtype):
         us, mode = graph_time_us(calls, m)
         out[m] = (us, mode)
         print(f"    m={m:5d} {us:9.1f} us ({mode})", flush=True)
+        if profile:
+            kernels = kernel_breakdown(calls)
+            busy = sum(t for _, t in kernels)
+            print(
+                f"      kernels {busy:.1f} us of {us:.1f} ({len(kernels)} kinds): "
+                + "; ".join(f"{n[:60]} {t:.1f}" for n, t in kernels),
+                flush=True,
+            )
     return out, copies
 
 
@@ -377,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
         "tiers) and exl3_splitGxD (gate/up G ways, down D ways), each capped at its "
         "k's 64-deep stages, to place the split rule",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each timing, print every kernel's GPU time per call (an eager "
+        "pass under torch.profiler) beside the graph time",
+    )
     args = ap.parse_args(argv)
     if args.write_exllamav3_only:
         for name in args.shapes:
@@ -450,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype = EXLLAMAV3_DTYPE if vname == "exllamav3" else torch.bfloat16
                 try:
                     times[vname], copies = time_variant(
-                        make, gen, h, e, top_k, args.tokens, dtype
+                        make, gen, h, e, top_k, args.tokens, dtype, args.profile
                     )
                 except Exception as ex:  # noqa: BLE001 - an anchor that cannot run is recorded
                     why = (

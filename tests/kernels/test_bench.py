@@ -88,6 +88,16 @@ def test_split_sweep_entries_are_both_gemms_or_a_gate_up_by_down_pair(tmp_path: 
         bench_moe.main(["--out", str(tmp_path), "--split-sweep", "2", "3x"])
 
 
+def test_kernel_profile_sums_each_kernel_per_call():
+    """bench_moe.py --profile: a kernel launched several times a call (one per rate)
+    counts once per call with its summed time; longest first."""
+    got = bench_moe.aggregate_kernels(
+        [("gemm", 10.0), ("transform", 2.0), ("gemm", 6.0), ("gemm", 12.0)], calls=2
+    )
+    assert got == [("gemm", 14.0), ("transform", 1.0)]
+    assert bench_moe.aggregate_kernels([], calls=3) == []
+
+
 # The benchmark's ExLlamaV3 anchor guard (scripts/bench/exllamav3_anchor.py), on a
 # stand-in.
 #
