@@ -31,6 +31,30 @@ from vllm_exl3 import kernels_build, repo  # noqa: E402
 ARCHS = ["9.0", "12.0", "12.1"]
 
 
+def ptxas_report(src: Path, arch: str, out: Path, include: bool = True) -> str:
+    """ptxas's verbose report (stderr) of compiling `src` to a cubin for `arch` with the
+    quick build's flags; fails the test with the tail of it when nvcc fails."""
+    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
+    r = subprocess.run(
+        [
+            "nvcc",
+            *flags,
+            "-cubin",
+            f"-arch={arch}",
+            *([f"-I{kernels_build.SOURCES}"] if include else []),
+            "-Xptxas",
+            "-v",
+            str(src),
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stderr
+
+
 @pytest.mark.slow
 def test_all_sources_compile_for_every_arch() -> None:
     if shutil.which("nvcc") is None:
@@ -120,31 +144,14 @@ def test_wgmma_engine_is_not_serialized(tmp_path: Path) -> None:
         )
         + "}\n"
     )
-    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
-    r = subprocess.run(
-        [
-            "nvcc",
-            *flags,
-            "-cubin",
-            "-arch=sm_90a",
-            f"-I{kernels_build.SOURCES}",
-            "-Xptxas",
-            "-v",
-            str(src),
-            "-o",
-            str(tmp_path / "w.cubin"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "C7513" not in r.stderr and "serialized" not in r.stderr, r.stderr[-3000:]
+    err = ptxas_report(src, "sm_90a", tmp_path / "w.cubin")
+    assert "C7513" not in err and "serialized" not in err, err[-3000:]
     entries = re.findall(
         r"Compiling entry function '(\S+)'.*?Used (\d+) registers([^\n]*)",
-        r.stderr,
+        err,
         re.S,
     )
-    assert len(entries) == 30, r.stderr[-3000:]
+    assert len(entries) == 30, err[-3000:]
     for name, regs, rest in entries:
         mt = int(re.search(r"ELi(\d+)ELb1E", name).group(1))
         budget = {4: 85, 8: 128, 16: 255}[mt]
@@ -158,36 +165,19 @@ def test_moe_grouped_gemm_does_not_spill(tmp_path: Path) -> None:
     budget (kMoeMinBlocks) without local memory."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
-    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
     gen = repo.kernel_generator()
     gen.write_build_sources(tmp_path)
     for k2 in (3, 7, 16):
         src = tmp_path / gen.rate_unit_name(k2)
-        r = subprocess.run(
-            [
-                "nvcc",
-                *flags,
-                "-cubin",
-                "-arch=sm_90a",
-                f"-I{kernels_build.SOURCES}",
-                "-Xptxas",
-                "-v",
-                str(src),
-                "-o",
-                str(tmp_path / f"moe{k2}.cubin"),
-            ],
-            capture_output=True,
-            text=True,
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
+        err = ptxas_report(src, "sm_90a", tmp_path / f"moe{k2}.cubin")
         entries = re.findall(
             r"Compiling entry function '(\S*exl3_moe_gemm\S*)'.*?"
             r"(\d+) bytes spill stores.*?Used (\d+) registers",
-            r.stderr,
+            err,
             re.S,
         )
         # MUL1 only at the half rates; 4 tiers x 2 stages per codebook.
-        assert len(entries) == (8 if k2 % 2 else 24), r.stderr[-3000:]
+        assert len(entries) == (8 if k2 % 2 else 24), err[-3000:]
         for name, spills, regs in entries:
             assert int(spills) == 0, (name, spills, regs)
 
@@ -203,7 +193,6 @@ def test_original_basis_reconstructs_fit_without_spills(
     (kReconOriginalMinBlocks: 80 registers on sm_90, 128 on sm_12x)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
-    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
     cases = [(2, 1), (3, 2), (8, 0), (8, 1), (8, 2), (16, 1)]
     src = tmp_path / "reconstructs.cu"
     src.write_text(
@@ -220,30 +209,14 @@ def test_original_basis_reconstructs_fit_without_spills(
         )
         + "}\n"
     )
-    r = subprocess.run(
-        [
-            "nvcc",
-            *flags,
-            "-cubin",
-            f"-arch={arch}",
-            f"-I{kernels_build.SOURCES}",
-            "-Xptxas",
-            "-v",
-            str(src),
-            "-o",
-            str(tmp_path / "r.cubin"),
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    err = ptxas_report(src, arch, tmp_path / "r.cubin")
     entries = re.findall(
         r"Compiling entry function '(\S*reconstruct\S*)'.*?"
         r"(\d+) bytes stack frame, (\d+) bytes spill stores.*?Used (\d+) registers",
-        r.stderr,
+        err,
         re.S,
     )
-    assert len(entries) == 4 * len(cases), r.stderr[-3000:]
+    assert len(entries) == 4 * len(cases), err[-3000:]
     for name, stack, spills, regs in entries:
         assert int(stack) == 0 and int(spills) == 0, (name, stack, spills, regs)
 
@@ -259,34 +232,18 @@ def test_sparse_mla_kernels_fit_without_spills(tmp_path: Path, arch: str) -> Non
     none of the wgmma path's MMAs (C7513)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
-    flags = [f for f in kernels_build.NVCC_FLAGS if f not in ("-Xcompiler", "-fPIC")]
     sources = kernels_build.SOURCE_DIRS[1]
     entries = []
     for unit in ("exl3_sparse_mla_bf16.cu", "exl3_sparse_mla_fp8.cu"):
-        r = subprocess.run(
-            [
-                "nvcc",
-                *flags,
-                "-cubin",
-                f"-arch={arch}",
-                "-Xptxas",
-                "-v",
-                str(sources / unit),
-                "-o",
-                str(tmp_path / f"{unit}.cubin"),
-            ],
-            capture_output=True,
-            text=True,
+        err = ptxas_report(
+            sources / unit, arch, tmp_path / f"{unit}.cubin", include=False
         )
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert "warning" not in r.stderr.lower(), r.stderr[-3000:]
-        assert "C7513" not in r.stderr and "serialized" not in r.stderr, r.stderr[
-            -3000:
-        ]
+        assert "warning" not in err.lower(), err[-3000:]
+        assert "C7513" not in err and "serialized" not in err, err[-3000:]
         entries += re.findall(
             r"Compiling entry function '(\S*sparse_mla\S*)'.*?"
             r"(\d+) bytes stack frame, (\d+) bytes spill stores.*?Used (\d+) registers",
-            r.stderr,
+            err,
             re.S,
         )
     # bf16 576 / 512 and fp8_ds_mla, each with one head tile, two head tiles, two
