@@ -95,6 +95,7 @@ def exl3_variant(
     deterministic,
     reconstruct=False,
     force_splits=None,
+    force_wgmma=None,
 ):
     """reconstruct=False: the grouped GEMM at every size (the op's path below
     RECONSTRUCT_MIN_ROWS_PER_EXPERT); True: the large-batch path at every size (every
@@ -102,7 +103,9 @@ def exl3_variant(
     the two rows place the threshold. force_splits: the grouped GEMMs' k-splits
     (gate/up, down) at the decode tiers instead of the few-token rule's
     (moe_kernels.moe_splits): (1, 1) is the unsplit kernel, so the rows exl3 and
-    exl3_unsplit measure the rule."""
+    exl3_unsplit measure the rule. force_wgmma: the grouped GEMMs' engine instead of
+    the op's choice (wgmma on Hopper for the 64- and 128-row blocks): False is mma.sync
+    everywhere, so the rows exl3 and exl3_mma measure the wgmma engine."""
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
         CudaExl3MoEKernel,
         Exl3MoEWeights,
@@ -117,6 +120,7 @@ def exl3_variant(
     ]
     kernel = CudaExl3MoEKernel()
     kernel.force_splits = force_splits
+    kernel.force_wgmma = force_wgmma
     weights = [
         Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
         for lay in layers
@@ -414,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         "split-k)",
     )
     ap.add_argument(
+        "--no-mma",
+        action="store_true",
+        help="skip the exl3_mma row (the grouped GEMM on mma.sync at every block "
+        "size; the exl3 row runs Hopper's 64- and 128-row blocks on wgmma)",
+    )
+    ap.add_argument(
         "--split-sweep",
         nargs="*",
         type=split_entry,
@@ -466,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
                 exl3_variant, gen, *shape, args.bits, args.codebook, args.deterministic
             )
             variants = [("exl3", exl3)]
+            if not args.no_mma:
+                variants.append(
+                    ("exl3_mma", functools.partial(exl3, force_wgmma=False))
+                )
             if not args.no_unsplit:
                 variants.append(
                     ("exl3_unsplit", functools.partial(exl3, force_splits=(1, 1)))
@@ -567,10 +581,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(dict(meta=meta, rows=rows), indent=1)
     )
     lines = [
-        "| shape | tokens | exl3 us | exl3 unsplit us | exl3 reconstruct us | "
-        "bf16 us | marlin us | exllamav3 us | exl3/bf16 | best exl3/bf16 |"
+        "| shape | tokens | exl3 us | exl3 mma us | exl3 unsplit us | "
+        "exl3 reconstruct us | bf16 us | marlin us | exllamav3 us | exl3/bf16 | "
+        "best exl3/bf16 |"
         + "".join(f" split {sp.label} us |" for sp in args.split_sweep),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         + "---:|" * len(args.split_sweep),
     ]
     for name in args.shapes:
@@ -593,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
                 default=None,
             )
             lines.append(
-                f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_unsplit')} | "
+                f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_mma')} | "
+                f"{fmt('exl3_unsplit')} | "
                 f"{fmt('exl3_reconstruct')} | "
                 f"{fmt('bf16_fused_experts')} | {fmt('marlin_int4_g128')} | "
                 f"{fmt('exllamav3')} | {f'{ratio:.2f}' if ratio else '-'} | "

@@ -286,10 +286,12 @@ def run_op(
     aligned: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     splits: tuple[int, int] = (1, 1),
     workspace: torch.Tensor | None = None,
+    wgmma: int = -1,
 ) -> torch.Tensor:
     """torch.ops._C.exl3_moe with the plain-torch alignment (or the one given) and
     the given k-splits (gate/up, down); their workspace NaN-filled unless given, so a
-    partial sum read before it was written shows."""
+    partial sum read before it was written shows. wgmma: the op's engine argument (-1
+    the op's choice, 0 mma.sync, 1 wgmma)."""
     sorted_ids, expert_ids, post_pad = aligned or align(
         topk_ids, block, global_experts, expert_map
     )
@@ -318,6 +320,7 @@ def run_op(
         deterministic,
         *splits,
         workspace,
+        wgmma,
     )
 
 

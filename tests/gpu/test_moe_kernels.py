@@ -61,6 +61,13 @@ if not hasattr(torch.ops._C, "exl3_moe"):
 
 TOLERANCE = {torch.float16: (2e-3, 1.5e-2), torch.bfloat16: (1e-2, 1e-1)}
 BLOCKS = (16, 32, 64, 128)
+# The block sizes also built on Hopper's wgmma (exl3_moe.h kMoeWgmmaTiers); the op runs
+# them there unless told otherwise (wgmma = -1), and wgmma = 1 forces it.
+WGMMA_BLOCKS = (64, 128)
+WGMMA_DEVICE = torch.cuda.get_device_capability() == (9, 0)
+needs_wgmma = pytest.mark.skipif(
+    not WGMMA_DEVICE, reason="the wgmma engine runs on compute capability 9.0 only"
+)
 RATES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 HALF_RATES = (1.5, 2.5, 3.5)
 COMBOS = [(b, cb) for b in RATES for cb in (0, 1, 2) if b not in HALF_RATES or cb == 2]
@@ -102,6 +109,7 @@ def run_checked(
     ids_dtype: torch.dtype = torch.int32,
     splits: tuple[int, int] = (1, 1),
     drop_nonlocal: bool = True,
+    wgmma: int = -1,
     **info: object,
 ) -> torch.Tensor:
     x = activations(gen, m, layer.hidden, dtype)
@@ -125,6 +133,7 @@ def run_checked(
         weight_on_input,
         aligned=aligned,
         splits=splits,
+        wgmma=wgmma,
     )
     check(
         y,
@@ -135,6 +144,7 @@ def run_checked(
         dtype=str(dtype),
         deterministic=deterministic,
         splits=splits,
+        wgmma=wgmma,
         **info,
     )
     return y
@@ -529,6 +539,227 @@ def test_cuda_graph_replay_equals_eager(
         check(y_graph, ml.reference_moe(x, w, ids, layer, None, 32))
 
 
+# Hopper's wgmma engine (the unsplit 64- and 128-row tiers), forced (wgmma = 1): the
+# same cases as mma.sync above, against the same float64 oracle and bounds (wgmma sums
+# the same fp16 products in fp32).
+
+
+@needs_wgmma
+@pytest.mark.parametrize("bits,codebook", COMBOS)
+def test_wgmma_every_rate_and_codebook(
+    gen: torch.Generator, bits: float, codebook: int
+) -> None:
+    layer = ml.random_moe_layer(gen, 8, 256, 384, [bits], codebook)
+    for i, (block, dtype, det) in enumerate(
+        [
+            (64, torch.float16, True),
+            (64, torch.bfloat16, False),
+            (128, torch.bfloat16, True),
+            (128, torch.float16, False),
+        ]
+    ):
+        run_checked(
+            gen,
+            layer,
+            (70, 200, 300, 700)[i],
+            2,
+            8,
+            dtype,
+            block,
+            det,
+            wgmma=1,
+            bits=bits,
+            codebook=codebook,
+        )
+
+
+@needs_wgmma
+@pytest.mark.parametrize(
+    "codebook,bits", [(1, (2, 3, 4, 5)), (2, (1.5, 2.5, 3.5, 4, 8)), (0, (1, 6, 7, 8))]
+)
+@pytest.mark.parametrize("block", WGMMA_BLOCKS)
+def test_wgmma_mixed_bitrates_in_one_layer(
+    gen: torch.Generator, codebook: int, bits: tuple[float, ...], block: int
+) -> None:
+    """Every (expert, role) with its own rate: one wgmma launch per rate, each block on
+    its own expert's trellis, svh and rate."""
+    layer = ml.random_moe_layer(gen, 16, 384, 640, bits, codebook)
+    assert len(layer.k2s[0]) > 1 and len(layer.k2s[1]) > 1, layer.k2s
+    for det in (True, False):
+        run_checked(
+            gen, layer, 300, 4, 16, torch.bfloat16, block, det, wgmma=1, bits=bits
+        )
+
+
+@needs_wgmma
+@pytest.mark.parametrize("block", WGMMA_BLOCKS)
+def test_wgmma_all_tokens_to_one_expert_and_empty_experts(
+    gen: torch.Generator, block: int
+) -> None:
+    layer = ml.random_moe_layer(gen, 32, 256, 256, [3], 1)
+    for m, top_k in ((1, 1), (300, 1), (300, 4)):
+        run_checked(
+            gen, layer, m, top_k, 32, torch.float16, block, True, only=5, wgmma=1
+        )
+        run_checked(
+            gen, layer, m, top_k, 32, torch.float16, block, False, only=31, wgmma=1
+        )
+
+
+@needs_wgmma
+@pytest.mark.parametrize("block", WGMMA_BLOCKS)
+@pytest.mark.parametrize("drop_nonlocal", (True, False))
+def test_wgmma_expert_parallel_map(
+    gen: torch.Generator, block: int, drop_nonlocal: bool
+) -> None:
+    """Rank 1 of 3 (10 of 30 experts local): -1 blocks return at once, their rows of
+    the transformed buffer (never written) are never read."""
+    global_experts, local = 30, 10
+    emap = torch.full((global_experts,), -1, dtype=torch.int32)
+    emap[1::3] = torch.arange(local, dtype=torch.int32)
+    emap = emap.cuda()
+    layer = ml.random_moe_layer(gen, local, 256, 128, [2, 3, 4], 1)
+    for det in (True, False):
+        run_checked(
+            gen,
+            layer,
+            200,
+            6,
+            global_experts,
+            torch.bfloat16,
+            block,
+            det,
+            expert_map=emap,
+            ids_dtype=torch.int64,
+            drop_nonlocal=drop_nonlocal,
+            wgmma=1,
+        )
+
+
+@needs_wgmma
+def test_wgmma_real_shape_qwen3_30b_a3b(gen: torch.Generator) -> None:
+    """One Qwen3-30B-A3B layer (hidden 2048, expert width 768: 32 and 12 stages of k) at
+    4 bits, at the token counts whose blocks the rule makes 64 and 128 rows."""
+    layer = ml.random_moe_layer(gen, 128, 2048, 768, [4], 1, gap=False)
+    for m, block in ((1024, 64), (2048, 128)):
+        for det in (True, False):
+            run_checked(gen, layer, m, 8, 128, torch.bfloat16, block, det, wgmma=1)
+
+
+@needs_wgmma
+def test_wgmma_deterministic_mode_bit_exact(gen: torch.Generator) -> None:
+    layer = ml.random_moe_layer(gen, 64, 512, 256, [2, 3, 4], 1)
+    x = activations(gen, 500, 512, torch.bfloat16)
+    w, ids = ml.random_routing(gen, 500, 8, 64)
+    for block in WGMMA_BLOCKS:
+        aligned = ml.align(ids, block, 64)
+        first = ml.run_op(x, w, ids, layer, block, 64, aligned=aligned, wgmma=1)
+        for _ in range(5):
+            again = ml.run_op(x, w, ids, layer, block, 64, aligned=aligned, wgmma=1)
+            assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+
+
+@needs_wgmma
+@pytest.mark.parametrize("deterministic", (True, False))
+def test_wgmma_cuda_graph_replay_equals_eager(
+    gen: torch.Generator, deterministic: bool
+) -> None:
+    """A captured call replays with the tensor maps encoded at capture (the buffers
+    come from the graph's pool) on new inputs."""
+    layer = ml.random_moe_layer(gen, 32, 256, 256, [2, 4], 1)
+    m, top_k = 400, 4
+    x = activations(gen, m, 256, torch.bfloat16)
+    w, ids = ml.random_routing(gen, m, top_k, 32)
+    aligned = ml.align(ids, 64, 32)
+
+    def call() -> torch.Tensor:
+        return ml.run_op(
+            x,
+            w,
+            ids,
+            layer,
+            64,
+            32,
+            deterministic=deterministic,
+            aligned=aligned,
+            wgmma=1,
+        )
+
+    call()  # warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = call()
+    for _ in range(3):
+        x.copy_(activations(gen, m, 256, torch.bfloat16))
+        graph.replay()
+        eager = call()
+        if deterministic:
+            assert torch.equal(y_graph.view(torch.int16), eager.view(torch.int16))
+        else:
+            check(y_graph, eager.double())
+        check(y_graph, ml.reference_moe(x, w, ids, layer, None, 32))
+
+
+@needs_wgmma
+def test_wgmma_propagates_nan_to_its_token_only(gen: torch.Generator) -> None:
+    """A NaN in one token's input reaches that token's output and no other: a wgmma
+    column is one token, and the TMA box of a block holds only its own rows."""
+    layer = ml.random_moe_layer(gen, 8, 256, 256, [4], 1)
+    m, bad = 300, 7
+    x = activations(gen, m, 256, torch.bfloat16)
+    x[bad, 5] = float("nan")
+    w, ids = ml.random_routing(gen, m, 2, 8)
+    others = torch.arange(m, device="cuda") != bad
+    for block in WGMMA_BLOCKS:
+        for det in (True, False):
+            y = ml.run_op(x, w, ids, layer, block, 8, None, det, wgmma=1)
+            assert bool(torch.isnan(y[bad]).any()), (block, det)
+            assert bool(torch.isfinite(y[others]).all()), (block, det)
+
+
+def test_engine_choice_launches_the_named_kernels(gen: torch.Generator) -> None:
+    """Which kernel runs the grouped GEMMs (torch.profiler): the op's own choice (-1)
+    is wgmma from 64-row blocks on compute capability 9.0 and mma.sync for 16 and 32
+    rows and on every other device; 0 is mma.sync everywhere. Both engines agree
+    within the oracle's bounds."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = ml.random_moe_layer(gen, 8, 256, 256, [4], 1)
+    m = 300
+    x = activations(gen, m, 256, torch.bfloat16)
+    w, ids = ml.random_routing(gen, m, 2, 8)
+
+    def kernels(block: int, wgmma: int) -> tuple[int, int, torch.Tensor]:
+        """(wgmma launches, mma.sync launches, output) of one call."""
+        aligned = ml.align(ids, block, 8)
+        ml.run_op(x, w, ids, layer, block, 8, aligned=aligned, wgmma=wgmma)  # warm
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            y = ml.run_op(x, w, ids, layer, block, 8, aligned=aligned, wgmma=wgmma)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return (
+            sum("exl3_moe_wgmma_kernel" in n for n in names),
+            sum("exl3_moe_gemm_kernel" in n for n in names),
+            y,
+        )
+
+    # One rate: one gate/up and one down launch per call.
+    for block in BLOCKS:
+        wg, mma, y = kernels(block, -1)
+        hopper_tier = WGMMA_DEVICE and block in WGMMA_BLOCKS
+        assert (wg, mma) == ((2, 0) if hopper_tier else (0, 2)), (block, wg, mma)
+        wg, mma, y_mma = kernels(block, 0)
+        assert (wg, mma) == (0, 2), (block, wg, mma)
+        check(y, y_mma.double(), block=block)
+    if WGMMA_DEVICE:
+        for block in WGMMA_BLOCKS:
+            wg, mma, _ = kernels(block, 1)
+            assert (wg, mma) == (2, 0), (block, wg, mma)
+
+
 def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> None:
     """CudaExl3MoEKernel.apply: vLLM's moe_align_block_size, the block-size rule, the
     rate table read once, expert_map; needs vLLM (with the overlay) importable."""
@@ -574,6 +805,27 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
                 deterministic=det,
             )
             check(y, ref, m=m, det=det, force=force)
+    # The engine override at a 64-row block (200 x 4 routed rows over 16 experts).
+    kernel.force_splits = None
+    for force_wgmma in (False, True) if WGMMA_DEVICE else (False,):
+        kernel.force_wgmma = force_wgmma
+        x = activations(gen, 200, 256, torch.float16)
+        w, ids = ml.random_routing(gen, 200, 4, 16)
+        assert kernel.block_size(200, 4, 16) == 64
+        vk.poison_next((200, 256), torch.float16)
+        y = kernel.apply(
+            x,
+            w,
+            ids,
+            weights,
+            activation="silu",
+            apply_router_weight_on_input=False,
+            expert_map=None,
+            global_num_experts=16,
+            codebook=2,
+            deterministic=True,
+        )
+        check(y, ml.reference_moe(x, w, ids, layer, None, 16), wgmma=force_wgmma)
 
 
 # The reconstructed weights against float64: the dense original-basis reconstruct's
@@ -808,6 +1060,7 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
             cb=1,
             splits=(1, 1),
             ws=None,
+            wgmma=-1,
         )
         args.update(over)
         torch.ops._C.exl3_moe(
@@ -828,6 +1081,7 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
             True,
             *args["splits"],
             args["ws"],
+            args["wgmma"],
         )
 
     call()
@@ -838,6 +1092,10 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
     ws = torch.empty(need, dtype=torch.float32, device="cuda")
     call(splits=(2, 2), ws=ws)
     a64 = ml.align(ids, 64, 4)
+    by64 = dict(zip(("sorted", "blocks", "pad"), a64), block=64)
+    call(wgmma=0, **by64)
+    if WGMMA_DEVICE:
+        call(wgmma=1, **by64)
     t = layer.tensors()
     cases = [
         (dict(x=x.float()), "x must be bfloat16 or float16"),
@@ -873,7 +1131,16 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
             ),
             "built for block sizes up to 32",
         ),
+        (dict(wgmma=2), "wgmma must be -1 (auto), 0 (never) or 1 (always)"),
+        (dict(wgmma=1), "wgmma = 1 needs an unsplit block_size of 64 or 128"),
     ]
+    if not WGMMA_DEVICE:
+        cases.append(
+            (
+                dict(wgmma=1, **by64),
+                "wgmma = 1 needs a compute capability 9.0 device",
+            )
+        )
     for over, message in cases:
         with pytest.raises(RuntimeError, match=re.escape(message)):
             call(**over)

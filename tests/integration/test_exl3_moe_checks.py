@@ -325,6 +325,7 @@ def _main(_: int) -> None:
         gate_up_splits,
         down_splits,
         workspace,
+        wgmma,
     ):
         return ref.apply(
             x,
@@ -349,7 +350,7 @@ def _main(_: int) -> None:
 
     # The fake and the wrapper take the schema's arguments, by name and in order.
     names = re.findall(r"(?:Tensor\??|int\[\]|int|bool) (\w+)", schema)
-    assert names[-3:] == ["gate_up_splits", "down_splits", "workspace"], names
+    assert names[-4:] == ["gate_up_splits", "down_splits", "workspace", "wgmma"], names
     for fn in (moe_ops.exl3_moe_fake, moe_ops.exl3_moe):
         assert list(inspect.signature(fn).parameters) == names, fn.__name__
 
@@ -385,6 +386,7 @@ def _main(_: int) -> None:
         1,
         1,
         None,
+        -1,
     )
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -395,8 +397,12 @@ def _main(_: int) -> None:
         assert out.shape == (7, 128) and out.dtype == torch.float16
         # With k-splits and their workspace: the same output.
         ws = torch.empty(moe_ops.split_workspace_floats(7, 2, 128, 128, 2, 2))
-        out = torch.ops._C.exl3_moe(fx, *args[:-3], 2, 2, ws)
+        out = torch.ops._C.exl3_moe(fx, *args[:-4], 2, 2, ws, -1)
         assert out.shape == (7, 128) and out.dtype == torch.float16
+        # Either engine forced: the same output.
+        for wgmma in (0, 1):
+            out = torch.ops._C.exl3_moe(fx, *args[:-1], wgmma)
+            assert out.shape == (7, 128) and out.dtype == torch.float16
 
     compiled = torch.compile(
         lambda t: moe_ops.exl3_moe(t, *args), backend="aot_eager", fullgraph=True
@@ -611,6 +617,35 @@ def test_split_choice_of_the_kernel_class(monkeypatch) -> None:
         assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (1, 1)
     finally:
         mk._split_devices.pop(cpu, None)
+
+
+def test_wgmma_choice_of_the_kernel_class(monkeypatch) -> None:
+    """CudaExl3MoEKernel.wgmma_mode: the op's own choice (-1), force_wgmma either way,
+    mma.sync under batch invariance (the decode tiers have no wgmma, so one engine
+    serves every batch size)."""
+    import vllm.envs as envs
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3 import moe_ops
+
+    assert (moe_ops.WGMMA_AUTO, moe_ops.WGMMA_NEVER, moe_ops.WGMMA_FORCE) == (-1, 0, 1)
+    # The block sizes are the kernels' tiers (16 rows each), and unsplit.
+    header = (OPS_CPP.parent / "exl3_moe.h").read_text()
+    tiers = re.search(r"kMoeWgmmaTiers\[\] = \{([^}]*)\}", header).group(1)
+    assert tuple(16 * int(t) for t in tiers.split(",")) == moe_ops.WGMMA_BLOCK_SIZES
+    assert not set(moe_ops.WGMMA_BLOCK_SIZES) & set(moe_ops.SPLIT_BLOCK_SIZES)
+    assert set(moe_ops.WGMMA_BLOCK_SIZES) <= set(moe_ops.BLOCK_SIZES)
+    kernel = mk.CudaExl3MoEKernel()
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
+    assert kernel.wgmma_mode() == moe_ops.WGMMA_AUTO
+    kernel.force_wgmma = True
+    assert kernel.wgmma_mode() == moe_ops.WGMMA_FORCE
+    kernel.force_wgmma = False
+    assert kernel.wgmma_mode() == moe_ops.WGMMA_NEVER
+    kernel.force_wgmma = None
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+    assert kernel.wgmma_mode() == moe_ops.WGMMA_NEVER
+    kernel.force_wgmma = True  # an explicit override still wins
+    assert kernel.wgmma_mode() == moe_ops.WGMMA_FORCE
 
 
 def test_split_workspace_accounting() -> None:

@@ -253,19 +253,36 @@ __device__ __forceinline__ void store_tile_quad(const GemmParams& p,
   }
 }
 
+// wgmma: one thread initialises the mbarriers of the A stage slots (a slot's
+// TMA copy completes on its barrier) before any copy is issued; the block
+// barrier publishes them.
+template <typename Shape>
+__device__ __forceinline__ void init_a_barriers() {
+  extern __shared__ __align__(128) uint8_t smem[];
+  if (threadIdx.x == 0) {
+    const uint32_t bars = smem_addr(smem) + Shape::kBarOffset;
+#pragma unroll
+    for (int s = 0; s < kGemmStages; ++s) mbarrier_init(bars + 8 * s, 1);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+}
+
 // One output tile (BM rows x 128 columns at m0, n0) over the k chunks [c_begin,
 // c_end): the pipelined k loop, then the epilogue, or the fp32 partial sums
 // added into p.ws (to_ws). a_phase (wgmma): bit s = the parity of slot s's A
 // barrier that its next wait expects; it runs on across a stream-k block's
 // segments. Epi: the dense layers' epilogue (nullptr_t), or a caller's own:
 // epi.template store<Shape>( s_c, rows) gets the staged fp32 tile (the grouped
-// MoE GEMM scatters rows by routing).
+// MoE GEMM scatters rows by routing). xh_map (wgmma): the activations' tensor
+// map, a kernel parameter (TMA reads it from there); null = p.xh_map, the
+// dense kernel's own. A caller whose p is a local copy passes its kernel
+// parameter's map instead.
 template <int K2, int CB, int MT, bool WG, typename Epi = std::nullptr_t>
-__device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0,
-                                             const int n0, const int c_begin,
-                                             const int c_end, const bool to_ws,
-                                             uint32_t& a_phase,
-                                             const Epi& epi = nullptr) {
+__device__ __forceinline__ void gemm_segment(
+    const GemmParams& p, const int m0, const int n0, const int c_begin,
+    const int c_end, const bool to_ws, uint32_t& a_phase,
+    const Epi& epi = nullptr, const CUtensorMap* xh_map = nullptr) {
   using R = Rate<K2>;
   using Shape = GemmShape<K2, MT, WG>;
   constexpr int BM = Shape::kBM;
@@ -349,9 +366,10 @@ __device__ __forceinline__ void gemm_segment(const GemmParams& p, const int m0,
     }
   };
   int a_k = c_begin * kStageK;  // wgmma: the k coordinate of the next A stage
+  const CUtensorMap* a_map = xh_map != nullptr ? xh_map : &p.xh_map;
   auto load_a = [&](int slot) {
     if constexpr (WG) {
-      tma_load_3d(tid == 0, s_a + slot * Shape::kABytes, &p.xh_map,
+      tma_load_3d(tid == 0, s_a + slot * Shape::kABytes, a_map,
                   s_bar + 8 * slot, Shape::kABytes, a_k, m0, shard);
       a_k += kStageK;
     } else {
@@ -607,16 +625,7 @@ __global__ void __launch_bounds__(kGemmThreads,
   constexpr int BM = Shape::kBM;
   const int chunks = p.k / kStageK;
   uint32_t a_phase = 0;
-  if constexpr (WG) {
-    extern __shared__ __align__(128) uint8_t smem[];
-    if (threadIdx.x == 0) {
-      const uint32_t bars = smem_addr(smem) + Shape::kBarOffset;
-#pragma unroll
-      for (int s = 0; s < kGemmStages; ++s) mbarrier_init(bars + 8 * s, 1);
-      mbarrier_init_fence();
-    }
-    __syncthreads();
-  }
+  if constexpr (WG) init_a_barriers<Shape>();
   if constexpr (!SK) {
     const int c_begin =
         static_cast<int>(static_cast<int64_t>(blockIdx.z) * chunks / p.splits);

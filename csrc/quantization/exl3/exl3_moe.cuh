@@ -164,16 +164,16 @@ struct MoeDownEpilogue {
 // Resident blocks the register cap aims for: the dense tiers'
 // (GemmShape::kMinBlocks), except that from 64 rows the routed epilogue's extra
 // state did not fit the dense 64-row tier's 80 registers (ptxas spilled up to
-// 64 bytes at 3.5 bits), so those tiers get 128.
-template <int K2, int MT>
-constexpr int kMoeMinBlocks =
-    MT >= 4 ? 2 : GemmShape<K2, MT, false>::kMinBlocks;
+// 64 bytes at 3.5 bits), so those tiers get 128. The wgmma engine keeps the
+// dense engine's caps: its accumulators are dead (staged) by the epilogue.
+template <int K2, int MT, bool WG>
+constexpr int kMoeMinBlocks = WG        ? GemmShape<K2, MT, true>::kMinBlocks
+                              : MT >= 4 ? 2
+                                        : GemmShape<K2, MT, false>::kMinBlocks;
 
-// grid (row blocks, roles * n / 128, k-splits). Launched once per distinct
-// bitrate of the layer.
-template <int K2, int CB, int MT, MoeStage STAGE>
-__global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
-    exl3_moe_gemm_kernel(const __grid_constant__ MoeGemmParams mp) {
+// One block of the grouped GEMM on the math engine WG (exl3_gemm.cuh).
+template <int K2, int CB, int MT, MoeStage STAGE, bool WG>
+__device__ __forceinline__ void moe_gemm_block(const MoeGemmParams& mp) {
   constexpr int BM = MT * kTile;
   const MoeBlock b = moe_block<BM>(mp);
   // Written by moe_align_block_size, which completed before the input transform
@@ -202,17 +202,20 @@ __global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
   // would read another expert's or stray memory: stop loudly instead.
   if (offset < 0 || offset % 8 != 0 || offset + size > mp.trellis_numel)
     __trap();
+  if constexpr (WG) init_a_barriers<GemmShape<K2, MT, true>>();
 
+  // The tile's A rows: xh viewed as one [roles * slots][k] matrix (the view of
+  // mp.xh_map), rows role * slots + row0 onwards.
   GemmParams p{};
-  p.xh = static_cast<const __half*>(mp.xh) +
-         (static_cast<size_t>(b.role) * mp.slots + b.row0) * mp.k;
+  p.xh = mp.xh;
   p.trellis = static_cast<const int16_t*>(mp.trellis) + offset;
-  p.m = BM;
+  p.m = mp.roles * mp.slots;
   p.k = mp.k;
   p.n = mp.n;
   p.splits = 1;
   p.shards.count = 1;
   p.shards.end[0] = mp.n;
+  const int m0 = b.role * mp.slots + b.row0;
   uint32_t a_phase = 0;
   // This block's k-split: 64-deep stages [c_begin, c_end), the dense classic
   // grid's share-out (splits never exceed the stages: the host checks it).
@@ -222,17 +225,42 @@ __global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT>)
   const int c_begin = kSplit ? z * chunks / mp.splits : 0;
   const int c_end = kSplit ? (z + 1) * chunks / mp.splits : chunks;
   if constexpr (STAGE == MoeStage::kGateUp)
-    gemm_segment<K2, CB, MT, false>(p, 0, b.n0, c_begin, c_end, false, a_phase,
-                                    MoeGateUpEpilogue<BM>{mp});
+    gemm_segment<K2, CB, MT, WG>(p, m0, b.n0, c_begin, c_end, false, a_phase,
+                                 MoeGateUpEpilogue<BM>{mp}, &mp.xh_map);
   else
-    gemm_segment<K2, CB, MT, false>(p, 0, b.n0, c_begin, c_end, false, a_phase,
-                                    MoeDownEpilogue<BM>{mp});
+    gemm_segment<K2, CB, MT, WG>(p, m0, b.n0, c_begin, c_end, false, a_phase,
+                                 MoeDownEpilogue<BM>{mp}, &mp.xh_map);
 }
 
+// grid (row blocks, roles * n / 128, k-splits). Launched once per distinct
+// bitrate of the layer.
 template <int K2, int CB, int MT, MoeStage STAGE>
+__global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT, false>)
+    exl3_moe_gemm_kernel(const __grid_constant__ MoeGemmParams mp) {
+  moe_gemm_block<K2, CB, MT, STAGE, false>(mp);
+}
+
+// The same grid on Hopper's wgmma (unsplit tiers of kMoeWgmmaTiers): a kernel
+// of its own name, so that profiles tell the engines apart.
+template <int K2, int CB, int MT, MoeStage STAGE>
+__global__ void __launch_bounds__(kGemmThreads, kMoeMinBlocks<K2, MT, true>)
+    exl3_moe_wgmma_kernel(const __grid_constant__ MoeGemmParams mp) {
+#if EXL3_WGMMA
+  moe_gemm_block<K2, CB, MT, STAGE, true>(mp);
+#else
+  __trap();  // never launched: the host selects this engine only where it was
+             // compiled
+#endif
+}
+
+template <int K2, int CB, int MT, MoeStage STAGE, bool WG>
 void moe_gemm_launch_tier(const MoeGemmParams& p, cudaStream_t stream) {
-  using Shape = GemmShape<K2, MT, false>;
-  auto kernel = exl3_moe_gemm_kernel<K2, CB, MT, STAGE>;
+  using Shape = GemmShape<K2, MT, WG>;
+  void (*kernel)(MoeGemmParams) = nullptr;
+  if constexpr (WG)
+    kernel = exl3_moe_wgmma_kernel<K2, CB, MT, STAGE>;
+  else
+    kernel = exl3_moe_gemm_kernel<K2, CB, MT, STAGE>;
   static unsigned smem_done = 0;
   allow_smem(kernel, Shape::kSmemBytes, smem_done);
   const dim3 grid(p.slots / Shape::kBM, p.roles * p.n / kBlockN, p.splits);
@@ -243,19 +271,34 @@ void moe_gemm_launch_tier(const MoeGemmParams& p, cudaStream_t stream) {
   cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
+template <int K2, int CB, int MT, bool WG>
+void moe_gemm_launch_stage(MoeStage stage, const MoeGemmParams& p,
+                           cudaStream_t stream) {
+  if (stage == MoeStage::kGateUp)
+    moe_gemm_launch_tier<K2, CB, MT, MoeStage::kGateUp, WG>(p, stream);
+  else
+    moe_gemm_launch_tier<K2, CB, MT, MoeStage::kDown, WG>(p, stream);
+}
+
 template <int K2>
-void moe_gemm_launch(MoeStage stage, int cb, int mt, const MoeGemmParams& p,
-                     cudaStream_t stream) {
+void moe_gemm_launch(MoeStage stage, int cb, int mt, bool wgmma,
+                     const MoeGemmParams& p, cudaStream_t stream) {
   with_codebook<K2>(cb, [&](auto c) {
     constexpr int CB = decltype(c)::value;
-    auto tier = [&](auto t) {
-      constexpr int MT = decltype(t)::value;
-      if (stage == MoeStage::kGateUp)
-        moe_gemm_launch_tier<K2, CB, MT, MoeStage::kGateUp>(p, stream);
+    if (wgmma) {
+      // The host allows only kMoeWgmmaTiers here.
+      static_assert(kMoeWgmmaTiers[0] == 4 && kMoeWgmmaTiers[1] == 8,
+                    "the wgmma dispatch below lists kMoeWgmmaTiers");
+      if (mt == 4)
+        moe_gemm_launch_stage<K2, CB, 4, true>(stage, p, stream);
       else
-        moe_gemm_launch_tier<K2, CB, MT, MoeStage::kDown>(p, stream);
-    };
-    with_tier<false>(mt, tier);
+        moe_gemm_launch_stage<K2, CB, 8, true>(stage, p, stream);
+      return;
+    }
+    with_tier<false>(mt, [&](auto t) {
+      moe_gemm_launch_stage<K2, CB, decltype(t)::value, false>(stage, p,
+                                                               stream);
+    });
   });
 }
 

@@ -11,6 +11,7 @@
 // are live.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the descriptor type only)
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -27,6 +28,11 @@ constexpr int kNumMoeTiers = 4;
 // the device already, and the partial-sum epilogue pushed the 128-row 8-bit
 // tier past its register budget (ptxas spilled).
 constexpr int kMoeSplitMaxTier = 2;
+// The tiers also built on Hopper's wgmma (exl3_wgmma.cuh; sm_90a only): 64 and
+// 128 rows are the dense wgmma engine's narrow tiers, and unsplit. The decode
+// tiers stay on mma.sync: a wgmma's N is at least 64 tokens here, and 16- or
+// 32-row blocks would multiply padding.
+constexpr int kMoeWgmmaTiers[] = {4, 8};
 
 // The two grouped GEMMs of an MoE layer.
 enum class MoeStage : int {
@@ -42,6 +48,12 @@ enum class MoeStage : int {
 };
 
 struct MoeGemmParams {
+  // wgmma engine: xh as one fp16 [roles * P][k] matrix for the tensor memory
+  // accelerator (encode_xh_map, boxes of 64 k x BM rows). A row block's slots
+  // are contiguous rows there, so one map serves every block: block b of role
+  // r reads rows r * P + b * BM. Unused by mma.sync. First, for its 64-byte
+  // alignment.
+  CUtensorMap xh_map;
   const void* xh;  // fp16 [roles][P][k], the transformed routed rows
   const void*
       trellis;  // int16, every expert's (and role's) trellis back to back
@@ -95,8 +107,10 @@ struct MoeRateKernels {
   // Blocks whose (expert, role) has another bitrate exit at once: one launch
   // per distinct k2 of the layer serves mixed-bitrate experts without a kernel
   // per rate combination.
-  void (*gemm)(MoeStage stage, int cb, int mt, const MoeGemmParams& p,
-               cudaStream_t stream);
+  // wgmma: the Hopper engine (mt one of kMoeWgmmaTiers, unsplit; only where
+  // wgmma_supported()), else mma.sync.
+  void (*gemm)(MoeStage stage, int cb, int mt, bool wgmma,
+               const MoeGemmParams& p, cudaStream_t stream);
   // The same rule for the reconstruct: one launch per distinct k2.
   void (*reconstruct)(int cb, const MoeReconParams& p, cudaStream_t stream);
 };

@@ -18,11 +18,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "exl3_kernels.h"
 #include "exl3_moe.h"
 #include "exl3_tensor_checks.h"
 
@@ -96,6 +98,24 @@ cudaStream_t current_stream(int32_t device) {
   return static_cast<cudaStream_t>(s);
 }
 
+// The op's `wgmma` argument: let the op choose, never, or always (where it
+// cannot run: an error).
+constexpr int64_t kWgmmaAuto = -1;
+constexpr int64_t kWgmmaForce = 1;
+constexpr int kMaxDevices = 64;
+
+// Whether `device` (the current one) runs the wgmma engine, asked of its loaded
+// image once.
+bool device_has_wgmma(int32_t device) {
+  static std::mutex mutex;
+  static int8_t known[kMaxDevices] = {};  // 0 = not asked yet, 1 = no, 2 = yes
+  STD_TORCH_CHECK(device >= 0 && device < kMaxDevices, kOp, ": device index ",
+                  device, " out of range");
+  std::lock_guard<std::mutex> lock(mutex);
+  if (known[device] == 0) known[device] = wgmma_supported(device) ? 2 : 1;
+  return known[device] == 2;
+}
+
 void check_launch(const char* what, const char* op = kOp) {
   const cudaError_t e = cudaGetLastError();
   STD_TORCH_CHECK(e == cudaSuccess, op, ": ", what,
@@ -114,7 +134,7 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
                 int64_t global_num_experts, int64_t codebook,
                 bool apply_router_weight_on_input, bool deterministic,
                 int64_t gate_up_splits, int64_t down_splits,
-                std::optional<Tensor> workspace) {
+                std::optional<Tensor> workspace, int64_t wgmma) {
   STD_TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const int32_t dev = x.get_device_index();
   check_tensor(kOp, "x", x, 2, dev, kRowAlign);
@@ -214,7 +234,7 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   const int64_t slots = row_blocks * block_size;
   const int64_t pairs = m * topk;
   STD_TORCH_CHECK(
-      pairs < (int64_t{1} << 31) && slots < (int64_t{1} << 31) &&
+      pairs < (int64_t{1} << 31) && kGateUpRoles * slots < (int64_t{1} << 31) &&
           m * (h / kHadamardBlock) < (int64_t{1} << 31) &&
           slots * std::max(h, inter) * kGateUpRoles < (int64_t{1} << 40),
       kOp, ": problem too large (", pairs, " routed pairs, ", slots, " slots)");
@@ -261,10 +281,33 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
 
   torch::stable::accelerator::DeviceGuard guard(dev);
   const cudaStream_t stream = current_stream(dev);
+  // The math engine of both grouped GEMMs: wgmma on sm_90a for the unsplit
+  // tiers it is built for (the caller passes 0 where one reduction order must
+  // serve every batch size), mma.sync elsewhere.
+  const int mt = static_cast<int>(block_size / kTileEdge);
+  STD_TORCH_CHECK(wgmma >= kWgmmaAuto && wgmma <= kWgmmaForce, kOp,
+                  ": wgmma must be -1 (auto), 0 (never) or 1 (always), got ",
+                  wgmma);
+  const bool wg_tier =
+      std::find(std::begin(kMoeWgmmaTiers), std::end(kMoeWgmmaTiers), mt) !=
+          std::end(kMoeWgmmaTiers) &&
+      !split13 && !split2;
+  const bool wg_device = wgmma != 0 && device_has_wgmma(dev);
+  if (wgmma == kWgmmaForce) {
+    STD_TORCH_CHECK(wg_tier, kOp, ": wgmma = 1 needs an unsplit block_size of ",
+                    kTileEdge * kMoeWgmmaTiers[0], " or ",
+                    kTileEdge * kMoeWgmmaTiers[1], ", got block_size ",
+                    block_size, " with splits (", gate_up_splits, ", ",
+                    down_splits, ")");
+    STD_TORCH_CHECK(wg_device, kOp,
+                    ": wgmma = 1 needs a compute capability 9.0 device with "
+                    "this build's sm_90a image; device ",
+                    dev, " is not one");
+  }
+  const bool use_wgmma = wg_tier && wg_device;
   Tensor y = torch::stable::new_empty(x, {m, h});
   if (m == 0) return y;
   const bool bf16 = dtype == ScalarType::BFloat16;
-  const int mt = static_cast<int>(block_size / kTileEdge);
   const float* weights = static_cast<const float*>(topk_weights.data_ptr());
   const auto* sorted = static_cast<const int32_t*>(sorted_ids.data_ptr());
   const auto* blocks = static_cast<const int32_t*>(expert_ids.data_ptr());
@@ -331,9 +374,12 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   g.k = static_cast<int>(h);
   g.n = static_cast<int>(inter);
   g.roles = static_cast<int>(kGateUpRoles);
+  if (use_wgmma)
+    encode_xh_map(&g.xh_map, g.xh, 1, g.roles * g.slots, g.k,
+                  static_cast<int>(block_size));
   for (int k2 : rates13) {
     moe_rate_kernels(k2).gemm(MoeStage::kGateUp, static_cast<int>(codebook), mt,
-                              g, stream);
+                              use_wgmma, g, stream);
     check_launch("gate/up GEMM");
   }
 
@@ -363,9 +409,12 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   d.k = static_cast<int>(inter);
   d.n = static_cast<int>(h);
   d.roles = 1;
+  if (use_wgmma)
+    encode_xh_map(&d.xh_map, d.xh, 1, d.slots, d.k,
+                  static_cast<int>(block_size));
   for (int k2 : rates2) {
     moe_rate_kernels(k2).gemm(MoeStage::kDown, static_cast<int>(codebook), mt,
-                              d, stream);
+                              use_wgmma, d, stream);
     check_launch("down GEMM");
   }
 
@@ -467,7 +516,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
       "int global_num_experts, int codebook, bool "
       "apply_router_weight_on_input, "
       "bool deterministic, int gate_up_splits, int down_splits, "
-      "Tensor? workspace) -> Tensor");
+      "Tensor? workspace, int wgmma) -> Tensor");
   m.def(
       "exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor "
       "svh, int[] k2s, int codebook, Tensor(a!) out) -> ()");

@@ -222,7 +222,7 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
     on that expert's trellis; gate and up run in one launch, SwiGLU is fused into the
     down projection's input transform, and the routing weights into its epilogue. One
     launch per distinct bitrate serves layers whose experts (and roles) differ in
-    bitrate.
+    bitrate. On Hopper the 64- and 128-row blocks run on wgmma (wgmma_mode).
     """
 
     # mma.sync m16n8k16 with fp16 inputs and cp.async both need Ampere.
@@ -244,6 +244,10 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         # moe_splits' choice, each capped at its k's stages (tests and benchmarks:
         # (1, 1) is the unsplit kernel); None: the rule.
         self.force_splits: tuple[int, int] | None = None
+        # The grouped GEMMs' math engine for every call instead of the rule's (tests
+        # and benchmarks): True = Hopper's wgmma (an error where the op cannot run
+        # it), False = mma.sync; None: the rule (wgmma_mode).
+        self.force_wgmma: bool | None = None
 
     def prepare(self, w: Exl3MoEWeights, act_dtype: torch.dtype) -> None:
         if envs.VLLM_BATCH_INVARIANT:
@@ -377,6 +381,19 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
             split_device(device),
         )
 
+    def wgmma_mode(self) -> int:
+        """The op's `wgmma` argument: the op's own choice (wgmma on sm_90a for the
+        unsplit 64- and 128-row blocks), except under batch invariance, where every
+        batch size must sum a row in the same order and the decode tiers have only
+        mma.sync."""
+        from .moe_ops import WGMMA_AUTO, WGMMA_FORCE, WGMMA_NEVER
+
+        if self.force_wgmma is not None:
+            return WGMMA_FORCE if self.force_wgmma else WGMMA_NEVER
+        if envs.VLLM_BATCH_INVARIANT:
+            return WGMMA_NEVER
+        return WGMMA_AUTO
+
     def rates(self, w: Exl3MoEWeights, codebook: int) -> tuple[list[int], list[int]]:
         """The distinct k2 of gate/up and of down, checked against the trellis buffers.
 
@@ -494,6 +511,7 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
             deterministic,
             *splits,
             workspace,
+            self.wgmma_mode(),
         )
 
 

@@ -14,6 +14,10 @@ moe_kernels.py `moe_splits`); their fp32 partial sums go to `workspace`
 (`split_workspace_floats` elements, None when both are 1) and are summed in a fixed
 order by the SwiGLU transform and the combine.
 
+`wgmma` picks the grouped GEMMs' math engine: -1 lets the op choose (Hopper's wgmma on
+sm_90a for the unsplit 64- and 128-row blocks, mma.sync otherwise), 0 is mma.sync
+always, 1 is wgmma always (an error on any other device or block size).
+
 `exl3_moe_reconstruct` writes every (expert, role) weight of one weight set (w13: gate
 and up, or w2: down) in the original basis and transposed, into a caller-owned buffer
 laid out as vLLM's fused-MoE weights: the large-batch path.
@@ -31,6 +35,10 @@ RECONSTRUCT_OP = "exl3_moe_reconstruct"
 BLOCK_SIZES = (16, 32, 64, 128)
 # The block sizes built with split-k (exl3_moe.h kMoeSplitMaxTier): the decode tiers.
 SPLIT_BLOCK_SIZES = (16, 32)
+# The block sizes also built on Hopper's wgmma (exl3_moe.h kMoeWgmmaTiers), unsplit.
+WGMMA_BLOCK_SIZES = (64, 128)
+# The op's `wgmma` argument.
+WGMMA_AUTO, WGMMA_NEVER, WGMMA_FORCE = -1, 0, 1
 # k per grouped-GEMM pipeline stage: a k-split owns whole stages.
 STAGE_K = 64
 # Gate and up: the two roles of the w13 GEMM.
@@ -77,6 +85,7 @@ def exl3_moe_fake(
     gate_up_splits: int,
     down_splits: int,
     workspace: torch.Tensor | None,
+    wgmma: int,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[1]))
 
@@ -128,6 +137,7 @@ def exl3_moe(
     gate_up_splits: int,
     down_splits: int,
     workspace: torch.Tensor | None,
+    wgmma: int,
 ) -> torch.Tensor:
     """y [M, h] in x.dtype: the routed experts' weighted sum per token (see the module
     doc)."""
@@ -157,6 +167,7 @@ def exl3_moe(
         gate_up_splits,
         down_splits,
         workspace,
+        wgmma,
     )
 
 
