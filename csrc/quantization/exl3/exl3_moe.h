@@ -28,10 +28,11 @@ constexpr int kNumMoeTiers = 4;
 // the device already, and the partial-sum epilogue pushed the 128-row 8-bit
 // tier past its register budget (ptxas spilled).
 constexpr int kMoeSplitMaxTier = 2;
-// The tiers also built on Hopper's wgmma (exl3_wgmma.cuh; sm_90a only): 64 and
-// 128 rows are the dense wgmma engine's narrow tiers, and unsplit. The decode
-// tiers stay on mma.sync: a wgmma's N is at least 64 tokens here, and 16- or
-// 32-row blocks would multiply padding.
+// The tiers also built on Hopper's wgmma (exl3_wgmma.cuh; sm_90a only),
+// unsplit: 64 and 128 rows, the dense wgmma engine's narrow tiers. The decode
+// tiers stay on mma.sync: they carry the split-k epilogue, and the wgmma
+// wrappers are generated for N = 64 tokens and up (generate_kernels.py
+// WGMMA_WIDTHS).
 constexpr int kMoeWgmmaTiers[] = {4, 8};
 
 // The two grouped GEMMs of an MoE layer.

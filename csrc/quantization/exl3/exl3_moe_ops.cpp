@@ -102,6 +102,7 @@ cudaStream_t current_stream(int32_t device) {
 // cannot run: an error).
 constexpr int64_t kWgmmaAuto = -1;
 constexpr int64_t kWgmmaForce = 1;
+// Devices the engine answer is cached for (as exl3_plan.cpp's device facts).
 constexpr int kMaxDevices = 64;
 
 // Whether `device` (the current one) runs the wgmma engine, asked of its loaded
