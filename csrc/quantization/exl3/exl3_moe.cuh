@@ -204,18 +204,21 @@ __device__ __forceinline__ void moe_gemm_block(const MoeGemmParams& mp) {
     __trap();
   if constexpr (WG) init_a_barriers<GemmShape<K2, MT, true>>();
 
-  // The tile's A rows: xh viewed as one [roles * slots][k] matrix (the view of
-  // mp.xh_map), rows role * slots + row0 onwards.
+  // The tile's A rows: the role's slots row0 onwards, row role * slots + row0
+  // of xh viewed as one [roles * slots][k] matrix. mma.sync copies them from
+  // the block's own BM-row slab; wgmma's TMA reads them through mp.xh_map, a
+  // map of that whole matrix.
   GemmParams p{};
-  p.xh = mp.xh;
+  p.xh = static_cast<const __half*>(mp.xh) +
+         (WG ? 0 : (static_cast<size_t>(b.role) * mp.slots + b.row0) * mp.k);
   p.trellis = static_cast<const int16_t*>(mp.trellis) + offset;
-  p.m = mp.roles * mp.slots;
+  p.m = WG ? mp.roles * mp.slots : BM;
   p.k = mp.k;
   p.n = mp.n;
   p.splits = 1;
   p.shards.count = 1;
   p.shards.end[0] = mp.n;
-  const int m0 = b.role * mp.slots + b.row0;
+  const int m0 = WG ? b.role * mp.slots + b.row0 : 0;
   uint32_t a_phase = 0;
   // This block's k-split: 64-deep stages [c_begin, c_end), the dense classic
   // grid's share-out (splits never exceed the stages: the host checks it).
