@@ -73,6 +73,33 @@ def test_the_ratio_to_bf16_uses_the_faster_of_the_two_bf16_timings():
     assert (rows[1]["bf16_first_us"], rows[1]["bf16_second_us"]) == (950.0, 900.0)
 
 
+def test_every_call_runs_eagerly_before_the_graph_is_captured(monkeypatch):
+    """graph_time_us warms each closure, not a sample: state read on a weight set's
+    first eager call (the MoE kernel class's bitrate table, one per layer copy) must
+    never be first read under capture, where the layer launches every rate."""
+    events = []
+    calls = [lambda j=j: events.append(("call", j)) for j in range(5)]
+
+    class Graph:
+        def replay(self):
+            events.append(("replay", None))
+
+    def capture(cs):
+        events.append(("capture", None))
+        return Graph()
+
+    monkeypatch.setattr(bench_linear, "settle", lambda m: None)
+    monkeypatch.setattr(bench_linear, "capture", capture)
+    monkeypatch.setattr(bench_linear.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(
+        bench_linear.device_ceilings, "median_ms", lambda run, n: (run(), 1.0)[1]
+    )
+    us, mode = bench_linear.graph_time_us(calls, m=1)
+    first_capture = events.index(("capture", None))
+    assert {j for kind, j in events[:first_capture] if kind == "call"} == set(range(5))
+    assert mode == "graph" and us == 1e3 / 5
+
+
 def test_split_sweep_entries_are_both_gemms_or_a_gate_up_by_down_pair(tmp_path: Path):
     """bench_moe.py --split-sweep: "S" is S x S (row exl3_splitS), "GxD" cuts gate/up
     G ways and down D ways (row exl3_splitGxD); anything else stops the parse."""
