@@ -146,6 +146,7 @@ def graph_time_us(calls: list, m: int, use_graph: bool = True) -> tuple[float, s
             run = capture(calls).replay
         except Exception as e:  # noqa: BLE001 - report and fall back to eager passes
             mode = f"eager ({type(e).__name__})"
+            print(f"    graph capture failed, timed eagerly: {mode}: {str(e)[:200]}")
             torch.cuda.synchronize()
             run = lambda: [c() for c in calls]  # noqa: E731
     else:
