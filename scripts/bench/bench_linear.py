@@ -134,9 +134,10 @@ def graph_time_us(calls: list, m: int, use_graph: bool = True) -> tuple[float, s
     """Median microseconds per call of a pass over `calls` (closures of m rows each),
     and how it was timed."""
     settle(m)
-    # Every call once eagerly, not a sample: autotuners, and state read lazily per weight
-    # set (the MoE kernel class reads each layer's bitrate table on its first eager call;
-    # a layer first seen under capture launches every rate), run here, never in capture.
+    # Every call once eagerly, not a sample: autotuners, and state read lazily per
+    # weight set (the MoE kernel class reads each layer's bitrate table on its first
+    # eager call; a layer first seen under capture launches every rate), run here,
+    # never in capture.
     for c in calls:
         c()
     torch.cuda.synchronize()
