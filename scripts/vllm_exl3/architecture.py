@@ -574,6 +574,15 @@ def _decoder_layer(
 # default, and the spelling GLM-5.2's config.json uses).
 DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
 
+# Model types ExLlamaV3 converts but vLLM cannot run with EXL3 weights: the plan says
+# so instead of tripping over a key of theirs (the overlay's unsupported_models.py has
+# the reasons; vLLM refuses the same checkpoints while building its config).
+UNSUPPORTED_MODEL_TYPES = {
+    "deepseek_v4": "DeepSeek V4 (DeepseekV4ForCausalLM): vLLM's V4 attention runs wo_a "
+    "as an FP8 einsum and the KV compressors as dense weights, both outside the "
+    "quantization method",
+}
+
 _UNSUPPORTED_KEYS = {
     "layer_types": lambda v: any(
         t not in ("full_attention", "sliding_attention", *DSA_LAYER_TYPES)
@@ -597,6 +606,10 @@ def plan_model(cfg: dict) -> ModelPlan:
             raise PlanError(
                 f"config.json: missing {key!r} (not a decoder-only text model?)"
             )
+    if cfg.get("model_type") in UNSUPPORTED_MODEL_TYPES:
+        raise PlanError(
+            f"config.json: {UNSUPPORTED_MODEL_TYPES[cfg['model_type']]}; not supported"
+        )
     for key, bad in _UNSUPPORTED_KEYS.items():
         if key == "layer_types" and cfg.get("model_type") in GATED_DELTA_NET_TYPES:
             continue  # linear-attention layers, placed by full_attention_interval

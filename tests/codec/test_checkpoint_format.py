@@ -233,6 +233,23 @@ def test_plan_of_qwen3_8b(tmp_path):
     assert len(plan.linears) == 36 * 7 + 1
 
 
+def test_plan_refuses_deepseek_v4():
+    """Named as what it is, not by the first key the planner cannot place."""
+    from vllm_exl3.architecture import PlanError, plan_model
+
+    cfg = {
+        "model_type": "deepseek_v4",
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 1,
+        "vocab_size": 512,
+        "index_topk": 16,
+    }
+    with pytest.raises(PlanError, match=r"DeepseekV4ForCausalLM.*not supported"):
+        plan_model(cfg)
+
+
 def test_script_mode(fmt, tmp_path):
     out = tmp_path / "ckpt"
     proc = subprocess.run(

@@ -11,7 +11,8 @@ quantization_config.json's `tensor_storage`. Where they disagree the tensors win
 warning; modules the JSON does not list (an MTP head) are recovered from the headers. A
 local checkpoint directory is validated as a whole first (checkpoint.py, the same
 verdict as the tools give), so a damaged or mismatched one fails here, before vLLM reads
-any weight.
+any weight; an architecture vLLM cannot run with EXL3 weights (unsupported_models.py)
+fails before that.
 """
 
 import os
@@ -31,6 +32,7 @@ from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
 from .env_compat import adopt_deprecated_env_names
 from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
+from .unsupported_models import refuse_unsupported_architecture
 from .weights import LoadLedger
 
 if TYPE_CHECKING:
@@ -354,6 +356,8 @@ class Exl3Config(QuantizationConfig):
         from vllm.transformers_utils.config import get_safetensors_params_metadata
         from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
+        # Before the checkpoint is read: no tensor can make these models loadable.
+        refuse_unsupported_architecture(hf_config, str(model_name))
         if _holds_weights(model_name):
             description = validate_checkpoint(model_name, tied=_tied(hf_config))
             for warning in description.warnings:
