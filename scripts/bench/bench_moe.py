@@ -109,7 +109,8 @@ def exl3_variant(
     everywhere, so the rows exl3 and exl3_mma measure the wgmma engine. force_pairs:
     the row layout instead of the few-token rule's (moe_kernels.pairs_layout): False is
     vLLM's alignment at every size, so the rows exl3 and exl3_aligned measure the pairs
-    layout where the rule takes it."""
+    layout where the rule takes it; True is the pairs layout at every size (row
+    exl3_pairs), which places the rule's limit."""
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
         CudaExl3MoEKernel,
         Exl3MoEWeights,
@@ -424,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         "it)",
     )
     ap.add_argument(
+        "--no-pairs",
+        action="store_true",
+        help="skip the exl3_pairs row (the pairs layout at every size, past the "
+        "few-token rule's limit too)",
+    )
+    ap.add_argument(
         "--no-unsplit",
         action="store_true",
         help="skip the exl3_unsplit row (the grouped GEMM without the few-token "
@@ -491,6 +498,10 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_aligned:
                 variants.append(
                     ("exl3_aligned", functools.partial(exl3, force_pairs=False))
+                )
+            if not args.no_pairs:
+                variants.append(
+                    ("exl3_pairs", functools.partial(exl3, force_pairs=True))
                 )
             if not args.no_mma:
                 variants.append(
@@ -597,11 +608,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(dict(meta=meta, rows=rows), indent=1)
     )
     lines = [
-        "| shape | tokens | exl3 us | exl3 aligned us | exl3 mma us | "
+        "| shape | tokens | exl3 us | exl3 aligned us | exl3 pairs us | exl3 mma us | "
         "exl3 unsplit us | exl3 reconstruct us | bf16 us | marlin us | exllamav3 us | "
         "exl3/bf16 | best exl3/bf16 |"
         + "".join(f" split {sp.label} us |" for sp in args.split_sweep),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         + "---:|" * len(args.split_sweep),
     ]
     for name in args.shapes:
@@ -625,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             lines.append(
                 f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_aligned')} | "
-                f"{fmt('exl3_mma')} | "
+                f"{fmt('exl3_pairs')} | {fmt('exl3_mma')} | "
                 f"{fmt('exl3_unsplit')} | "
                 f"{fmt('exl3_reconstruct')} | "
                 f"{fmt('bf16_fused_experts')} | {fmt('marlin_int4_g128')} | "
