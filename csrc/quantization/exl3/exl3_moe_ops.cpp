@@ -416,18 +416,22 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   g.k = static_cast<int>(h);
   g.n = static_cast<int>(inter);
   g.roles = static_cast<int>(kGateUpRoles);
-  // The pairs layout's arrays come from the input transform this grid overlaps.
-  // The grids after it start only once all its blocks have ended, each after
-  // its wait, i.e. after the transform completed: they read them as they read
-  // the alignment's.
-  g.wait_for_routing = pairs_layout;
   if (use_wgmma)
     encode_xh_map(&g.xh_map, g.xh, 1, g.roles * g.slots, g.k,
                   static_cast<int>(block_size));
+  // The pairs layout's arrays come from the input transform, which only the
+  // first gate/up launch overlaps: its blocks wait for it before reading them.
+  // Every grid after it (the other rates' launches, the SwiGLU transform, the
+  // down GEMM) is scheduled only once each of its blocks has passed that wait
+  // (a working block releases its dependents as its k loop starts, an idle one
+  // as it ends), i.e. after the transform completed, and reads them as it reads
+  // the alignment's.
+  g.wait_for_routing = pairs_layout;
   for (int k2 : rates13) {
     moe_rate_kernels(k2).gemm(MoeStage::kGateUp, static_cast<int>(codebook), mt,
                               use_wgmma, g, stream);
     check_launch("gate/up GEMM");
+    g.wait_for_routing = false;
   }
 
   Tensor xh2 = torch::stable::new_empty(x, {slots, inter}, ScalarType::Half);

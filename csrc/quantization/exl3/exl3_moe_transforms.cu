@@ -204,8 +204,9 @@ __global__ void __launch_bounds__(kMoeRowThreads)
   // The routing and suh2 do not come from the GEMM: read them while it runs.
   // The routing is moe_align_block_size's, complete before the input transform
   // started, or the pairs layout's, written by the input transform, which had
-  // completed before this grid could start: every gate/up GEMM block waits for
-  // it (MoeGemmParams::wait_for_routing) before it ends.
+  // completed before this grid could be scheduled: every block of the first
+  // gate/up launch waits for it (MoeGemmParams::wait_for_routing) before it
+  // releases its dependents.
   SlotItem it;
   const bool live = slot_item(i, sorted_len, block, num_post_pad, sorted_ids,
                               expert_ids, experts, it);
