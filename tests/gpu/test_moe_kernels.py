@@ -1162,9 +1162,10 @@ def test_pairs_a_launched_rate_no_expert_has(
     gen: torch.Generator, splits: tuple[int, int]
 ) -> None:
     """Rates launched before and after the layer's own over the pairs layout: every
-    gate/up block (idle ones too) waits for the input transform that writes the
-    layout before reading it, so the rate launches after the first, the SwiGLU
-    transform and the down GEMM see it whole. Repeated, with a long input
+    block of the first gate/up launch (here a rate no expert has, so all idle) waits
+    for the input transform that writes the layout before reading it or releasing
+    the grids after it, so the later rate launches, the SwiGLU transform and the down
+    GEMM, which read it without waiting, see it whole. Repeated, with a long input
     transform (hidden 1024), so an early read would show."""
     import dataclasses
 
