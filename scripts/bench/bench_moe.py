@@ -96,6 +96,7 @@ def exl3_variant(
     reconstruct=False,
     force_splits=None,
     force_wgmma=None,
+    force_pairs=None,
 ):
     """reconstruct=False: the grouped GEMM at every size (the op's path below
     RECONSTRUCT_MIN_ROWS_PER_EXPERT); True: the large-batch path at every size (every
@@ -105,7 +106,11 @@ def exl3_variant(
     (moe_kernels.moe_splits): (1, 1) is the unsplit kernel, so the rows exl3 and
     exl3_unsplit measure the rule. force_wgmma: the grouped GEMMs' engine instead of
     the op's choice (wgmma on Hopper for the 64- and 128-row blocks): False is mma.sync
-    everywhere, so the rows exl3 and exl3_mma measure the wgmma engine."""
+    everywhere, so the rows exl3 and exl3_mma measure the wgmma engine. force_pairs:
+    the row layout instead of the few-token rule's (moe_kernels.pairs_layout): False is
+    vLLM's alignment at every size, so the rows exl3 and exl3_aligned measure the pairs
+    layout where the rule takes it; True is the pairs layout at every size (row
+    exl3_pairs), which places the rule's limit."""
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
         CudaExl3MoEKernel,
         Exl3MoEWeights,
@@ -121,6 +126,7 @@ def exl3_variant(
     kernel = CudaExl3MoEKernel()
     kernel.force_splits = force_splits
     kernel.force_wgmma = force_wgmma
+    kernel.force_pairs = force_pairs
     weights = [
         Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
         for lay in layers
@@ -412,6 +418,19 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the exl3_reconstruct row (the large-batch path at every size)",
     )
     ap.add_argument(
+        "--no-aligned",
+        action="store_true",
+        help="skip the exl3_aligned row (the grouped GEMM over vLLM's alignment at "
+        "every size; the exl3 row runs the pairs layout where the few-token rule takes "
+        "it)",
+    )
+    ap.add_argument(
+        "--no-pairs",
+        action="store_true",
+        help="skip the exl3_pairs row (the pairs layout at every size, past the "
+        "few-token rule's limit too)",
+    )
+    ap.add_argument(
         "--no-unsplit",
         action="store_true",
         help="skip the exl3_unsplit row (the grouped GEMM without the few-token "
@@ -476,6 +495,14 @@ def main(argv: list[str] | None = None) -> int:
                 exl3_variant, gen, *shape, args.bits, args.codebook, args.deterministic
             )
             variants = [("exl3", exl3)]
+            if not args.no_aligned:
+                variants.append(
+                    ("exl3_aligned", functools.partial(exl3, force_pairs=False))
+                )
+            if not args.no_pairs:
+                variants.append(
+                    ("exl3_pairs", functools.partial(exl3, force_pairs=True))
+                )
             if not args.no_mma:
                 variants.append(
                     ("exl3_mma", functools.partial(exl3, force_wgmma=False))
@@ -581,11 +608,11 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps(dict(meta=meta, rows=rows), indent=1)
     )
     lines = [
-        "| shape | tokens | exl3 us | exl3 mma us | exl3 unsplit us | "
-        "exl3 reconstruct us | bf16 us | marlin us | exllamav3 us | exl3/bf16 | "
-        "best exl3/bf16 |"
+        "| shape | tokens | exl3 us | exl3 aligned us | exl3 pairs us | exl3 mma us | "
+        "exl3 unsplit us | exl3 reconstruct us | bf16 us | marlin us | exllamav3 us | "
+        "exl3/bf16 | best exl3/bf16 |"
         + "".join(f" split {sp.label} us |" for sp in args.split_sweep),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         + "---:|" * len(args.split_sweep),
     ]
     for name in args.shapes:
@@ -608,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
                 default=None,
             )
             lines.append(
-                f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_mma')} | "
+                f"| {name} | {m} | {fmt('exl3')} | {fmt('exl3_aligned')} | "
+                f"{fmt('exl3_pairs')} | {fmt('exl3_mma')} | "
                 f"{fmt('exl3_unsplit')} | "
                 f"{fmt('exl3_reconstruct')} | "
                 f"{fmt('bf16_fused_experts')} | {fmt('marlin_int4_g128')} | "

@@ -287,14 +287,20 @@ def run_op(
     splits: tuple[int, int] = (1, 1),
     workspace: torch.Tensor | None = None,
     wgmma: int = -1,
+    pairs: bool = False,
 ) -> torch.Tensor:
     """torch.ops._C.exl3_moe with the plain-torch alignment (or the one given) and
     the given k-splits (gate/up, down); their workspace NaN-filled unless given, so a
     partial sum read before it was written shows. wgmma: the op's engine argument (-1
-    the op's choice, 0 mma.sync, 1 wgmma)."""
-    sorted_ids, expert_ids, post_pad = aligned or align(
-        topk_ids, block, global_experts, expert_map
-    )
+    the op's choice, 0 mma.sync, 1 wgmma). pairs: the op's pairs layout instead (no
+    alignment passed; `block` rows per routed pair)."""
+    if pairs:
+        assert aligned is None, "the pairs layout takes no alignment"
+        sorted_ids = expert_ids = post_pad = None
+    else:
+        sorted_ids, expert_ids, post_pad = aligned or align(
+            topk_ids, block, global_experts, expert_map
+        )
     if workspace is None and splits != (1, 1):
         m, top_k = topk_ids.shape
         floats = split_workspace_floats(m, top_k, layer.hidden, layer.width, *splits)

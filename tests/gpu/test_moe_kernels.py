@@ -112,6 +112,7 @@ def run_checked(
     splits: tuple[int, int] = (1, 1),
     drop_nonlocal: bool = True,
     wgmma: int = -1,
+    pairs: bool = False,
     **info: object,
 ) -> torch.Tensor:
     x = activations(gen, m, layer.hidden, dtype)
@@ -121,7 +122,11 @@ def run_checked(
     ref = ml.reference_moe(
         x, w, ids, layer, expert_map, global_experts, weight_on_input
     )
-    aligned = ml.align(ids, block, global_experts, expert_map, drop_nonlocal)
+    if pairs:
+        aligned = None
+        poison_layout(m, top_k)
+    else:
+        aligned = ml.align(ids, block, global_experts, expert_map, drop_nonlocal)
     vk.poison_next((m, layer.hidden), dtype)
     y = ml.run_op(
         x,
@@ -136,6 +141,7 @@ def run_checked(
         aligned=aligned,
         splits=splits,
         wgmma=wgmma,
+        pairs=pairs,
     )
     check(
         y,
@@ -147,9 +153,30 @@ def run_checked(
         deterministic=deterministic,
         splits=splits,
         wgmma=wgmma,
+        pairs=pairs,
         **info,
     )
     return y
+
+
+# The pairs layout's block (moe_ops.PAIRS_BLOCK_SIZE) and an int32 value that is no
+# pair and no expert: the op's layout scratch is left filled with it before a call, so
+# an entry the input transform did not write drops or misroutes a row.
+PAIRS_BLOCK = 16
+LAYOUT_GARBAGE = 1 << 30
+
+
+def poison_layout(m: int, top_k: int) -> None:
+    """Leave a garbage-filled block the size of the pairs layout's int32 arrays
+    (sorted ids, expert ids, live count) in torch's cache for the op to reuse."""
+    pairs = m * top_k
+    t = torch.full(
+        (pairs * PAIRS_BLOCK + pairs + 1,),
+        LAYOUT_GARBAGE,
+        dtype=torch.int32,
+        device="cuda",
+    )
+    del t
 
 
 def test_nan_never_passes() -> None:
@@ -830,6 +857,457 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
         check(y, ml.reference_moe(x, w, ids, layer, None, 16), wgmma=force_wgmma)
 
 
+# The pairs layout (few tokens): no alignment passed, each routed pair in a 16-row block
+# of its own that the op's input transform lays out (exl3_moe.h MoePairsLayout). Forced
+# here at every size the tests use; the kernel class's rule (moe_kernels.pairs_layout)
+# takes it up to a quarter of a routed pair per expert. Same GEMMs, transforms and
+# combine as the aligned layout, so at 16-row blocks in deterministic mode the two give
+# the same bits (pairs_equal_aligned).
+
+
+def pairs_limit(experts: int, top_k: int) -> int:
+    """The rule's largest token count (moe_kernels.PAIRS_MAX_PAIRS_PER_EXPERT = 1/4),
+    at least 1."""
+    return max(1, experts // 4 // top_k)
+
+
+def pairs_equal_aligned(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    layer: ml.MoeLayer,
+    global_experts: int,
+    expert_map: torch.Tensor | None = None,
+    splits: tuple[int, int] = (1, 1),
+    weight_on_input: bool = False,
+) -> torch.Tensor:
+    """The pairs layout, deterministic, against the float64 oracle and bit for bit
+    against the aligned layout at 16-row blocks with the same splits (both with
+    non-local pairs left out of the alignment and placed in -1 blocks)."""
+    m, top_k = ids.shape
+    ref = ml.reference_moe(
+        x, w, ids, layer, expert_map, global_experts, weight_on_input
+    )
+    poison_layout(m, top_k)
+    vk.poison_next((m, layer.hidden), x.dtype)
+    y = ml.run_op(
+        x,
+        w,
+        ids,
+        layer,
+        PAIRS_BLOCK,
+        global_experts,
+        expert_map,
+        True,
+        weight_on_input,
+        splits=splits,
+        pairs=True,
+    )
+    check(y, ref, m=m, top_k=top_k, splits=splits, pairs=True)
+    for drop in (True, False) if expert_map is not None else (True,):
+        aligned = ml.align(ids, PAIRS_BLOCK, global_experts, expert_map, drop)
+        y_aligned = ml.run_op(
+            x,
+            w,
+            ids,
+            layer,
+            PAIRS_BLOCK,
+            global_experts,
+            expert_map,
+            True,
+            weight_on_input,
+            aligned=aligned,
+            splits=splits,
+        )
+        assert torch.equal(y.view(torch.int16), y_aligned.view(torch.int16)), dict(
+            m=m, top_k=top_k, splits=splits, drop_nonlocal=drop
+        )
+    return y
+
+
+@pytest.mark.parametrize("bits,codebook", COMBOS)
+def test_pairs_every_rate_and_codebook(
+    gen: torch.Generator, bits: float, codebook: int
+) -> None:
+    """Forced pairs at every rate and codebook, both dtypes and modes; (5, 8) routes 40
+    pairs to 16 experts, past the rule, every expert several times."""
+    layer = ml.random_moe_layer(gen, 16, 256, 256, [bits], codebook)
+    for m, top_k, dtype, det in (
+        (1, 4, torch.float16, True),
+        (3, 2, torch.bfloat16, False),
+        (5, 8, torch.bfloat16, True),
+        (2, 1, torch.float16, False),
+    ):
+        run_checked(
+            gen,
+            layer,
+            m,
+            top_k,
+            16,
+            dtype,
+            PAIRS_BLOCK,
+            det,
+            pairs=True,
+            bits=bits,
+            codebook=codebook,
+        )
+
+
+@pytest.mark.parametrize(
+    "codebook,bits", [(1, (2, 3, 4, 5)), (2, (1.5, 2.5, 3.5, 4, 8)), (0, (1, 6, 7, 8))]
+)
+def test_pairs_mixed_bitrates_in_one_layer(
+    gen: torch.Generator, codebook: int, bits: tuple[float, ...]
+) -> None:
+    """Every (expert, role) with its own rate: one launch per rate over the pairs'
+    blocks, each block on its own expert's trellis, svh and rate."""
+    layer = ml.random_moe_layer(gen, 16, 384, 256, bits, codebook)
+    assert len(layer.k2s[0]) > 1 and len(layer.k2s[1]) > 1, layer.k2s
+    for m in (1, 4):
+        for det in (True, False):
+            run_checked(
+                gen, layer, m, 4, 16, torch.bfloat16, PAIRS_BLOCK, det, pairs=True
+            )
+    x = activations(gen, 3, 384, torch.bfloat16)
+    w, ids = ml.random_routing(gen, 3, 4, 16)
+    pairs_equal_aligned(x, w, ids, layer, 16)
+
+
+@pytest.mark.parametrize("experts", (8, 64, 128))
+@pytest.mark.parametrize("top_k", range(1, 9))
+def test_pairs_top_k_and_token_counts(
+    gen: torch.Generator, top_k: int, experts: int
+) -> None:
+    """Top-k 1 to 8, 1 token up to the rule's limit, unsplit and split: the oracle,
+    and the aligned layout's bits in deterministic mode; non-deterministic mode (the
+    fp32 sum of the top-k rows) against the oracle."""
+    layer = ml.random_moe_layer(gen, experts, SPLIT_HIDDEN, SPLIT_WIDTH, [2, 4], 1)
+    limit = pairs_limit(experts, top_k)
+    for m in sorted({1, 2, max(1, limit // 2), limit}):
+        x = activations(gen, m, SPLIT_HIDDEN, torch.bfloat16)
+        w, ids = ml.random_routing(gen, m, top_k, experts)
+        for splits in ((1, 1), (3, 2)):
+            pairs_equal_aligned(x, w, ids, layer, experts, splits=splits)
+        run_checked(
+            gen,
+            layer,
+            m,
+            top_k,
+            experts,
+            torch.bfloat16,
+            PAIRS_BLOCK,
+            False,
+            pairs=True,
+        )
+
+
+def test_pairs_router_weight_on_input(gen: torch.Generator) -> None:
+    layer = ml.random_moe_layer(gen, 8, 256, 256, [4], 2)
+    x = activations(gen, 2, 256, torch.bfloat16)
+    w, ids = ml.random_routing(gen, 2, 1, 8)
+    pairs_equal_aligned(x, w, ids, layer, 8, weight_on_input=True)
+    run_checked(
+        gen,
+        layer,
+        2,
+        1,
+        8,
+        torch.bfloat16,
+        PAIRS_BLOCK,
+        False,
+        weight_on_input=True,
+        pairs=True,
+    )
+
+
+@pytest.mark.parametrize("ids_dtype", (torch.int32, torch.int64))
+def test_pairs_expert_parallel_map(
+    gen: torch.Generator, ids_dtype: torch.dtype
+) -> None:
+    """Rank 1 of 3 (10 of 30 global experts local): the pairs of the other ranks'
+    experts (and one id outside the global range) get -1 blocks, which the GEMMs and
+    transforms skip and the combine leaves out; the rest equal the aligned layout's
+    bits either way the alignment treats them."""
+    global_experts, local = 30, 10
+    emap = torch.full((global_experts,), -1, dtype=torch.int32)
+    emap[2::3] = torch.arange(local, dtype=torch.int32)
+    emap = emap.cuda()
+    layer = ml.random_moe_layer(gen, local, SPLIT_HIDDEN, SPLIT_WIDTH, [2, 3, 4], 1)
+    for m, top_k in ((1, 8), (2, 6), (5, 3)):
+        x = activations(gen, m, SPLIT_HIDDEN, torch.bfloat16)
+        w, ids = ml.random_routing(gen, m, top_k, global_experts, ids_dtype=ids_dtype)
+        ids[0, -1] = global_experts  # no expert at all: contributes nothing
+        for splits in ((1, 1), (3, 2)):
+            pairs_equal_aligned(x, w, ids, layer, global_experts, emap, splits)
+            poison_layout(m, top_k)
+            vk.poison_next((m, SPLIT_HIDDEN), torch.bfloat16)
+            y = ml.run_op(
+                x,
+                w,
+                ids,
+                layer,
+                PAIRS_BLOCK,
+                global_experts,
+                emap,
+                False,
+                splits=splits,
+                pairs=True,
+            )
+            check(y, ml.reference_moe(x, w, ids, layer, emap, global_experts))
+
+
+def test_pairs_repeated_experts(gen: torch.Generator) -> None:
+    """Pairs that share an expert each get a block of their own: every token to one
+    expert (slot 0), 2 experts for 8 pairs, each of 8 experts 3 times."""
+    layer = ml.random_moe_layer(gen, 32, 256, 256, [3], 1)
+    for m, top_k in ((1, 1), (3, 4), (8, 2)):
+        for det in (True, False):
+            run_checked(
+                gen,
+                layer,
+                m,
+                top_k,
+                32,
+                torch.float16,
+                PAIRS_BLOCK,
+                det,
+                only=5,
+                pairs=True,
+            )
+    two = ml.random_moe_layer(gen, 2, 256, 256, [2, 4], 1)
+    eight = ml.random_moe_layer(gen, 8, 256, 256, [2, 4], 1)
+    for lay, m, top_k in ((two, 4, 2), (eight, 3, 8)):
+        x = activations(gen, m, 256, torch.bfloat16)
+        w, ids = ml.random_routing(gen, m, top_k, lay.experts)
+        for splits in ((1, 1), (2, 2)):
+            pairs_equal_aligned(x, w, ids, lay, lay.experts, splits=splits)
+
+
+def test_pairs_deterministic_bit_exact(gen: torch.Generator) -> None:
+    layer = ml.random_moe_layer(gen, 64, SPLIT_HIDDEN, SPLIT_WIDTH, [2, 3, 4], 1)
+    for m in (1, 2):
+        x = activations(gen, m, SPLIT_HIDDEN, torch.bfloat16)
+        w, ids = ml.random_routing(gen, m, 8, 64)
+        for splits in ((1, 1), (4, 3)):
+            first = ml.run_op(x, w, ids, layer, 16, 64, splits=splits, pairs=True)
+            for _ in range(5):
+                poison_layout(m, 8)
+                again = ml.run_op(x, w, ids, layer, 16, 64, splits=splits, pairs=True)
+                assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+
+
+@pytest.mark.parametrize("deterministic", (True, False))
+@pytest.mark.parametrize("splits", ((1, 1), (2, 2)))
+def test_pairs_cuda_graph_replay_equals_eager(
+    gen: torch.Generator, deterministic: bool, splits: tuple[int, int]
+) -> None:
+    """A captured pairs call lays the pairs out again on every replay: new inputs and
+    a new routing (copied into the captured tensors) give the eager result."""
+    layer = ml.random_moe_layer(gen, 32, SPLIT_HIDDEN, SPLIT_WIDTH, [2, 4], 1)
+    m, top_k = 2, 4
+    x = activations(gen, m, SPLIT_HIDDEN, torch.bfloat16)
+    w, ids = ml.random_routing(gen, m, top_k, 32)
+
+    def call() -> torch.Tensor:
+        return ml.run_op(
+            x,
+            w,
+            ids,
+            layer,
+            PAIRS_BLOCK,
+            32,
+            deterministic=deterministic,
+            splits=splits,
+            pairs=True,
+        )
+
+    call()  # warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = call()
+    for _ in range(3):
+        x.copy_(activations(gen, m, SPLIT_HIDDEN, torch.bfloat16))
+        w_new, ids_new = ml.random_routing(gen, m, top_k, 32)
+        w.copy_(w_new)
+        ids.copy_(ids_new)
+        graph.replay()
+        eager = call()
+        if deterministic or splits[1] > 1:
+            assert torch.equal(y_graph.view(torch.int16), eager.view(torch.int16))
+        else:
+            check(y_graph, eager.double())
+        check(y_graph, ml.reference_moe(x, w, ids, layer, None, 32))
+
+
+def test_pairs_propagate_nan_to_their_token_only(gen: torch.Generator) -> None:
+    """A NaN in one token's input reaches that token's output and no other (each pair's
+    block holds its own row and zero padding)."""
+    layer = ml.random_moe_layer(gen, 8, 256, 256, [4], 1)
+    m, bad = 3, 1
+    x = activations(gen, m, 256, torch.bfloat16)
+    x[bad, 5] = float("nan")
+    w, ids = ml.random_routing(gen, m, 2, 8)
+    for splits in ((1, 1), (2, 2)):
+        for det in (True, False):
+            y = ml.run_op(
+                x, w, ids, layer, PAIRS_BLOCK, 8, None, det, splits=splits, pairs=True
+            )
+            assert bool(torch.isnan(y[bad]).any()), (splits, det)
+            assert bool(torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all())
+
+
+@pytest.mark.parametrize("splits", ((1, 1), (2, 2)))
+def test_pairs_a_launched_rate_no_expert_has(
+    gen: torch.Generator, splits: tuple[int, int]
+) -> None:
+    """Rates launched before and after the layer's own over the pairs layout: every
+    block of the first gate/up launch (here a rate no expert has, so all idle) waits
+    for the input transform that writes the layout before reading it or releasing
+    the grids after it, so the later rate launches, the SwiGLU transform and the down
+    GEMM, which read it without waiting, see it whole. Repeated, with a long input
+    transform (hidden 1024), so an early read would show."""
+    import dataclasses
+
+    layer = ml.random_moe_layer(gen, 64, 1024, 512, [4], 1)
+    k13, k2 = layer.k2s
+    padded = dataclasses.replace(layer, k2s=([2, *k13, 16], [2, *k2, 16]))
+    for _ in range(5):
+        for m in (1, 2, 16):
+            for det in (True, False):
+                run_checked(
+                    gen,
+                    padded,
+                    m,
+                    8,
+                    64,
+                    torch.bfloat16,
+                    PAIRS_BLOCK,
+                    det,
+                    splits=splits,
+                    pairs=True,
+                )
+
+
+def pairs_kernel_class(layer: ml.MoeLayer, monkeypatch: pytest.MonkeyPatch):
+    """CudaExl3MoEKernel and the layer's weights, the pairs rule switched on
+    (PAIRS_LAYOUT_AUTO) so that force_pairs=None runs it; skips without vLLM (with the
+    overlay) importable."""
+    try:
+        from vllm.model_executor.layers.quantization.exl3 import moe_kernels
+        from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+            CudaExl3MoEKernel,
+            Exl3MoEWeights,
+        )
+
+        align = "vllm.model_executor.layers.fused_moe.moe_align_block_size"
+        if importlib.util.find_spec(align) is None:
+            raise ImportError(f"no {align}")
+    except ImportError as e:
+        pytest.skip(f"vLLM with the EXL3 overlay is not importable: {e}")
+    monkeypatch.setattr(moe_kernels, "PAIRS_LAYOUT_AUTO", True)
+    weights = Exl3MoEWeights(
+        *layer.tensors(),
+        num_experts=layer.experts,
+        hidden=layer.hidden,
+        width=layer.width,
+    )
+    return CudaExl3MoEKernel(), weights
+
+
+def test_pairs_through_the_kernel_class(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CudaExl3MoEKernel.apply: the rule (pairs up to a quarter of a routed pair per
+    expert), force_pairs either way, with and without an expert_map, split and not;
+    against the float64 oracle."""
+    global_experts, local = 64, 32
+    layer = ml.random_moe_layer(gen, local, 256, 256, [2, 3.5, 4], 2)
+    kernel, weights = pairs_kernel_class(layer, monkeypatch)
+    emap = torch.full((global_experts,), -1, dtype=torch.int32)
+    emap[1::2] = torch.arange(local, dtype=torch.int32)
+    emap = emap.cuda()
+    assert kernel.uses_pairs(2, 8, 64) and not kernel.uses_pairs(3, 8, 64)
+    for force in (None, True, False):
+        kernel.force_pairs = force
+        for m, split in ((1, None), (2, (2, 2)), (3, None), (9, None)):
+            kernel.force_splits = split
+            for det, expert_map in ((True, None), (False, emap)):
+                ge = global_experts if expert_map is not None else local
+                x = activations(gen, m, 256, torch.float16)
+                w, ids = ml.random_routing(gen, m, 8, ge)
+                ref = ml.reference_moe(x, w, ids, layer, expert_map, ge)
+                vk.poison_next((m, 256), torch.float16)
+                y = kernel.apply(
+                    x,
+                    w,
+                    ids,
+                    weights,
+                    activation="silu",
+                    apply_router_weight_on_input=False,
+                    expert_map=expert_map,
+                    global_num_experts=ge,
+                    codebook=2,
+                    deterministic=det,
+                )
+                check(y, ref, m=m, force=force, split=split, det=det)
+
+
+def test_pairs_layout_launches_no_alignment(
+    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Which kernels a call launches (torch.profiler): the pairs layout only the op's
+    own (input transform, a GEMM per rate and stage, SwiGLU transform, combine), none
+    of vLLM's alignment; the aligned layout (force_pairs=False) launches the
+    alignment, so the check can fail."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    layer = ml.random_moe_layer(gen, 128, 256, 256, [2, 4], 1)
+    kernel, weights = pairs_kernel_class(layer, monkeypatch)
+    kernel.force_splits = (1, 1)
+    m, top_k = 1, 8
+    x = activations(gen, m, 256, torch.bfloat16)
+    w, ids = ml.random_routing(gen, m, top_k, 128)
+
+    def names(force: bool | None) -> list[str]:
+        kernel.force_pairs = force
+
+        def call() -> torch.Tensor:
+            return kernel.apply(
+                x,
+                w,
+                ids,
+                weights,
+                activation="silu",
+                apply_router_weight_on_input=False,
+                expert_map=None,
+                global_num_experts=128,
+                codebook=1,
+                deterministic=True,
+            )
+
+        call()  # warm (and the rate table read)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            y = call()
+            torch.cuda.synchronize()
+        check(y, ml.reference_moe(x, w, ids, layer, None, 128), force=force)
+        return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+    kernel.force_pairs = None
+    assert kernel.uses_pairs(m, top_k, 128)  # the rule: 8 pairs of 128 experts
+    rates13, rates2 = layer.k2s
+    expected = 3 + len(rates13) + len(rates2)
+    for force in (None, True):
+        got = names(force)
+        assert all("exl3_moe" in n for n in got), got
+        assert len(got) == expected, got
+        assert not any("align" in n or "sort" in n for n in got), got
+    aligned = names(False)
+    assert any("moe_align" in n for n in aligned), aligned
+
+
 # The reconstructed weights against float64: the dense original-basis reconstruct's
 # bounds (exl3_oracle.py: the fp16 staging between the two Hadamard sides, then one
 # rounding to the output dtype, 1.65e-3 RMS for bf16; its maxima reach 2^-8 of the
@@ -934,6 +1412,7 @@ def large_batch_kernel(layer: ml.MoeLayer):
         )
     except ImportError as e:
         pytest.skip(f"vLLM with the EXL3 overlay is not importable: {e}")
+    monkeypatch.setattr(moe_kernels, "PAIRS_LAYOUT_AUTO", True)
     weights = Exl3MoEWeights(
         *layer.tensors(),
         num_experts=layer.experts,
@@ -1007,7 +1486,8 @@ def test_sanitizer_sample(gen: torch.Generator) -> None:
     """A small sample of every MoE kernel for compute-sanitizer (memcheck, racecheck):
     both stages at every block size, mixed rates, both combines, -1 blocks of an
     expert_map, all tokens to one expert, the split-k path (both tiers, both modes,
-    uneven and one-stage splits, -1 blocks), the reconstruct. Also an ordinary test.
+    uneven and one-stage splits, -1 blocks), the pairs layout, the reconstruct. Also an
+    ordinary test.
 
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
             --error-exitcode 1 python3 -m pytest -q -m gpu \
@@ -1034,6 +1514,10 @@ def test_sanitizer_sample(gen: torch.Generator) -> None:
         run_checked(gen, layer, 3, 2, 8, torch.bfloat16, block, det, splits=splits)
     y = ml.run_op(x, w, ids, layer, 16, 10, emap, True, aligned=aligned, splits=(4, 2))
     check(y, ref)
+    # The pairs layout: both modes, -1 blocks, split and not.
+    for det, splits in ((True, (1, 1)), (False, (1, 1)), (True, (4, 2))):
+        y = ml.run_op(x, w, ids, layer, 16, 10, emap, det, splits=splits, pairs=True)
+        check(y, ref, det=det, splits=splits, pairs=True)
     w1, w2 = reconstruct_all(layer, torch.bfloat16)
     assert bool(torch.isfinite(w1).all()) and bool(torch.isfinite(w2).all())
 
@@ -1087,6 +1571,7 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
         )
 
     call()
+    call(sorted=None, blocks=None, pad=None)  # the pairs layout
     # hidden 128 and width 128: 2 stages of k each; split (2, 2) needs
     # 2 * 2 * 6 * 128 + 2 * 6 * 128 partial sums.
     need = ml.split_workspace_floats(3, 2, 128, 128, 2, 2)
@@ -1117,6 +1602,8 @@ def test_bad_inputs_name_the_tensor(gen: torch.Generator) -> None:
             "expert_map must be",
         ),
         (dict(blocks=aligned[1][:-1]), "expert_ids must be"),
+        (dict(blocks=None), "are given together"),
+        (dict(sorted=None, pad=None), "got 1 of them"),
         (dict(x=x.cpu()), "x must be a CUDA tensor"),
         (dict(splits=(2, 1)), "need a workspace of"),
         (dict(splits=(2, 2), ws=ws[:-1]), "holds fewer than the"),

@@ -403,6 +403,9 @@ def _main(_: int) -> None:
         for wgmma in (0, 1):
             out = torch.ops._C.exl3_moe(fx, *args[:-1], wgmma)
             assert out.shape == (7, 128) and out.dtype == torch.float16
+        # The pairs layout (no alignment): the same output.
+        out = torch.ops._C.exl3_moe(fx, *args[:2], None, None, None, *args[5:])
+        assert out.shape == (7, 128) and out.dtype == torch.float16
 
     compiled = torch.compile(
         lambda t: moe_ops.exl3_moe(t, *args), backend="aot_eager", fullgraph=True
@@ -422,6 +425,11 @@ def _main(_: int) -> None:
         deterministic=True,
     )
     assert torch.equal(y, expected)
+    pairs_args = (*args[:2], None, None, None, *args[5:])
+    compiled = torch.compile(
+        lambda t: moe_ops.exl3_moe(t, *pairs_args), backend="aot_eager", fullgraph=True
+    )
+    assert torch.equal(compiled(x), expected)
 
 
 def test_moe_op_fake_and_wrapper() -> None:
@@ -571,6 +579,77 @@ def test_split_rule_at_the_bench_shapes() -> None:
     # The large-batch tiers have no split-k.
     for block in (64, 128):
         assert mk.moe_splits(1, 8, 128, 128, 2048, 768, block, (8, 8), dev) == (1, 1)
+
+
+def test_pairs_rule() -> None:
+    """moe_kernels.pairs_layout: up to a quarter of a routed pair per (global) expert,
+    where a uniform routing reaches nearly as many experts as it has pairs (the excess
+    trellis read, P / D - 1, stays at or below 13 %); never for an empty batch."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+
+    limits = {"qwen3-30b-a3b": 4, "qwen3-235b-a22b": 4, "glm-4.5-air": 4}
+    limits["deepseek-v3"] = 8
+    for name, (_, _, e, top_k) in BENCH_SHAPES.items():
+        for tokens in range(0, 40):
+            want = 0 < tokens <= limits[name]
+            assert mk.pairs_layout(tokens, top_k, e) == want, (name, tokens)
+    assert mk.pairs_layout(32, 1, 128) and not mk.pairs_layout(33, 1, 128)
+    assert mk.pairs_layout(16, 8, 512) and not mk.pairs_layout(17, 8, 512)
+    assert not mk.pairs_layout(1, 8, 8)  # 8 pairs over 8 experts: the alignment
+    # The constant's bound: the excess read at the limit, for every expert count.
+    for e in (8, 64, 128, 256, 512):
+        p = int(mk.PAIRS_MAX_PAIRS_PER_EXPERT * e)
+        reached = e * (1 - (1 - 1 / e) ** p)
+        assert p / reached - 1 <= 0.131, (e, p / reached)
+
+
+def test_pairs_choice_of_the_kernel_class(monkeypatch) -> None:
+    """CudaExl3MoEKernel.uses_pairs: the rule once PAIRS_LAYOUT_AUTO is on (off, only
+    force_pairs runs the layout), force_pairs either way; batch invariance keeps the
+    rule (a row's sums do not depend on the layout)."""
+    import vllm.envs as envs
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+
+    kernel = mk.CudaExl3MoEKernel()
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
+    monkeypatch.setattr(mk, "PAIRS_LAYOUT_AUTO", False)
+    assert not kernel.uses_pairs(1, 8, 128)
+    kernel.force_pairs = True
+    assert kernel.uses_pairs(1, 8, 128)
+    kernel.force_pairs = None
+    monkeypatch.setattr(mk, "PAIRS_LAYOUT_AUTO", True)
+    assert kernel.uses_pairs(4, 8, 128) and not kernel.uses_pairs(5, 8, 128)
+    kernel.force_pairs = True
+    assert kernel.uses_pairs(1024, 8, 128)
+    kernel.force_pairs = False
+    assert not kernel.uses_pairs(1, 8, 128)
+    kernel.force_pairs = None
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+    assert kernel.uses_pairs(4, 8, 128) and not kernel.uses_pairs(5, 8, 128)
+
+
+def test_split_rule_counts_the_pairs_blocks() -> None:
+    """With the pairs layout the split rule counts one working block per local routed
+    pair: the aligned estimate's where every pair reaches its own expert (one token),
+    more where pairs repeat experts, and the local share under expert parallelism."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+
+    dev = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
+    assert mk.expected_row_blocks(1, 8, 128, 128, 16, pairs=True) == 8
+    assert mk.expected_row_blocks(4, 8, 128, 128, 16, pairs=True) == 32
+    assert mk.expected_row_blocks(4, 8, 128, 128, 16) == 29  # 128 (1 - (15/16)^4)
+    assert mk.expected_row_blocks(0, 8, 128, 128, 16, pairs=True) == 0
+    assert mk.expected_row_blocks(1, 8, 256, 32, 16, pairs=True) == 1
+    assert mk.expected_row_blocks(2, 8, 256, 32, 16, pairs=True) == 2
+    for name, (h, i, e, top_k) in BENCH_SHAPES.items():
+        got = mk.moe_splits(1, top_k, e, e, h, i, 16, (8, 8), dev, pairs=True)
+        assert got == SPLITS_AT[name].get(1, (1, 1)), (name, got)
+    # GLM-4.5-Air at 2 tokens, 8 bits: 16 blocks x 22 column blocks = 352 of 528 slots,
+    # one split either way.
+    assert mk.moe_splits(2, 8, 128, 128, 4096, 1408, 16, (16, 16), dev, True) == (1, 1)
+    # Expert parallelism (DeepSeek-V3, 32 of 256 local, one token): one working block,
+    # as the aligned estimate.
+    assert mk.moe_splits(1, 8, 256, 32, 7168, 2048, 16, (8, 8), dev, True) == (5, 1)
 
 
 def test_split_rule_resident_blocks() -> None:

@@ -175,16 +175,19 @@ constexpr int kMoeMinBlocks = WG        ? GemmShape<K2, MT, true>::kMinBlocks
 template <int K2, int CB, int MT, MoeStage STAGE, bool WG>
 __device__ __forceinline__ void moe_gemm_block(const MoeGemmParams& mp) {
   constexpr int BM = MT * kTile;
+  // The pairs layout's arrays are the input transform's output: wait for it.
+  if (mp.wait_for_routing) grid_dependency_wait();
   const MoeBlock b = moe_block<BM>(mp);
-  // Written by moe_align_block_size, which completed before the input transform
-  // started; this grid overlaps only the transform (programmatic launch), so
-  // these reads need no wait. A programmatically launched grid whose blocks all
-  // return at once (a bitrate no routed expert has) could end before its
-  // predecessor, and the kernels after it rely on stream order through it: the
-  // grid's first block waits for the predecessor whatever it has to do (a
-  // working block waits in the k loop's prologue). Every other block with
-  // nothing to do returns at once: waiting, it would hold a block slot and its
-  // shared memory that working blocks could use to start their prologue.
+  // Otherwise written by moe_align_block_size, which completed before the input
+  // transform started; this grid overlaps only the transform (programmatic
+  // launch), so these reads need no wait. A programmatically launched grid
+  // whose blocks all return at once (a bitrate no routed expert has) could end
+  // before its predecessor, and the kernels after it rely on stream order
+  // through it: the grid's first block waits for the predecessor whatever it
+  // has to do (a working block waits in the k loop's prologue). Every other
+  // block with nothing to do returns at once: waiting, it would hold a block
+  // slot and its shared memory that working blocks could use to start their
+  // prologue.
   const bool idle = b.row0 >= min(*mp.num_post_pad, mp.sorted_len) ||
                     b.expert < 0 || b.expert >= mp.experts;
   const int64_t* meta =

@@ -8,7 +8,8 @@
 // (token, k) pair token * topk + k, or the padding sentinel pairs = M * topk;
 // block b = slots [b * BM, (b + 1) * BM) belongs to expert expert_ids[b] (local
 // id; -1 or out of range: not here), and only the first num_post_pad[0] slots
-// are live.
+// are live. The pairs layout (few tokens, MoePairsLayout) is the same contract
+// with block b serving routed pair b alone, written by the input transform.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (the descriptor type only)
@@ -85,6 +86,28 @@ struct MoeGemmParams {
   int splits;   // k-splits (grid z), 1 = unsplit
   bool out_bf16;
   bool accumulate;
+  // The routing arrays (sorted_ids, expert_ids, num_post_pad) are written by
+  // the grid this one overlaps, the pairs layout's input transform: every block
+  // waits for it before reading them, instead of prefetching its first trellis
+  // stages while the transform runs.
+  bool wait_for_routing;
+};
+
+// The pairs layout: block b (BM slots) serves routed pair b = token * topk + k
+// alone, in slot b * BM; its other slots are padding (the sentinel pairs), and
+// its expert is topk_ids.flat[b] through expert_map (when given), -1 where that
+// expert is not on this rank. Every slot is live (num_post_pad = pairs * BM).
+// The arrays are a function of topk_ids only, so the input transform, which
+// runs first, derives each slot's pair and expert itself and writes them for
+// the kernels after it: no alignment launches.
+struct MoePairsLayout {
+  const void* topk_ids;  // [pairs], int32 or int64
+  bool ids64;
+  const int32_t* expert_map;  // [global_experts] -> local id or -1; null: none
+  int global_experts;
+  int32_t* sorted_ids;    // [pairs * BM], written
+  int32_t* expert_ids;    // [pairs], written
+  int32_t* num_post_pad;  // [1], written
 };
 
 // Every (expert, role) weight of a layer in the original basis, transposed:
@@ -125,13 +148,18 @@ const MoeRateKernels& moe_rate_kernels(int k2);
 // if weight_on_input))) for both roles; padding slots are zeroed, slots of
 // blocks not on this rank are left alone. It also traps on a routed expert
 // whose bitrate (meta13 / meta2) is not in the launched set (bit k2 of the
-// masks): the GEMMs would skip it and leave its rows unwritten.
+// masks): the GEMMs would skip it and leave its rows unwritten. With `layout`
+// (the pairs layout; sorted_ids, expert_ids and num_post_pad then unused, and
+// sorted_len = slots = pairs * block) it derives every slot's pair and expert
+// from the routing and writes the layout's arrays; null: it reads
+// moe_align_block_size's.
 void launch_moe_input_transform(
     const void* x, bool bf16, const float* topk_weights, const void* suh13,
     const int64_t* meta13, const int64_t* meta2, uint32_t rates13,
     uint32_t rates2, const int32_t* sorted_ids, const int32_t* expert_ids,
-    const int32_t* num_post_pad, void* xh13, int h, int slots, int sorted_len,
-    int block, int pairs, int topk, int experts, cudaStream_t stream);
+    const int32_t* num_post_pad, const MoePairsLayout* layout, void* xh13,
+    int h, int slots, int sorted_len, int block, int pairs, int topk,
+    int experts, cudaStream_t stream);
 // xh2[slot] = fp16(Ĥ(SiLU(g) * u * suh2[e])), g and u the slot's gate and up
 // rows: y13[0][slot] and y13[1][slot], or, when partial13 is given (split-k),
 // the sums over s = 0, 1, ... of partial13[s][0 / 1][pair] (fp32 [splits][2]

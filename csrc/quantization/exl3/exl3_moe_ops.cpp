@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // torch.ops._C.exl3_moe: one EXL3 mixture-of-experts layer (routed experts)
-// over vLLM's expert alignment: input validation, the kernel sequence,
+// over vLLM's expert alignment, or (no alignment given) over the pairs layout
+// of few tokens, a row block per routed pair that the input transform lays out
+// itself (exl3_moe.h MoePairsLayout): input validation, the kernel sequence,
 // registration. Stable ABI only, like exl3_ops.cpp. Scratch comes from torch's
 // caching allocator (new_empty) and the split-k partial sums from the caller's
 // workspace, so the op is safe under CUDA-graph capture; it never synchronises
@@ -126,15 +128,16 @@ void check_launch(const char* what, const char* op = kOp) {
 }  // namespace
 
 Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
-                Tensor sorted_ids, Tensor expert_ids,
-                Tensor num_tokens_post_pad, std::optional<Tensor> expert_map,
-                Tensor w13_trellis, Tensor w13_meta, Tensor w13_suh,
-                Tensor w13_svh, Tensor w2_trellis, Tensor w2_meta,
-                Tensor w2_suh, Tensor w2_svh, int64_t block_size,
-                std::vector<int64_t> w13_k2s, std::vector<int64_t> w2_k2s,
-                int64_t global_num_experts, int64_t codebook,
-                bool apply_router_weight_on_input, bool deterministic,
-                int64_t gate_up_splits, int64_t down_splits,
+                std::optional<Tensor> sorted_ids,
+                std::optional<Tensor> expert_ids,
+                std::optional<Tensor> num_tokens_post_pad,
+                std::optional<Tensor> expert_map, Tensor w13_trellis,
+                Tensor w13_meta, Tensor w13_suh, Tensor w13_svh,
+                Tensor w2_trellis, Tensor w2_meta, Tensor w2_suh, Tensor w2_svh,
+                int64_t block_size, std::vector<int64_t> w13_k2s,
+                std::vector<int64_t> w2_k2s, int64_t global_num_experts,
+                int64_t codebook, bool apply_router_weight_on_input,
+                bool deterministic, int64_t gate_up_splits, int64_t down_splits,
                 std::optional<Tensor> workspace, int64_t wgmma) {
   STD_TORCH_CHECK(x.is_cuda(), kOp, ": x must be a CUDA tensor");
   const int32_t dev = x.get_device_index();
@@ -221,19 +224,34 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   }
   STD_TORCH_CHECK(tier, kOp, ": block_size ", block_size,
                   " is not a tier of the grouped GEMM (", tiers, ")");
-  check_tensor(kOp, "sorted_ids", sorted_ids, 1, dev, kWordAlign);
-  check_dtype(kOp, "sorted_ids", sorted_ids, ScalarType::Int);
-  check_tensor(kOp, "expert_ids", expert_ids, 1, dev, kWordAlign);
-  check_dtype(kOp, "expert_ids", expert_ids, ScalarType::Int);
-  check_tensor(kOp, "num_tokens_post_pad", num_tokens_post_pad, 1, dev,
-               kWordAlign);
-  check_dtype(kOp, "num_tokens_post_pad", num_tokens_post_pad, ScalarType::Int);
-  check_shape("num_tokens_post_pad", num_tokens_post_pad, {1});
-  const int64_t sorted_len = sorted_ids.size(0);
-  const int64_t row_blocks = (sorted_len + block_size - 1) / block_size;
-  check_shape("expert_ids", expert_ids, {row_blocks});
-  const int64_t slots = row_blocks * block_size;
+  // The alignment's three arrays come together (the aligned layout) or not at
+  // all (the pairs layout: block b serves routed pair b alone).
+  const int given = sorted_ids.has_value() + expert_ids.has_value() +
+                    num_tokens_post_pad.has_value();
+  STD_TORCH_CHECK(given == 0 || given == 3, kOp,
+                  ": sorted_ids, expert_ids and num_tokens_post_pad are given "
+                  "together (moe_align_block_size's layout) or all None (the "
+                  "pairs layout), got ",
+                  given, " of them");
+  const bool pairs_layout = given == 0;
   const int64_t pairs = m * topk;
+  int64_t sorted_len = pairs * block_size;
+  if (!pairs_layout) {
+    check_tensor(kOp, "sorted_ids", *sorted_ids, 1, dev, kWordAlign);
+    check_dtype(kOp, "sorted_ids", *sorted_ids, ScalarType::Int);
+    check_tensor(kOp, "expert_ids", *expert_ids, 1, dev, kWordAlign);
+    check_dtype(kOp, "expert_ids", *expert_ids, ScalarType::Int);
+    check_tensor(kOp, "num_tokens_post_pad", *num_tokens_post_pad, 1, dev,
+                 kWordAlign);
+    check_dtype(kOp, "num_tokens_post_pad", *num_tokens_post_pad,
+                ScalarType::Int);
+    check_shape("num_tokens_post_pad", *num_tokens_post_pad, {1});
+    sorted_len = sorted_ids->size(0);
+    check_shape("expert_ids", *expert_ids,
+                {(sorted_len + block_size - 1) / block_size});
+  }
+  const int64_t row_blocks = (sorted_len + block_size - 1) / block_size;
+  const int64_t slots = row_blocks * block_size;
   STD_TORCH_CHECK(
       pairs < (int64_t{1} << 31) && kGateUpRoles * slots < (int64_t{1} << 31) &&
           m * (h / kHadamardBlock) < (int64_t{1} << 31) &&
@@ -310,10 +328,32 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   if (m == 0) return y;
   const bool bf16 = dtype == ScalarType::BFloat16;
   const float* weights = static_cast<const float*>(topk_weights.data_ptr());
-  const auto* sorted = static_cast<const int32_t*>(sorted_ids.data_ptr());
-  const auto* blocks = static_cast<const int32_t*>(expert_ids.data_ptr());
-  const auto* post_pad =
-      static_cast<const int32_t*>(num_tokens_post_pad.data_ptr());
+  // The pairs layout's arrays, written by the input transform: sorted_ids
+  // [slots], expert_ids [row_blocks], num_post_pad [1], in one scratch tensor.
+  std::optional<Tensor> layout_arrays;
+  MoePairsLayout layout{};
+  if (pairs_layout) {
+    layout_arrays =
+        torch::stable::new_empty(x, {slots + row_blocks + 1}, ScalarType::Int);
+    int32_t* base = static_cast<int32_t*>(layout_arrays->data_ptr());
+    layout.topk_ids = topk_ids.data_ptr();
+    layout.ids64 = topk_ids.scalar_type() == ScalarType::Long;
+    layout.expert_map = map_ptr;
+    layout.global_experts = static_cast<int>(global_num_experts);
+    layout.sorted_ids = base;
+    layout.expert_ids = base + slots;
+    layout.num_post_pad = base + slots + row_blocks;
+  }
+  const int32_t* sorted =
+      pairs_layout ? layout.sorted_ids
+                   : static_cast<const int32_t*>(sorted_ids->data_ptr());
+  const int32_t* blocks =
+      pairs_layout ? layout.expert_ids
+                   : static_cast<const int32_t*>(expert_ids->data_ptr());
+  const int32_t* post_pad =
+      pairs_layout
+          ? layout.num_post_pad
+          : static_cast<const int32_t*>(num_tokens_post_pad->data_ptr());
 
   // The fast combine adds the top-k rows into one fp32 sum per token (order
   // unspecified); zero it first, before anything else is queued, so it never
@@ -339,10 +379,11 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
       x.data_ptr(), bf16, apply_router_weight_on_input ? weights : nullptr,
       w13_suh.data_ptr(), static_cast<const int64_t*>(w13_meta.data_ptr()),
       static_cast<const int64_t*>(w2_meta.data_ptr()), mask13, mask2, sorted,
-      blocks, post_pad, xh13.data_ptr(), static_cast<int>(h),
-      static_cast<int>(slots), static_cast<int>(sorted_len),
-      static_cast<int>(block_size), static_cast<int>(pairs),
-      static_cast<int>(topk), static_cast<int>(experts), stream);
+      blocks, post_pad, pairs_layout ? &layout : nullptr, xh13.data_ptr(),
+      static_cast<int>(h), static_cast<int>(slots),
+      static_cast<int>(sorted_len), static_cast<int>(block_size),
+      static_cast<int>(pairs), static_cast<int>(topk),
+      static_cast<int>(experts), stream);
   check_launch("input transform");
 
   MoeGemmParams p{};
@@ -378,10 +419,19 @@ Tensor exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids,
   if (use_wgmma)
     encode_xh_map(&g.xh_map, g.xh, 1, g.roles * g.slots, g.k,
                   static_cast<int>(block_size));
+  // The pairs layout's arrays come from the input transform, which only the
+  // first gate/up launch overlaps: its blocks wait for it before reading them.
+  // Every grid after it (the other rates' launches, the SwiGLU transform, the
+  // down GEMM) is scheduled only once each of its blocks has passed that wait
+  // (a working block releases its dependents as its k loop starts, an idle one
+  // as it ends), i.e. after the transform completed, and reads them as it reads
+  // the alignment's.
+  g.wait_for_routing = pairs_layout;
   for (int k2 : rates13) {
     moe_rate_kernels(k2).gemm(MoeStage::kGateUp, static_cast<int>(codebook), mt,
                               use_wgmma, g, stream);
     check_launch("gate/up GEMM");
+    g.wait_for_routing = false;
   }
 
   Tensor xh2 = torch::stable::new_empty(x, {slots, inter}, ScalarType::Half);
@@ -506,9 +556,9 @@ void exl3_moe_reconstruct(Tensor trellis, Tensor meta, Tensor suh, Tensor svh,
 
 STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) {
   m.def(
-      "exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor "
+      "exl3_moe(Tensor x, Tensor topk_weights, Tensor topk_ids, Tensor? "
       "sorted_ids, "
-      "Tensor expert_ids, Tensor num_tokens_post_pad, Tensor? expert_map, "
+      "Tensor? expert_ids, Tensor? num_tokens_post_pad, Tensor? expert_map, "
       "Tensor w13_trellis, "
       "Tensor w13_meta, Tensor w13_suh, Tensor w13_svh, Tensor w2_trellis, "
       "Tensor w2_meta, "

@@ -63,6 +63,48 @@ __device__ __forceinline__ bool slot_item(int cols, int sorted_len, int block,
          it.expert < experts;  // other ranks' blocks: the GEMM skips them
 }
 
+// The local expert of routed pair `pair` (topk_ids through expert_map), or -1
+// where it is not on this rank: the combine's rule, so the two agree.
+__device__ __forceinline__ int pair_local_expert(const MoePairsLayout& lay,
+                                                 int pair, int experts) {
+  const int64_t e = lay.ids64 ? static_cast<const int64_t*>(lay.topk_ids)[pair]
+                              : static_cast<const int32_t*>(lay.topk_ids)[pair];
+  if (e < 0 || e >= lay.global_experts) return -1;
+  const int64_t local = lay.expert_map != nullptr ? lay.expert_map[e] : e;
+  return local >= 0 && local < experts ? static_cast<int>(local) : -1;
+}
+
+// slot_item for the pairs layout (exl3_moe.h MoePairsLayout): the slot's pair
+// and expert come from the routing, and the lane 0 of each slot's first
+// 128-column warp writes the slot's entries of the layout's arrays (its block's
+// expert at the block's first slot, the live count at slot 0) for the kernels
+// after this one, which read them only once this grid has completed. Every slot
+// is live; false past the grid or for a block whose expert is not here, whose
+// rows are left alone as in the aligned layout.
+__device__ __forceinline__ bool pair_slot_item(int cols, int block, int pairs,
+                                               int experts,
+                                               const MoePairsLayout& lay,
+                                               SlotItem& it) {
+  const int64_t item =
+      static_cast<int64_t>(blockIdx.x) * kMoeRowWarps + (threadIdx.x >> 5);
+  const int per_row = cols / kHadamard;
+  const int slots = pairs * block;
+  if (item >= static_cast<int64_t>(slots) * per_row) return false;
+  it.slot = static_cast<int>(item / per_row);
+  const int col_block = static_cast<int>(item % per_row);
+  it.col = col_block * kHadamard + 4 * (threadIdx.x & 31);
+  const int b = it.slot / block;
+  const bool first = it.slot % block == 0;
+  it.pair = first ? b : pairs;  // the others: padding
+  it.expert = pair_local_expert(lay, b, experts);
+  if (col_block == 0 && (threadIdx.x & 31) == 0) {
+    lay.sorted_ids[it.slot] = it.pair;
+    if (first) lay.expert_ids[b] = it.expert;
+    if (it.slot == 0) *lay.num_post_pad = slots;
+  }
+  return it.expert >= 0;
+}
+
 __device__ __forceinline__ void store_transformed(float (&v)[4],
                                                   const float (&scale)[4],
                                                   __half* dst, int lane) {
@@ -82,13 +124,15 @@ __global__ void __launch_bounds__(kMoeRowThreads)
         const int64_t* __restrict__ meta2, uint32_t rates13, uint32_t rates2,
         const int32_t* __restrict__ sorted_ids,
         const int32_t* __restrict__ expert_ids,
-        const int32_t* __restrict__ num_post_pad, __half* __restrict__ xh13,
-        int h, int slots, int sorted_len, int block, int pairs, int topk,
-        int experts) {
+        const int32_t* __restrict__ num_post_pad, MoePairsLayout layout,
+        __half* __restrict__ xh13, int h, int slots, int sorted_len, int block,
+        int pairs, int topk, int experts) {
   SlotItem it;
-  if (!slot_item(h, sorted_len, block, num_post_pad, sorted_ids, expert_ids,
-                 experts, it))
-    return;
+  const bool live = layout.topk_ids != nullptr
+                        ? pair_slot_item(h, block, pairs, experts, layout, it)
+                        : slot_item(h, sorted_len, block, num_post_pad,
+                                    sorted_ids, expert_ids, experts, it);
+  if (!live) return;
   const int lane = threadIdx.x & 31;
   if (it.col < kHadamard) {  // once per slot
     const int64_t* m13 = meta13 + 4 * static_cast<int64_t>(it.expert);
@@ -157,8 +201,12 @@ __global__ void __launch_bounds__(kMoeRowThreads)
                                   __half* __restrict__ xh2, int i, int slots,
                                   int sorted_len, int block, int pairs,
                                   int experts) {
-  // The routing (moe_align_block_size's, complete before the input transform
-  // started) and suh2 do not come from the GEMM: read them while it runs.
+  // The routing and suh2 do not come from the GEMM: read them while it runs.
+  // The routing is moe_align_block_size's, complete before the input transform
+  // started, or the pairs layout's, written by the input transform, which had
+  // completed before this grid could be scheduled: every block of the first
+  // gate/up launch waits for it (MoeGemmParams::wait_for_routing) before it
+  // releases its dependents.
   SlotItem it;
   const bool live = slot_item(i, sorted_len, block, num_post_pad, sorted_ids,
                               expert_ids, experts, it);
@@ -245,15 +293,18 @@ void launch_moe_input_transform(
     const void* x, bool bf16, const float* topk_weights, const void* suh13,
     const int64_t* meta13, const int64_t* meta2, uint32_t rates13,
     uint32_t rates2, const int32_t* sorted_ids, const int32_t* expert_ids,
-    const int32_t* num_post_pad, void* xh13, int h, int slots, int sorted_len,
-    int block, int pairs, int topk, int experts, cudaStream_t stream) {
+    const int32_t* num_post_pad, const MoePairsLayout* layout, void* xh13,
+    int h, int slots, int sorted_len, int block, int pairs, int topk,
+    int experts, cudaStream_t stream) {
   const unsigned grid =
       grid_for(static_cast<int64_t>(sorted_len) * (h / kHadamard));
+  const MoePairsLayout pairs_layout =
+      layout != nullptr ? *layout : MoePairsLayout{};
   auto go = [&](auto* xt) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(xt)>>;
     exl3_moe_input_transform_kernel<T><<<grid, kMoeRowThreads, 0, stream>>>(
         xt, topk_weights, static_cast<const __half*>(suh13), meta13, meta2,
-        rates13, rates2, sorted_ids, expert_ids, num_post_pad,
+        rates13, rates2, sorted_ids, expert_ids, num_post_pad, pairs_layout,
         static_cast<__half*>(xh13), h, slots, sorted_len, block, pairs, topk,
         experts);
   };

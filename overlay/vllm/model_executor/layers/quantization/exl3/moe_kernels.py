@@ -216,7 +216,7 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
 
 class CudaExl3MoEKernel(Exl3MoEKernel):
     """The grouped trellis GEMM (`torch.ops._C.exl3_moe`) over vLLM's
-    `moe_align_block_size`.
+    `moe_align_block_size`, or at a few tokens over the pairs layout (uses_pairs).
 
     Each aligned row block belongs to one expert and is one tile of the dense EXL3 GEMM
     on that expert's trellis; gate and up run in one launch, SwiGLU is fused into the
@@ -248,6 +248,10 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         # and benchmarks): True = Hopper's wgmma (an error where the op cannot run
         # it), False = mma.sync; None: the rule (wgmma_mode).
         self.force_wgmma: bool | None = None
+        # The grouped GEMM's row layout for every call instead of uses_pairs' choice
+        # (tests and benchmarks): True = the pairs layout, False = vLLM's alignment;
+        # None: the rule.
+        self.force_pairs: bool | None = None
 
     def prepare(self, w: Exl3MoEWeights, act_dtype: torch.dtype) -> None:
         if envs.VLLM_BATCH_INVARIANT:
@@ -338,6 +342,19 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
 
         return moe_ops.load_exl3_moe_op()
 
+    def uses_pairs(self, tokens: int, top_k: int, global_num_experts: int) -> bool:
+        """Whether the call runs the pairs layout (a row block per routed pair, no
+        alignment launches; pairs_layout) rather than vLLM's alignment.
+
+        Under VLLM_BATCH_INVARIANT too: a row's sums do not depend on the layout. Both
+        run each routed row in a 16-row mma.sync block (batch invariance keeps wgmma
+        off, and the block-size rule gives 16 rows up to 16 rows per expert), whose rows
+        are independent and whose k loop and epilogue are the row's own; the combine
+        sums a token's top-k in the same order either way."""
+        if self.force_pairs is not None:
+            return self.force_pairs
+        return PAIRS_LAYOUT_AUTO and pairs_layout(tokens, top_k, global_num_experts)
+
     @classmethod
     def block_size(cls, tokens: int, top_k: int, global_num_experts: int) -> int:
         from .moe_ops import BLOCK_SIZES
@@ -354,8 +371,10 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         block: int,
         rates: tuple[list[int], list[int]],
         device: torch.device,
+        pairs: bool = False,
     ) -> tuple[int, int]:
-        """The op's (gate_up_splits, down_splits) for one call (see moe_splits)."""
+        """The op's (gate_up_splits, down_splits) for one call (see moe_splits);
+        `pairs`: the call runs the pairs layout."""
         from .moe_ops import SPLIT_BLOCK_SIZES, STAGE_K
 
         if block not in SPLIT_BLOCK_SIZES:
@@ -379,6 +398,7 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
             block,
             (max(rates[0]), max(rates[1])),
             split_device(device),
+            pairs=pairs,
         )
 
     def wgmma_mode(self) -> int:
@@ -471,14 +491,24 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
                 global_num_experts=global_num_experts,
                 codebook=codebook,
             )
-        block = self.block_size(m, top_k, global_num_experts)
-        # Non-local experts are left out of the alignment altogether (no -1 blocks to
-        # skip).
-        sorted_ids, expert_ids, post_pad = moe_align_block_size(
-            topk_ids, block, global_num_experts, expert_map, ignore_invalid_experts=True
-        )
+        pairs = self.uses_pairs(m, top_k, global_num_experts)
+        if pairs:
+            # The op lays the pairs out itself (its input transform writes the arrays).
+            block = moe_ops.PAIRS_BLOCK_SIZE
+            sorted_ids = expert_ids = post_pad = None
+        else:
+            block = self.block_size(m, top_k, global_num_experts)
+            # Non-local experts are left out of the alignment altogether (no -1 blocks
+            # to skip).
+            sorted_ids, expert_ids, post_pad = moe_align_block_size(
+                topk_ids,
+                block,
+                global_num_experts,
+                expert_map,
+                ignore_invalid_experts=True,
+            )
         splits = self.splits(
-            m, top_k, global_num_experts, w, block, (rates13, rates2), x.device
+            m, top_k, global_num_experts, w, block, (rates13, rates2), x.device, pairs
         )
         floats = moe_ops.split_workspace_floats(m, top_k, w.hidden, w.width, *splits)
         workspace = (
@@ -568,14 +598,24 @@ def split_device(device: torch.device) -> SplitDevice:
 
 
 def expected_row_blocks(
-    tokens: int, top_k: int, global_experts: int, local_experts: int, block: int
+    tokens: int,
+    top_k: int,
+    global_experts: int,
+    local_experts: int,
+    block: int,
+    pairs: bool = False,
 ) -> int:
     """Row blocks the alignment is expected to give this rank: the local experts a
     uniform routing of `tokens` x top-k distinct experts reaches, or the routed rows
     over the block size where those outnumber them. Host-known shapes only: real
-    routings are skewed and reach fewer experts, so this errs towards fewer splits."""
+    routings are skewed and reach fewer experts, so this errs towards fewer splits.
+
+    `pairs`: the pairs layout's working blocks instead, one per routed pair whose expert
+    is local (the expected share of them; the others' blocks return at once)."""
     if tokens <= 0:
         return 0
+    if pairs:
+        return max(1, math.ceil(tokens * top_k * local_experts / global_experts))
     miss = (1.0 - min(top_k, global_experts) / global_experts) ** tokens
     reached = round(local_experts * (1.0 - miss))
     rows = tokens * top_k * local_experts / global_experts
@@ -612,22 +652,56 @@ def moe_splits(
     block: int,
     k2s: tuple[int, int],
     dev: SplitDevice,
+    pairs: bool = False,
 ) -> tuple[int, int]:
     """(gate_up_splits, down_splits) of the op for one call: a pure function of
     host-known shapes (k2s: the largest 2 * bits of gate/up and of down, which set the
     shared memory) and the device, so every replay of a captured graph and every
-    process runs the same splits. Only the decode tiers are built with split-k."""
+    process runs the same splits. Only the decode tiers are built with split-k.
+    `pairs`: the call runs the pairs layout (its row blocks are counted)."""
     from .moe_ops import GATE_UP_ROLES, SPLIT_BLOCK_SIZES
 
     if block not in SPLIT_BLOCK_SIZES:
         return 1, 1
-    blocks = expected_row_blocks(tokens, top_k, global_experts, local_experts, block)
+    blocks = expected_row_blocks(
+        tokens, top_k, global_experts, local_experts, block, pairs
+    )
     slots13 = dev.sms * resident_blocks(block, k2s[0], dev)
     slots2 = dev.sms * resident_blocks(block, k2s[1], dev)
     return (
         gemm_splits(blocks * GATE_UP_ROLES * width // BLOCK_N, hidden, slots13),
         gemm_splits(blocks * hidden // BLOCK_N, width, slots2),
     )
+
+
+# The pairs layout (few tokens): every routed pair (token, k) its own 16-row block of
+# the grouped GEMM, its expert read from the routing by the op's input transform, which
+# also writes the arrays the GEMMs and transforms consume; vLLM's alignment (a memset
+# and two kernels, 4.9 µs of GPU time plus their launch gaps on an H200 for
+# Qwen3-30B-A3B at one token, torch.profiler) is not launched. Its cost: pairs of one
+# batch that share an expert no longer share a block, so that expert's trellis is read
+# once per pair. A uniform routing of P pairs over E experts reaches
+# E (1 - (1 - 1/E)^P) ~ P - P^2 / (2E) distinct experts, so the pairs layout reads about
+# P / (2E) more trellis than the aligned one: 13 % at P = E / 4 (1/4 / (1 - e^(-1/4))
+# - 1 for large E), growing linearly past it (58 % at P = E) while the launches saved
+# stay the same. So: the pairs layout up to a quarter of a routed pair per expert
+# (Qwen3-30B-A3B, top-8 of 128: 4 tokens; DeepSeek-V3, top-8 of 256: 8), where the
+# trellis read is a small part of the time (design notes, "MoE grouped GEMM: the
+# few-token path": 18.9 MB, about 5 µs of HBM time at one token, of a 48.7 µs layer)
+# and the excess at most an eighth of it.
+PAIRS_MAX_PAIRS_PER_EXPERT = 0.25
+# Whether uses_pairs follows the rule at all. Off until the layout has passed its GPU
+# tests (tests/gpu/test_moe_kernels.py -k pairs) and beaten the aligned layout on the
+# GPU (bench_moe.py rows exl3_aligned, exl3_pairs): it changes the gate/up GEMM's wait
+# and the input transform's writes on the decode path of every MoE model. force_pairs
+# runs it regardless.
+PAIRS_LAYOUT_AUTO = False
+
+
+def pairs_layout(tokens: int, top_k: int, global_experts: int) -> bool:
+    """Whether a call of `tokens` x top-k routed pairs runs the pairs layout: a pure
+    function of host-known shapes, like moe_splits."""
+    return 0 < tokens * top_k <= PAIRS_MAX_PAIRS_PER_EXPERT * max(global_experts, 1)
 
 
 # The large-batch path: from this many routed rows per expert (tokens * top_k / global

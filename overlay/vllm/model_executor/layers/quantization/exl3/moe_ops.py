@@ -9,6 +9,12 @@ into the down projection's input transform, the down grouped GEMM with the routi
 weights, and the top-k combine. It is built into the same extension as the dense ops
 (ops.py loads it); nothing is loaded at import time.
 
+With `sorted_ids`, `expert_ids` and `num_tokens_post_pad` all None the op runs the
+pairs layout instead of vLLM's alignment: row block b (`PAIRS_BLOCK_SIZE` rows) serves
+routed pair b = token * top_k + k alone, its expert topk_ids.flat[b] (through
+expert_map), and the input transform writes those arrays itself, so the alignment's
+launches go (the few-token path; moe_kernels.py `uses_pairs` decides).
+
 `gate_up_splits` / `down_splits` cut the two grouped GEMMs' k (the caller's rule,
 moe_kernels.py `moe_splits`); their fp32 partial sums go to `workspace`
 (`split_workspace_floats` elements, None when both are 1) and are summed in a fixed
@@ -33,6 +39,9 @@ RECONSTRUCT_OP = "exl3_moe_reconstruct"
 # Row-block sizes the grouped GEMM is built for (16 * its m16 tiers, exl3_moe.h
 # kMoeTiers).
 BLOCK_SIZES = (16, 32, 64, 128)
+# The pairs layout's block: one live row each, so the smallest tier (the fewest padding
+# rows, and a tier built with split-k).
+PAIRS_BLOCK_SIZE = BLOCK_SIZES[0]
 # The block sizes built with split-k (exl3_moe.h kMoeSplitMaxTier): the decode tiers.
 SPLIT_BLOCK_SIZES = (16, 32)
 # The block sizes also built on Hopper's wgmma (exl3_moe.h kMoeWgmmaTiers), unsplit.
@@ -63,9 +72,9 @@ def exl3_moe_fake(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    sorted_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_tokens_post_pad: torch.Tensor,
+    sorted_ids: torch.Tensor | None,
+    expert_ids: torch.Tensor | None,
+    num_tokens_post_pad: torch.Tensor | None,
     expert_map: torch.Tensor | None,
     w13_trellis: torch.Tensor,
     w13_meta: torch.Tensor,
@@ -115,9 +124,9 @@ def exl3_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    sorted_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_tokens_post_pad: torch.Tensor,
+    sorted_ids: torch.Tensor | None,
+    expert_ids: torch.Tensor | None,
+    num_tokens_post_pad: torch.Tensor | None,
     expert_map: torch.Tensor | None,
     w13_trellis: torch.Tensor,
     w13_meta: torch.Tensor,
