@@ -1412,7 +1412,6 @@ def large_batch_kernel(layer: ml.MoeLayer):
         )
     except ImportError as e:
         pytest.skip(f"vLLM with the EXL3 overlay is not importable: {e}")
-    monkeypatch.setattr(moe_kernels, "PAIRS_LAYOUT_AUTO", True)
     weights = Exl3MoEWeights(
         *layer.tensors(),
         num_experts=layer.experts,
