@@ -19,8 +19,8 @@ layout), Qwen3-Next's MTP layers under `mtp.` (`mtp_num_hidden_layers`, the layo
 ExLlamaV3 stores for Qwen3.5 / 3.6), and the DeepSeek-Sparse-Attention family on that
 body (DeepSeek-V3.2, GLM-5 `glm_moe_dsa`: `index_topk` in the config), whose indexer
 ExLlamaV3 stores as `self_attn.indexer.{wq_b (EXL3), wk, weights_proj (fp16,
-unpadded), k_norm (LayerNorm weight + bias)}` on the layers that score a selection. Anything else raises PlanError.
-Pure Python: no torch.
+unpadded), k_norm (LayerNorm weight + bias)}` on the layers that score a selection.
+Anything else raises PlanError. Pure Python: no torch.
 """
 
 from __future__ import annotations
