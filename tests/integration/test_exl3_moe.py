@@ -875,9 +875,9 @@ def test_qwen3_next_mtp_damage_is_named(case, tmp_path):
 
 def test_qwen3_next_mtp_fails_closed_in_vllm(tmp_path, monkeypatch, world1):
     """Through vLLM's loader: a missing MTP tensor stops ModelConfig; an expert whose
-    rate quantization_config.json does not claim stops the draft (the target, sharing
-    the config, loads); a conversion without MTP layers loads the target and names the
-    first draft layer."""
+    rate quantization_config.json does not claim, or an mtp.* tensor nothing in the
+    draft claims, stops the draft (the target, sharing the config, loads); a conversion
+    without MTP layers loads the target and names the first draft layer."""
     from vllm.model_executor.layers.quantization.exl3.checkpoint_files import (
         Exl3FormatError,
     )
@@ -905,6 +905,20 @@ def test_qwen3_next_mtp_fails_closed_in_vllm(tmp_path, monkeypatch, world1):
         rf"claims {MTP_BITS + 1}",
     ):
         load_target_and_draft(unclaimed, monkeypatch, MODEL_DTYPE)
+
+    extra = tmp_path / "extra"
+    write_next_mtp(extra)
+    _edit_tensors(
+        extra,
+        lambda named: named.update(
+            {"mtp.layers.0.self_attn.bogus.weight": named["mtp.norm.weight"].clone()}
+        ),
+    )
+    # The draft's loader names it after its own module tree (mtp. -> model.).
+    with pytest.raises(
+        ValueError, match=r"no module or parameter named 'layers\.0\.self_attn\.bogus'"
+    ):
+        load_target_and_draft(extra, monkeypatch, MODEL_DTYPE)
 
     bare = tmp_path / "bare"
     write_next_mtp(bare, mtp=False)
