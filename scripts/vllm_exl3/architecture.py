@@ -118,6 +118,7 @@ GATED_DELTA_NET_TYPES = ("qwen3_next",)
 # layers `mtp.layers.{i}`, and mtp.norm. The DeepSeek layout instead appends
 # `num_nextn_predict_layers` layers to model.layers.
 MTP_PREFIX_TYPES = ("qwen3_next",)
+MTP_PREFIX = "mtp."
 # config.json keys counting MTP layers: DeepSeek / GLM layout, `mtp.` layout.
 MTP_LAYER_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 # Mixtral: experts under block_sparse_moe, projections w1 (gate), w3 (up), w2 (down),
@@ -612,17 +613,16 @@ def _prefix_mtp(plan: ModelPlan, cfg: dict, layers: int) -> None:
     ExLlamaV3 builds fc with pad_to=1; for a hidden size that is a multiple of 128
     (every real one) that is the padded shape too."""
     hidden = cfg["hidden_size"]
-    plan.add_plain("mtp.pre_fc_norm_hidden.weight", (hidden,), "norm")
-    plan.add_plain("mtp.pre_fc_norm_embedding.weight", (hidden,), "norm")
+    plan.add_plain(f"{MTP_PREFIX}pre_fc_norm_hidden.weight", (hidden,), "norm")
+    plan.add_plain(f"{MTP_PREFIX}pre_fc_norm_embedding.weight", (hidden,), "norm")
     # vLLM builds fc as a ColumnParallelLinear gathering its output.
-    plan.add_linear(
-        LinearSlot("mtp.fc", 2 * hidden, hidden, COLUMN, "mtp.fc", bits_key="mtp_bits")
-    )
+    fc = f"{MTP_PREFIX}fc"
+    plan.add_linear(LinearSlot(fc, 2 * hidden, hidden, COLUMN, fc, bits_key="mtp_bits"))
     for i in range(layers):
         # vLLM numbers an MTP layer by its own index (mtp.layers.{i}), and so decides
         # whether it is MoE.
-        _decoder_layer(plan, cfg, i, "mtp_bits", prefix=f"mtp.layers.{i}")
-    plan.add_plain("mtp.norm.weight", (hidden,), "norm")
+        _decoder_layer(plan, cfg, i, "mtp_bits", prefix=f"{MTP_PREFIX}layers.{i}")
+    plan.add_plain(f"{MTP_PREFIX}norm.weight", (hidden,), "norm")
 
 
 def plan_model(cfg: dict) -> ModelPlan:
