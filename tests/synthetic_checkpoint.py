@@ -669,7 +669,9 @@ def write_checkpoint(
             tensors = _exl3_tensors(slot, k_bits, cb, legacy_signs, gen)
             written[module] = (k_bits, cb)
             k_pad, n_pad = slot.padded
-            if slot.bits_key != "head_bits":
+            # ExLlamaV3's `bits` is the main budget's average: the head and the MTP
+            # layers are targets outside it (allocation.py's aux targets).
+            if slot.bits_key == "bits":
                 budget_bits += k_bits * k_pad * n_pad
                 budget_weights += k_pad * n_pad
             entry = {"quant_format": "exl3", "bits_per_weight": k_bits}

@@ -525,6 +525,21 @@ def prefix_mtp_layers(cfg: Mapping[str, Any]) -> int:
     return sum(_int(cfg, k) or 0 for k in MTP_LAYER_KEYS)
 
 
+def is_mtp_module(cfg: Mapping[str, Any], name: str) -> bool:
+    """Whether a module belongs to the MTP layers: under `mtp.`, or a decoder layer
+    past num_hidden_layers (the DeepSeek / GLM layout)."""
+    if name.startswith(MTP_PREFIX):
+        return True
+    layers = _int(cfg, "num_hidden_layers")
+    m = _LAYER.match(name)
+    return bool(
+        m
+        and layers
+        and m.group("base") != "mtp.layers"
+        and int(m.group("index")) >= layers
+    )
+
+
 def _is_moe_mtp_layer(cfg: Mapping[str, Any], index: int) -> bool:
     """Whether vLLM builds MTP layer `index` with routed experts (Qwen3NextDecoderLayer
     numbers it by its own index)."""
@@ -849,7 +864,14 @@ def declared_disagreements(
                 f"{head}: config.json quantization_config.head_bits = {head_bits}, but "
                 f"{head}.trellis holds {specs[head].bits} bits; the tensors decide"
             )
-        body = [s for m, s in specs.items() if m.rpartition(".")[2] != "lm_head"]
+        # ExLlamaV3's `bits` averages the main budget: the head and the MTP layers
+        # have their own rates outside it.
+        body = [
+            s
+            for m, s in specs.items()
+            if m.rpartition(".")[2] != "lm_head"
+            and not is_mtp_module(text_config(config or {}), m)
+        ]
         bits = block.get("bits")
         if body and isinstance(bits, (int, float)):
             weights = sum(s.in_features * s.out_features for s in body)
