@@ -143,23 +143,30 @@ def load_target_and_draft(ckpt_dir, monkeypatch, dtype: str = "float16"):
     from vllm.model_executor.model_loader import get_model_loader
 
     cpu_stand_ins(monkeypatch)
-    model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
-    speculative = SpeculativeConfig(
-        method="mtp",
-        num_speculative_tokens=1,
-        target_model_config=model_config,
-        target_parallel_config=ParallelConfig(),
-    )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        speculative_config=speculative,
-        device_config=DeviceConfig("cpu"),
-    )
-    loader = get_model_loader(vllm_config.load_config)
-    target = loader.load_model(vllm_config=vllm_config, model_config=model_config)
-    draft = loader.load_model(
-        vllm_config=vllm_config, model_config=speculative.draft_model_config
-    )
+    # vLLM's set_default_torch_dtype does not restore the default when loading raises
+    # (the tests of damaged MTP layers expect it to); a later test would build its
+    # model in the wrong dtype.
+    default_dtype = torch.get_default_dtype()
+    try:
+        model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
+        speculative = SpeculativeConfig(
+            method="mtp",
+            num_speculative_tokens=1,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            speculative_config=speculative,
+            device_config=DeviceConfig("cpu"),
+        )
+        loader = get_model_loader(vllm_config.load_config)
+        target = loader.load_model(vllm_config=vllm_config, model_config=model_config)
+        draft = loader.load_model(
+            vllm_config=vllm_config, model_config=speculative.draft_model_config
+        )
+    finally:
+        torch.set_default_dtype(default_dtype)
     return target, draft, vllm_config
 
 
