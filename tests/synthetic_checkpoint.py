@@ -5,7 +5,8 @@
 
 Covers architectures we have no real checkpoint for: any config the architecture plan
 knows (scripts/vllm_exl3/architecture.py: dense, qwen2/qwen3 MoE, Mixtral, GLM-4.5 MoE,
-Qwen3-Next, DeepSeek-style MLA + MoE + MTP, DeepSeek-V3.2 / GLM-5 DSA). Layout as in
+Qwen3-Next (with MTP layers under `mtp.`), DeepSeek-style MLA + MoE + MTP, DeepSeek-V3.2
+/ GLM-5 DSA). Layout as in
 exl3-format.md §1: per-projection tensor sets (trellis int16, suh/svh fp16, an int32
 scalar marker for mcg/mul1), k and n padded to 128 with svh = 0 on padded output
 columns, an lm_head always present (padded vocab), norms/embeddings in the model dtype,
@@ -44,8 +45,10 @@ if str(_REPO / "scripts") not in sys.path:
     sys.path.insert(0, str(_REPO / "scripts"))
 
 from vllm_exl3.architecture import (  # noqa: E402
+    MTP_LAYER_KEYS,
     LinearSlot,
     ModelPlan,
+    mtp_layer_count,
     plan_model,
     round_up,
 )
@@ -609,8 +612,8 @@ def write_checkpoint(
 
     bits_overrides / codebook_overrides map fnmatch patterns of module names to a rate /
     codebook (first match wins), e.g. {"*.mlp.down_proj": 6, "*.experts.*": 2.5}.
-    `layers` overrides num_hidden_layers; `mtp=False` drops an MTP head, True requires
-    one.
+    `layers` overrides num_hidden_layers; `mtp=False` drops the MTP layers (either
+    layout), True requires some.
     """
     cfg = load_config(config)
     if layers is not None:
@@ -621,9 +624,10 @@ def write_checkpoint(
         if cfg.get("mlp_only_layers"):
             cfg["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < layers]
     if mtp is False:
-        cfg.pop("num_nextn_predict_layers", None)
-    elif mtp and not cfg.get("num_nextn_predict_layers"):
-        raise ValueError("mtp=True but the config has no num_nextn_predict_layers")
+        for key in MTP_LAYER_KEYS:
+            cfg.pop(key, None)
+    elif mtp and not mtp_layer_count(cfg):
+        raise ValueError(f"mtp=True but the config has no {' / '.join(MTP_LAYER_KEYS)}")
     default_cb = _codebook(codebook)
     rates = {
         "bits": bits,
@@ -665,7 +669,9 @@ def write_checkpoint(
             tensors = _exl3_tensors(slot, k_bits, cb, legacy_signs, gen)
             written[module] = (k_bits, cb)
             k_pad, n_pad = slot.padded
-            if slot.bits_key != "head_bits":
+            # ExLlamaV3's `bits` is the main budget's average: the head and the MTP
+            # layers are targets outside it (allocation.py's aux targets).
+            if slot.bits_key == "bits":
                 budget_bits += k_bits * k_pad * n_pad
                 budget_weights += k_pad * n_pad
             entry = {"quant_format": "exl3", "bits_per_weight": k_bits}
@@ -702,7 +708,7 @@ def write_checkpoint(
         "out_scales": "auto",
         "codebook": next(n for n, c in CODEBOOK_NAMES.items() if c == default_cb),
     }
-    if cfg.get("num_nextn_predict_layers"):
+    if mtp_layer_count(cfg):
         qcfg["mtp_bits"] = rates["mtp_bits"]
     if "tie_word_embeddings" in cfg:
         cfg["tie_word_embeddings"] = (

@@ -4,12 +4,21 @@
 """MTP speculative decoding of an EXL3 checkpoint through vLLM, on a CUDA host where the
 built wheel (or the offline bundle) is installed; see scripts/e2e/README.md.
 
-Writes a synthetic DeepSeek-V3-layout EXL3 checkpoint with one MTP layer
-(`num_nextn_predict_layers: 1`: enorm, hnorm, EXL3 eh_proj, a whole MLA + MoE decoder
-layer, shared_head.norm; dims of the dsv3-tiny fixture, random weights) and its bf16
-twin (the same weights dequantized, plus the MTP layer's embed_tokens and
-shared_head.head that ExLlamaV3 does not store and vLLM's strict bf16 loader wants). For
-each model, vLLM with its defaults (torch.compile + CUDA graphs) runs greedy
+Writes a synthetic EXL3 checkpoint with one MTP layer and its bf16 twin (the same
+weights dequantized), by `--layout`:
+
+* `deepseek` (default): DeepSeek-V3's layout (`num_nextn_predict_layers: 1`: enorm,
+  hnorm, EXL3 eh_proj, a whole MLA + MoE decoder layer, shared_head.norm; dims of the
+  dsv3-tiny fixture, random weights); the twin also gets the MTP layer's embed_tokens
+  and shared_head.head, which ExLlamaV3 does not store and vLLM's strict bf16 loader
+  wants;
+* `qwen3-next`: Qwen3-Next's `mtp.` layout (`mtp_num_hidden_layers: 1`:
+  pre_fc_norm_hidden / pre_fc_norm_embedding, EXL3 fc, a gated-attention + MoE decoder
+  layer, mtp.norm; the qwen3-next-tiny preset: a Gated DeltaNet and an attention layer,
+  random weights), drafted by vLLM's Qwen3NextMTP, which loads the model's own
+  embedding and head.
+
+For each model, vLLM with its defaults (torch.compile + CUDA graphs) runs greedy
 continuations without and with MTP speculation
 (`speculative_config={"method": "mtp", "num_speculative_tokens": 1}`); the measure is
 how closely the speculative output agrees with the plain output of the same model. Pass:
@@ -17,7 +26,8 @@ EXL3's agreement is at least bf16's minus MTP_SLACK, and speculation actually dr
 tokens.
 
 Random weights make drafts mostly rejected; that does not matter, the measure is the
-output. Prints a compact table; writes mtp_e2e.json to --out (default $OUT).
+output. Prints a compact table; writes mtp_e2e.json (`--layout qwen3-next`:
+mtp_e2e-qwen3-next.json) to --out (default $OUT).
 """
 
 from __future__ import annotations
@@ -49,7 +59,9 @@ MLA_DIMS = {
     "qk_rope_head_dim": 64,
     "v_head_dim": 128,
 }
-LAYERS = 2  # one dense and one MoE decoder layer, then the MTP layer
+# Decoder layers before the MTP layer: deepseek, one dense and one MoE; qwen3-next, a
+# Gated DeltaNet and a gated-attention layer, both MoE.
+LAYERS = 2
 BITS, MTP_BITS, CODEBOOK = 4, 4, "mcg"
 SEED = 11
 SPEC_TOKENS = 1
@@ -70,7 +82,20 @@ SPEC_METRICS = (
 )
 
 
-def mtp_config() -> dict:
+DEEPSEEK, QWEN3_NEXT = "deepseek", "qwen3-next"
+LAYOUTS = (DEEPSEEK, QWEN3_NEXT)
+# The synthetic writer's Qwen3-Next preset (tests/synthetic_checkpoint.py).
+QWEN3_NEXT_PRESET = "qwen3-next-tiny"
+
+
+def mtp_config(layout: str = DEEPSEEK) -> dict:
+    if layout == QWEN3_NEXT:
+        sys.path.insert(0, str(fx.REPO / "tests"))
+        import synthetic_checkpoint as synth
+
+        cfg = synth.load_config(QWEN3_NEXT_PRESET)
+        cfg["mtp_num_hidden_layers"] = 1
+        return cfg
     cfg = json.loads(BASE_CONFIG.read_text())
     cfg.pop("quantization_config", None)
     cfg.update(DEEPSEEK_V3_ROUTING)
@@ -79,16 +104,22 @@ def mtp_config() -> dict:
     return cfg
 
 
-def write_checkpoints(work: Path) -> tuple[Path, Path]:
+def result_name(layout: str) -> str:
+    """The JSON's stem: the default layout keeps its historical name."""
+    return "mtp_e2e" if layout == DEEPSEEK else f"mtp_e2e-{layout}"
+
+
+def write_checkpoints(work: Path, layout: str = DEEPSEEK) -> tuple[Path, Path]:
     """(EXL3 checkpoint, bf16 twin) under work/, rewritten every time (seconds)."""
     sys.path.insert(0, str(fx.REPO / "tests"))
     import synthetic_checkpoint as synth
     from safetensors.torch import load_file, save_file
 
-    exl3, bf16 = work / "mtp-exl3", work / "mtp-bf16"
+    stem = "mtp" if layout == DEEPSEEK else f"mtp-{layout}"
+    exl3, bf16 = work / f"{stem}-exl3", work / f"{stem}-bf16"
     shutil.rmtree(exl3, ignore_errors=True)
     synth.write_checkpoint(
-        mtp_config(),
+        mtp_config(layout),
         exl3,
         bits=BITS,
         codebook=CODEBOOK,
@@ -100,6 +131,9 @@ def write_checkpoints(work: Path) -> tuple[Path, Path]:
     for f in (fx.FIXTURES / "tokenizer").iterdir():
         shutil.copy2(f, exl3 / f.name)
     dequantized_twin(exl3, bf16)
+    if layout == QWEN3_NEXT:
+        # Qwen3NextMTP loads the model's own embed_tokens and lm_head.
+        return exl3, bf16
     # vLLM's MTP layer owns an embedding and a head (shared with the target's in
     # DeepSeek-V3's own checkpoints, stored per layer there); the twin gets copies of
     # the model's.
@@ -217,7 +251,11 @@ def run(
             if got is not None:
                 runs.setdefault(kind, {})[stage] = got
                 fx.save_progress(
-                    getattr(args, "out", None), runs, errors, skipped, name="mtp_e2e"
+                    getattr(args, "out", None),
+                    runs,
+                    errors,
+                    skipped,
+                    name=result_name(getattr(args, "layout", DEEPSEEK)),
                 )
     summary, checks = judge(runs)
     return {
@@ -301,6 +339,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="which of exl3,bf16 to run, in order (default both)",
     )
     ap.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=DEEPSEEK,
+        help="MTP layout of the synthetic model: deepseek (model.layers.N, default) "
+        "or qwen3-next (mtp.*, drafted by Qwen3NextMTP)",
+    )
+    ap.add_argument(
         "--attention-backend",
         default=None,
         help="vLLM attention backend for every engine (default: vLLM's choice)",
@@ -328,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     env = fx.environment()
     fx.log(f"environment: {env}")
-    exl3, bf16 = write_checkpoints(args.work)
+    exl3, bf16 = write_checkpoints(args.work, args.layout)
     fx.log(f"checkpoints written ({time.monotonic() - t0:.1f} s)")
     paths = {"exl3": exl3, "bf16": bf16}
     result = run(args, prompts(), {m: paths[m] for m in args.models}, deadline)
@@ -336,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "seconds": round(time.monotonic() - t0, 1),
         "settings": {
-            "config": mtp_config(),
+            "layout": args.layout,
+            "config": mtp_config(args.layout),
             "layers": LAYERS,
             "bits": BITS,
             "mtp_bits": MTP_BITS,
@@ -355,9 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         **result,
     }
     text = json.dumps(result, indent=1)
-    (args.out / "mtp_e2e.json").write_text(text)
+    path = args.out / f"{result_name(args.layout)}.json"
+    path.write_text(text)
     print_table(result)
-    fx.log(f"wrote {args.out / 'mtp_e2e.json'} ({result['seconds']} s)")
+    fx.log(f"wrote {path} ({result['seconds']} s)")
     ok = (
         all(c["pass"] for c in result["checks"])
         and not result["skipped"]

@@ -15,11 +15,12 @@ GLM-4.5/4.6 MoE (q/k/v bias, optional q/k norms, DeepSeek-style routed + shared
 experts), Qwen3-Next (gated attention every full_attention_interval-th layer, Gated
 DeltaNet otherwise, MoE with a gated shared expert), DeepSeek-style MLA + MoE with
 shared experts and an MTP layer (`num_nextn_predict_layers`, the glm4_moe_lite MTP
-layout), and the DeepSeek-Sparse-Attention family on that body (DeepSeek-V3.2,
-GLM-5 `glm_moe_dsa`: `index_topk` in the config), whose indexer ExLlamaV3 stores as
-`self_attn.indexer.{wq_b (EXL3), wk, weights_proj (fp16, unpadded), k_norm (LayerNorm
-weight + bias)}` on the layers that score a selection. Anything else raises PlanError.
-Pure Python: no torch.
+layout), Qwen3-Next's MTP layers under `mtp.` (`mtp_num_hidden_layers`, the layout
+ExLlamaV3 stores for Qwen3.5 / 3.6), and the DeepSeek-Sparse-Attention family on that
+body (DeepSeek-V3.2, GLM-5 `glm_moe_dsa`: `index_topk` in the config), whose indexer
+ExLlamaV3 stores as `self_attn.indexer.{wq_b (EXL3), wk, weights_proj (fp16,
+unpadded), k_norm (LayerNorm weight + bias)}` on the layers that score a selection.
+Anything else raises PlanError. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -111,6 +112,15 @@ GATED_Q_TYPES = ("qwen3_next",)
 # DeltaNet linear attention (`linear_attn`, fused in_proj_qkvz and in_proj_ba as in the
 # HF checkpoint).
 GATED_DELTA_NET_TYPES = ("qwen3_next",)
+# Models whose MTP head is stored under `mtp.` (ExLlamaV3's qwen3_5_mtp layout, which
+# vLLM's Qwen3NextMTP / Qwen3_5MTP load): pre_fc_norm_hidden and pre_fc_norm_embedding,
+# an EXL3 fc (2 * hidden -> hidden), `mtp_num_hidden_layers` full-attention decoder
+# layers `mtp.layers.{i}`, and mtp.norm. The DeepSeek layout instead appends
+# `num_nextn_predict_layers` layers to model.layers.
+MTP_PREFIX_TYPES = ("qwen3_next",)
+MTP_PREFIX = "mtp."
+# config.json keys counting MTP layers: DeepSeek / GLM layout, `mtp.` layout.
+MTP_LAYER_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 # Mixtral: experts under block_sparse_moe, projections w1 (gate), w3 (up), w2 (down),
 # expert width = intermediate_size.
 MIXTRAL_TYPES = ("mixtral",)
@@ -553,12 +563,20 @@ def _is_linear_attention_layer(cfg: dict, idx: int) -> bool:
 
 
 def _decoder_layer(
-    plan: ModelPlan, cfg: dict, idx: int, bits_key: str, with_indexer: bool = False
+    plan: ModelPlan,
+    cfg: dict,
+    idx: int,
+    bits_key: str,
+    with_indexer: bool = False,
+    prefix: str | None = None,
 ) -> None:
+    """Decoder layer `idx` under `prefix` (default model.layers.{idx}); a layer under
+    another prefix (an MTP layer of the `mtp.` layout) is always full attention."""
     hidden = cfg["hidden_size"]
-    prefix = f"model.layers.{idx}"
+    main = prefix is None
+    prefix = prefix or f"model.layers.{idx}"
     plan.add_plain(f"{prefix}.input_layernorm.weight", (hidden,), "norm")
-    if _is_linear_attention_layer(cfg, idx):
+    if main and _is_linear_attention_layer(cfg, idx):
         _gated_delta_net(plan, cfg, f"{prefix}.linear_attn", hidden, bits_key)
     else:
         _attention(plan, cfg, f"{prefix}.self_attn", hidden, bits_key, with_indexer)
@@ -593,6 +611,29 @@ _UNSUPPORTED_KEYS = {
 }
 
 
+def mtp_layer_count(cfg: dict) -> int:
+    """How many MTP layers config.json declares (either key)."""
+    return sum(int(cfg.get(key) or 0) for key in MTP_LAYER_KEYS)
+
+
+def _prefix_mtp(plan: ModelPlan, cfg: dict, layers: int) -> None:
+    """The `mtp.` layout in ExLlamaV3's module order (qwen3_5_mtp: the input layer's
+    two norms and fc, the decoder layers, the final norm), every linear at mtp_bits.
+    ExLlamaV3 builds fc with pad_to=1; for a hidden size that is a multiple of 128
+    (every real one) that is the padded shape too."""
+    hidden = cfg["hidden_size"]
+    plan.add_plain(f"{MTP_PREFIX}pre_fc_norm_hidden.weight", (hidden,), "norm")
+    plan.add_plain(f"{MTP_PREFIX}pre_fc_norm_embedding.weight", (hidden,), "norm")
+    # vLLM builds fc as a ColumnParallelLinear gathering its output.
+    fc = f"{MTP_PREFIX}fc"
+    plan.add_linear(LinearSlot(fc, 2 * hidden, hidden, COLUMN, fc, bits_key="mtp_bits"))
+    for i in range(layers):
+        # vLLM numbers an MTP layer by its own index (mtp.layers.{i}), and so decides
+        # whether it is MoE.
+        _decoder_layer(plan, cfg, i, "mtp_bits", prefix=f"{MTP_PREFIX}layers.{i}")
+    plan.add_plain(f"{MTP_PREFIX}norm.weight", (hidden,), "norm")
+
+
 def plan_model(cfg: dict) -> ModelPlan:
     """The plan of a (text-only) decoder config; raises PlanError for what it does not
     know."""
@@ -610,9 +651,12 @@ def plan_model(cfg: dict) -> ModelPlan:
         raise PlanError(
             f"config.json: {UNSUPPORTED_MODEL_TYPES[cfg['model_type']]}; not supported"
         )
+    prefix_mtp = cfg.get("model_type") in MTP_PREFIX_TYPES
     for key, bad in _UNSUPPORTED_KEYS.items():
         if key == "layer_types" and cfg.get("model_type") in GATED_DELTA_NET_TYPES:
             continue  # linear-attention layers, placed by full_attention_interval
+        if key == "mtp_num_hidden_layers" and prefix_mtp:
+            continue  # the `mtp.` layout
         if key in cfg and bad(cfg[key]):
             raise PlanError(
                 f"config.json: {key}={cfg[key]!r} is not supported by the planner"
@@ -637,6 +681,12 @@ def plan_model(cfg: dict) -> ModelPlan:
         raise PlanError(
             "config.json: layer_types names DSA layers but there is no index_topk"
         )
+    if prefix_mtp and cfg.get("num_nextn_predict_layers"):
+        raise PlanError(
+            f"config.json: num_nextn_predict_layers for model type "
+            f"{cfg.get('model_type')!r}, whose MTP layers are stored under mtp. and "
+            "counted by mtp_num_hidden_layers"
+        )
     hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     plan = ModelPlan()
     plan.add_plain("model.embed_tokens.weight", (vocab, hidden), "embed")
@@ -647,6 +697,8 @@ def plan_model(cfg: dict) -> ModelPlan:
     plan.add_linear(
         LinearSlot("lm_head", hidden, vocab, VOCAB, "lm_head", bits_key="head_bits")
     )
+    if prefix_mtp and cfg.get("mtp_num_hidden_layers"):
+        _prefix_mtp(plan, cfg, int(cfg["mtp_num_hidden_layers"]))
     n_mtp = cfg.get("num_nextn_predict_layers") or 0
     first = cfg["num_hidden_layers"]
     if n_mtp:

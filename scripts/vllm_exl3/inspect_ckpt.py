@@ -23,6 +23,7 @@ from pathlib import Path
 from . import ToolError
 from .architecture import (
     COLUMN,
+    MTP_PREFIX,
     PAD,
     ROW,
     VOCAB,
@@ -393,6 +394,10 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dic
         present = {m["name"] for m in modules} | {u["name"] for u in unquantized}
         missing = [s.name for s in plan.linears if s.name not in present]
         missing += [p.name for p in plan.plain if p.name not in index]
+        if not any(name.startswith(MTP_PREFIX) for name in index):
+            # A conversion keeps `mtp.` layers only where the converter has an MTP
+            # model for the architecture; config.json still declares them.
+            missing = [name for name in missing if not name.startswith(MTP_PREFIX)]
         if missing:
             disagreements.append(
                 f"config.json implies modules missing from the checkpoint: "

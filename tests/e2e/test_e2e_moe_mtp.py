@@ -1057,3 +1057,39 @@ def test_sparse_mla_resume_runs_only_what_is_missing(monkeypatch, tmp_path):
     assert _dsa_run(monkeypatch, tmp_path, runs, argv=every)["calls"] == [
         "triton-dense"
     ]
+
+
+def test_qwen3_next_layout_checkpoints(tmp_path):
+    """--layout qwen3-next: the EXL3 checkpoint has the mtp. layers at mtp_bits, the
+    twin every tensor dequantized (fc at its real 2 x hidden -> hidden) and nothing
+    added (Qwen3NextMTP loads the model's own embedding and head); the default layout
+    keeps its JSON name."""
+    from safetensors.torch import load_file
+
+    assert mtp.parse_args([]).layout == mtp.DEEPSEEK
+    assert mtp.parse_args(["--layout", "qwen3-next"]).layout == mtp.QWEN3_NEXT
+    assert mtp.result_name(mtp.DEEPSEEK) == "mtp_e2e"
+    assert mtp.result_name(mtp.QWEN3_NEXT) == "mtp_e2e-qwen3-next"
+    exl3, bf16 = mtp.write_checkpoints(tmp_path, mtp.QWEN3_NEXT)
+    cfg = json.loads((exl3 / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_next" and cfg["mtp_num_hidden_layers"] == 1
+    assert cfg["quantization_config"]["mtp_bits"] == mtp.MTP_BITS
+    q = load_file(exl3 / "model.safetensors")
+    for module in (
+        "mtp.fc",
+        "mtp.layers.0.self_attn.q_proj",
+        "mtp.layers.0.mlp.experts.7.down_proj",
+        "mtp.layers.0.mlp.shared_expert.up_proj",
+    ):
+        assert f"{module}.trellis" in q, module
+    for norm in ("mtp.pre_fc_norm_hidden", "mtp.pre_fc_norm_embedding", "mtp.norm"):
+        assert q[f"{norm}.weight"].shape == (cfg["hidden_size"],), norm
+    w = load_file(bf16 / "model.safetensors")
+    assert not any(k.endswith((".trellis", ".suh", ".svh")) for k in w)
+    assert w["mtp.fc.weight"].shape == (cfg["hidden_size"], 2 * cfg["hidden_size"])
+    assert {k for k in w if k.startswith("mtp.")} == {
+        k.rpartition(".")[0] + ".weight" if k.endswith(".trellis") else k
+        for k in q
+        if k.startswith("mtp.") and not k.endswith((".suh", ".svh", ".mcg"))
+    }
+    assert not (bf16 / "model-mtp-shared.safetensors").exists()

@@ -143,23 +143,30 @@ def load_target_and_draft(ckpt_dir, monkeypatch, dtype: str = "float16"):
     from vllm.model_executor.model_loader import get_model_loader
 
     cpu_stand_ins(monkeypatch)
-    model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
-    speculative = SpeculativeConfig(
-        method="mtp",
-        num_speculative_tokens=1,
-        target_model_config=model_config,
-        target_parallel_config=ParallelConfig(),
-    )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        speculative_config=speculative,
-        device_config=DeviceConfig("cpu"),
-    )
-    loader = get_model_loader(vllm_config.load_config)
-    target = loader.load_model(vllm_config=vllm_config, model_config=model_config)
-    draft = loader.load_model(
-        vllm_config=vllm_config, model_config=speculative.draft_model_config
-    )
+    # vLLM's set_default_torch_dtype does not restore the default when loading raises
+    # (the tests of damaged MTP layers expect it to); a later test would build its
+    # model in the wrong dtype.
+    default_dtype = torch.get_default_dtype()
+    try:
+        model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
+        speculative = SpeculativeConfig(
+            method="mtp",
+            num_speculative_tokens=1,
+            target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            speculative_config=speculative,
+            device_config=DeviceConfig("cpu"),
+        )
+        loader = get_model_loader(vllm_config.load_config)
+        target = loader.load_model(vllm_config=vllm_config, model_config=model_config)
+        draft = loader.load_model(
+            vllm_config=vllm_config, model_config=speculative.draft_model_config
+        )
+    finally:
+        torch.set_default_dtype(default_dtype)
     return target, draft, vllm_config
 
 
@@ -241,18 +248,23 @@ def checkpoint_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     return named
 
 
-def moe_blocks(model) -> list[tuple[str, torch.nn.Module]]:
+def moe_blocks(model, checkpoint_name=None) -> list[tuple[str, torch.nn.Module]]:
     """(checkpoint prefix, block) of every MoE block: the modules holding an `experts`
-    runner."""
+    runner. `checkpoint_name` maps a module name to its checkpoint prefix where the
+    default rule (below) does not hold."""
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     out = []
     for name, module in model.named_modules():
-        if isinstance(getattr(module, "experts", None), MoERunner):
-            # An MTP draft nests its decoder layer as `mtp_block`; the checkpoint does
-            # not.
-            name = name.replace(".mtp_block", "")
-            out.append((name if name.startswith("model.") else f"model.{name}", module))
+        if not isinstance(getattr(module, "experts", None), MoERunner):
+            continue
+        if checkpoint_name is not None:
+            out.append((checkpoint_name(name), module))
+            continue
+        # An MTP draft nests its decoder layer as `mtp_block`; the checkpoint does
+        # not.
+        name = name.replace(".mtp_block", "")
+        out.append((name if name.startswith("model.") else f"model.{name}", module))
     return out
 
 
@@ -333,16 +345,18 @@ def block_oracle(
     return out
 
 
-def check_moe_blocks(ckpt: Path, model, vllm_config, seed: int = 0) -> int:
+def check_moe_blocks(
+    ckpt: Path, model, vllm_config, seed: int = 0, checkpoint_name=None
+) -> int:
     """Run every MoE block of `model` against the oracle; returns how many were
-    checked.
+    checked. `checkpoint_name`: as for moe_blocks.
     """
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
     cfg = json.loads((ckpt / "config.json").read_text())
     named = checkpoint_tensors(ckpt)
-    blocks = moe_blocks(model)
+    blocks = moe_blocks(model, checkpoint_name)
     dense = decoded_modules(ckpt, tuple(f"{prefix}." for prefix, _ in blocks))
     dtype = vllm_config.model_config.dtype
     gen = torch.Generator().manual_seed(seed)

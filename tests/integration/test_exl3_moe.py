@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import pytest
 import synthetic_checkpoint as synth
@@ -478,13 +479,56 @@ def _record_unloaded(monkeypatch, model_cls) -> set[str]:
     return unloaded
 
 
+# Relative max error of an fp16 EXL3 linear against x @ W in fp64 (fp16 inputs and
+# outputs); a wrong shard, column or scale is off by O(1).
+LINEAR_RTOL = 4e-3
+
+
+def check_exl3_linears(model, vllm_config, dense: dict, cfg: dict) -> set[str]:
+    """Every EXL3 linear of `model` (and its lm_head through compute_logits): y = x @ W
+    of its (fused) checkpoint modules decoded by reference, each cut to its real output
+    width. Returns the checkpoint modules checked."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
+
+    dtype = getattr(torch, MODEL_DTYPE)
+    gen = torch.Generator().manual_seed(5)
+    checked = set()
+    for name, layer in model.named_modules():
+        method = getattr(layer, "quant_method", None)
+        if not isinstance(method, Exl3LinearMethod):
+            continue
+        prefixes = [spec.prefix for spec in method.specs]
+        x = torch.randn(LAYER_TOKENS, layer.input_size, generator=gen)
+        with torch.no_grad():
+            y = layer(x.to(dtype))
+        y = y[0] if isinstance(y, tuple) else y
+        expected = torch.cat(
+            [
+                x.double() @ dense[p].double()[: layer.input_size, :width]
+                for p, width in zip(prefixes, layer.output_partition_sizes)
+            ],
+            dim=-1,
+        )
+        err = (y.double() - expected).abs().max().item()
+        assert torch.isfinite(y).all(), name
+        assert err <= LINEAR_RTOL * expected.abs().max().item(), f"{name}: {err:.3g}"
+        checked.update(prefixes)
+    x = torch.randn(LAYER_TOKENS, cfg["hidden_size"], generator=gen)
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        logits = model.compute_logits(x.to(dtype))
+    expected = x.double() @ dense["lm_head"].double()[:, : cfg["vocab_size"]]
+    err = (logits.double() - expected).abs().max().item()
+    assert err <= LINEAR_RTOL * expected.abs().max().item(), f"lm_head: {err:.3g}"
+    checked.add("lm_head")
+    return checked
+
+
 @pytest.mark.parametrize("arch", list(DSA_ARCHITECTURES))
 def test_dsa_checkpoint_loads(arch, tmp_path, monkeypatch, world1):
-    from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.quantization.exl3.checkpoint import (
         vllm_indexer_layers,
     )
-    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
     from vllm.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
 
     preset, codebook, bits, overrides = DSA_ARCHITECTURES[arch]
@@ -520,41 +564,12 @@ def test_dsa_checkpoint_loads(arch, tmp_path, monkeypatch, world1):
         == overrides["*.indexer.wq_b"]
     )
 
-    # Every EXL3 linear vLLM built: y = x @ W of its (fused) checkpoint modules, each
-    # cut to its real output width.
     dense = decoded_modules(ckpt)
-    dtype = getattr(torch, MODEL_DTYPE)
-    gen = torch.Generator().manual_seed(5)
-    checked = set()
-    for name, layer in model.named_modules():
-        method = getattr(layer, "quant_method", None)
-        if not isinstance(method, Exl3LinearMethod):
-            continue
-        prefixes = [spec.prefix for spec in method.specs]
-        x = torch.randn(LAYER_TOKENS, layer.input_size, generator=gen)
-        with torch.no_grad():
-            y = layer(x.to(dtype))[0]
-        expected = torch.cat(
-            [
-                x.double() @ dense[p].double()[: layer.input_size, :width]
-                for p, width in zip(prefixes, layer.output_partition_sizes)
-            ],
-            dim=-1,
-        )
-        err = (y.double() - expected).abs().max().item()
-        assert torch.isfinite(y).all(), name
-        assert err <= 4e-3 * expected.abs().max().item(), f"{name}: {err:.3g}"
-        checked.update(prefixes)
-    x = torch.randn(LAYER_TOKENS, cfg["hidden_size"], generator=gen)
-    with set_current_vllm_config(vllm_config), torch.no_grad():
-        logits = model.compute_logits(x.to(dtype))
-    expected = x.double() @ dense["lm_head"].double()[:, : cfg["vocab_size"]]
-    err = (logits.double() - expected).abs().max().item()
-    assert err <= 4e-3 * expected.abs().max().item(), f"lm_head: {err:.3g}"
-    checked.add("lm_head")
+    checked = check_exl3_linears(model, vllm_config, dense, cfg)
     exl3_linears = {p for p in dense if ".experts." not in p}
     assert checked == exl3_linears, sorted(exl3_linears ^ checked)
     assert any(".indexer.wq_b" in p for p in checked)
+    dtype = getattr(torch, MODEL_DTYPE)
 
     # The indexer's unquantized tensors and kv_b_proj, as stored (fp16 into an fp16
     # model: exact).
@@ -640,6 +655,280 @@ def test_mtp_draft_loads_exl3_layers(arch, tmp_path, monkeypatch, world1):
         wq_b = layer.mtp_block.self_attn.indexer.wq_b
         assert isinstance(wq_b.quant_method, Exl3LinearMethod)
         assert written[f"{mtp}.self_attn.indexer.wq_b"][0] == MTP_BITS
+
+
+# The `mtp.` MTP layout (Qwen3-Next, Qwen3.5 / 3.6: ExLlamaV3's qwen3_5_mtp) with EXL3
+# layers: pre_fc_norm_hidden / pre_fc_norm_embedding, an EXL3 fc (2 * hidden ->
+# hidden), a full-attention decoder layer (gated q, q/k norms) with MoE and a gated
+# shared expert, mtp.norm. Target (Qwen3NextForCausalLM) and draft (Qwen3NextMTP) come
+# from one VllmConfig and share its Exl3Config: vLLM names the draft's modules mtp.*,
+# as the checkpoint names the tensors, so they resolve exactly and never to a target
+# layer (whose names carry no mtp segment).
+
+# ExLlamaV3's module order for one MTP layer of this layout (qwen3_5_mtp.py: the input
+# layer's norms and fc, the decoder layer, the final norm): the tensor_storage order.
+NEXT_MTP_MODULES = (
+    "mtp.pre_fc_norm_hidden",
+    "mtp.pre_fc_norm_embedding",
+    "mtp.fc",
+    "mtp.layers.0.input_layernorm",
+    "mtp.layers.0.self_attn.q_proj",
+    "mtp.layers.0.self_attn.k_proj",
+    "mtp.layers.0.self_attn.v_proj",
+    "mtp.layers.0.self_attn.o_proj",
+    "mtp.layers.0.self_attn.q_norm",
+    "mtp.layers.0.self_attn.k_norm",
+    "mtp.layers.0.post_attention_layernorm",
+    "mtp.layers.0.mlp.gate",
+)
+# One draft expert at another rate: the draft's per-expert rate table is exercised too.
+NEXT_MTP_OVERRIDES = {"mtp.layers.0.mlp.experts.2.*": 3}
+
+
+def write_next_mtp(out, **kwargs) -> dict:
+    preset, codebook, bits, overrides = ARCHITECTURES["qwen3-next"]
+    cfg = synth.load_config(preset)
+    cfg["mtp_num_hidden_layers"] = 1
+    written = synth.write_checkpoint(
+        cfg,
+        out,
+        bits=bits,
+        codebook=codebook,
+        mtp_bits=MTP_BITS,
+        bits_overrides={**NEXT_MTP_OVERRIDES, **overrides},
+        layers=LAYERS,
+        seed=21,
+        **kwargs,
+    )
+    link_tokenizer(out)
+    return written
+
+
+def test_qwen3_next_mtp_draft_loads_exl3_layers(tmp_path, monkeypatch, world1):
+    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
+    from vllm.model_executor.layers.quantization.exl3.moe import Exl3MoEMethod
+    from vllm.model_executor.models.qwen3_next_mtp import Qwen3NextMTP
+
+    ckpt = tmp_path / "qwen3-next-mtp"
+    written = write_next_mtp(ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["quantization_config"]["mtp_bits"] == MTP_BITS
+    storage = json.loads((ckpt / "quantization_config.json").read_text())
+    stored = [k for k in storage["tensor_storage"] if k.startswith("mtp.")]
+    assert tuple(stored[: len(NEXT_MTP_MODULES)]) == NEXT_MTP_MODULES, stored
+    assert stored[-1] == "mtp.norm"
+    for module in ("mtp.fc", "mtp.layers.0.self_attn.q_proj"):
+        assert written[module][0] == MTP_BITS, module
+    assert written["mtp.layers.0.mlp.experts.2.up_proj"][0] == 3
+    assert written["mtp.layers.0.mlp.shared_expert.down_proj"][0] == MTP_BITS
+
+    unloaded = _record_unloaded(monkeypatch, Qwen3NextMTP)
+    target, draft, vllm_config = load_target_and_draft(ckpt, monkeypatch, MODEL_DTYPE)
+    # Every draft parameter written (the routed experts' are reported under the
+    # runner's name; the EXL3 MoE method checks every expert tensor arrived); a
+    # checkpoint mtp.* tensor with no destination would have failed the draft's loader
+    # by name.
+    unloaded = {n for n in unloaded if ".routed_experts." not in n}
+    assert isinstance(draft, Qwen3NextMTP) and unloaded == set(), sorted(unloaded)
+    mtp = draft.model
+    assert [s.prefix for s in mtp.fc.quant_method.specs] == ["mtp.fc"]
+    layer = mtp.layers[0]
+    draft_moe = layer.mlp.experts.routed_experts
+    assert isinstance(draft_moe.quant_method, Exl3MoEMethod)
+    # The draft's per-expert rate table (the body's overrides match its experts too).
+    rates = {
+        2 * written[f"mtp.layers.0.mlp.experts.{e}.{proj}"][0]
+        for e in range(cfg["num_experts"])
+        for proj in ("gate_proj", "up_proj")
+    }
+    assert set(draft_moe.w13_meta[..., 1].flatten().tolist()) == rates
+    assert {2 * MTP_BITS, 2 * 3} < rates
+    # One quant config, no collision: the draft's attention and MoE layers registered
+    # next to the target's under their own names, every layer resolved to its own
+    # checkpoint modules.
+    names = vllm_config.compilation_config.static_forward_context
+    for name in (
+        "mtp.layers.0.mlp.experts",
+        "mtp.layers.0.self_attn.attn",
+        "model.layers.0.mlp.experts",
+        "model.layers.1.self_attn.attn",
+    ):
+        assert name in names, name
+    assert draft_moe is not target.model.layers[0].mlp.experts.routed_experts
+    for model, inside in ((target, False), (draft, True)):
+        for name, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, Exl3LinearMethod):
+                for spec in method.specs:
+                    assert spec.prefix.startswith("mtp.") == inside, (name, spec)
+
+    # The draft's EXL3 linears (fc, qkv with the output gate, o, the shared expert, the
+    # head it loads) against the reference decode, its MoE block against the oracle,
+    # its norms as stored.
+    dense = decoded_modules(ckpt)
+    checked = check_exl3_linears(draft, vllm_config, dense, cfg)
+    expected = {p for p in dense if p.startswith("mtp.") and ".experts." not in p}
+    assert checked == expected | {"lm_head"}, sorted(checked ^ (expected | {"lm_head"}))
+    assert (
+        check_moe_blocks(
+            ckpt,
+            draft,
+            vllm_config,
+            checkpoint_name=lambda n: "mtp." + n.removeprefix("model."),
+        )
+        == 1
+    )
+    named = checkpoint_tensors(ckpt)
+    norms = {
+        "mtp.pre_fc_norm_hidden": mtp.pre_fc_norm_hidden,
+        "mtp.pre_fc_norm_embedding": mtp.pre_fc_norm_embedding,
+        "mtp.norm": mtp.norm,
+        "mtp.layers.0.input_layernorm": layer.input_layernorm,
+        "mtp.layers.0.post_attention_layernorm": layer.post_attention_layernorm,
+        "mtp.layers.0.self_attn.q_norm": layer.self_attn.q_norm,
+        "mtp.layers.0.self_attn.k_norm": layer.self_attn.k_norm,
+    }
+    for name, norm in norms.items():
+        assert torch.equal(norm.weight.float(), named[f"{name}.weight"].float()), name
+
+
+def _edit_tensors(ckpt, edit) -> None:
+    """Rewrite the (single-file) checkpoint's tensors through `edit(dict)`."""
+    from safetensors.torch import save_file
+
+    path = ckpt / "model.safetensors"
+    named = load_file(str(path))
+    edit(named)
+    save_file(named, str(path), metadata={"format": "pt"})
+
+
+def _drop(*prefixes):
+    def edit(named):
+        gone = [k for k in named if k.startswith(prefixes)]
+        assert gone, prefixes
+        for k in gone:
+            del named[k]
+
+    return edit
+
+
+def _wider_fc(named):
+    from vllm_exl3.architecture import LinearSlot
+
+    for k in [k for k in named if k.startswith("mtp.fc.")]:
+        del named[k]
+    slot = LinearSlot("mtp.fc", 512, 256 + 128, "column", "mtp.fc")
+    gen = torch.Generator().manual_seed(0)
+    named.update(
+        synth._exl3_tensors(slot, MTP_BITS, synth.fmt.Codebook.MUL1, False, gen)
+    )
+
+
+def _extra_layer(named):
+    named["mtp.layers.1.input_layernorm.weight"] = named[
+        "mtp.layers.0.input_layernorm.weight"
+    ].clone()
+
+
+# (edit of the checkpoint, the message the validator's first problem starts with)
+BAD_NEXT_MTP = {
+    "missing-norm": (
+        _drop("mtp.pre_fc_norm_embedding."),
+        r"mtp\.pre_fc_norm_embedding\.weight: missing",
+    ),
+    "missing-linear": (
+        _drop("mtp.layers.0.self_attn.k_proj."),
+        r"mtp\.layers\.0\.self_attn\.k_proj: missing",
+    ),
+    "missing-expert": (
+        _drop("mtp.layers.0.mlp.experts.5."),
+        r"mtp\.layers\.0\.mlp\.experts\.5: missing",
+    ),
+    "fc-shape": (_wider_fc, r"mtp\.fc\.trellis: stored k x n = 512 x 384"),
+    "norm-shape": (
+        lambda named: named.update(
+            {"mtp.norm.weight": named["mtp.norm.weight"].repeat(2)}
+        ),
+        r"mtp\.norm\.weight: shape \[512\]",
+    ),
+    "extra-layer": (_extra_layer, r"mtp\.layers\.1: stored"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_NEXT_MTP))
+def test_qwen3_next_mtp_damage_is_named(case, tmp_path):
+    from vllm.model_executor.layers.quantization.exl3.checkpoint import (
+        validate_checkpoint,
+    )
+    from vllm.model_executor.layers.quantization.exl3.checkpoint_files import (
+        Exl3FormatError,
+    )
+
+    edit, message = BAD_NEXT_MTP[case]
+    ckpt = tmp_path / case
+    write_next_mtp(ckpt)
+    validate_checkpoint(ckpt)  # as written: valid
+    _edit_tensors(ckpt, edit)
+    with pytest.raises(Exl3FormatError, match="^" + message):
+        validate_checkpoint(ckpt)
+
+
+def test_qwen3_next_mtp_fails_closed_in_vllm(tmp_path, monkeypatch, world1):
+    """Through vLLM's loader: a missing MTP tensor stops ModelConfig; an expert whose
+    rate quantization_config.json does not claim, or an mtp.* tensor nothing in the
+    draft claims, stops the draft (the target, sharing the config, loads); a conversion
+    without MTP layers loads the target and names the first draft layer."""
+    from vllm.model_executor.layers.quantization.exl3.checkpoint_files import (
+        Exl3FormatError,
+    )
+    from vllm.model_executor.layers.quantization.exl3.layout import Exl3LayoutError
+
+    missing = tmp_path / "missing"
+    write_next_mtp(missing)
+    _edit_tensors(missing, _drop("mtp.layers.0.mlp.shared_expert_gate."))
+    # VllmConfig's validation wraps the checkpoint's Exl3FormatError (a ValueError).
+    with pytest.raises(
+        ValueError, match=r"mtp\.layers\.0\.mlp\.shared_expert_gate: missing"
+    ):
+        load_target_and_draft(missing, monkeypatch, MODEL_DTYPE)
+
+    unclaimed = tmp_path / "unclaimed"
+    write_next_mtp(unclaimed)
+    doc_path = unclaimed / "quantization_config.json"
+    doc = json.loads(doc_path.read_text())
+    expert = "mtp.layers.0.mlp.experts.1.down_proj"
+    doc["tensor_storage"][expert]["bits_per_weight"] = MTP_BITS + 1
+    doc_path.write_text(json.dumps(doc))
+    with pytest.raises(
+        Exl3LayoutError,
+        match=rf"EXL3 {re.escape(expert)}\.trellis: {MTP_BITS}(\.0)? bits per weight.*"
+        rf"claims {MTP_BITS + 1}",
+    ):
+        load_target_and_draft(unclaimed, monkeypatch, MODEL_DTYPE)
+
+    extra = tmp_path / "extra"
+    write_next_mtp(extra)
+    _edit_tensors(
+        extra,
+        lambda named: named.update(
+            {"mtp.layers.0.self_attn.bogus.weight": named["mtp.norm.weight"].clone()}
+        ),
+    )
+    # The draft's loader names it after its own module tree (mtp. -> model.).
+    with pytest.raises(
+        ValueError, match=r"no module or parameter named 'layers\.0\.self_attn\.bogus'"
+    ):
+        load_target_and_draft(extra, monkeypatch, MODEL_DTYPE)
+
+    bare = tmp_path / "bare"
+    write_next_mtp(bare, mtp=False)
+    cfg = json.loads((bare / "config.json").read_text())
+    cfg["mtp_num_hidden_layers"] = 1
+    (bare / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        Exl3FormatError, match=r"^mtp\.fc: missing: the checkpoint stores no MTP layers"
+    ):
+        load_target_and_draft(bare, monkeypatch, MODEL_DTYPE)
 
 
 # EXL3 MoE across two ranks on CPU (two spawned processes, one gloo world):

@@ -554,3 +554,29 @@ def test_tp2_every_owned_parameter_written_once(tmp_path, vllm_world):
                 assert phrase.format(rank=rank) in message, (
                     f"{case} rank {rank}: {message}"
                 )
+
+
+def test_qwen3_next_mtp_layers_in_the_tools(tmp_path):
+    """Qwen3-Next's `mtp.` layers: `inspect` plans them (the MTP group at mtp_bits,
+    nothing missing or unplanned); a conversion without them, config.json still
+    declaring mtp_num_hidden_layers as ExLlamaV3 leaves it, is complete for `inspect`
+    and the validator alike (it loads without a draft)."""
+    import synthetic_checkpoint as synth
+    from vllm.model_executor.layers.quantization.exl3.checkpoint import (
+        validate_checkpoint,
+    )
+    from vllm_exl3.inspect_ckpt import inspect_checkpoint
+
+    cfg = {**synth.load_config("qwen3-next-tiny"), "mtp_num_hidden_layers": 1}
+    full, bare = tmp_path / "mtp", tmp_path / "bare"
+    written = synth.write_checkpoint(cfg, full, bits=3, mtp_bits=5)
+    assert written["mtp.fc"] == (5, synth.fmt.Codebook.MUL1)
+    report = inspect_checkpoint(full)
+    assert report["disagreements"] == [] and report["errors"] == [], report
+    assert "mtp.fc" in {m["name"] for m in report["modules"]}
+    assert "mtp.fc" in validate_checkpoint(full).modules
+    synth.write_checkpoint(cfg, bare, bits=3, mtp=False)
+    edit_json(bare / "config.json", lambda c: c.update(mtp_num_hidden_layers=1))
+    report = inspect_checkpoint(bare)
+    assert report["disagreements"] == [] and report["errors"] == [], report
+    assert not any(m.startswith("mtp.") for m in validate_checkpoint(bare).modules)

@@ -76,6 +76,19 @@ GATED_ATTENTION = (
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 FINAL_NORMS = ("model.norm", "model.language_model.norm", "language_model.model.norm")
 
+# The `mtp.` MTP layout (Qwen3-Next, Qwen3.5 / 3.6: ExLlamaV3's qwen3_5_mtp, vLLM's
+# Qwen3NextMTP / Qwen3_5MTP / Qwen3_5MoeMTP): two input norms, fc (2 * hidden ->
+# hidden), full-attention decoder layers mtp.layers.{i} and mtp.norm, nothing else.
+# ExLlamaV3 stores them only where its architecture has an MTP model (Qwen3.5 / 3.6
+# multimodal, not Qwen3-Next or the text-only classes); such a checkpoint loads without
+# its draft.
+MTP_PREFIX = "mtp."
+MTP_PREFIX_TYPES = GATED_ATTENTION
+MTP_FC = "mtp.fc"
+MTP_HIDDEN_NORMS = ("mtp.pre_fc_norm_hidden", "mtp.pre_fc_norm_embedding", "mtp.norm")
+MTP_HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+MTP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
 # The DSA lightning indexer under an MLA layer (DeepSeek-V3.2, GLM-5): vLLM 0.26
 # builds wq_b with the quant config and wk + weights_proj as one unquantized GEMM
 # (`wk_weights_proj`, quant_config=None), so only wq_b may be EXL3, as ExLlamaV3 stores
@@ -295,6 +308,8 @@ def implied_dims(cfg: Mapping[str, Any], name: str) -> tuple[int, int, str] | No
             "v_proj": (hidden, kv),
             "o_proj": (q, hidden),
         }[leaf] + (keys,)
+    if name == MTP_FC:
+        return 2 * hidden, hidden, "hidden_size: 2 x hidden_size -> hidden_size"
     if leaf == "wq_b" and ".indexer." in name:
         q_rank, heads = _int(cfg, "q_lora_rank"), _int(cfg, "index_n_heads")
         head_dim = _int(cfg, "index_head_dim")
@@ -503,6 +518,111 @@ def _indexer_problems(
     return problems
 
 
+def prefix_mtp_layers(cfg: Mapping[str, Any]) -> int:
+    """MTP layers of the `mtp.` layout config.json declares (0 for other models)."""
+    if cfg.get("model_type") not in MTP_PREFIX_TYPES:
+        return 0
+    return sum(_int(cfg, k) or 0 for k in MTP_LAYER_KEYS)
+
+
+def is_mtp_module(cfg: Mapping[str, Any], name: str) -> bool:
+    """Whether a module belongs to the MTP layers: under `mtp.`, or a decoder layer
+    past num_hidden_layers (the DeepSeek / GLM layout)."""
+    if name.startswith(MTP_PREFIX):
+        return True
+    layers = _int(cfg, "num_hidden_layers")
+    m = _LAYER.match(name)
+    return bool(
+        m
+        and layers
+        and m.group("base") != "mtp.layers"
+        and int(m.group("index")) >= layers
+    )
+
+
+def _is_moe_mtp_layer(cfg: Mapping[str, Any], index: int) -> bool:
+    """Whether vLLM builds MTP layer `index` with routed experts (Qwen3NextDecoderLayer
+    numbers it by its own index)."""
+    if expert_count(cfg) is None or index in (cfg.get("mlp_only_layers") or []):
+        return False
+    return (index + 1) % (_int(cfg, "decoder_sparse_step") or 1) == 0
+
+
+def _prefix_mtp_problems(
+    cfg: Mapping[str, Any],
+    tensors: Mapping[str, TensorEntry],
+    specs: Mapping[str, Exl3ModuleSpec],
+) -> list[str]:
+    """The `mtp.` layout, when the conversion stores it: every tensor vLLM's MTP draft
+    loads present (a linear as EXL3 or as an unquantized .weight), the norms at their
+    config.json lengths, no layer beyond the declared count. Projection shapes are the
+    dims rules' (implied_dims)."""
+    stored = sorted(n for n in tensors if n.startswith(MTP_PREFIX))
+    if not stored:
+        return []
+    layers = prefix_mtp_layers(cfg)
+    if layers == 0:
+        return [
+            f"{stored[0]}: stored, but config.json declares no MTP layers "
+            f"({' / '.join(MTP_LAYER_KEYS)}) for model type "
+            f"{cfg.get('model_type')!r} (is config.json from another model?)"
+        ]
+    hidden, heads = _int(cfg, "hidden_size"), _int(cfg, "num_attention_heads")
+    head_dim = _int(cfg, "head_dim") or (hidden // heads if hidden and heads else None)
+    norms = {name: hidden for name in MTP_HIDDEN_NORMS}
+    linears = [MTP_FC]
+    for i in range(layers):
+        layer = f"mtp.layers.{i}"
+        norms.update({f"{layer}.{n}": hidden for n in LAYER_NORMS})
+        norms.update({f"{layer}.{n}": head_dim for n in MTP_HEAD_NORMS})
+        linears += [f"{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+        linears.append(f"{layer}.self_attn.o_proj")
+        if not _is_moe_mtp_layer(cfg, i):
+            linears += [f"{layer}.mlp.{p}" for p in MTP_PROJECTIONS]
+            continue
+        linears.append(f"{layer}.mlp.gate")
+        for e in range(expert_count(cfg) or 0):
+            linears += [f"{layer}.mlp.experts.{e}.{p}" for p in MTP_PROJECTIONS]
+        if _int(cfg, "shared_expert_intermediate_size"):
+            linears += [f"{layer}.mlp.shared_expert.{p}" for p in MTP_PROJECTIONS]
+            linears.append(f"{layer}.mlp.shared_expert_gate")
+    problems = []
+    declared = f"config.json {' / '.join(k for k in MTP_LAYER_KEYS if k in cfg)}"
+    for module in linears:
+        if module not in specs and f"{module}.weight" not in tensors:
+            problems.append(
+                f"{module}: missing (no {module}.trellis or {module}.weight), but the "
+                f"checkpoint stores MTP layers ({declared} = {layers}) and vLLM's MTP "
+                "draft loads it"
+            )
+    for name, length in norms.items():
+        entry = tensors.get(f"{name}.weight")
+        if entry is None:
+            problems.append(
+                f"{name}.weight: missing, but the checkpoint stores MTP layers "
+                f"({declared} = {layers}) and vLLM's MTP draft loads it"
+            )
+        elif length and tuple(entry.shape) != (length,):
+            problems.append(
+                f"{name}.weight: shape {list(entry.shape)}, but config.json implies "
+                f"[{length}] (hidden_size / head_dim)"
+            )
+    beyond = sorted(
+        {
+            int(m.group("index"))
+            for n in stored
+            if (m := _LAYER.match(n)) and m.group("base") == "mtp.layers"
+        }
+        - set(range(layers))
+    )
+    if beyond:
+        problems.append(
+            f"mtp.layers.{beyond[0]}: stored, but {declared} = {layers} (vLLM's MTP "
+            "draft would not load it)"
+        )
+    return problems
+
+
 def _expert_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
     count = expert_count(cfg)
     stored = expert_ids(names)
@@ -664,6 +784,7 @@ def config_problems(
     problems += _layer_problems(cfg, names)
     problems += _expert_problems(cfg, names)
     problems += _indexer_problems(cfg, tensors, specs)
+    problems += _prefix_mtp_problems(cfg, tensors, specs)
     for module, spec in sorted(specs.items()):
         found = _dims_problem(
             cfg,
@@ -743,7 +864,14 @@ def declared_disagreements(
                 f"{head}: config.json quantization_config.head_bits = {head_bits}, but "
                 f"{head}.trellis holds {specs[head].bits} bits; the tensors decide"
             )
-        body = [s for m, s in specs.items() if m.rpartition(".")[2] != "lm_head"]
+        # ExLlamaV3's `bits` averages the main budget: the head and the MTP layers
+        # have their own rates outside it.
+        body = [
+            s
+            for m, s in specs.items()
+            if m.rpartition(".")[2] != "lm_head"
+            and not is_mtp_module(text_config(config or {}), m)
+        ]
         bits = block.get("bits")
         if body and isinstance(bits, (int, float)):
             weights = sum(s.in_features * s.out_features for s in body)

@@ -27,8 +27,8 @@ from vllm.model_executor.layers.quantization.base_config import (
     QuantizeMethodBase,
 )
 
-from .checkpoint import storage_claims, validate_checkpoint
-from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX
+from .checkpoint import MTP_PREFIX, storage_claims, validate_checkpoint
+from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX, Exl3FormatError
 from .env_compat import adopt_deprecated_env_names
 from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
 from .layout import Exl3LayoutError
@@ -322,6 +322,10 @@ class Exl3Config(QuantizationConfig):
         # One per model (per rank): every EXL3- and padding-owned tensor written
         # exactly once.
         self.ledger = LoadLedger()
+        # Whether the checkpoint stores `mtp.` MTP layers (None: not described yet). The
+        # target and its MTP draft share this config; the draft's layers resolve to
+        # those tensors by their own names (mtp.fc, mtp.layers.0...).
+        self.mtp_stored: bool | None = None
 
     def __repr__(self) -> str:
         described = (
@@ -368,6 +372,7 @@ class Exl3Config(QuantizationConfig):
             self.claims = (
                 storage_claims(storage) if isinstance(storage, Mapping) else {}
             )
+            self.mtp_stored = any(n.startswith(MTP_PREFIX) for n in description.tensors)
             self.set_checkpoint(description.modules, description.unsupported)
             return
         storage = self.tensor_storage
@@ -379,6 +384,8 @@ class Exl3Config(QuantizationConfig):
             get_safetensors_params_metadata(model_name, revision=revision)
         )
         self.claims = storage_claims(storage) if storage else {}
+        if headers:
+            self.mtp_stored = any(n.startswith(MTP_PREFIX) for n in headers)
         self.set_checkpoint(*describe_checkpoint(headers, storage, str(model_name)))
 
     def set_checkpoint(
@@ -452,6 +459,14 @@ class Exl3Config(QuantizationConfig):
                 "Exl3Config.get_quant_method called before maybe_update_config "
                 "described the "
                 "checkpoint's modules"
+            )
+        if prefix.startswith(MTP_PREFIX) and self.mtp_stored is False:
+            raise Exl3FormatError(
+                f"{prefix}: missing: the checkpoint stores no MTP layers (no "
+                f"{MTP_PREFIX}* tensor; ExLlamaV3 keeps them only where its "
+                "architecture has an MTP model, e.g. Qwen3.5 / 3.6 multimodal, not "
+                "Qwen3-Next), so the MTP draft cannot be built from it; run without "
+                "speculative_config method 'mtp'"
             )
         if isinstance(layer, LinearBase):
             specs = self.linear_specs(prefix, len(layer.output_partition_sizes))
