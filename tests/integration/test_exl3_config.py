@@ -645,7 +645,9 @@ def test_mixed_shards_become_runs_in_flat_storage():
 
 def test_shard_count_mismatch_is_an_error():
     with pytest.raises(
-        Exl3LayoutError, match="3 output shards but 2 checkpoint modules"
+        Exl3LayoutError,
+        match=r"2 checkpoint modules \(q: n=256, k: n=128\) for 3 output shards of "
+        r"widths \[256, 128, 128\]: no cut",
     ):
         plan_linear(
             "qkv",

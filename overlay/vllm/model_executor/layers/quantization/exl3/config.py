@@ -413,8 +413,8 @@ class Exl3Config(QuantizationConfig):
         return key
 
     def linear_specs(self, prefix: str, num_shards: int) -> list[Exl3ModuleSpec] | None:
-        """The EXL3 modules of a (fused) linear in shard order, or None if it is not
-        EXL3."""
+        """The EXL3 modules of a (fused) linear in shard order (one per output shard,
+        or fewer: layout.module_spans), or None if it is not EXL3."""
         assert self.modules is not None
         direct = self._resolve(prefix)
         if direct is not None:
@@ -438,11 +438,8 @@ class Exl3Config(QuantizationConfig):
                 "set "
                 f"VLLM_EXL3_DEBUG_NAMES=1 to see how names resolve"
             )
-        if len(keys) != num_shards:
-            raise Exl3LayoutError(
-                f"EXL3 {prefix}: {len(keys)} checkpoint modules for {num_shards} "
-                "output shards"
-            )
+        # A module may cover several consecutive shards (Qwen3.5's in_proj_qkv);
+        # layout.module_spans decides which, from the stored widths.
         return [self.modules[k] for k in keys]
 
     def get_quant_method(

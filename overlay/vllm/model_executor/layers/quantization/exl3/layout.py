@@ -2,8 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Where the checkpoint tensors of one EXL3 layer land on this tensor-parallel rank.
 
-A layer is one or more shards (q/k/v, gate/up) of one input. Its parameters hold, per
-rank:
+A layer is one or more shards (q/k/v, gate/up) of one input. Each checkpoint module
+covers one shard or several consecutive ones (Qwen3.5's `in_proj_qkv` is shards q, k
+and v of vLLM's `in_proj_qkvz`): a covered shard is a column range of its module, and
+a shard is a shard whichever module it comes from. Its parameters hold, per rank:
 
 * `trellis` int16: the shards side by side along n, `[k_alloc/16, n_alloc/16, 16K]` when
   every shard has the same bitrate and codebook; otherwise a flat int16 buffer holding
@@ -19,8 +21,11 @@ precomputed column index gathers what vLLM receives. A row split of k must fall 
 multiple of 128 (x is split there; no window can help). What a rank allocates beyond the
 checkpoint (vLLM-added head/vocab padding, or the tail of a dim vLLM does not round) is
 zero-filled with `svh = 0` / `suh = 0`, which makes it contribute exactly zero whatever
-the trellis holds there. Violations are errors naming the module, the rank and the
-numbers.
+the trellis holds there. A module covering several shards gives each of them its window
+of the module's columns (the shard's offset inside the module plus the rank's start), so
+a shard boundary inside a 128-block costs a recomputed block, never a wrong column; each
+covered shard gets its own copy of the module's `suh` row. Violations are errors naming
+the module, the rank and the numbers.
 """
 
 from collections.abc import Sequence
@@ -76,6 +81,7 @@ class ShardLayout:
     real_cols: (
         int  # checkpoint columns that are real outputs; svh is forced to 0 from here on
     )
+    module: int = 0  # index of the checkpoint module this shard is a column range of
 
     @property
     def copy_cols(self) -> int:
@@ -152,6 +158,10 @@ class Exl3Layout:
         """Checkpoint input rows that exist inside this rank's allocation."""
         return max(0, min(self.k_alloc, shard.ckpt_rows - self.src_row))
 
+    def module_shards(self, module: int) -> tuple[int, ...]:
+        """The shards (consecutive) that checkpoint module `module` covers."""
+        return tuple(i for i, s in enumerate(self.shards) if s.module == module)
+
     def run_of(self, shard_index: int) -> KernelRun:
         for run in self.runs:
             if run.first <= shard_index < run.stop:
@@ -189,7 +199,11 @@ def _runs(k_alloc: int, shards: Sequence[ShardLayout]) -> tuple[KernelRun, ...]:
 
 
 def _shard(
-    spec: Exl3ModuleSpec, window: ColumnWindow, col: int, real_cols: int
+    spec: Exl3ModuleSpec,
+    window: ColumnWindow,
+    col: int,
+    real_cols: int,
+    module: int = 0,
 ) -> ShardLayout:
     return ShardLayout(
         spec.prefix,
@@ -203,6 +217,7 @@ def _shard(
         window.keep,
         window.width,
         real_cols,
+        module,
     )
 
 
@@ -228,6 +243,55 @@ def _check_fits(
         )
 
 
+def _compositions(total: int, parts: int):
+    """Every way to cut `total` consecutive shards into `parts` non-empty runs."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in _compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
+def module_spans(
+    prefix: str, specs: Sequence[Exl3ModuleSpec], totals: Sequence[int]
+) -> tuple[int, ...]:
+    """How many consecutive output shards each checkpoint module covers.
+
+    One module per shard when the counts agree. With fewer modules than shards, a
+    module covers the shards whose full widths (`totals`, all ranks) add up to its
+    stored n once padded to 128, the way the format pads one projection; exactly one
+    such cut must exist. The model's loader then names the shards of each module (a
+    tuple shard id), and weights.py holds it to this cut.
+    """
+    if len(specs) == len(totals):
+        return (1,) * len(specs)
+    if len(specs) > len(totals):
+        raise Exl3LayoutError(
+            f"EXL3 {prefix}: {len(specs)} checkpoint modules for {len(totals)} output "
+            f"shards ({', '.join(s.prefix for s in specs)})"
+        )
+    cuts = []
+    for spans in _compositions(len(totals), len(specs)):
+        first, fits = 0, True
+        for spec, span in zip(specs, spans):
+            covered = sum(totals[first : first + span])
+            fits = fits and round_up(covered, HADAMARD_SIZE) == spec.out_features
+            first += span
+        if fits:
+            cuts.append(spans)
+    if len(cuts) != 1:
+        stored = ", ".join(f"{s.prefix}: n={s.out_features}" for s in specs)
+        why = "no" if not cuts else f"{len(cuts)} ways (ambiguous), not exactly one"
+        raise Exl3LayoutError(
+            f"EXL3 {prefix}: {len(specs)} checkpoint modules ({stored}) for "
+            f"{len(totals)} output shards of widths {list(totals)}: {why} cut of the "
+            f"shards into consecutive runs matches the stored widths (padded to "
+            f"{HADAMARD_SIZE})"
+        )
+    return cuts[0]
+
+
 def plan_linear(
     prefix: str,
     specs: Sequence[Exl3ModuleSpec],
@@ -241,21 +305,21 @@ def plan_linear(
 ) -> Exl3Layout:
     """Layout of a (fused) linear on one rank.
 
-    `k_width`/`widths` are vLLM's per-rank input features and per-shard output features;
-    `kv_replicas[s]` is how many ranks share shard s's slice (QKV's replicated KV
-    heads).
+    `specs` are the checkpoint modules in shard order, each covering one output shard
+    or several consecutive ones (`module_spans`); `k_width`/`widths` are vLLM's per-rank
+    input features and per-shard output features; `kv_replicas[s]` is how many ranks
+    share shard s's slice (QKV's replicated KV heads).
     """
-    if len(specs) != len(widths):
-        raise Exl3LayoutError(
-            f"EXL3 {prefix}: the layer has {len(widths)} output shards but "
-            f"{len(specs)} "
-            f"checkpoint modules resolved to it ({', '.join(s.prefix for s in specs)})"
-        )
-    if split is Split.ROW and len(specs) != 1:
+    if split is Split.ROW and (len(specs) != 1 or len(widths) != 1):
         raise Exl3LayoutError(
             f"EXL3 {prefix}: a row-parallel layer must have one shard"
         )
-    replicas = list(kv_replicas) if kv_replicas is not None else [1] * len(specs)
+    replicas = list(kv_replicas) if kv_replicas is not None else [1] * len(widths)
+    slices = [
+        tp_size // replicas[s] if split is Split.COLUMN else 1
+        for s in range(len(widths))
+    ]
+    spans = module_spans(prefix, specs, [w * n for w, n in zip(widths, slices)])
     k_ckpt = specs[0].in_features
     for spec in specs[1:]:
         if spec.in_features != k_ckpt:
@@ -273,23 +337,27 @@ def plan_linear(
     src_row = tp_rank * k_width if split is Split.ROW else 0
 
     shards: list[ShardLayout] = []
-    col = 0
-    for s, (spec, width) in enumerate(zip(specs, widths)):
-        if split is Split.COLUMN:
-            window = rank_column_window(width, tp_rank, replicas[s])
-            slices = tp_size // replicas[s]
-        else:
-            window, slices = column_window(0, width), 1
+    col, s = 0, 0
+    for m, (spec, span) in enumerate(zip(specs, spans)):
+        covered = range(s, s + span)
         _check_fits(
             prefix,
             "output features",
             spec.out_features,
-            width * slices,
+            sum(widths[i] * slices[i] for i in covered),
             tp_rank,
             spec.prefix,
         )
-        shards.append(_shard(spec, window, col, spec.out_features))
-        col += window.alloc
+        offset = 0  # the shard's first column inside its checkpoint module
+        for i in covered:
+            if split is Split.COLUMN:
+                window = rank_column_window(widths[i], tp_rank, replicas[i], offset)
+            else:
+                window = column_window(offset, widths[i])
+            shards.append(_shard(spec, window, col, spec.out_features, m))
+            col += window.alloc
+            offset += widths[i] * slices[i]
+        s += span
 
     k_alloc = round_up(k_width, HADAMARD_SIZE)
     return Exl3Layout(

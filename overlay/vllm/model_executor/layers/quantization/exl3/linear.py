@@ -157,9 +157,19 @@ def warm_up(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module) -> N
     )
 
 
-def _single_shard_loader(loader):
+def _merged_loader(loader, one_shard: bool):
+    """vLLM's merged-column loader, except where it would split a checkpoint tensor by
+    its own offsets: a one-shard layer's module arrives without a shard id (Qwen3-Next's
+    in_proj_qkvz), and a module covering several shards with the tuple of their ids
+    (Qwen3.5's in_proj_qkv); both are placed by the layout instead."""
+
     def load(param, loaded_weight, loaded_shard_id=None):
-        loader(param, loaded_weight, 0 if loaded_shard_id is None else loaded_shard_id)
+        if isinstance(loaded_shard_id, tuple):
+            direct_weight_loader(param, loaded_weight, loaded_shard_id)
+        elif loaded_shard_id is None and one_shard:
+            loader(param, loaded_weight, 0)
+        else:
+            loader(param, loaded_weight, loaded_shard_id)
 
     return load
 
@@ -216,20 +226,16 @@ class Exl3LinearMethod(LinearMethodBase):
             if split is Split.NONE
             else extra_weight_attrs["weight_loader"]
         )
-        if (
-            isinstance(layer, MergedColumnParallelLinear)
-            and len(output_partition_sizes) == 1
-        ):
-            # A one-shard merged layer (Qwen3-Next's in_proj_qkvz): models load its
-            # single checkpoint module without a shard id, which vLLM would split by
-            # its own offsets.
-            loader = _single_shard_loader(loader)
+        if isinstance(layer, MergedColumnParallelLinear):
+            loader = _merged_loader(loader, len(output_partition_sizes) == 1)
         ids = shard_ids(layer)
-        real = (
-            [(layer.input_size, real_rows(layer, i)) for i in ids]
-            if len(ids) == len(self.specs)
-            else None
-        )
+        real = None
+        if len(ids) == len(self.layout.shards):
+            real = []
+            for m in range(len(self.specs)):
+                group = tuple(ids[i] for i in self.layout.module_shards(m))
+                rows = real_rows(layer, group[0] if len(group) == 1 else group)
+                real.append((layer.input_size, rows))
         self.weights = Exl3LayerWeights(self.layout, self.specs, self.ledger, real)
         self.weights.create(layer, loader)
         # The checkpoint's bias is n_pad long; vLLM's bias loader wants the real n.

@@ -49,10 +49,13 @@ def column_window(start: int, width: int) -> ColumnWindow:
     )
 
 
-def rank_column_window(width: int, tp_rank: int, replicas: int = 1) -> ColumnWindow:
-    """Window of a column-parallel rank owning `width` columns; `replicas` consecutive
-    ranks share one slice (vLLM's num_kv_head_replicas when tp > num_kv_heads)."""
-    return column_window(tp_rank // replicas * width, width)
+def rank_column_window(
+    width: int, tp_rank: int, replicas: int = 1, offset: int = 0
+) -> ColumnWindow:
+    """Window of a column-parallel rank owning `width` columns of a shard that starts at
+    column `offset` of its checkpoint module; `replicas` consecutive ranks share one
+    slice (vLLM's num_kv_head_replicas when tp > num_kv_heads)."""
+    return column_window(offset + tp_rank // replicas * width, width)
 
 
 def row_split_error(k_per_rank: int, tp_size: int) -> str | None:

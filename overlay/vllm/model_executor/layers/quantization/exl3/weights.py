@@ -5,7 +5,9 @@
 One parameter per checkpoint tensor suffix of the layer's modules, named as on disk, so
 both of vLLM's loader styles (`AutoWeightsLoader` + `WeightsMapper` shard ids, and
 hand-written `stacked_params_mapping` loaders) route `...q_proj.trellis` to
-`qkv_proj.trellis` with shard "q":
+`qkv_proj.trellis` with shard "q". A checkpoint module covering several consecutive
+shards (layout.py) arrives once, with the tuple of their ids (Qwen3.5's
+`in_proj_qkv` -> `in_proj_qkvz` shards (0, 1, 2)), and is placed into each:
 
 * `trellis`, `suh`, `svh`: the data (see layout.py);
 * `out_index` int64 (a non-persistent buffer, only when some shard keeps part of what it
@@ -121,18 +123,18 @@ class LoadLedger:
             )
 
 
-def shard_index(shard_id: int | str | None) -> int:
+ShardIds = int | str | tuple[int, ...] | None
+
+
+def shard_indices(shard_id: ShardIds) -> tuple[int, ...]:
+    """The layer shards a loader's shard id names (None: the layer's only shard)."""
     if shard_id is None:
-        return 0
+        return (0,)
     if isinstance(shard_id, str):
-        return QKV_SHARD_IDS[shard_id]
+        return (QKV_SHARD_IDS[shard_id],)
     if isinstance(shard_id, int):
-        return shard_id
-    raise Exl3LayoutError(
-        f"EXL3: shard id {shard_id!r} covers several shards at once (a fused-on-disk "
-        "tensor); "
-        f"EXL3 stores every projection separately"
-    )
+        return (shard_id,)
+    return tuple(shard_id)
 
 
 class Exl3Parameter(BasevLLMParameter):
@@ -160,28 +162,29 @@ class Exl3Parameter(BasevLLMParameter):
         )
 
     def load_column_parallel_weight(self, loaded_weight: torch.Tensor) -> None:
-        self.exl3_owner.load(self.exl3_suffix, loaded_weight, 0)
+        self.exl3_owner.load(self.exl3_suffix, loaded_weight, (0,))
 
     def load_row_parallel_weight(self, loaded_weight: torch.Tensor) -> None:
-        self.exl3_owner.load(self.exl3_suffix, loaded_weight, 0)
+        self.exl3_owner.load(self.exl3_suffix, loaded_weight, (0,))
 
     def load_merged_column_weight(self, loaded_weight: torch.Tensor, **kwargs) -> None:
         self.exl3_owner.load(
-            self.exl3_suffix, loaded_weight, shard_index(kwargs.get("shard_id"))
+            self.exl3_suffix, loaded_weight, shard_indices(kwargs.get("shard_id"))
         )
 
     def load_qkv_weight(self, loaded_weight: torch.Tensor, **kwargs) -> None:
         self.exl3_owner.load(
-            self.exl3_suffix, loaded_weight, shard_index(kwargs.get("shard_id"))
+            self.exl3_suffix, loaded_weight, shard_indices(kwargs.get("shard_id"))
         )
 
 
 def direct_weight_loader(
-    param: Exl3Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    param: Exl3Parameter, loaded_weight: torch.Tensor, shard_id: ShardIds = None
 ) -> None:
     """For layers whose own loader knows no v2 parameters (ReplicatedLinear,
-    ParallelLMHead)."""
-    param.exl3_owner.load(param.exl3_suffix, loaded_weight, shard_index(shard_id))
+    ParallelLMHead), and for a checkpoint module covering several shards (vLLM's
+    loader would split it by its own offsets)."""
+    param.exl3_owner.load(param.exl3_suffix, loaded_weight, shard_indices(shard_id))
 
 
 def _suffixes(spec: Exl3ModuleSpec) -> set[str]:
@@ -198,8 +201,9 @@ class Exl3LayerWeights:
         ledger: LoadLedger | None = None,
         real: list[tuple[int | None, int | None]] | None = None,
     ):
-        """`ledger`: the model's (a private one when None); `real`: per shard, the real
-        (unpadded) input and output features, for the value rule of suh/svh."""
+        """`specs`: the checkpoint modules in shard order; `ledger`: the model's (a
+        private one when None); `real`: per module, the real (unpadded) input and output
+        features, for the value rule of suh/svh."""
         self.layout = layout
         self.expected = [_suffixes(spec) - set(LAYER_OWNED) for spec in specs]
         self.loaded: set[tuple[str, int]] = set()
@@ -255,15 +259,26 @@ class Exl3LayerWeights:
             f"{rule}"
         )
 
-    def load(self, suffix: str, loaded: torch.Tensor, index: int) -> None:
+    def load(self, suffix: str, loaded: torch.Tensor, ids: tuple[int, ...]) -> None:
+        """One checkpoint tensor of the module covering exactly the shards `ids`."""
         layout = self.layout
-        if not 0 <= index < len(layout.shards):
+        if not ids or not all(0 <= i < len(layout.shards) for i in ids):
             raise Exl3LayoutError(
-                f"EXL3 {layout.prefix}.{suffix}: shard {index} does not exist "
+                f"EXL3 {layout.prefix}.{suffix}: shard {ids} does not exist "
                 f"(the layer has {len(layout.shards)})"
             )
-        shard = layout.shards[index]
-        if suffix not in self.expected[index]:
+        module = layout.shards[ids[0]].module
+        covered = layout.module_shards(module)
+        shard = layout.shards[ids[0]]
+        if ids != covered:
+            raise self._fail(
+                shard,
+                suffix,
+                f"loaded as shard(s) {list(ids)}, but this checkpoint module covers "
+                f"the layer's shard(s) {list(covered)} (its stored width against the "
+                "layer's shard widths); the model's loader and the checkpoint disagree",
+            )
+        if suffix not in self.expected[module]:
             raise self._fail(
                 shard,
                 suffix,
@@ -271,21 +286,21 @@ class Exl3LayerWeights:
                 "headers for this module",
             )
         self.ledger.record(self, layout.prefix, f"{shard.name}.{suffix}")
-        self.loaded.add((suffix, index))
+        self.loaded.add((suffix, module))
         if suffix == "trellis":
-            self._load_trellis(shard, index, loaded)
+            self._load_trellis(shard, covered, loaded)
         elif suffix in ("suh", "svh"):
-            self._load_scales(shard, index, suffix, loaded)
+            self._load_scales(shard, module, covered, suffix, loaded)
         elif suffix in LEGACY_SIGNS:
             full = LEGACY_SIGNS[suffix]
-            if full in self.expected[index]:
+            if full in self.expected[module]:
                 logger.debug("%s.%s ignored: %s is present", shard.name, suffix, full)
                 return
             self._check(
                 shard, suffix, loaded, torch.int16, self._scale_len(shard, full) // TILE
             )
             self._load_scales(
-                shard, index, full, unpack_sign_bits(loaded), checked=True
+                shard, module, covered, full, unpack_sign_bits(loaded), checked=True
             )
         elif suffix in MARKERS:
             if loaded.numel() != 1 or loaded.dtype != torch.int32:
@@ -295,7 +310,8 @@ class Exl3LayerWeights:
                     f"marker must be one int32, got shape "
                     f"{list(loaded.shape)} {loaded.dtype}",
                 )
-            self._params[suffix].data[index] = loaded.reshape(())
+            for i in covered:
+                self._params[suffix].data[i] = loaded.reshape(())
         elif suffix in IGNORED:
             logger.debug("%s.%s consumed and not applied", shard.name, suffix)
 
@@ -319,64 +335,73 @@ class Exl3LayerWeights:
         return shard.ckpt_rows if full == "suh" else shard.ckpt_cols
 
     def _load_trellis(
-        self, shard: ShardLayout, index: int, loaded: torch.Tensor
+        self, module: ShardLayout, covered: tuple[int, ...], loaded: torch.Tensor
     ) -> None:
         layout = self.layout
-        words = trellis_words(shard.bits)
+        words = trellis_words(module.bits)
         self._check(
-            shard,
+            module,
             "trellis",
             loaded,
             torch.int16,
-            shard.ckpt_rows // TILE,
-            shard.ckpt_cols // TILE,
+            module.ckpt_rows // TILE,
+            module.ckpt_cols // TILE,
             words,
         )
-        run = layout.run_of(index)
-        storage = self._params["trellis"].data.view(-1)[run.word_start : run.word_stop]
-        block = storage.view(layout.k_alloc // TILE, run.cols // TILE, words)
-        dst = block.narrow(1, (shard.col - run.col) // TILE, shard.alloc // TILE)
-        rows, cols = layout.copy_rows(shard) // TILE, shard.copy_cols // TILE
-        dst.zero_()
-        if rows and cols:
-            src = loaded.narrow(0, layout.src_row // TILE, rows)
-            dst[:rows, :cols].copy_(src.narrow(1, shard.src_col // TILE, cols))
+        for index in covered:
+            shard = layout.shards[index]
+            run = layout.run_of(index)
+            storage = self._params["trellis"].data.view(-1)[
+                run.word_start : run.word_stop
+            ]
+            block = storage.view(layout.k_alloc // TILE, run.cols // TILE, words)
+            dst = block.narrow(1, (shard.col - run.col) // TILE, shard.alloc // TILE)
+            rows, cols = layout.copy_rows(shard) // TILE, shard.copy_cols // TILE
+            dst.zero_()
+            if rows and cols:
+                src = loaded.narrow(0, layout.src_row // TILE, rows)
+                dst[:rows, :cols].copy_(src.narrow(1, shard.src_col // TILE, cols))
 
     def _load_scales(
         self,
-        shard: ShardLayout,
+        module: ShardLayout,
         index: int,
+        covered: tuple[int, ...],
         suffix: str,
         loaded: torch.Tensor,
         checked: bool = False,
     ) -> None:
+        """`module`: the first shard of checkpoint module `index`, which covers the
+        layer's shards `covered`."""
         layout = self.layout
         if not checked:
             self._check(
-                shard, suffix, loaded, torch.float16, self._scale_len(shard, suffix)
+                module, suffix, loaded, torch.float16, self._scale_len(module, suffix)
             )
             real = self.real[index][0 if suffix == "suh" else 1]
-            note = check_scale_values(f"{shard.name}.{suffix}", loaded, real)
+            note = check_scale_values(f"{module.name}.{suffix}", loaded, real)
             if note:
                 logger.warning("EXL3 %s", note)
         param = self._params[suffix].data
-        if suffix == "suh":
-            dst = param[index]
-            rows = layout.copy_rows(shard)
+        for i in covered:
+            shard = layout.shards[i]
+            if suffix == "suh":
+                dst = param[i]
+                rows = layout.copy_rows(shard)
+                dst.zero_()
+                if rows:
+                    dst[:rows].copy_(loaded.narrow(0, layout.src_row, rows))
+                continue
+            dst = param.narrow(0, shard.col, shard.alloc)
+            cols = shard.copy_cols
             dst.zero_()
-            if rows:
-                dst[:rows].copy_(loaded.narrow(0, layout.src_row, rows))
-            return
-        dst = param.narrow(0, shard.col, shard.alloc)
-        cols = shard.copy_cols
-        dst.zero_()
-        if cols:
-            dst[:cols].copy_(loaded.narrow(0, shard.src_col, cols))
-        # Columns past the real outputs (lm_head vocab padding) are forced to exactly
-        # zero.
-        real = max(0, shard.real_cols - shard.src_col)
-        if real < cols:
-            dst[real:cols].zero_()
+            if cols:
+                dst[:cols].copy_(loaded.narrow(0, shard.src_col, cols))
+            # Columns past the real outputs (lm_head vocab padding) are forced to
+            # exactly zero.
+            real = max(0, shard.real_cols - shard.src_col)
+            if real < cols:
+                dst[real:cols].zero_()
 
     # ---- after loading
     # -------------------------------------------------------------------
@@ -388,9 +413,10 @@ class Exl3LayerWeights:
             self,
             layout.prefix,
             [
-                f"{shard.name}.{suffix}"
-                for i, shard in enumerate(layout.shards)
-                for suffix in sorted(self.expected[i])
+                f"{layout.shards[covered[0]].name}.{suffix}"
+                for m, expected in enumerate(self.expected)
+                if (covered := layout.module_shards(m))
+                for suffix in sorted(expected)
             ],
             rank=layout.tp_rank,
         )
@@ -403,7 +429,7 @@ class Exl3LayerWeights:
         else:
             for marker, (codebook, value) in MARKERS.items():
                 for i, shard in enumerate(layout.shards):
-                    if marker not in self.expected[i]:
+                    if marker not in self.expected[shard.module]:
                         continue
                     got = int(self._params[marker].data[i])
                     if got != value or shard.codebook != codebook:

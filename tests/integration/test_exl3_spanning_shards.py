@@ -1,0 +1,328 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""One EXL3 checkpoint module covering several consecutive output shards of vLLM's
+MergedColumnParallelLinear: Qwen3.5's gated-delta-net `in_proj_qkvz` is built with four
+shards (q, k, v, z) while ExLlamaV3 stores `in_proj_qkv` (q, k and v, one module) and
+`in_proj_z`, and vLLM's loader sends `in_proj_qkv` with the shard id (0, 1, 2).
+
+vLLM 0.26's real layer, loaded through its own loaders (the parameter's weight_loader,
+and AutoWeightsLoader with Qwen3.5's own WeightsMapper), at TP=1 and at TP=2 (two
+spawned processes, one gloo world), against the dense product of the reference decode:
+each rank must return, per shard, its slice of that shard's columns of the module.
+Dimensions both 128-aligned (Qwen3.5's real ones) and not (a shard boundary and the rank
+boundaries inside 128-blocks, so windows overlap and the output is gathered); one 3inst
+and one mcg module, so the layer runs as two kernel runs. Plus the errors: a loader that
+names other shards than the module covers, stored widths no cut of the shards matches,
+and an ambiguous cut.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from exl3_harness import assert_matches, config_from_tensors, dense
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+from vllm.model_executor.layers.quantization.exl3.format import (
+    MCG_MARKER_VALUE,
+    Codebook,
+    Exl3ModuleSpec,
+)
+from vllm.model_executor.layers.quantization.exl3.layout import (
+    Exl3LayoutError,
+    Split,
+    plan_linear,
+)
+from vllm.model_executor.layers.quantization.exl3.weights import OUT_INDEX
+
+GDN = "model.layers.0.linear_attn"
+QKVZ = f"{GDN}.in_proj_qkvz"
+QKV, Z = f"{GDN}.in_proj_qkv", f"{GDN}.in_proj_z"
+HIDDEN = 256
+WORLD = 2
+TILE = 16
+PAD = 128  # the format pads every n to the 128-wide Hadamard block
+WORDS = {4: 64, 3: 48}  # int16 words per 16x16 tile at 4 and 3 bits
+# (key_dim, value_dim): 128-aligned at TP=1 and TP=2 (Qwen3.5's real dims are multiples
+# of 128 heads wide), and not: q/k/v boundaries and every rank boundary inside a block.
+DIMS = {"aligned": (256, 512), "unaligned": (192, 320)}
+
+
+def _module(
+    gen: torch.Generator, prefix: str, n: int, bits: int, mcg: bool
+) -> dict[str, torch.Tensor]:
+    """An EXL3 module of real n (stored padded to 128): random codes, +-1 input
+    scales, output scales of varied magnitude and sign, zero on the padded columns."""
+    n_pad = -(-n // PAD) * PAD
+    svh = torch.randn(n_pad, generator=gen)
+    svh[n:] = 0
+    named = {
+        f"{prefix}.trellis": torch.randint(
+            -(2**15),
+            2**15,
+            (HIDDEN // TILE, n_pad // TILE, WORDS[bits]),
+            generator=gen,
+            dtype=torch.int32,
+        ).to(torch.int16),
+        f"{prefix}.suh": torch.where(
+            torch.rand(HIDDEN, generator=gen) < 0.5, -1.0, 1.0
+        ).half(),
+        f"{prefix}.svh": svh.half(),
+    }
+    if mcg:
+        named[f"{prefix}.mcg"] = torch.tensor(MCG_MARKER_VALUE, dtype=torch.int32)
+    return named
+
+
+def checkpoint(dims: str) -> dict[str, torch.Tensor]:
+    key_dim, value_dim = DIMS[dims]
+    gen = torch.Generator().manual_seed(key_dim + value_dim)
+    return {
+        **_module(gen, QKV, 2 * key_dim + value_dim, bits=4, mcg=False),
+        **_module(gen, Z, value_dim, bits=3, mcg=True),
+    }
+
+
+def qkvz_layer(dims: str, named) -> MergedColumnParallelLinear:
+    """The layer as vLLM 0.26's QwenGatedDeltaNetAttention builds it for Qwen3.5."""
+    key_dim, value_dim = DIMS[dims]
+    return MergedColumnParallelLinear(
+        HIDDEN,
+        [key_dim, key_dim, value_dim, value_dim],
+        bias=False,
+        quant_config=config_from_tensors(named),
+        prefix=QKVZ,
+        params_dtype=torch.float32,
+    )
+
+
+def load(layer, named, prefix: str, shard_id) -> None:
+    for name, tensor in named.items():
+        mod, _, suffix = name.rpartition(".")
+        if mod == prefix:
+            param = getattr(layer, suffix)
+            param.weight_loader(param, tensor, shard_id)
+
+
+def expected(named, dims: str, x: torch.Tensor, rank: int, world: int):
+    """x @ (this rank's slice of q, k, v, then z), from the reference decode."""
+    key_dim, value_dim = DIMS[dims]
+    w_qkv, w_z = dense(named, QKV), dense(named, Z)
+    cols = []
+    for w, offset, size in (
+        (w_qkv, 0, key_dim),
+        (w_qkv, key_dim, key_dim),
+        (w_qkv, 2 * key_dim, value_dim),
+        (w_z, 0, value_dim),
+    ):
+        per = size // world
+        cols.append(w[:, offset + rank * per : offset + (rank + 1) * per])
+    return x @ torch.cat(cols, dim=1)
+
+
+def x_in() -> torch.Tensor:
+    return torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(5))
+
+
+def finish(layer) -> None:
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("dims", list(DIMS))
+def test_module_covering_three_shards_tp1(dims):
+    named = checkpoint(dims)
+    layer = qkvz_layer(dims, named)
+    load(layer, named, QKV, (0, 1, 2))
+    load(layer, named, Z, 3)
+    finish(layer)
+    layout = layer.quant_method.layout
+    assert [s.module for s in layout.shards] == [0, 0, 0, 1]
+    assert len(layout.runs) == 2  # 3inst q/k/v, then mcg z
+    x = x_in()
+    y, _ = layer(x)
+    assert y.shape == (5, sum(layer.output_sizes))
+    assert_matches(y, expected(named, dims, x, 0, 1), f"qkvz {dims} tp1")
+    # Unaligned: k starts inside q's last block, so k's window recomputes it and the
+    # output is gathered; aligned shards return what they compute.
+    assert hasattr(layer, OUT_INDEX) == (dims == "unaligned")
+
+
+@pytest.mark.usefixtures("world1")
+def test_qwen3_5_mapper_routes_the_module_with_its_shard_tuple():
+    """Through AutoWeightsLoader with Qwen3.5's stacked WeightsMapper entries, as
+    Qwen3_5Model.load_weights does: the mapper tags in_proj_qkv with (0, 1, 2) and
+    MergedColumnParallelLinear.load_weights passes it on."""
+    from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+
+    # vllm/model_executor/models/qwen3_5.py's Qwen3_5Model.hf_to_vllm_mapper (that
+    # module imports torchvision, absent from the CPU test environment).
+    mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
+            ".in_proj_z": (".in_proj_qkvz", 3),
+        }
+    )
+
+    named = checkpoint("aligned")
+
+    class Gdn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.in_proj_qkvz = qkvz_layer("aligned", named)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear_attn = Gdn()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer()])
+
+    root = torch.nn.Module()
+    root.model = Model()
+    loaded = AutoWeightsLoader(root).load_weights(
+        ((k, v.clone()) for k, v in named.items()),
+        mapper=mapper,
+    )
+    layer = root.model.layers[0].linear_attn.in_proj_qkvz
+    assert {f"{QKVZ}.trellis", f"{QKVZ}.suh", f"{QKVZ}.svh"} <= loaded
+    finish(layer)
+    x = x_in()
+    assert_matches(layer(x)[0], expected(named, "aligned", x, 0, 1), "mapped qkvz")
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("shard_id", [0, (0, 1), (1, 2, 3)])
+def test_loader_naming_other_shards_is_an_error(shard_id):
+    named = checkpoint("aligned")
+    layer = qkvz_layer("aligned", named)
+    with pytest.raises(
+        Exl3LayoutError,
+        match=r"in_proj_qkv\.trellis -> .*in_proj_qkvz \(rank 0\): loaded as "
+        r"shard\(s\) .* but this checkpoint module covers the layer's shard\(s\) "
+        r"\[0, 1, 2\]",
+    ):
+        layer.trellis.weight_loader(layer.trellis, named[f"{QKV}.trellis"], shard_id)
+
+
+@pytest.mark.usefixtures("world1")
+def test_module_loaded_twice_through_shard_tuples_is_an_error():
+    named = checkpoint("aligned")
+    layer = qkvz_layer("aligned", named)
+    load(layer, named, QKV, (0, 1, 2))
+    with pytest.raises(Exl3LayoutError, match="in_proj_qkv.trellis written twice"):
+        layer.trellis.weight_loader(layer.trellis, named[f"{QKV}.trellis"], (0, 1, 2))
+
+
+@pytest.mark.usefixtures("world1")
+def test_stored_width_matching_no_cut_is_an_error():
+    named = checkpoint("aligned")
+    with pytest.raises(
+        Exl3LayoutError,
+        match=r"in_proj_qkvz: 2 checkpoint modules \(.*in_proj_qkv: n=1024, "
+        r".*in_proj_z: n=512\) for 4 output shards of widths \[256, 256, 384, 384\]: "
+        r"no cut",
+    ):
+        MergedColumnParallelLinear(
+            HIDDEN,
+            [256, 256, 384, 384],  # a config from another model
+            bias=False,
+            quant_config=config_from_tensors(named),
+            prefix=QKVZ,
+            params_dtype=torch.float32,
+        )
+
+
+def _spec(prefix: str, n: int) -> Exl3ModuleSpec:
+    return Exl3ModuleSpec(
+        prefix,
+        HIDDEN,
+        n,
+        4,
+        Codebook.THREE_INST,
+        False,
+        False,
+        (f"{prefix}.trellis", f"{prefix}.suh", f"{prefix}.svh"),
+    )
+
+
+def test_ambiguous_cut_is_an_error():
+    # 100 | 20 + 100 and 100 + 20 | 100 both pad to 128 | 128.
+    with pytest.raises(Exl3LayoutError, match=r"2 ways \(ambiguous\)"):
+        plan_linear(
+            "fused",
+            [_spec("a", 128), _spec("b", 128)],
+            split=Split.COLUMN,
+            tp_rank=0,
+            tp_size=1,
+            k_width=HIDDEN,
+            widths=[100, 20, 100],
+        )
+
+
+def test_windows_of_a_module_covering_three_shards_at_tp2():
+    # q, k, v of 192, 192, 320 in one module: rank 1 owns q[96:192], k[96:192] and
+    # v[160:320], i.e. module columns 96.., 288.., 544..; each computes its 128-blocks.
+    layouts = [
+        plan_linear(
+            "qkvz",
+            [_spec("qkv", 768), _spec("z", 384)],
+            split=Split.COLUMN,
+            tp_rank=rank,
+            tp_size=WORLD,
+            k_width=HIDDEN,
+            widths=[96, 96, 160, 160],
+        )
+        for rank in range(WORLD)
+    ]
+    assert [
+        [(s.module, s.src_col, s.alloc, s.keep, s.width) for s in layout.shards]
+        for layout in layouts
+    ] == [
+        [
+            (0, 0, 128, 0, 96),
+            (0, 128, 256, 64, 96),
+            (0, 384, 256, 0, 160),
+            (1, 0, 256, 0, 160),
+        ],
+        [
+            (0, 0, 256, 96, 96),
+            (0, 256, 128, 32, 96),
+            (0, 512, 256, 32, 160),
+            (1, 128, 256, 32, 160),
+        ],
+    ]
+
+
+def _rank_main(rank: int, init_file: str) -> None:
+    # Runs in a spawned process: imports vLLM there.
+    from exl3_harness import gloo_world
+
+    with gloo_world(WORLD, rank, init_file):
+        for dims in DIMS:
+            named = checkpoint(dims)
+            layer = qkvz_layer(dims, named)
+            key_dim, value_dim = DIMS[dims]
+            assert layer.output_partition_sizes == [
+                key_dim // WORLD,
+                key_dim // WORLD,
+                value_dim // WORLD,
+                value_dim // WORLD,
+            ]
+            load(layer, named, QKV, (0, 1, 2))
+            load(layer, named, Z, 3)
+            finish(layer)
+            x = x_in()
+            assert_matches(
+                layer(x)[0],
+                expected(named, dims, x, rank, WORLD),
+                f"rank {rank} qkvz {dims}",
+            )
+
+
+def test_module_covering_three_shards_tp2(tmp_path, world1):
+    # Spawned children re-import this module and its helpers from the parent's sys.path.
+    mp.spawn(_rank_main, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
