@@ -565,14 +565,20 @@ def test_fused_on_disk_tensor_is_an_error():
         layer.svh.weight_loader(layer.svh, fused)  # no shard id
 
 
-def test_checkpoint_module_fused_on_disk_is_an_error():
+def test_fused_module_narrower_than_the_layer_is_an_error():
     src = tensors(CKPT_MCG)
     named = {
         k.replace(".q_proj.", ".qkv_proj."): v
         for k, v in src.items()
         if k.startswith(f"{ATTN}.q_proj.")
     }
-    with pytest.raises(Exl3LayoutError, match="stores this 3-shard layer fused"):
+    # One module may cover the whole layer (test_exl3_spanning_shards.py), but only
+    # with the layer's width: here q_proj's 256 columns stand for q, k and v.
+    with pytest.raises(
+        Exl3LayoutError,
+        match=r"qkv_proj: 1 checkpoint modules \(.*qkv_proj: n=256\) for 3 output "
+        r"shards of widths \[256, 128, 128\]: no cut",
+    ):
         qkv_layer(config_from_tensors(named))
 
 

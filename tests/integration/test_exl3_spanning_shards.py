@@ -14,6 +14,10 @@ boundaries inside 128-blocks, so windows overlap and the output is gathered); on
 and one mcg module, so the layer runs as two kernel runs. Plus the errors: a loader that
 names other shards than the module covers, stored widths no cut of the shards matches,
 and an ambiguous cut.
+
+Also the other way ExLlamaV3 fuses: one module for a whole multi-shard layer, stored
+fused on disk and loaded without a shard id (the Qwen3-VL vision tower of Qwen3.5's
+multimodal classes: `attn.qkv`, with a bias, vLLM's QKVParallelLinear).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from exl3_harness import assert_matches, config_from_tensors, dense
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+)
 from vllm.model_executor.layers.quantization.exl3.format import (
     MCG_MARKER_VALUE,
     Codebook,
@@ -120,6 +127,52 @@ def expected(named, dims: str, x: torch.Tensor, rank: int, world: int):
     return x @ torch.cat(cols, dim=1)
 
 
+VISION_QKV = "visual.blocks.0.attn.qkv"
+VISION_HEADS, VISION_HEAD_DIM = 4, 64
+
+
+def vision_checkpoint() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    n = 3 * VISION_HEADS * VISION_HEAD_DIM
+    named = _module(gen, VISION_QKV, n, bits=4, mcg=False)
+    named[f"{VISION_QKV}.bias"] = torch.randn(n, generator=gen).half()
+    return named
+
+
+def vision_qkv_layer(named) -> QKVParallelLinear:
+    """As vLLM 0.26's Qwen2_5_VisionAttention builds it (no GQA, with a bias)."""
+    return QKVParallelLinear(
+        HIDDEN,
+        VISION_HEAD_DIM,
+        VISION_HEADS,
+        VISION_HEADS,
+        bias=True,
+        quant_config=config_from_tensors(named),
+        prefix=VISION_QKV,
+        params_dtype=torch.float32,
+    )
+
+
+def vision_expected(named, x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    width = VISION_HEADS * VISION_HEAD_DIM
+    per = width // world
+    cols = torch.cat(
+        [torch.arange(s * width + rank * per, s * width + (rank + 1) * per)
+         for s in range(3)]
+    )  # fmt: skip
+    w = dense(named, VISION_QKV)[:, cols]
+    return x @ w + named[f"{VISION_QKV}.bias"].float()[cols]
+
+
+def load_unsharded(layer, named, prefix: str) -> None:
+    """Every tensor without a shard id, as a fused-on-disk layer is loaded."""
+    for name, tensor in named.items():
+        mod, _, suffix = name.rpartition(".")
+        if mod == prefix:
+            param = getattr(layer, suffix)
+            param.weight_loader(param, tensor)
+
+
 def x_in() -> torch.Tensor:
     return torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(5))
 
@@ -192,6 +245,17 @@ def test_qwen3_5_mapper_routes_the_module_with_its_shard_tuple():
     finish(layer)
     x = x_in()
     assert_matches(layer(x)[0], expected(named, "aligned", x, 0, 1), "mapped qkvz")
+
+
+@pytest.mark.usefixtures("world1")
+def test_one_module_for_the_whole_qkv_layer_loaded_without_shard_id():
+    named = vision_checkpoint()
+    layer = vision_qkv_layer(named)
+    load_unsharded(layer, named, VISION_QKV)
+    finish(layer)
+    assert [s.module for s in layer.quant_method.layout.shards] == [0, 0, 0]
+    x = x_in()
+    assert_matches(layer(x)[0], vision_expected(named, x, 0, 1), "vision qkv tp1")
 
 
 @pytest.mark.usefixtures("world1")
@@ -321,6 +385,14 @@ def _rank_main(rank: int, init_file: str) -> None:
                 expected(named, dims, x, rank, WORLD),
                 f"rank {rank} qkvz {dims}",
             )
+        named = vision_checkpoint()
+        layer = vision_qkv_layer(named)
+        load_unsharded(layer, named, VISION_QKV)
+        finish(layer)
+        x = x_in()
+        assert_matches(
+            layer(x)[0], vision_expected(named, x, rank, WORLD), f"rank {rank} qkv"
+        )
 
 
 def test_module_covering_three_shards_tp2(tmp_path, world1):

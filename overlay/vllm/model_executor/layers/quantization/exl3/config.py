@@ -418,12 +418,8 @@ class Exl3Config(QuantizationConfig):
         assert self.modules is not None
         direct = self._resolve(prefix)
         if direct is not None:
-            if num_shards != 1:
-                raise Exl3LayoutError(
-                    f"EXL3 {prefix}: the checkpoint stores this {num_shards}-shard "
-                    "layer fused "
-                    f"as {direct}; EXL3 stores every projection separately"
-                )
+            # Possibly one module for several shards (the Qwen3-VL vision tower's
+            # fused attn.qkv): layout.module_spans holds its width to theirs.
             return [self.modules[direct]]
         names = shard_names(prefix, self.packed_modules_mapping)
         if names == [prefix]:

@@ -157,17 +157,18 @@ def warm_up(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module) -> N
     )
 
 
-def _merged_loader(loader, one_shard: bool):
-    """vLLM's merged-column loader, except where it would split a checkpoint tensor by
-    its own offsets: a one-shard layer's module arrives without a shard id (Qwen3-Next's
-    in_proj_qkvz), and a module covering several shards with the tuple of their ids
-    (Qwen3.5's in_proj_qkv); both are placed by the layout instead."""
+def _fused_loader(loader, num_shards: int, one_module: bool):
+    """vLLM's merged-column / QKV loader, except where it would split a checkpoint
+    tensor by its own offsets: a module covering several shards arrives with the tuple
+    of their ids (Qwen3.5's in_proj_qkv -> in_proj_qkvz (0, 1, 2)), or without a shard
+    id when it covers the whole layer (Qwen3-Next's one-shard in_proj_qkvz, the
+    Qwen3-VL vision tower's fused attn.qkv); the layout places those instead."""
 
     def load(param, loaded_weight, loaded_shard_id=None):
+        if loaded_shard_id is None and one_module:
+            loaded_shard_id = tuple(range(num_shards))
         if isinstance(loaded_shard_id, tuple):
             direct_weight_loader(param, loaded_weight, loaded_shard_id)
-        elif loaded_shard_id is None and one_shard:
-            loader(param, loaded_weight, 0)
         else:
             loader(param, loaded_weight, loaded_shard_id)
 
@@ -226,15 +227,20 @@ class Exl3LinearMethod(LinearMethodBase):
             if split is Split.NONE
             else extra_weight_attrs["weight_loader"]
         )
-        if isinstance(layer, MergedColumnParallelLinear):
-            loader = _merged_loader(loader, len(output_partition_sizes) == 1)
+        if isinstance(layer, (MergedColumnParallelLinear, QKVParallelLinear)):
+            loader = _fused_loader(
+                loader, len(output_partition_sizes), len(self.specs) == 1
+            )
         ids = shard_ids(layer)
         real = None
         if len(ids) == len(self.layout.shards):
             real = []
             for m in range(len(self.specs)):
                 group = tuple(ids[i] for i in self.layout.module_shards(m))
-                rows = real_rows(layer, group[0] if len(group) == 1 else group)
+                if len(group) == len(ids):
+                    rows = real_rows(layer, None)  # the module is the whole layer
+                else:
+                    rows = real_rows(layer, group[0] if len(group) == 1 else group)
                 real.append((layer.input_size, rows))
         self.weights = Exl3LayerWeights(self.layout, self.specs, self.ledger, real)
         self.weights.create(layer, loader)

@@ -156,9 +156,9 @@ class Exl3Parameter(BasevLLMParameter):
         # vLLM reads output_dim only to split a fused-on-disk tensor by its own offsets.
         raise AttributeError(
             f"EXL3 {self.exl3_owner.layout.prefix}.{self.exl3_suffix}: a fused-on-disk "
-            "checkpoint tensor (no shard id) cannot be split into EXL3 shards; EXL3 "
-            "stores "
-            f"every projection separately"
+            "checkpoint tensor (no shard id) cannot be split into EXL3 shards: this "
+            "layer's shards come from several checkpoint modules, each loaded with "
+            "its shard id"
         )
 
     def load_column_parallel_weight(self, loaded_weight: torch.Tensor) -> None:
