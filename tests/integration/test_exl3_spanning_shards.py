@@ -17,7 +17,9 @@ and an ambiguous cut.
 
 Also the other way ExLlamaV3 fuses: one module for a whole multi-shard layer, stored
 fused on disk and loaded without a shard id (the Qwen3-VL vision tower of Qwen3.5's
-multimodal classes: `attn.qkv`, with a bias, vLLM's QKVParallelLinear).
+multimodal classes: `attn.qkv`, with a bias, vLLM's QKVParallelLinear). And both in
+a checkpoint laid out as ExLlamaV3 writes Qwen3.5's multimodal class, validated as
+vLLM's loader validates it and loaded under vLLM's names.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ DIMS = {"aligned": (256, 512), "unaligned": (192, 320)}
 
 
 def _module(
-    gen: torch.Generator, prefix: str, n: int, bits: int, mcg: bool
+    gen: torch.Generator, prefix: str, n: int, bits: int, mcg: bool, k: int = HIDDEN
 ) -> dict[str, torch.Tensor]:
     """An EXL3 module of real n (stored padded to 128): random codes, +-1 input
     scales, output scales of varied magnitude and sign, zero on the padded columns."""
@@ -67,12 +69,12 @@ def _module(
         f"{prefix}.trellis": torch.randint(
             -(2**15),
             2**15,
-            (HIDDEN // TILE, n_pad // TILE, WORDS[bits]),
+            (k // TILE, n_pad // TILE, WORDS[bits]),
             generator=gen,
             dtype=torch.int32,
         ).to(torch.int16),
         f"{prefix}.suh": torch.where(
-            torch.rand(HIDDEN, generator=gen) < 0.5, -1.0, 1.0
+            torch.rand(k, generator=gen) < 0.5, -1.0, 1.0
         ).half(),
         f"{prefix}.svh": svh.half(),
     }
@@ -156,10 +158,9 @@ def vision_qkv_layer(named) -> QKVParallelLinear:
 def vision_expected(named, x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     width = VISION_HEADS * VISION_HEAD_DIM
     per = width // world
-    cols = torch.cat(
-        [torch.arange(s * width + rank * per, s * width + (rank + 1) * per)
-         for s in range(3)]
-    )  # fmt: skip
+    # This rank's slice of each of q, k and v, consecutive in the module.
+    starts = [s * width + rank * per for s in range(3)]
+    cols = torch.cat([torch.arange(start, start + per) for start in starts])
     w = dense(named, VISION_QKV)[:, cols]
     return x @ w + named[f"{VISION_QKV}.bias"].float()[cols]
 
@@ -398,3 +399,165 @@ def _rank_main(rank: int, init_file: str) -> None:
 def test_module_covering_three_shards_tp2(tmp_path, world1):
     # Spawned children re-import this module and its helpers from the parent's sys.path.
     mp.spawn(_rank_main, args=(str(tmp_path / "init"),), nprocs=WORLD, join=True)
+
+
+# A Qwen3.5 multimodal checkpoint as ExLlamaV3 1.6.5 writes it (architecture/qwen3_5.py,
+# qwen3_vl.py), one linear-attention layer, tiny dims: the text model under
+# model.language_model (in_proj_qkv and in_proj_z EXL3, in_proj_b / in_proj_a fp16 at
+# their real dims), the vision tower's fused attn.qkv EXL3 with a bias (its default 6
+# bpw), lm_head EXL3. Validated as vLLM's loader does, then vLLM's names (Qwen3-VL's
+# prefix mapper, Qwen3.5's packed modules and stacked mapper) resolved and loaded.
+
+VL_TEXT = "model.language_model"
+VL_MAPPER_PREFIXES = {  # vllm/model_executor/models/qwen3_vl.py, Qwen3VLForCond...
+    "model.visual.": "visual.",
+    "lm_head.": "language_model.lm_head.",
+    "model.language_model.": "language_model.model.",
+}
+VL_PACKED = {  # Qwen3_5ForConditionalGeneration.packed_modules_mapping
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+    "qkv": ["qkv"],
+    "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
+    "in_proj_ba": ["in_proj_b", "in_proj_a"],
+}
+VOCAB, INTER, V_HEADS = 512, 512, 4
+
+
+def qwen3_5_checkpoint(root) -> dict[str, torch.Tensor]:
+    import json
+
+    from safetensors.torch import save_file
+
+    key_dim, value_dim = DIMS["aligned"]
+    gen = torch.Generator().manual_seed(35)
+    gdn = f"{VL_TEXT}.layers.0.linear_attn"
+    named = {
+        **_module(gen, f"{gdn}.in_proj_qkv", 2 * key_dim + value_dim, 4, False),
+        **_module(gen, f"{gdn}.in_proj_z", value_dim, 4, False),
+        **{
+            k.replace(VISION_QKV, f"model.{VISION_QKV}"): v
+            for k, v in vision_checkpoint().items()
+        },
+        **_module(gen, "lm_head", VOCAB, 4, False),
+    }
+    for proj in ("gate_proj", "up_proj"):
+        named.update(_module(gen, f"{VL_TEXT}.layers.0.mlp.{proj}", INTER, 4, False))
+    plain = {
+        f"{gdn}.in_proj_b.weight": (V_HEADS, HIDDEN),
+        f"{gdn}.in_proj_a.weight": (V_HEADS, HIDDEN),
+        f"{gdn}.conv1d.weight": (2 * key_dim + value_dim, 1, 4),
+        f"{gdn}.A_log": (V_HEADS,),
+        f"{gdn}.dt_bias": (V_HEADS,),
+        f"{gdn}.norm.weight": (128,),
+        f"{VL_TEXT}.embed_tokens.weight": (VOCAB, HIDDEN),
+        f"{VL_TEXT}.layers.0.input_layernorm.weight": (HIDDEN,),
+        f"{VL_TEXT}.layers.0.post_attention_layernorm.weight": (HIDDEN,),
+        f"{VL_TEXT}.norm.weight": (HIDDEN,),
+    }
+    for name, shape in plain.items():
+        named[name] = torch.randn(shape, generator=gen).half()
+    named.update(
+        _module(gen, f"{VL_TEXT}.layers.0.mlp.down_proj", HIDDEN, 4, False, k=INTER)
+    )
+    save_file(named, str(root / "model.safetensors"))
+    text = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTER,
+        "num_hidden_layers": 1,
+        "layer_types": ["linear_attention"],
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "linear_num_key_heads": key_dim // 128,
+        "linear_num_value_heads": V_HEADS,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": value_dim // V_HEADS,
+        "linear_conv_kernel_dim": 4,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": HIDDEN, "num_heads": 4},
+        "tie_word_embeddings": False,
+        "quantization_config": {"quant_method": "exl3", "bits": 4.0},
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    return named
+
+
+@pytest.mark.usefixtures("world1")
+def test_qwen3_5_multimodal_layout_validates_resolves_and_loads(tmp_path):
+    from vllm.model_executor.layers.quantization.exl3.config import Exl3Config
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    named = qwen3_5_checkpoint(tmp_path)
+    config = Exl3Config.from_config({"quant_method": "exl3"})
+    config.maybe_update_config(str(tmp_path))  # validate_checkpoint: must accept it
+    config.packed_modules_mapping = dict(VL_PACKED)
+    # vLLM hands the quant config the unstacked model mapper (model_loader/utils.py).
+    config.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix=VL_MAPPER_PREFIXES))
+    key_dim, value_dim = DIMS["aligned"]
+    qkvz = MergedColumnParallelLinear(
+        HIDDEN,
+        [key_dim, key_dim, value_dim, value_dim],
+        bias=False,
+        quant_config=config,
+        prefix="language_model.model.layers.0.linear_attn.in_proj_qkvz",
+        params_dtype=torch.float32,
+    )
+    vision = QKVParallelLinear(
+        HIDDEN,
+        VISION_HEAD_DIM,
+        VISION_HEADS,
+        VISION_HEADS,
+        bias=True,
+        quant_config=config,
+        prefix=VISION_QKV,
+        params_dtype=torch.float32,
+    )
+    assert [s.name for s in qkvz.quant_method.layout.shards] == [
+        f"{VL_TEXT}.layers.0.linear_attn.in_proj_qkv"
+    ] * 3 + [f"{VL_TEXT}.layers.0.linear_attn.in_proj_z"]
+    # The checkpoint's names through the model's mappers, as its loaders see them.
+    model_mapper = WeightsMapper(orig_to_new_prefix=VL_MAPPER_PREFIXES)
+    text_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
+            ".in_proj_z": (".in_proj_qkvz", 3),
+        }
+    )
+    for name, tensor in named.items():
+        mapped = model_mapper._map_name(name)
+        for layer, prefix in (
+            (qkvz, "language_model.model.layers.0.linear_attn.in_proj_qkvz"),
+            (vision, VISION_QKV),
+        ):
+            mapped_name, shard = text_mapper._map_name_with_shard(mapped)
+            module, _, suffix = mapped_name.rpartition(".")
+            if module != prefix:
+                continue
+            param = getattr(layer, suffix)
+            args = () if shard is None else (shard,)
+            param.weight_loader(param, tensor, *args)
+    finish(qkvz)
+    finish(vision)
+    x = x_in()
+    gdn = f"{VL_TEXT}.layers.0.linear_attn"
+    ref = {
+        f"{short}.{s}": named[f"{gdn}.{short.rpartition('.')[2]}.{s}"]
+        for short in (QKV, Z)
+        for s in ("trellis", "suh", "svh")
+    }
+    assert_matches(qkvz(x)[0], expected(ref, "aligned", x, 0, 1), "qwen3.5 qkvz")
+    vis = {
+        k.removeprefix("model."): v
+        for k, v in named.items()
+        if k.startswith(f"model.{VISION_QKV}.")
+    }
+    assert_matches(vision(x)[0], vision_expected(vis, x, 0, 1), "qwen3.5 vision qkv")
