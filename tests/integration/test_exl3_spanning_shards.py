@@ -266,9 +266,9 @@ def test_loader_naming_other_shards_is_an_error(shard_id):
     layer = qkvz_layer("aligned", named)
     with pytest.raises(
         Exl3LayoutError,
-        match=r"in_proj_qkv\.trellis -> .*in_proj_qkvz \(rank 0\): loaded as "
-        r"shard\(s\) .* but this checkpoint module covers the layer's shard\(s\) "
-        r"\[0, 1, 2\]",
+        match=r"in_proj_qkvz\.trellis \(rank 0\): a tensor loaded as shard\(s\) "
+        r".*, but shard \d is part of checkpoint module .*in_proj_qkv, which covers "
+        r"shard\(s\) \[0, 1, 2\]",
     ):
         layer.trellis.weight_loader(layer.trellis, named[f"{QKV}.trellis"], shard_id)
 

@@ -271,12 +271,13 @@ class Exl3LayerWeights:
         covered = layout.module_shards(module)
         shard = layout.shards[ids[0]]
         if ids != covered:
-            raise self._fail(
-                shard,
-                suffix,
-                f"loaded as shard(s) {list(ids)}, but this checkpoint module covers "
-                f"the layer's shard(s) {list(covered)} (its stored width against the "
-                "layer's shard widths); the model's loader and the checkpoint disagree",
+            # The tensor's own name is not known here, only the shards it was sent to.
+            raise Exl3LayoutError(
+                f"EXL3 {layout.prefix}.{suffix} (rank {layout.tp_rank}): a tensor "
+                f"loaded as shard(s) {list(ids)}, but shard {ids[0]} is part of "
+                f"checkpoint module {shard.name}, which covers shard(s) "
+                f"{list(covered)} (from its stored width against the layer's shard "
+                "widths); the model's loader and the checkpoint disagree"
             )
         if suffix not in self.expected[module]:
             raise self._fail(
