@@ -15,6 +15,10 @@
 #   e2e         scripts/e2e/run_fixture_e2e.py (fixture perplexity, eager vs graphs, vllm serve)
 #   throughput  scripts/e2e/throughput.py (synthetic Qwen3-8B dimensions, EXL3 vs bf16)
 #   bench       scripts/bench/bench_linear.py --no-exl3 --bits 4 (the op against bf16)
+#   moebench    scripts/bench/bench_moe.py --bits 4 on Qwen3-30B-A3B and GLM-4.5-Air (one MoE
+#               layer against bf16, int4 Marlin and, when EXL3_ANCHOR_STATE names a finished
+#               exllamav3_anchor.py build, ExLlamaV3's own block)
+#   sparsebench  scripts/bench/bench_sparse_mla.py (sparse-MLA decode against FlashMLA-sparse)
 #   moe         scripts/e2e/run_moe_e2e.py on the MoE fixture conversions staged in
 #               VLLM_EXL3_MOE_DIR by scripts/e2e/stage_fixtures.sh (perplexity, eager vs graphs)
 #   mtp         scripts/e2e/run_mtp_e2e.py (MTP speculation against plain decoding)
@@ -31,13 +35,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(tests kernels e2e throughput bench moe mtp sparse harness)
+ALL_STEPS=(tests kernels e2e throughput bench moebench sparsebench moe mtp sparse harness)
 OUT_DIR=${OUT:-gpu-results}
 steps=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR=${2:?--out needs a directory}; shift 2 ;;
-    -h|--help) sed -n '3,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '3,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *)
       if [[ " ${ALL_STEPS[*]} " != *" $1 "* ]]; then
         echo "gpu.sh: unknown step '$1' (steps: ${ALL_STEPS[*]})" >&2; exit 2
@@ -116,6 +120,12 @@ run_step() {
     throughput) "$PY" scripts/e2e/throughput.py --out "$OUT_DIR/throughput" --budget-s "$budget" ;;
     bench) "$PY" scripts/bench/bench_linear.py --out "$OUT_DIR/bench" --no-exl3 --bits 4 \
              --budget-s "$budget" ;;
+    moebench)
+      local anchor=(--no-exllamav3)
+      [ -n "${EXL3_ANCHOR_STATE:-}" ] && anchor=(--exl3-state "$EXL3_ANCHOR_STATE")
+      "$PY" scripts/bench/bench_moe.py --out "$OUT_DIR/moebench" --bits 4 \
+        --shapes qwen3-30b-a3b glm-4.5-air "${anchor[@]}" ;;
+    sparsebench) "$PY" scripts/bench/bench_sparse_mla.py --json "$OUT_DIR/sparse_mla_bench.json" ;;
     moe) "$PY" scripts/e2e/run_moe_e2e.py --moe-dir "${VLLM_EXL3_MOE_DIR:?the moe step needs \
 VLLM_EXL3_MOE_DIR (scripts/e2e/stage_fixtures.sh)}" --out "$OUT_DIR/moe" --budget-s "$budget" ;;
     mtp) "$PY" scripts/e2e/run_mtp_e2e.py --out "$OUT_DIR/mtp" --budget-s "$budget" ;;
