@@ -188,28 +188,55 @@ def test_nan_never_passes() -> None:
             check(y, ref)
 
 
+# Per engine (the op's choice, wgmma = -1, which is mma.sync below 64 rows and
+# Hopper's wgmma from there; wgmma forced, = 1): the expert width and the (block,
+# dtype, deterministic, tokens) cases of test_every_rate_and_codebook, and the expert
+# width, tokens and blocks of test_mixed_bitrates_in_one_layer.
+EVERY_RATE_CASES = {
+    -1: (
+        256,
+        [
+            (16, torch.float16, True, 5),
+            (32, torch.bfloat16, False, 37),
+            (64, torch.bfloat16, True, 200),
+            (128, torch.float16, True, 300),
+        ],
+    ),
+    1: (
+        384,
+        [
+            (64, torch.float16, True, 70),
+            (64, torch.bfloat16, False, 200),
+            (128, torch.bfloat16, True, 300),
+            (128, torch.float16, False, 700),
+        ],
+    ),
+}
+MIXED_RATE_CASES = {-1: (256, 77), 1: (640, 300)}
+ENGINES = (-1, pytest.param(1, marks=needs_wgmma, id="wgmma"))
+ENGINE_BLOCKS = [(-1, b) for b in BLOCKS] + [
+    pytest.param(1, b, marks=needs_wgmma, id=f"wgmma-{b}") for b in WGMMA_BLOCKS
+]
+
+
+@pytest.mark.parametrize("wgmma", ENGINES)
 @pytest.mark.parametrize("bits,codebook", COMBOS)
 def test_every_rate_and_codebook(
-    gen: torch.Generator, bits: float, codebook: int
+    gen: torch.Generator, bits: float, codebook: int, wgmma: int
 ) -> None:
-    layer = ml.random_moe_layer(gen, 8, 256, 256, [bits], codebook)
-    for i, (block, dtype, det) in enumerate(
-        [
-            (16, torch.float16, True),
-            (32, torch.bfloat16, False),
-            (64, torch.bfloat16, True),
-            (128, torch.float16, True),
-        ]
-    ):
+    width, cases = EVERY_RATE_CASES[wgmma]
+    layer = ml.random_moe_layer(gen, 8, 256, width, [bits], codebook)
+    for block, dtype, det, m in cases:
         run_checked(
             gen,
             layer,
-            (5, 37, 200, 300)[i],
+            m,
             2,
             8,
             dtype,
             block,
             det,
+            wgmma=wgmma,
             bits=bits,
             codebook=codebook,
         )
@@ -218,17 +245,21 @@ def test_every_rate_and_codebook(
 @pytest.mark.parametrize(
     "codebook,bits", [(1, (2, 3, 4, 5)), (2, (1.5, 2.5, 3.5, 4, 8)), (0, (1, 6, 7, 8))]
 )
-@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("wgmma,block", ENGINE_BLOCKS)
 def test_mixed_bitrates_in_one_layer(
-    gen: torch.Generator, codebook: int, bits: tuple[float, ...], block: int
+    gen: torch.Generator, codebook: int, bits: tuple[float, ...], wgmma: int, block: int
 ) -> None:
     """Every (expert, role) draws its own rate: gate, up and down of one expert
-    differ.
+    differ; one launch per rate, each block on its own expert's trellis, svh and
+    rate (mma.sync or wgmma alike).
     """
-    layer = ml.random_moe_layer(gen, 16, 384, 256, bits, codebook)
+    width, m = MIXED_RATE_CASES[wgmma]
+    layer = ml.random_moe_layer(gen, 16, 384, width, bits, codebook)
     assert len(layer.k2s[0]) > 1 and len(layer.k2s[1]) > 1, layer.k2s
     for det in (True, False):
-        run_checked(gen, layer, 77, 4, 16, torch.bfloat16, block, det, bits=bits)
+        run_checked(
+            gen, layer, m, 4, 16, torch.bfloat16, block, det, wgmma=wgmma, bits=bits
+        )
 
 
 @pytest.mark.parametrize(
@@ -571,53 +602,6 @@ def test_cuda_graph_replay_equals_eager(
 # Hopper's wgmma engine (the unsplit 64- and 128-row tiers), forced (wgmma = 1): the
 # same cases as mma.sync above, against the same float64 oracle and bounds (wgmma sums
 # the same fp16 products in fp32).
-
-
-@needs_wgmma
-@pytest.mark.parametrize("bits,codebook", COMBOS)
-def test_wgmma_every_rate_and_codebook(
-    gen: torch.Generator, bits: float, codebook: int
-) -> None:
-    layer = ml.random_moe_layer(gen, 8, 256, 384, [bits], codebook)
-    for i, (block, dtype, det) in enumerate(
-        [
-            (64, torch.float16, True),
-            (64, torch.bfloat16, False),
-            (128, torch.bfloat16, True),
-            (128, torch.float16, False),
-        ]
-    ):
-        run_checked(
-            gen,
-            layer,
-            (70, 200, 300, 700)[i],
-            2,
-            8,
-            dtype,
-            block,
-            det,
-            wgmma=1,
-            bits=bits,
-            codebook=codebook,
-        )
-
-
-@needs_wgmma
-@pytest.mark.parametrize(
-    "codebook,bits", [(1, (2, 3, 4, 5)), (2, (1.5, 2.5, 3.5, 4, 8)), (0, (1, 6, 7, 8))]
-)
-@pytest.mark.parametrize("block", WGMMA_BLOCKS)
-def test_wgmma_mixed_bitrates_in_one_layer(
-    gen: torch.Generator, codebook: int, bits: tuple[float, ...], block: int
-) -> None:
-    """Every (expert, role) with its own rate: one wgmma launch per rate, each block on
-    its own expert's trellis, svh and rate."""
-    layer = ml.random_moe_layer(gen, 16, 384, 640, bits, codebook)
-    assert len(layer.k2s[0]) > 1 and len(layer.k2s[1]) > 1, layer.k2s
-    for det in (True, False):
-        run_checked(
-            gen, layer, 300, 4, 16, torch.bfloat16, block, det, wgmma=1, bits=bits
-        )
 
 
 @needs_wgmma
