@@ -844,15 +844,15 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
 # The pairs layout (few tokens): no alignment passed, each routed pair in a 16-row block
 # of its own that the op's input transform lays out (exl3_moe.h MoePairsLayout). Forced
 # here at every size the tests use; the kernel class's rule (moe_kernels.pairs_layout)
-# takes it up to a quarter of a routed pair per expert. Same GEMMs, transforms and
+# takes it up to an eighth of a routed pair per expert. Same GEMMs, transforms and
 # combine as the aligned layout, so at 16-row blocks in deterministic mode the two give
 # the same bits (pairs_equal_aligned).
 
 
 def pairs_limit(experts: int, top_k: int) -> int:
-    """The rule's largest token count (moe_kernels.PAIRS_MAX_PAIRS_PER_EXPERT = 1/4),
+    """The rule's largest token count (moe_kernels.PAIRS_MAX_PAIRS_PER_EXPERT = 1/8),
     at least 1."""
-    return max(1, experts // 4 // top_k)
+    return max(1, experts // 8 // top_k)
 
 
 def pairs_equal_aligned(
@@ -1173,12 +1173,10 @@ def test_pairs_a_launched_rate_no_expert_has(
                 )
 
 
-def pairs_kernel_class(layer: ml.MoeLayer, monkeypatch: pytest.MonkeyPatch):
-    """CudaExl3MoEKernel and the layer's weights, the pairs rule switched on
-    (PAIRS_LAYOUT_AUTO) so that force_pairs=None runs it; skips without vLLM (with the
-    overlay) importable."""
+def pairs_kernel_class(layer: ml.MoeLayer):
+    """CudaExl3MoEKernel and the layer's weights; skips without vLLM (with the overlay)
+    importable."""
     try:
-        from vllm.model_executor.layers.quantization.exl3 import moe_kernels
         from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
             CudaExl3MoEKernel,
             Exl3MoEWeights,
@@ -1189,7 +1187,6 @@ def pairs_kernel_class(layer: ml.MoeLayer, monkeypatch: pytest.MonkeyPatch):
             raise ImportError(f"no {align}")
     except ImportError as e:
         pytest.skip(f"vLLM with the EXL3 overlay is not importable: {e}")
-    monkeypatch.setattr(moe_kernels, "PAIRS_LAYOUT_AUTO", True)
     weights = Exl3MoEWeights(
         *layer.tensors(),
         num_experts=layer.experts,
@@ -1199,19 +1196,17 @@ def pairs_kernel_class(layer: ml.MoeLayer, monkeypatch: pytest.MonkeyPatch):
     return CudaExl3MoEKernel(), weights
 
 
-def test_pairs_through_the_kernel_class(
-    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """CudaExl3MoEKernel.apply: the rule (pairs up to a quarter of a routed pair per
+def test_pairs_through_the_kernel_class(gen: torch.Generator) -> None:
+    """CudaExl3MoEKernel.apply: the rule (pairs up to an eighth of a routed pair per
     expert), force_pairs either way, with and without an expert_map, split and not;
     against the float64 oracle."""
     global_experts, local = 64, 32
     layer = ml.random_moe_layer(gen, local, 256, 256, [2, 3.5, 4], 2)
-    kernel, weights = pairs_kernel_class(layer, monkeypatch)
+    kernel, weights = pairs_kernel_class(layer)
     emap = torch.full((global_experts,), -1, dtype=torch.int32)
     emap[1::2] = torch.arange(local, dtype=torch.int32)
     emap = emap.cuda()
-    assert kernel.uses_pairs(2, 8, 64) and not kernel.uses_pairs(3, 8, 64)
+    assert kernel.uses_pairs(1, 8, 64) and not kernel.uses_pairs(2, 8, 64)
     for force in (None, True, False):
         kernel.force_pairs = force
         for m, split in ((1, None), (2, (2, 2)), (3, None), (9, None)):
@@ -1237,9 +1232,7 @@ def test_pairs_through_the_kernel_class(
                 check(y, ref, m=m, force=force, split=split, det=det)
 
 
-def test_pairs_layout_launches_no_alignment(
-    gen: torch.Generator, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_pairs_layout_launches_no_alignment(gen: torch.Generator) -> None:
     """Which kernels a call launches (torch.profiler): the pairs layout only the op's
     own (input transform, a GEMM per rate and stage, SwiGLU transform, combine), none
     of vLLM's alignment; the aligned layout (force_pairs=False) launches the
@@ -1248,7 +1241,7 @@ def test_pairs_layout_launches_no_alignment(
     from torch.profiler import ProfilerActivity, profile
 
     layer = ml.random_moe_layer(gen, 128, 256, 256, [2, 4], 1)
-    kernel, weights = pairs_kernel_class(layer, monkeypatch)
+    kernel, weights = pairs_kernel_class(layer)
     kernel.force_splits = (1, 1)
     m, top_k = 1, 8
     x = activations(gen, m, 256, torch.bfloat16)

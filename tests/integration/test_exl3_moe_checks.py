@@ -582,50 +582,43 @@ def test_split_rule_at_the_bench_shapes() -> None:
 
 
 def test_pairs_rule() -> None:
-    """moe_kernels.pairs_layout: up to a quarter of a routed pair per (global) expert,
+    """moe_kernels.pairs_layout: up to an eighth of a routed pair per (global) expert,
     where a uniform routing reaches nearly as many experts as it has pairs (the excess
-    trellis read, P / D - 1, stays at or below 13 %); never for an empty batch."""
+    trellis read, P / D - 1, stays at or below 6.5 %); never for an empty batch."""
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
 
-    limits = {"qwen3-30b-a3b": 4, "qwen3-235b-a22b": 4, "glm-4.5-air": 4}
-    limits["deepseek-v3"] = 8
+    limits = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "glm-4.5-air": 2}
+    limits["deepseek-v3"] = 4
     for name, (_, _, e, top_k) in BENCH_SHAPES.items():
         for tokens in range(0, 40):
             want = 0 < tokens <= limits[name]
             assert mk.pairs_layout(tokens, top_k, e) == want, (name, tokens)
-    assert mk.pairs_layout(32, 1, 128) and not mk.pairs_layout(33, 1, 128)
-    assert mk.pairs_layout(16, 8, 512) and not mk.pairs_layout(17, 8, 512)
+    assert mk.pairs_layout(16, 1, 128) and not mk.pairs_layout(17, 1, 128)
+    assert mk.pairs_layout(8, 8, 512) and not mk.pairs_layout(9, 8, 512)
     assert not mk.pairs_layout(1, 8, 8)  # 8 pairs over 8 experts: the alignment
     # The constant's bound: the excess read at the limit, for every expert count.
     for e in (8, 64, 128, 256, 512):
         p = int(mk.PAIRS_MAX_PAIRS_PER_EXPERT * e)
         reached = e * (1 - (1 - 1 / e) ** p)
-        assert p / reached - 1 <= 0.131, (e, p / reached)
+        assert p / reached - 1 <= 0.065, (e, p / reached)
 
 
 def test_pairs_choice_of_the_kernel_class(monkeypatch) -> None:
-    """CudaExl3MoEKernel.uses_pairs: the rule once PAIRS_LAYOUT_AUTO is on (off, only
-    force_pairs runs the layout), force_pairs either way; batch invariance keeps the
-    rule (a row's sums do not depend on the layout)."""
+    """CudaExl3MoEKernel.uses_pairs: the rule, force_pairs either way; batch
+    invariance keeps the rule (a row's sums do not depend on the layout)."""
     import vllm.envs as envs
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
 
     kernel = mk.CudaExl3MoEKernel()
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
-    monkeypatch.setattr(mk, "PAIRS_LAYOUT_AUTO", False)
-    assert not kernel.uses_pairs(1, 8, 128)
-    kernel.force_pairs = True
-    assert kernel.uses_pairs(1, 8, 128)
-    kernel.force_pairs = None
-    monkeypatch.setattr(mk, "PAIRS_LAYOUT_AUTO", True)
-    assert kernel.uses_pairs(4, 8, 128) and not kernel.uses_pairs(5, 8, 128)
+    assert kernel.uses_pairs(2, 8, 128) and not kernel.uses_pairs(3, 8, 128)
     kernel.force_pairs = True
     assert kernel.uses_pairs(1024, 8, 128)
     kernel.force_pairs = False
     assert not kernel.uses_pairs(1, 8, 128)
     kernel.force_pairs = None
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
-    assert kernel.uses_pairs(4, 8, 128) and not kernel.uses_pairs(5, 8, 128)
+    assert kernel.uses_pairs(2, 8, 128) and not kernel.uses_pairs(3, 8, 128)
 
 
 def test_split_rule_counts_the_pairs_blocks() -> None:

@@ -353,7 +353,7 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         sums a token's top-k in the same order either way."""
         if self.force_pairs is not None:
             return self.force_pairs
-        return PAIRS_LAYOUT_AUTO and pairs_layout(tokens, top_k, global_num_experts)
+        return pairs_layout(tokens, top_k, global_num_experts)
 
     @classmethod
     def block_size(cls, tokens: int, top_k: int, global_num_experts: int) -> int:
@@ -682,20 +682,14 @@ def moe_splits(
 # batch that share an expert no longer share a block, so that expert's trellis is read
 # once per pair. A uniform routing of P pairs over E experts reaches
 # E (1 - (1 - 1/E)^P) ~ P - P^2 / (2E) distinct experts, so the pairs layout reads about
-# P / (2E) more trellis than the aligned one: 13 % at P = E / 4 (1/4 / (1 - e^(-1/4))
-# - 1 for large E), growing linearly past it (58 % at P = E) while the launches saved
-# stay the same. So: the pairs layout up to a quarter of a routed pair per expert
-# (Qwen3-30B-A3B, top-8 of 128: 4 tokens; DeepSeek-V3, top-8 of 256: 8), where the
-# trellis read is a small part of the time (design notes, "MoE grouped GEMM: the
-# few-token path": 18.9 MB, about 5 µs of HBM time at one token, of a 48.7 µs layer)
-# and the excess at most an eighth of it.
-PAIRS_MAX_PAIRS_PER_EXPERT = 0.25
-# Whether uses_pairs follows the rule at all. Off until the layout has passed its GPU
-# tests (tests/gpu/test_moe_kernels.py -k pairs) and beaten the aligned layout on the
-# GPU (bench_moe.py rows exl3_aligned, exl3_pairs): it changes the gate/up GEMM's wait
-# and the input transform's writes on the decode path of every MoE model. force_pairs
-# runs it regardless.
-PAIRS_LAYOUT_AUTO = False
+# P / (2E) more trellis than the aligned one, and its first gate/up launch gives up the
+# prefetch overlap with the input transform. Measured (design notes, "MoE grouped GEMM:
+# the few-token path"; bench_moe.py rows exl3_pairs and exl3_aligned on four layer
+# shapes): faster at every point up to P = E / 8, mixed at E / 4 (faster for
+# Qwen3-30B-A3B and Qwen3-235B-A22B, not for GLM-4.5-Air), slower everywhere from E / 2.
+# So up to an eighth of a routed pair per expert (top-8 of 128 experts: 2 tokens; of
+# 256, DeepSeek-V3: 4), where the excess read is at most 6.5 %.
+PAIRS_MAX_PAIRS_PER_EXPERT = 0.125
 
 
 def pairs_layout(tokens: int, top_k: int, global_experts: int) -> bool:
