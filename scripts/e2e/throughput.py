@@ -53,9 +53,11 @@ GPTQ_ATTENTION = [
     "self_attn.o_proj",
 ]
 GPTQ_DENSE_MLP = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-WARMUP_TOKENS = (
-    8  # one short request per engine first: lazy initialisation stays out of timings
-)
+# Output tokens of the warm-up pass run at every concurrency before any is timed: the
+# first prefill of a new size compiles Triton kernels for it (vLLM's fused MoE among
+# them), a one-time stall of up to a second that would otherwise land in that
+# concurrency's timed pass.
+WARMUP_TOKENS = 8
 # Seconds assumed for one engine (start-up with compile + graph capture of an 8B model,
 # plus the passes) when deciding whether the next one still fits the budget.
 ENGINE_COST_S = 180
@@ -231,10 +233,11 @@ def run_model(
     result: dict = {"start_s": round(time.monotonic() - t0, 1), "runs": []}
     try:
         rng = random.Random(0)
-        measure(llm, prompts(rng, 1, args.input_len, vocab), WARMUP_TOKENS)
         for c in args.concurrency:
-            # Repeats follow each other in the same engine, so a one-time cost (the
-            # first batch of a new size) shows as the first repeat alone being slow.
+            measure(llm, prompts(rng, c, args.input_len, vocab), WARMUP_TOKENS)
+        for c in args.concurrency:
+            # Repeats follow each other in the same engine: a one-time cost the
+            # warm-up missed shows as the first repeat alone being slow.
             for rep in range(args.repeat):
                 r = measure(
                     llm, prompts(rng, c, args.input_len, vocab), args.output_len

@@ -277,9 +277,9 @@ def test_throughput_repeats_each_concurrency_in_one_engine(monkeypatch):
     )
     out = th.run_model("exl3", Path("unused"), dummy=False, args=args, vocab=100)
     assert len(engines) == 1
-    # The warm-up request, then each concurrency three times in a row, all in that
-    # engine.
-    assert batches == [(engines[0], 1, th.WARMUP_TOKENS)] + [
+    # A warm-up pass at every concurrency (each first prefill of its size out of the
+    # timings), then each concurrency three times in a row, all in that engine.
+    assert batches == [(engines[0], c, th.WARMUP_TOKENS) for c in (1, 4)] + [
         (engines[0], c, 4) for c in (1, 4) for _ in range(3)
     ]
     assert [(r["concurrency"], r["repeat"]) for r in out["runs"]] == [
