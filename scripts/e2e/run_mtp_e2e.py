@@ -33,6 +33,7 @@ mtp_e2e-qwen3-next.json) to --out (default $OUT).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -173,12 +174,23 @@ def spec_metrics(llm) -> dict:
     return out
 
 
+def gdn_prefill_config(layout: str) -> dict | None:
+    """vLLM's additional_config for Qwen3-Next's gated-delta-net prefill: vLLM 0.26
+    takes FlashInfer's kernel on Hopper without checking that flashinfer is installed
+    (qwen_gdn_linear_attn._resolve_gdn_prefill_backend), and the offline bundle does
+    not ship it, so without it the Triton (FLA) kernel is asked for."""
+    if layout != QWEN3_NEXT or importlib.util.find_spec("flashinfer") is not None:
+        return None
+    return {"gdn_prefill_backend": "triton"}
+
+
 def generate(
     model_dir: Path,
     batch: list[list[int]],
     *,
     speculative: bool,
     attention_backend: str | None,
+    additional_config: dict | None = None,
 ) -> dict:
     """One engine (vLLM defaults): greedy continuations, with or without MTP
     speculation."""
@@ -191,6 +203,8 @@ def generate(
         engine["speculative_config"] = dict(SPECULATIVE_CONFIG)
     if attention_backend:
         engine["attention_backend"] = attention_backend
+    if additional_config:
+        engine["additional_config"] = dict(additional_config)
     t0 = time.monotonic()
     llm = fx.make_llm(model_dir, eager=False, tp=1, engine_args=engine)
     out: dict = {"speculative": speculative, "start_s": round(time.monotonic() - t0, 1)}
@@ -247,6 +261,7 @@ def run(
                 batch,
                 speculative=speculative,
                 attention_backend=args.attention_backend,
+                additional_config=gdn_prefill_config(getattr(args, "layout", DEEPSEEK)),
             )
             if got is not None:
                 runs.setdefault(kind, {})[stage] = got
@@ -394,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             "gen_tokens": GEN_TOKENS,
             "slack": MTP_SLACK,
             "attention_backend": args.attention_backend,
+            "additional_config": gdn_prefill_config(args.layout),
             "gpu_memory_utilization": fx.GPU_MEMORY_UTILIZATION,
             "max_model_len": fx.MAX_MODEL_LEN,
             "host_env": fx.HOST_ENV,

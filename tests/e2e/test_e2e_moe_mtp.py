@@ -457,7 +457,8 @@ def _mtp_run(
 ) -> dict:
     calls = []
 
-    def generate(path, batch, *, speculative, attention_backend):
+    def generate(path, batch, *, speculative, attention_backend, additional_config):
+        assert additional_config is None  # the DeepSeek layout has no GDN layers
         calls.append((path.name, speculative))
         metrics = {} if drafts is None else {"spec_decode_num_drafts": drafts}
         return {"tokens": tokens[(path.name, speculative)], "metrics": metrics}
@@ -538,6 +539,25 @@ def test_mtp_time_budget(monkeypatch, tmp_path):
     assert out["calls"] == [("exl3", False), ("bf16", False)]
     assert out["skipped"] == ["exl3 spec (time budget)", "bf16 spec (time budget)"]
     assert not out["checks"] and not out["summary"]
+
+
+def test_qwen3_next_asks_for_triton_gdn_prefill_without_flashinfer(monkeypatch):
+    """vLLM 0.26 takes FlashInfer's GDN prefill on Hopper without checking that the
+    package is there; the Qwen3-Next layout's engines ask for Triton's when it is
+    not, and leave vLLM's choice alone when it is."""
+    have = {"flashinfer": False}
+    real = mtp.importlib.util.find_spec
+
+    def find_spec(name, *a, **k):
+        if name == "flashinfer":
+            return object() if have["flashinfer"] else None
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(mtp.importlib.util, "find_spec", find_spec)
+    assert mtp.gdn_prefill_config(mtp.QWEN3_NEXT) == {"gdn_prefill_backend": "triton"}
+    assert mtp.gdn_prefill_config(mtp.DEEPSEEK) is None
+    have["flashinfer"] = True
+    assert mtp.gdn_prefill_config(mtp.QWEN3_NEXT) is None
 
 
 def test_checkpoints_carry_the_mtp_layer_and_the_twin_its_shared_tensors(tmp_path):
