@@ -15,9 +15,9 @@
 #   e2e         scripts/e2e/run_fixture_e2e.py (fixture perplexity, eager vs graphs, vllm serve)
 #   throughput  scripts/e2e/throughput.py (synthetic Qwen3-8B dimensions, EXL3 vs bf16)
 #   bench       scripts/bench/bench_linear.py --no-exl3 --bits 4 (the op against bf16)
-#   moebench    scripts/bench/bench_moe.py --bits 4 on Qwen3-30B-A3B and GLM-4.5-Air (one MoE
-#               layer against bf16, int4 Marlin and, when EXL3_ANCHOR_STATE names a finished
-#               exllamav3_anchor.py build, ExLlamaV3's own block)
+#   moebench    scripts/bench/bench_moe.py --bits 4 on the four layer shapes of the MoE record
+#               (one MoE layer against bf16, int4 Marlin and, when EXL3_ANCHOR_STATE names a
+#               finished exllamav3_anchor.py build, ExLlamaV3's own block)
 #   sparsebench  scripts/bench/bench_sparse_mla.py (sparse-MLA decode against FlashMLA-sparse)
 #   moe         scripts/e2e/run_moe_e2e.py on the MoE fixture conversions staged in
 #               VLLM_EXL3_MOE_DIR by scripts/e2e/stage_fixtures.sh (perplexity, eager vs graphs)
@@ -123,8 +123,13 @@ run_step() {
     moebench)
       local anchor=(--no-exllamav3)
       [ -n "${EXL3_ANCHOR_STATE:-}" ] && anchor=(--exl3-state "$EXL3_ANCHOR_STATE")
-      "$PY" scripts/bench/bench_moe.py --out "$OUT_DIR/moebench" --bits 4 \
-        --shapes qwen3-30b-a3b glm-4.5-air "${anchor[@]}" ;;
+      local moe=("$PY" scripts/bench/bench_moe.py --out "$OUT_DIR/moebench" --bits 4)
+      "${moe[@]}" --shapes qwen3-30b-a3b glm-4.5-air --tokens 1 2 4 8 16 64 256 1024 4096 \
+        --no-mma --no-unsplit "${anchor[@]}" &&
+        "${moe[@]}" --shapes qwen3-235b-a22b deepseek-v3 --tokens 1 4 16 64 256 1024 4096 \
+          --no-mma --no-unsplit "${anchor[@]}" &&
+        "${moe[@]}" --shapes qwen3-30b-a3b glm-4.5-air --tokens 8192 --no-pairs --no-aligned \
+          --no-mma --no-unsplit --no-exllamav3 ;;
     sparsebench) "$PY" scripts/bench/bench_sparse_mla.py --json "$OUT_DIR/sparse_mla_bench.json" ;;
     moe) "$PY" scripts/e2e/run_moe_e2e.py --moe-dir "${VLLM_EXL3_MOE_DIR:?the moe step needs \
 VLLM_EXL3_MOE_DIR (scripts/e2e/stage_fixtures.sh)}" --out "$OUT_DIR/moe" --budget-s "$budget" ;;
