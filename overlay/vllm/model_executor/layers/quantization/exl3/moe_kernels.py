@@ -685,7 +685,7 @@ def moe_splits(
 # P / (2E) more trellis than the aligned one, and its first gate/up launch gives up the
 # prefetch overlap with the input transform. Measured (design notes, "MoE grouped GEMM:
 # the few-token path"; bench_moe.py rows exl3_pairs and exl3_aligned on four layer
-# shapes): faster at every point up to P = E / 8, mixed at E / 4 (faster for
+# shapes): faster or level at every point up to P = E / 8, mixed at E / 4 (faster for
 # Qwen3-30B-A3B and Qwen3-235B-A22B, not for GLM-4.5-Air), slower everywhere from E / 2.
 # So up to an eighth of a routed pair per expert (top-8 of 128 experts: 2 tokens; of
 # 256, DeepSeek-V3: 4), where the excess read is at most 6.5 %.
