@@ -751,3 +751,38 @@ def test_split_workspace_accounting() -> None:
     # The gate/up part ends on a 16-byte boundary (width is whole 128-column blocks),
     # so down's partial rows start aligned for float4 stores.
     assert (split_workspace_floats(1, 8, 2048, 768, 5, 1) * 4) % 16 == 0
+
+
+def test_an_unsupported_activation_is_named() -> None:
+    """The experts run gated SiLU only: choosing a kernel for another activation names
+    the layer and the activation for each candidate, and a call that asks for one
+    anyway is refused before it reads a weight."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+
+    c = mk.Exl3MoEKernelConfig(
+        "model.layers.0.mlp.experts",
+        torch.device("cpu"),
+        torch.bfloat16,
+        "gelu",
+        1,
+        (4.0,),
+    )
+    with pytest.raises(ValueError) as e:
+        mk.choose_exl3_moe_kernel(c)
+    msg = str(e.value)
+    assert "model.layers.0.mlp.experts: no MoE kernel" in msg, msg
+    assert msg.count("activation 'gelu' (supported: ('silu',))") == len(mk.CANDIDATES)
+    for kernel in mk.CANDIDATES:
+        with pytest.raises(ValueError, match="EXL3 MoE: unsupported activation 'gelu'"):
+            kernel().apply(
+                torch.zeros(1, 128),
+                torch.ones(1, 1),
+                torch.zeros(1, 1, dtype=torch.int32),
+                None,
+                activation="gelu",
+                apply_router_weight_on_input=False,
+                expert_map=None,
+                global_num_experts=1,
+                codebook=1,
+                deterministic=True,
+            )

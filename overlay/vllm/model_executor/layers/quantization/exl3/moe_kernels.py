@@ -33,6 +33,13 @@ GATE, UP = 0, 1
 SUPPORTED_ACTIVATIONS = ("silu",)
 
 
+def activation_unsupported(activation: str) -> str | None:
+    """Why the experts cannot run `activation`, or None."""
+    if activation in SUPPORTED_ACTIVATIONS:
+        return None
+    return f"activation {activation!r} (supported: {SUPPORTED_ACTIVATIONS})"
+
+
 @dataclass(frozen=True)
 class Exl3MoEWeights:
     """The eight tensors of one layer's local experts (see the module docstring)."""
@@ -112,11 +119,9 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
 
     @classmethod
     def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
-        if c.activation not in SUPPORTED_ACTIVATIONS:
-            return (
-                False,
-                f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})",
-            )
+        why_not = activation_unsupported(c.activation)
+        if why_not is not None:
+            return False, why_not
         if c.device.type != "cpu":
             return False, (
                 f"weights are on {c.device}: the reference would decode every "
@@ -148,11 +153,9 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
         codebook,
         deterministic,
     ):
-        if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(
-                f"EXL3 MoE: activation {activation!r} is not supported "
-                f"({SUPPORTED_ACTIVATIONS})"
-            )
+        why_not = activation_unsupported(activation)
+        if why_not is not None:
+            raise ValueError(f"EXL3 MoE: unsupported {why_not}")
         h, i_p = w.hidden, w.width
         m, top_k = topk_ids.shape
         ids = topk_ids.long()
@@ -328,11 +331,9 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
 
     @classmethod
     def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
-        if c.activation not in SUPPORTED_ACTIVATIONS:
-            return (
-                False,
-                f"activation {c.activation!r} (supported: {SUPPORTED_ACTIVATIONS})",
-            )
+        why_not = activation_unsupported(c.activation)
+        if why_not is not None:
+            return False, why_not
         from .kernels import cuda_kernel_unsupported
 
         why_not = cuda_kernel_unsupported(c.device, c.act_dtype, cls.MIN_CAPABILITY)
@@ -464,11 +465,9 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         codebook,
         deterministic,
     ):
-        if activation not in SUPPORTED_ACTIVATIONS:
-            raise ValueError(
-                f"EXL3 MoE: activation {activation!r} is not supported "
-                f"({SUPPORTED_ACTIVATIONS})"
-            )
+        why_not = activation_unsupported(activation)
+        if why_not is not None:
+            raise ValueError(f"EXL3 MoE: unsupported {why_not}")
         from vllm.model_executor.layers.fused_moe.moe_align_block_size import (
             moe_align_block_size,
         )
