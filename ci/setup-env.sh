@@ -91,6 +91,8 @@ fi
 # neither.
 "$P" install -q --no-deps nvidia-cuda-cuobjdump==13.2.51 nvidia-cuda-nvdisasm==13.2.51
 "$P" install -q --no-deps compressed-tensors==0.17.0
+# vLLM 0.26's qwen3_5 model module imports torchvision (through its Qwen3-VL vision tower).
+"$P" install -q --no-deps torchvision==0.26.0
 # The Python lint test (tests/tooling/test_repo_lint.py): scripts the CPU suite cannot run (the
 # GPU benchmarks) still get their names checked.
 "$P" install -q --no-deps pyflakes==4.1.0

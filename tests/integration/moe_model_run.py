@@ -170,15 +170,15 @@ def load_target_and_draft(ckpt_dir, monkeypatch, dtype: str = "float16"):
     return target, draft, vllm_config
 
 
-def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16"):
+def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16", **model_config):
     """(model, vllm_config) of vLLM's loader at the TP size of the current vLLM
-    world.
+    world; `model_config`: further ModelConfig fields (e.g. language_model_only).
     """
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.model_loader import get_model_loader
 
     cpu_stand_ins(monkeypatch)
-    model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
+    model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype, **model_config)
     assert model_config.quantization == "exl3"
     vllm_config = VllmConfig(
         model_config=model_config, device_config=DeviceConfig("cpu")
@@ -187,6 +187,22 @@ def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16"):
         vllm_config=vllm_config, model_config=model_config
     )
     return model, vllm_config
+
+
+def record_unloaded(monkeypatch, model_cls) -> set[str]:
+    """Parameters the model's load_weights leaves unwritten, filled in when it runs
+    (vLLM tracks them only for unquantized models)."""
+    unloaded: set[str] = set()
+    original = model_cls.load_weights
+
+    def load_weights(self, weights):
+        wanted = {name for name, _ in self.named_parameters()}
+        loaded = original(self, weights)
+        unloaded.update(wanted - set(loaded))
+        return loaded
+
+    monkeypatch.setattr(model_cls, "load_weights", load_weights)
+    return unloaded
 
 
 def run_logits(model, vllm_config, ids: torch.Tensor) -> torch.Tensor:
@@ -355,6 +371,8 @@ def check_moe_blocks(
     from vllm.forward_context import set_forward_context
 
     cfg = json.loads((ckpt / "config.json").read_text())
+    # A multimodal model's config keeps the text model's keys under text_config.
+    cfg = cfg.get("text_config", cfg)
     named = checkpoint_tensors(ckpt)
     blocks = moe_blocks(model, checkpoint_name)
     dense = decoded_modules(ckpt, tuple(f"{prefix}." for prefix, _ in blocks))

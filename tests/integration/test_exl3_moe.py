@@ -66,6 +66,7 @@ from moe_model_run import (
     checkpoint_tensors,
     load_model,
     load_target_and_draft,
+    record_unloaded,
     vllm_logits,
 )
 from moe_oracle import moe_reference, softmax_topk
@@ -463,22 +464,6 @@ DSA_ARCHITECTURES = {
 }
 
 
-def _record_unloaded(monkeypatch, model_cls) -> set[str]:
-    """Parameters the model's load_weights leaves unwritten, filled in when it runs
-    (vLLM tracks them only for unquantized models)."""
-    unloaded: set[str] = set()
-    original = model_cls.load_weights
-
-    def load_weights(self, weights):
-        wanted = {name for name, _ in self.named_parameters()}
-        loaded = original(self, weights)
-        unloaded.update(wanted - set(loaded))
-        return loaded
-
-    monkeypatch.setattr(model_cls, "load_weights", load_weights)
-    return unloaded
-
-
 # Relative max error of an fp16 EXL3 linear against x @ W in fp64 (fp16 inputs and
 # outputs); a wrong shard, column or scale is off by O(1).
 LINEAR_RTOL = 4e-3
@@ -546,7 +531,7 @@ def test_dsa_checkpoint_loads(arch, tmp_path, monkeypatch, world1):
     link_tokenizer(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     owners = vllm_indexer_layers(cfg)
-    unloaded = _record_unloaded(monkeypatch, DeepseekV2ForCausalLM)
+    unloaded = record_unloaded(monkeypatch, DeepseekV2ForCausalLM)
     model, vllm_config = load_model(ckpt, monkeypatch, MODEL_DTYPE)
     assert unloaded == set(), sorted(unloaded)
 
@@ -722,7 +707,7 @@ def test_qwen3_next_mtp_draft_loads_exl3_layers(tmp_path, monkeypatch, world1):
     assert written["mtp.layers.0.mlp.experts.2.up_proj"][0] == 3
     assert written["mtp.layers.0.mlp.shared_expert.down_proj"][0] == MTP_BITS
 
-    unloaded = _record_unloaded(monkeypatch, Qwen3NextMTP)
+    unloaded = record_unloaded(monkeypatch, Qwen3NextMTP)
     target, draft, vllm_config = load_target_and_draft(ckpt, monkeypatch, MODEL_DTYPE)
     # Every draft parameter written (the routed experts' are reported under the
     # runner's name; the EXL3 MoE method checks every expert tensor arrived); a

@@ -18,8 +18,12 @@ and an ambiguous cut.
 Also the other way ExLlamaV3 fuses: one module for a whole multi-shard layer, stored
 fused on disk and loaded without a shard id (the Qwen3-VL vision tower of Qwen3.5's
 multimodal classes: `attn.qkv`, with a bias, vLLM's QKVParallelLinear). And both in
-a checkpoint laid out as ExLlamaV3 writes Qwen3.5's multimodal class, validated as
-vLLM's loader validates it and loaded under vLLM's names.
+a checkpoint laid out as ExLlamaV3 writes Qwen3.5's multimodal classes, validated as
+vLLM's loader validates it and loaded under vLLM's names; then that whole checkpoint
+through vLLM's model loader into the real Qwen3_5ForConditionalGeneration and
+Qwen3_5MoeForConditionalGeneration (vision tower built, or left out as
+`--language-model-only` serves it): every parameter written, a tensor nothing takes
+named, every EXL3 linear equal to the reference decode.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ HIDDEN = 256
 WORLD = 2
 TILE = 16
 PAD = 128  # the format pads every n to the 128-wide Hadamard block
-WORDS = {4: 64, 3: 48}  # int16 words per 16x16 tile at 4 and 3 bits
+WORDS = {3: 48, 4: 64, 6: 96}  # int16 words per 16x16 tile: 16 per bit
 # (key_dim, value_dim): 128-aligned at TP=1 and TP=2 (Qwen3.5's real dims are multiples
 # of 128 heads wide), and not: q/k/v boundaries and every rank boundary inside a block.
 DIMS = {"aligned": (256, 512), "unaligned": (192, 320)}
@@ -207,16 +211,10 @@ def test_qwen3_5_mapper_routes_the_module_with_its_shard_tuple():
     """Through AutoWeightsLoader with Qwen3.5's stacked WeightsMapper entries, as
     Qwen3_5Model.load_weights does: the mapper tags in_proj_qkv with (0, 1, 2) and
     MergedColumnParallelLinear.load_weights passes it on."""
-    from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+    from vllm.model_executor.models.qwen3_5 import Qwen3_5Model
+    from vllm.model_executor.models.utils import AutoWeightsLoader
 
-    # vllm/model_executor/models/qwen3_5.py's Qwen3_5Model.hf_to_vllm_mapper (that
-    # module imports torchvision, absent from the CPU test environment).
-    mapper = WeightsMapper(
-        orig_to_new_stacked={
-            ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
-            ".in_proj_z": (".in_proj_qkvz", 3),
-        }
-    )
+    mapper = Qwen3_5Model.hf_to_vllm_mapper
 
     named = checkpoint("aligned")
 
@@ -402,11 +400,14 @@ def test_module_covering_three_shards_tp2(tmp_path, world1):
 
 
 # A Qwen3.5 multimodal checkpoint as ExLlamaV3 1.6.5 writes it (architecture/qwen3_5.py,
-# qwen3_vl.py), one linear-attention layer, tiny dims: the text model under
-# model.language_model (in_proj_qkv and in_proj_z EXL3, in_proj_b / in_proj_a fp16 at
-# their real dims), the vision tower's fused attn.qkv EXL3 with a bias (its default 6
-# bpw), lm_head EXL3. Validated as vLLM's loader does, then vLLM's names (Qwen3-VL's
-# prefix mapper, Qwen3.5's packed modules and stacked mapper) resolved and loaded.
+# qwen3_vl.py), tiny dims: the text model under model.language_model, a Gated DeltaNet
+# layer (in_proj_qkv, in_proj_z and out_proj EXL3, in_proj_b / in_proj_a fp16 at their
+# real dims, conv, decay and norm as stored) and a gated full-attention layer, each with
+# an EXL3 MLP (or, for the MoE class, per-expert EXL3 experts, an fp16 router and a
+# gated EXL3 shared expert); the Qwen3-VL vision tower under model.visual with every
+# linear EXL3 at its vision_bits and with its bias (the fused attn.qkv included); an
+# EXL3 lm_head. Validated as vLLM's loader does, then vLLM's names (Qwen3-VL's prefix
+# mapper, Qwen3.5's packed modules and stacked mapper) resolved and loaded.
 
 VL_TEXT = "model.language_model"
 VL_MAPPER_PREFIXES = {  # vllm/model_executor/models/qwen3_vl.py, Qwen3VLForCond...
@@ -422,54 +423,121 @@ VL_PACKED = {  # Qwen3_5ForConditionalGeneration.packed_modules_mapping
     "in_proj_ba": ["in_proj_b", "in_proj_a"],
 }
 VOCAB, INTER, V_HEADS = 512, 512, 4
+# The full-attention layer's heads (its q_proj carries the output gate: twice as wide).
+HEADS, KV_HEADS, HEAD_DIM = 2, 1, 128
+EXPERTS, TOP_K, EXPERT_INTER, SHARED_INTER = 4, 2, 128, 256
+VISION_INTER, PATCH, TEMPORAL_PATCH, MERGE = 256, 16, 2, 2
+VISION_POSITIONS = 16  # a 4 x 4 grid
+VISION_BITS = 6  # ExLlamaV3's default_vision_bits for the Qwen3-VL tower
 
 
-def qwen3_5_checkpoint(root) -> dict[str, torch.Tensor]:
+def _plain(gen: torch.Generator, shape) -> torch.Tensor:
+    return (0.02 * torch.randn(shape, generator=gen)).half()
+
+
+def _mlp(gen, named: dict, prefix: str, inter: int) -> None:
+    for proj in ("gate_proj", "up_proj"):
+        named.update(_module(gen, f"{prefix}.{proj}", inter, 4, False))
+    named.update(_module(gen, f"{prefix}.down_proj", HIDDEN, 4, False, k=inter))
+
+
+def _text_layers(gen, named: dict, moe: bool) -> None:
+    """Layer 0 Gated DeltaNet, layer 1 gated full attention, each with its MLP (or a
+    MoE block with a gated shared expert), as ExLlamaV3's qwen3_5 writes them."""
+    key_dim, value_dim = DIMS["aligned"]
+    gdn = f"{VL_TEXT}.layers.0.linear_attn"
+    named.update(_module(gen, f"{gdn}.in_proj_qkv", 2 * key_dim + value_dim, 4, False))
+    named.update(_module(gen, f"{gdn}.in_proj_z", value_dim, 4, False))
+    named.update(_module(gen, f"{gdn}.out_proj", HIDDEN, 4, False, k=value_dim))
+    attn = f"{VL_TEXT}.layers.1.self_attn"
+    named.update(_module(gen, f"{attn}.q_proj", 2 * HEADS * HEAD_DIM, 4, False))
+    for proj in ("k_proj", "v_proj"):
+        named.update(_module(gen, f"{attn}.{proj}", KV_HEADS * HEAD_DIM, 4, True))
+    named.update(_module(gen, f"{attn}.o_proj", HIDDEN, 4, False, k=HEADS * HEAD_DIM))
+    plain = {
+        # Unquantized at their real dims (built without a qmap).
+        f"{gdn}.in_proj_b.weight": (V_HEADS, HIDDEN),
+        f"{gdn}.in_proj_a.weight": (V_HEADS, HIDDEN),
+        f"{gdn}.conv1d.weight": (2 * key_dim + value_dim, 1, 4),
+        f"{gdn}.A_log": (V_HEADS,),
+        f"{gdn}.dt_bias": (V_HEADS,),
+        f"{gdn}.norm.weight": (value_dim // V_HEADS,),
+        f"{attn}.q_norm.weight": (HEAD_DIM,),
+        f"{attn}.k_norm.weight": (HEAD_DIM,),
+    }
+    for layer in range(2):
+        mlp = f"{VL_TEXT}.layers.{layer}.mlp"
+        plain[f"{VL_TEXT}.layers.{layer}.input_layernorm.weight"] = (HIDDEN,)
+        plain[f"{VL_TEXT}.layers.{layer}.post_attention_layernorm.weight"] = (HIDDEN,)
+        if not moe:
+            _mlp(gen, named, mlp, INTER)
+            continue
+        for e in range(EXPERTS):
+            _mlp(gen, named, f"{mlp}.experts.{e}", EXPERT_INTER)
+        _mlp(gen, named, f"{mlp}.shared_expert", SHARED_INTER)
+        plain[f"{mlp}.gate.weight"] = (EXPERTS, HIDDEN)
+        plain[f"{mlp}.shared_expert_gate.weight"] = (1, HIDDEN)
+    for name, shape in plain.items():
+        named[name] = _plain(gen, shape)
+
+
+def _vision_tower(gen, named: dict) -> None:
+    """The Qwen3-VL tower as ExLlamaV3's qwen3_vl writes it at vision_bits: every
+    linear EXL3 with its bias (the fused attn.qkv included), patch embedding, position
+    embedding and LayerNorms as stored."""
+    v = "model.visual"
+    merged = HIDDEN * MERGE**2
+    linears = {
+        f"{v}.blocks.0.attn.qkv": (HIDDEN, 3 * HIDDEN),
+        f"{v}.blocks.0.attn.proj": (HIDDEN, HIDDEN),
+        f"{v}.blocks.0.mlp.linear_fc1": (HIDDEN, VISION_INTER),
+        f"{v}.blocks.0.mlp.linear_fc2": (VISION_INTER, HIDDEN),
+        f"{v}.merger.linear_fc1": (merged, merged),
+        f"{v}.merger.linear_fc2": (merged, HIDDEN),
+    }
+    for prefix, (k, n) in linears.items():
+        named.update(_module(gen, prefix, n, VISION_BITS, False, k=k))
+        named[f"{prefix}.bias"] = _plain(gen, (n,))
+    plain = {
+        f"{v}.patch_embed.proj.weight": (HIDDEN, 3, TEMPORAL_PATCH, PATCH, PATCH),
+        f"{v}.patch_embed.proj.bias": (HIDDEN,),
+        f"{v}.pos_embed.weight": (VISION_POSITIONS, HIDDEN),
+    }
+    for norm in ("blocks.0.norm1", "blocks.0.norm2", "merger.norm"):
+        plain[f"{v}.{norm}.weight"] = (HIDDEN,)
+        plain[f"{v}.{norm}.bias"] = (HIDDEN,)
+    for name, shape in plain.items():
+        named[name] = _plain(gen, shape)
+
+
+def qwen3_5_checkpoint(root, moe: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor ExLlamaV3 1.6.5 writes for Qwen3_5ForConditionalGeneration (with
+    `moe`, Qwen3_5MoeForConditionalGeneration), and the config.json."""
     import json
 
     from safetensors.torch import save_file
 
     key_dim, value_dim = DIMS["aligned"]
     gen = torch.Generator().manual_seed(35)
-    gdn = f"{VL_TEXT}.layers.0.linear_attn"
-    named = {
-        **_module(gen, f"{gdn}.in_proj_qkv", 2 * key_dim + value_dim, 4, False),
-        **_module(gen, f"{gdn}.in_proj_z", value_dim, 4, False),
-        **{
-            k.replace(VISION_QKV, f"model.{VISION_QKV}"): v
-            for k, v in vision_checkpoint().items()
-        },
-        **_module(gen, "lm_head", VOCAB, 4, False),
-    }
-    for proj in ("gate_proj", "up_proj"):
-        named.update(_module(gen, f"{VL_TEXT}.layers.0.mlp.{proj}", INTER, 4, False))
-    plain = {
-        f"{gdn}.in_proj_b.weight": (V_HEADS, HIDDEN),
-        f"{gdn}.in_proj_a.weight": (V_HEADS, HIDDEN),
-        f"{gdn}.conv1d.weight": (2 * key_dim + value_dim, 1, 4),
-        f"{gdn}.A_log": (V_HEADS,),
-        f"{gdn}.dt_bias": (V_HEADS,),
-        f"{gdn}.norm.weight": (128,),
+    named: dict[str, torch.Tensor] = {}
+    _text_layers(gen, named, moe)
+    _vision_tower(gen, named)
+    named.update(_module(gen, "lm_head", VOCAB, 4, False))
+    for name, shape in {
         f"{VL_TEXT}.embed_tokens.weight": (VOCAB, HIDDEN),
-        f"{VL_TEXT}.layers.0.input_layernorm.weight": (HIDDEN,),
-        f"{VL_TEXT}.layers.0.post_attention_layernorm.weight": (HIDDEN,),
         f"{VL_TEXT}.norm.weight": (HIDDEN,),
-    }
-    for name, shape in plain.items():
-        named[name] = torch.randn(shape, generator=gen).half()
-    named.update(
-        _module(gen, f"{VL_TEXT}.layers.0.mlp.down_proj", HIDDEN, 4, False, k=INTER)
-    )
+    }.items():
+        named[name] = _plain(gen, shape)
     save_file(named, str(root / "model.safetensors"))
     text = {
-        "model_type": "qwen3_5_text",
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
         "hidden_size": HIDDEN,
         "intermediate_size": INTER,
-        "num_hidden_layers": 1,
-        "layer_types": ["linear_attention"],
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 128,
+        "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
         "linear_num_key_heads": key_dim // 128,
         "linear_num_value_heads": V_HEADS,
         "linear_key_head_dim": 128,
@@ -478,14 +546,52 @@ def qwen3_5_checkpoint(root) -> dict[str, torch.Tensor]:
         "vocab_size": VOCAB,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [4, 6, 6],
+        },
+    }
+    if moe:
+        text.update(
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=EXPERT_INTER,
+            shared_expert_intermediate_size=SHARED_INTER,
+            norm_topk_prob=True,
+        )
+    vision = {
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "depth": 1,
+        "hidden_size": HIDDEN,
+        "hidden_act": "gelu_pytorch_tanh",
+        "intermediate_size": VISION_INTER,
+        "num_heads": VISION_HEADS,
+        "in_channels": 3,
+        "patch_size": PATCH,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": TEMPORAL_PATCH,
+        "out_hidden_size": HIDDEN,
+        "num_position_embeddings": VISION_POSITIONS,
     }
     config = {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": [
+            "Qwen3_5MoeForConditionalGeneration"
+            if moe
+            else "Qwen3_5ForConditionalGeneration"
+        ],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
         "text_config": text,
-        "vision_config": {"depth": 1, "hidden_size": HIDDEN, "num_heads": 4},
+        "vision_config": vision,
         "tie_word_embeddings": False,
-        "quantization_config": {"quant_method": "exl3", "bits": 4.0},
+        "quantization_config": {
+            "quant_method": "exl3",
+            "bits": 4.0,
+            "head_bits": 4,
+            "vision_bits": VISION_BITS,
+        },
     }
     (root / "config.json").write_text(json.dumps(config))
     return named
@@ -561,3 +667,208 @@ def test_qwen3_5_multimodal_layout_validates_resolves_and_loads(tmp_path):
         if k.startswith(f"model.{VISION_QKV}.")
     }
     assert_matches(vision(x)[0], vision_expected(vis, x, 0, 1), "qwen3.5 vision qkv")
+
+
+# The checkpoint above, whole, through vLLM's own model loader into vLLM 0.26's real
+# Qwen3_5ForConditionalGeneration and Qwen3_5MoeForConditionalGeneration (the Qwen3-VL
+# vision tower built and loaded too, or left out with language_model_only as
+# `--language-model-only` serves it): every parameter written, every EXL3 linear
+# against x @ W of its checkpoint modules decoded by the reference (in_proj_qkvz from
+# in_proj_qkv's three shards and in_proj_z, the tower's fused qkv with its bias, the
+# lm_head through compute_logits), the unquantized in_proj_ba as stored, the MoE blocks
+# against the oracle.
+
+# vLLM's fused layers and the checkpoint modules they are made of, in shard order.
+VLLM_FUSED = {
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+# Relative max error of an fp16 EXL3 linear against x @ W + b in fp64 (fp16 inputs and
+# outputs); a wrong shard, column or scale is off by O(1).
+MODEL_RTOL = 4e-3
+MODEL_TOKENS = 7
+
+
+def checkpoint_modules(vllm_name: str) -> list[str]:
+    """The checkpoint modules of a vLLM layer of the multimodal class (its name mapped
+    back through Qwen3-VL's prefix mapper, a fused layer split into its parts)."""
+    for ckpt, vllm in VL_MAPPER_PREFIXES.items():
+        if vllm_name.startswith(vllm):
+            vllm_name = ckpt + vllm_name.removeprefix(vllm)
+            break
+    if vllm_name == "language_model.lm_head":
+        vllm_name = "lm_head"
+    parent, _, leaf = vllm_name.rpartition(".")
+    return [f"{parent}.{part}" for part in VLLM_FUSED.get(leaf, (leaf,))]
+
+
+def check_model_linears(model, vllm_config, named: dict) -> set[str]:
+    """Every EXL3 linear of the model against the reference decode; returns the
+    checkpoint modules checked."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
+
+    gen = torch.Generator().manual_seed(6)
+    checked = set()
+
+    def check(y, x, modules, what):
+        w = torch.cat([dense(named, m).double()[: x.shape[1]] for m in modules], dim=1)
+        expected = x.double() @ w
+        if all(f"{m}.bias" in named for m in modules):
+            expected += torch.cat([named[f"{m}.bias"].double() for m in modules])
+        assert y.shape == expected.shape, (what, y.shape, expected.shape)
+        err = (y.double() - expected).abs().max().item()
+        assert torch.isfinite(y).all(), what
+        assert err <= MODEL_RTOL * expected.abs().max().item(), f"{what}: {err:.3g}"
+        checked.update(modules)
+
+    for name, layer in model.named_modules():
+        if not isinstance(getattr(layer, "quant_method", None), Exl3LinearMethod):
+            continue
+        x = torch.randn(MODEL_TOKENS, layer.input_size, generator=gen).half()
+        with torch.no_grad():
+            y = layer(x)
+        y = y[0] if isinstance(y, tuple) else y
+        check(y, x, checkpoint_modules(name), name)
+    x = torch.randn(MODEL_TOKENS, HIDDEN, generator=gen).half()
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        logits = model.compute_logits(x)
+    check(logits, x, ["lm_head"], "lm_head")
+    return checked
+
+
+def record_passed_over(monkeypatch) -> set[str]:
+    """Checkpoint tensors vLLM's AutoWeightsLoader skips or ignores without an error
+    (it ignores any unexpected `.bias`, for GPTQ's sake), filled in as it loads."""
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    passed_over: set[str] = set()
+    for method in ("_can_skip", "_can_ignore_unexpected"):
+        original = getattr(AutoWeightsLoader, method)
+
+        def wrapped(self, qualname, original=original):
+            if original(self, qualname):
+                passed_over.add(qualname)
+                return True
+            return False
+
+        monkeypatch.setattr(AutoWeightsLoader, method, wrapped)
+    return passed_over
+
+
+def exl3_modules(named: dict) -> set[str]:
+    return {k.removesuffix(".trellis") for k in named if k.endswith(".trellis")}
+
+
+@pytest.mark.parametrize(
+    "moe, language_model_only",
+    [(False, False), (True, False), (False, True)],
+    ids=["dense", "moe", "dense-language-model-only"],
+)
+def test_qwen3_5_real_model_loads_the_exllamav3_checkpoint(
+    moe, language_model_only, tmp_path, monkeypatch, world1
+):
+    from moe_checkpoints import link_tokenizer
+    from moe_model_run import check_moe_blocks, load_model, record_unloaded
+    from vllm.model_executor.models.qwen3_5 import (
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    named = qwen3_5_checkpoint(tmp_path, moe=moe)
+    link_tokenizer(tmp_path)
+    cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    unloaded = record_unloaded(monkeypatch, cls)
+    passed_over = record_passed_over(monkeypatch)
+    model, vllm_config = load_model(
+        tmp_path, monkeypatch, "float16", language_model_only=language_model_only
+    )
+    assert type(model) is cls
+    # Every parameter written (the routed experts' are reported under the runner's
+    # name; the EXL3 MoE method checks every expert tensor arrived); a checkpoint
+    # tensor with no destination fails vLLM's loader by name (the test below).
+    unloaded = {n for n in unloaded if ".routed_experts." not in n}
+    assert unloaded == set(), sorted(unloaded)
+    # No tensor passed over either (with language_model_only the tower is a
+    # StageMissingLayer, whose tensors vLLM drops before these checks).
+    assert passed_over == set(), sorted(passed_over)
+    tower = any(n.startswith("visual.") for n, _ in model.named_parameters())
+    assert tower != language_model_only
+
+    checked = check_model_linears(model, vllm_config, named)
+    wanted = {
+        m
+        for m in exl3_modules(named)
+        if ".experts." not in m
+        and not (language_model_only and m.startswith("model.visual."))
+    }
+    assert checked == wanted, sorted(checked ^ wanted)
+    gdn = model.language_model.model.layers[0].linear_attn
+    assert [s.name for s in gdn.in_proj_qkvz.quant_method.layout.shards] == [
+        f"{VL_TEXT}.layers.0.linear_attn.in_proj_qkv"
+    ] * 3 + [f"{VL_TEXT}.layers.0.linear_attn.in_proj_z"]
+    stored_ba = torch.cat(
+        [named[f"{VL_TEXT}.layers.0.linear_attn.in_proj_{p}.weight"] for p in "ba"]
+    )
+    assert torch.equal(gdn.in_proj_ba.weight[: 2 * V_HEADS].cpu(), stored_ba)
+    if moe:
+        blocks = check_moe_blocks(
+            tmp_path,
+            model,
+            vllm_config,
+            checkpoint_name=lambda n: n.replace("language_model.model.", f"{VL_TEXT}."),
+        )
+        assert blocks == 2
+
+
+# AutoWeightsLoader's error for a checkpoint tensor no module or parameter takes.
+UNPLACED = "There is no module or parameter named"
+
+
+def _stray_exl3(named, gen):
+    named.update(
+        _module(gen, f"{VL_TEXT}.layers.0.linear_attn.in_proj_w", 256, 4, False)
+    )
+
+
+def _stray_plain(named, gen):
+    named[f"{VL_TEXT}.layers.0.linear_attn.gate_w.weight"] = _plain(gen, (4, HIDDEN))
+
+
+def _stray_in_tower(named, gen):
+    named.update(_module(gen, "model.visual.blocks.0.attn.extra", 256, 4, False))
+
+
+def _without_in_proj_z(named, gen):
+    for name in [n for n in named if ".linear_attn.in_proj_z." in n]:
+        del named[name]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_stray_exl3, rf"{UNPLACED} 'layers\.0\.linear_attn\.in_proj_w'"),
+        (_stray_plain, rf"{UNPLACED} 'layers\.0\.linear_attn\.gate_w'"),
+        (_stray_in_tower, rf"{UNPLACED} 'blocks\.0\.attn\.extra'"),
+        (
+            _without_in_proj_z,
+            r"in_proj_qkvz: fused layer mixes EXL3 and non-EXL3 shards .*"
+            r"in_proj_z -> not EXL3",
+        ),
+    ],
+    ids=["exl3-module", "plain-tensor", "tower-module", "missing-in_proj_z"],
+)
+def test_qwen3_5_real_model_names_what_it_cannot_place(
+    edit, message, tmp_path, monkeypatch, world1
+):
+    from moe_checkpoints import link_tokenizer
+    from moe_model_run import load_model
+    from safetensors.torch import save_file
+
+    named = qwen3_5_checkpoint(tmp_path)
+    edit(named, torch.Generator().manual_seed(8))
+    save_file(named, str(tmp_path / "model.safetensors"))
+    link_tokenizer(tmp_path)
+    with pytest.raises((ValueError, Exl3LayoutError), match=message):
+        load_model(tmp_path, monkeypatch, "float16")
