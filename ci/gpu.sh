@@ -21,7 +21,7 @@
 #   sparsebench  scripts/bench/bench_sparse_mla.py (sparse-MLA decode against FlashMLA-sparse)
 #   moe         scripts/e2e/run_moe_e2e.py on the MoE fixture conversions staged in
 #               VLLM_EXL3_MOE_DIR by scripts/e2e/stage_fixtures.sh (perplexity, eager vs graphs)
-#   mtp         scripts/e2e/run_mtp_e2e.py (MTP speculation against plain decoding)
+#   mtp         scripts/e2e/run_mtp_e2e.py, both MTP layouts (speculation against plain decoding)
 #   sparse      scripts/e2e/run_sparse_mla_e2e.py --resume (EXL3_MLA_SPARSE vs FLASHMLA_SPARSE;
 #               its runs stay in .e2e/sparse-mla, so repeating the step completes the table)
 #   harness     ci/test_vllm_harness.sh, GPU part included (vLLM's own harness on our test files;
@@ -133,7 +133,10 @@ run_step() {
     sparsebench) "$PY" scripts/bench/bench_sparse_mla.py --json "$OUT_DIR/sparse_mla_bench.json" ;;
     moe) "$PY" scripts/e2e/run_moe_e2e.py --moe-dir "${VLLM_EXL3_MOE_DIR:?the moe step needs \
 VLLM_EXL3_MOE_DIR (scripts/e2e/stage_fixtures.sh)}" --out "$OUT_DIR/moe" --budget-s "$budget" ;;
-    mtp) "$PY" scripts/e2e/run_mtp_e2e.py --out "$OUT_DIR/mtp" --budget-s "$budget" ;;
+    mtp)
+      "$PY" scripts/e2e/run_mtp_e2e.py --out "$OUT_DIR/mtp" --budget-s $(( budget / 2 )) &&
+        "$PY" scripts/e2e/run_mtp_e2e.py --layout qwen3-next --out "$OUT_DIR/mtp" \
+          --budget-s $(( budget / 2 )) ;;
     sparse)
       "$PY" scripts/e2e/run_sparse_mla_e2e.py --out .e2e/sparse-mla --resume --budget-s "$budget"
       local rc=$?
