@@ -20,6 +20,7 @@ codec, summed in fp64.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -143,11 +144,7 @@ def load_target_and_draft(ckpt_dir, monkeypatch, dtype: str = "float16"):
     from vllm.model_executor.model_loader import get_model_loader
 
     cpu_stand_ins(monkeypatch)
-    # vLLM's set_default_torch_dtype does not restore the default when loading raises
-    # (the tests of damaged MTP layers expect it to); a later test would build its
-    # model in the wrong dtype.
-    default_dtype = torch.get_default_dtype()
-    try:
+    with restored_default_dtype():
         model_config = ModelConfig(model=str(ckpt_dir), dtype=dtype)
         speculative = SpeculativeConfig(
             method="mtp",
@@ -165,8 +162,6 @@ def load_target_and_draft(ckpt_dir, monkeypatch, dtype: str = "float16"):
         draft = loader.load_model(
             vllm_config=vllm_config, model_config=speculative.draft_model_config
         )
-    finally:
-        torch.set_default_dtype(default_dtype)
     return target, draft, vllm_config
 
 
@@ -183,10 +178,23 @@ def load_model(ckpt_dir, monkeypatch, dtype: str = "bfloat16", **model_config):
     vllm_config = VllmConfig(
         model_config=model_config, device_config=DeviceConfig("cpu")
     )
-    model = get_model_loader(vllm_config.load_config).load_model(
-        vllm_config=vllm_config, model_config=model_config
-    )
+    with restored_default_dtype():
+        model = get_model_loader(vllm_config.load_config).load_model(
+            vllm_config=vllm_config, model_config=model_config
+        )
     return model, vllm_config
+
+
+@contextlib.contextmanager
+def restored_default_dtype():
+    """vLLM's set_default_torch_dtype does not restore torch's default dtype when
+    loading raises (the tests of damaged checkpoints expect it to); a later test would
+    build its tensors in the model's dtype."""
+    default_dtype = torch.get_default_dtype()
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default_dtype)
 
 
 def record_unloaded(monkeypatch, model_cls) -> set[str]:
