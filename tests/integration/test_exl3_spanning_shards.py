@@ -426,7 +426,9 @@ VOCAB, INTER, V_HEADS = 512, 512, 4
 # The full-attention layer's heads (its q_proj carries the output gate: twice as wide).
 HEADS, KV_HEADS, HEAD_DIM = 2, 1, 128
 EXPERTS, TOP_K, EXPERT_INTER, SHARED_INTER = 4, 2, 128, 256
-VISION_INTER, PATCH, TEMPORAL_PATCH, MERGE = 256, 16, 2, 2
+# The tower's MLP width, like the real one (4304), not a multiple of 128: ExLlamaV3
+# stores those linears padded (fc1's n and bias, fc2's k), and vLLM builds them at 200.
+VISION_INTER, PATCH, TEMPORAL_PATCH, MERGE = 200, 16, 2, 2
 VISION_POSITIONS = 16  # a 4 x 4 grid
 VISION_BITS = 6  # ExLlamaV3's default_vision_bits for the Qwen3-VL tower
 
@@ -496,8 +498,11 @@ def _vision_tower(gen, named: dict) -> None:
         f"{v}.merger.linear_fc2": (merged, HIDDEN),
     }
     for prefix, (k, n) in linears.items():
-        named.update(_module(gen, prefix, n, VISION_BITS, False, k=k))
-        named[f"{prefix}.bias"] = _plain(gen, (n,))
+        named.update(_module(gen, prefix, n, VISION_BITS, False, k=-(-k // PAD) * PAD))
+        # Zero-extended to the stored n, as ExLlamaV3 pads a bias when it loads one.
+        bias = torch.zeros(-(-n // PAD) * PAD, dtype=torch.float16)
+        bias[:n] = _plain(gen, (n,))
+        named[f"{prefix}.bias"] = bias
     plain = {
         f"{v}.patch_embed.proj.weight": (HIDDEN, 3, TEMPORAL_PATCH, PATCH, PATCH),
         f"{v}.patch_embed.proj.bias": (HIDDEN,),
@@ -717,6 +722,13 @@ def check_model_linears(model, vllm_config, named: dict) -> set[str]:
         expected = x.double() @ w
         if all(f"{m}.bias" in named for m in modules):
             expected += torch.cat([named[f"{m}.bias"].double() for m in modules])
+        # A module stored padded past the layer's width (the tower's fc1): the padded
+        # columns decode to exact zeros and their bias is zero, so the layer's output
+        # is the leading columns.
+        n = y.shape[-1]
+        if len(modules) == 1 and n < expected.shape[1]:
+            assert not expected[:, n:].any(), (what, "padding is not zero")
+            expected = expected[:, :n]
         assert y.shape == expected.shape, (what, y.shape, expected.shape)
         err = (y.double() - expected).abs().max().item()
         assert torch.isfinite(y).all(), what
