@@ -197,6 +197,38 @@ def restored_default_dtype():
         torch.set_default_dtype(default_dtype)
 
 
+# Relative max error of an EXL3 linear against x @ W (+ b) in fp64 (x already in the
+# model's dtype); a wrong shard, column or scale is off by O(1).
+LINEAR_RTOL = 4e-3
+
+
+def exl3_linear_calls(model, vllm_config, hidden: int, dtype, seed: int, tokens: int):
+    """(vLLM layer name, layer, x, y) for every EXL3 linear of a loaded model on
+    random x in `dtype`, then ("lm_head", None, x, logits) through compute_logits."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
+
+    gen = torch.Generator().manual_seed(seed)
+    for name, layer in model.named_modules():
+        if not isinstance(getattr(layer, "quant_method", None), Exl3LinearMethod):
+            continue
+        x = torch.randn(tokens, layer.input_size, generator=gen).to(dtype)
+        with torch.no_grad():
+            y = layer(x)
+        yield name, layer, x, (y[0] if isinstance(y, tuple) else y)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        logits = model.compute_logits(x)
+    yield "lm_head", None, x, logits
+
+
+def assert_linear_matches(y: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert y.shape == expected.shape, (what, y.shape, expected.shape)
+    assert torch.isfinite(y).all(), what
+    err = (y.double() - expected).abs().max().item()
+    assert err <= LINEAR_RTOL * expected.abs().max().item(), f"{what}: {err:.3g}"
+
+
 def record_unloaded(monkeypatch, model_cls) -> set[str]:
     """Parameters the model's load_weights leaves unwritten, filled in when it runs
     (vLLM tracks them only for unquantized models)."""

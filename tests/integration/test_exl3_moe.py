@@ -62,8 +62,10 @@ from moe_checkpoints import (
     transformers_model,
 )
 from moe_model_run import (
+    assert_linear_matches,
     check_moe_blocks,
     checkpoint_tensors,
+    exl3_linear_calls,
     load_model,
     load_target_and_draft,
     record_unloaded,
@@ -464,48 +466,34 @@ DSA_ARCHITECTURES = {
 }
 
 
-# Relative max error of an fp16 EXL3 linear against x @ W in fp64 (fp16 inputs and
-# outputs); a wrong shard, column or scale is off by O(1).
-LINEAR_RTOL = 4e-3
-
-
 def check_exl3_linears(model, vllm_config, dense: dict, cfg: dict) -> set[str]:
     """Every EXL3 linear of `model` (and its lm_head through compute_logits): y = x @ W
     of its (fused) checkpoint modules decoded by reference, each cut to its real output
     width. Returns the checkpoint modules checked."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
-
-    dtype = getattr(torch, MODEL_DTYPE)
-    gen = torch.Generator().manual_seed(5)
     checked = set()
-    for name, layer in model.named_modules():
-        method = getattr(layer, "quant_method", None)
-        if not isinstance(method, Exl3LinearMethod):
-            continue
-        prefixes = [spec.prefix for spec in method.specs]
-        x = torch.randn(LAYER_TOKENS, layer.input_size, generator=gen)
-        with torch.no_grad():
-            y = layer(x.to(dtype))
-        y = y[0] if isinstance(y, tuple) else y
+    calls = exl3_linear_calls(
+        model,
+        vllm_config,
+        cfg["hidden_size"],
+        getattr(torch, MODEL_DTYPE),
+        5,
+        LAYER_TOKENS,
+    )
+    for name, layer, x, y in calls:
+        if layer is None:
+            prefixes, widths = ["lm_head"], [cfg["vocab_size"]]
+        else:
+            prefixes = [spec.prefix for spec in layer.quant_method.specs]
+            widths = layer.output_partition_sizes
         expected = torch.cat(
             [
-                x.double() @ dense[p].double()[: layer.input_size, :width]
-                for p, width in zip(prefixes, layer.output_partition_sizes)
+                x.double() @ dense[p].double()[: x.shape[1], :width]
+                for p, width in zip(prefixes, widths)
             ],
             dim=-1,
         )
-        err = (y.double() - expected).abs().max().item()
-        assert torch.isfinite(y).all(), name
-        assert err <= LINEAR_RTOL * expected.abs().max().item(), f"{name}: {err:.3g}"
+        assert_linear_matches(y, expected, name)
         checked.update(prefixes)
-    x = torch.randn(LAYER_TOKENS, cfg["hidden_size"], generator=gen)
-    with set_current_vllm_config(vllm_config), torch.no_grad():
-        logits = model.compute_logits(x.to(dtype))
-    expected = x.double() @ dense["lm_head"].double()[:, : cfg["vocab_size"]]
-    err = (logits.double() - expected).abs().max().item()
-    assert err <= LINEAR_RTOL * expected.abs().max().item(), f"lm_head: {err:.3g}"
-    checked.add("lm_head")
     return checked
 
 

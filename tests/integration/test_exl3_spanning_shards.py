@@ -689,9 +689,6 @@ VLLM_FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
-# Relative max error of an fp16 EXL3 linear against x @ W + b in fp64 (fp16 inputs and
-# outputs); a wrong shard, column or scale is off by O(1).
-MODEL_RTOL = 4e-3
 MODEL_TOKENS = 7
 
 
@@ -711,13 +708,14 @@ def checkpoint_modules(vllm_name: str) -> list[str]:
 def check_model_linears(model, vllm_config, named: dict) -> set[str]:
     """Every EXL3 linear of the model against the reference decode; returns the
     checkpoint modules checked."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.quantization.exl3.linear import Exl3LinearMethod
+    from moe_model_run import assert_linear_matches, exl3_linear_calls
 
-    gen = torch.Generator().manual_seed(6)
     checked = set()
-
-    def check(y, x, modules, what):
+    calls = exl3_linear_calls(
+        model, vllm_config, HIDDEN, torch.float16, 6, MODEL_TOKENS
+    )
+    for name, _, x, y in calls:
+        modules = ["lm_head"] if name == "lm_head" else checkpoint_modules(name)
         w = torch.cat([dense(named, m).double()[: x.shape[1]] for m in modules], dim=1)
         expected = x.double() @ w
         if all(f"{m}.bias" in named for m in modules):
@@ -727,26 +725,10 @@ def check_model_linears(model, vllm_config, named: dict) -> set[str]:
         # is the leading columns.
         n = y.shape[-1]
         if len(modules) == 1 and n < expected.shape[1]:
-            assert not expected[:, n:].any(), (what, "padding is not zero")
+            assert not expected[:, n:].any(), (name, "padding is not zero")
             expected = expected[:, :n]
-        assert y.shape == expected.shape, (what, y.shape, expected.shape)
-        err = (y.double() - expected).abs().max().item()
-        assert torch.isfinite(y).all(), what
-        assert err <= MODEL_RTOL * expected.abs().max().item(), f"{what}: {err:.3g}"
+        assert_linear_matches(y, expected, name)
         checked.update(modules)
-
-    for name, layer in model.named_modules():
-        if not isinstance(getattr(layer, "quant_method", None), Exl3LinearMethod):
-            continue
-        x = torch.randn(MODEL_TOKENS, layer.input_size, generator=gen).half()
-        with torch.no_grad():
-            y = layer(x)
-        y = y[0] if isinstance(y, tuple) else y
-        check(y, x, checkpoint_modules(name), name)
-    x = torch.randn(MODEL_TOKENS, HIDDEN, generator=gen).half()
-    with set_current_vllm_config(vllm_config), torch.no_grad():
-        logits = model.compute_logits(x)
-    check(logits, x, ["lm_head"], "lm_head")
     return checked
 
 
