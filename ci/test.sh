@@ -17,11 +17,15 @@ site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # Re-apply the current series onto the installed vLLM (reverting an earlier application first),
 # so the tests exercise exactly what the patches and overlay produce.
 "$PY" scripts/vllm-exl3 apply --replace "$site"
+# The tool's package (with vllm_exl3.testing, .bench and .e2e), editable, pointing at this
+# checkout: the tests of both trees import it by name.
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
 set +e
+# The tool's own tests (tests/), then vLLM's own harness on every test of vLLM's code paths
+# (overlay/tests/) on a plain run (no pytest arguments, as CI calls it). The harness is its
+# own script, so it also runs alone.
 "$PY" -m pytest -q -ra tests "$@"
 rc=$?
-# vLLM's own test harness on the overlay's tests/ files: on a plain run (no pytest arguments,
-# as CI calls it). Its own script, so it also runs alone.
 if [ $# -eq 0 ]; then
   VLLM_EXL3_VENV=$VENV bash ci/test_vllm_harness.sh
   harness_rc=$?

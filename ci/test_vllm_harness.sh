@@ -65,11 +65,10 @@ make_tree() {
 # Into a pack's pristine tree at $1: what the series adds under tests/ and csrc/, where
 # `vllm-exl3 apply` puts it (no patch touches either).
 place_ours() {
-  "$PY" - "$1" <<'PYTHON'
+  PYTHONPATH=scripts "$PY" - "$1" <<'PYTHON'
 import sys
 from pathlib import Path
 
-sys.path.insert(0, "scripts")
 from vllm_exl3.repo import Series
 
 series = Series.load()

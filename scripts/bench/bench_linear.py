@@ -51,11 +51,8 @@ import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
-import device_ceilings  # noqa: E402
-import exllamav3_anchor  # noqa: E402
-from exl3_oracle import REPO, load_extension, random_layer  # noqa: E402
+from vllm_exl3.bench import device_ceilings, exllamav3_anchor
+from vllm_exl3.testing.exl3_oracle import REPO, load_extension, random_layer
 
 SHAPES = ((5120, 12288), (5120, 17408), (17408, 5120), (4096, 4096), (4096, 11008))
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)

@@ -40,13 +40,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
-import exllamav3_anchor  # noqa: E402
-import moe_layers as ml  # noqa: E402
-from bench_linear import graph_time_us  # noqa: E402
-from exl3_oracle import load_extension  # noqa: E402
+from vllm_exl3.bench import exllamav3_anchor
+from vllm_exl3.bench import moe_layers as ml
+from vllm_exl3.bench.bench_linear import graph_time_us
+from vllm_exl3.testing.exl3_oracle import load_extension
 
 # name: (hidden, expert width, experts, top-k)
 SHAPES = {
@@ -226,7 +223,6 @@ def exllamav3_checkpoint(
     target = work / f"qwen3moe-h{h}-i{i}-e{e}-k{top_k}-L{copies}-{bits:g}bpw-cb{cb}"
     if target.exists():
         return target
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     import shutil
 
     from synthetic_checkpoint import load_config, write_checkpoint

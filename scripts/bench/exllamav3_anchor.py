@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import site
 import subprocess
 import sys
 import time
@@ -137,7 +138,8 @@ def load_linear_class(state: Path, wait_s: float, import_timeout_s: float):
         )
     env = env_for(state)
     os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
-    sys.path.insert(0, str(p["site"]))
+    # The build's `pip install --target` folder is a site directory of its own.
+    site.addsitedir(str(p["site"]))
 
     def on_alarm(signum, frame):  # noqa: ARG001 - signal handler signature
         raise AnchorUnavailable(

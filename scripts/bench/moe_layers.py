@@ -14,16 +14,11 @@ and the routing weights, and sums each token's top-k in float64.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-from vllm_exl3.codec import reference  # noqa: E402
+from vllm_exl3.codec import reference
 
 TILE = 16
 # Trellis blocks start on 16-byte boundaries: every 8 int16 elements.

@@ -26,11 +26,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from vllm_exl3.testing import exl3_oracle as vk
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
-
-import exl3_oracle as vk  # noqa: E402
 
 FIXTURE = REPO / "tests" / "fixtures" / "qwen3-tiny" / "exl3-4.0bpw"
 # Modules vLLM fuses into one linear, in shard order.

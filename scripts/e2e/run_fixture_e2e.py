@@ -33,11 +33,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-
-from measures import (  # noqa: E402
+from vllm_exl3.e2e.measures import (
     Perplexity,
     continuation_agreement,
     decode_logprob_agreement,
@@ -48,6 +44,9 @@ from measures import (  # noqa: E402
     relative_difference,
     split_windows,
 )
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 
 FIXTURES = REPO / "tests" / "fixtures" / "qwen3-tiny"
 RECORDED = FIXTURES / "ppl_exllamav3_dense.json"

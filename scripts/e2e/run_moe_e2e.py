@@ -34,10 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from vllm_exl3.e2e import run_fixture_e2e as fx
 
-import run_fixture_e2e as fx  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 @dataclass(frozen=True)
@@ -184,8 +183,6 @@ def assemble(src: Path, out: Path) -> list[str]:
 def dequantized_twin(src: Path, out: Path) -> None:
     """The EXL3 checkpoint's reconstructed weights as a bf16 checkpoint."""
     import torch
-
-    sys.path.insert(0, str(fx.REPO / "scripts"))
     from vllm_exl3.dequantize import dequantize
 
     shutil.rmtree(out, ignore_errors=True)

@@ -41,12 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from vllm_exl3.e2e import run_fixture_e2e as fx
+from vllm_exl3.e2e.measures import continuation_agreement, free_llm
+from vllm_exl3.e2e.run_moe_e2e import DEEPSEEK_V3_ROUTING, dequantized_twin
 
-import run_fixture_e2e as fx  # noqa: E402
-from measures import continuation_agreement, free_llm  # noqa: E402
-from run_moe_e2e import DEEPSEEK_V3_ROUTING, dequantized_twin  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 # The dsv3-tiny fixture's config (16 experts top-4, one shared expert, a dense first
 # layer), with DeepSeek-V3's MLA dims: vLLM 0.26's MLA kernels on Hopper take a
@@ -91,8 +90,7 @@ QWEN3_NEXT_PRESET = "qwen3-next-tiny"
 
 def mtp_config(layout: str = DEEPSEEK) -> dict:
     if layout == QWEN3_NEXT:
-        sys.path.insert(0, str(fx.REPO / "tests"))
-        import synthetic_checkpoint as synth
+        from vllm_exl3.testing import synthetic_checkpoint as synth
 
         cfg = synth.load_config(QWEN3_NEXT_PRESET)
         cfg["mtp_num_hidden_layers"] = 1
@@ -112,9 +110,8 @@ def result_name(layout: str) -> str:
 
 def write_checkpoints(work: Path, layout: str = DEEPSEEK) -> tuple[Path, Path]:
     """(EXL3 checkpoint, bf16 twin) under work/, rewritten every time (seconds)."""
-    sys.path.insert(0, str(fx.REPO / "tests"))
-    import synthetic_checkpoint as synth
     from safetensors.torch import load_file, save_file
+    from vllm_exl3.testing import synthetic_checkpoint as synth
 
     stem = "mtp" if layout == DEEPSEEK else f"mtp-{layout}"
     exl3, bf16 = work / f"{stem}-exl3", work / f"{stem}-bf16"

@@ -79,18 +79,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import run_fixture_e2e as fx  # noqa: E402
-from measures import (  # noqa: E402
+from vllm_exl3.e2e import run_fixture_e2e as fx
+from vllm_exl3.e2e.measures import (
     continuation_agreement,
     decode_logprob_agreement,
     free_llm,
     logprob_agreement,
 )
-from run_moe_e2e import DEEPSEEK_V3_ROUTING  # noqa: E402
-from run_mtp_e2e import BASE_CONFIG, MLA_DIMS  # noqa: E402
+from vllm_exl3.e2e.run_moe_e2e import DEEPSEEK_V3_ROUTING
+from vllm_exl3.e2e.run_mtp_e2e import BASE_CONFIG, MLA_DIMS
+
+HERE = Path(__file__).resolve().parent
 
 # DeepSeek-V3.2's DSA: the indexer selects index_topk tokens per query; 64 indexer heads
 # of 128 (the dims vLLM's fused indexer-query path and DeepGEMM's logits kernels take).
@@ -243,9 +242,8 @@ def _digest(directory: Path) -> str:
 def write_checkpoints(work: Path) -> tuple[Path, Path, str]:
     """(sparse checkpoint, dense twin, digest of the weights and config), rewritten
     every time (seconds; the seed makes them identical across calls)."""
-    sys.path.insert(0, str(fx.REPO / "tests"))
-    import synthetic_checkpoint as synth
     from safetensors.torch import load_file, save_file
+    from vllm_exl3.testing import synthetic_checkpoint as synth
 
     sparse, dense = (work / CHECKPOINTS[m] for m in ("sparse", "dense"))
     for d in (sparse, dense):

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from measures import free_llm
+from vllm_exl3.e2e.measures import free_llm
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -102,8 +102,7 @@ def ensure_checkpoint(
         time.sleep(WRITER_POLL_S)
     if target.exists():
         return target
-    sys.path.insert(0, str(REPO / "tests"))
-    from synthetic_checkpoint import write_checkpoint
+    from vllm_exl3.testing.synthetic_checkpoint import write_checkpoint
 
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

@@ -68,11 +68,10 @@ _HEARTBEAT_S = 30
 
 # The compile step runs in the pinned venv (it needs torch 2.11's headers); the tool
 # itself may run under any Python 3.11+. build_extension(out_dir, archs, jobs) -> Path
-# is the kernel build's interface.
+# is the kernel build's interface. The venv finds this package through PYTHONPATH.
 _KERNEL_SNIPPET = """
 import inspect, json, sys
 from pathlib import Path
-sys.path.insert(0, {scripts!r})
 from vllm_exl3.kernels_build import build_extension
 params = inspect.signature(build_extension).parameters
 kw = {{"verbose": True}} if "verbose" in params else {{}}
@@ -145,14 +144,12 @@ def build_kernels(python: Path, archs: list[str], jobs: int) -> Path:
         f"build: compiling the EXL3 kernels for {';'.join(archs)} with {jobs} job(s) "
         f"({python})"
     )
-    snippet = _KERNEL_SNIPPET.format(
-        scripts=str(Path(__file__).resolve().parents[1]),
-        out=str(KERNEL_BUILD_DIR),
-        archs=archs,
-        jobs=jobs,
-    )
+    snippet = _KERNEL_SNIPPET.format(out=str(KERNEL_BUILD_DIR), archs=archs, jobs=jobs)
+    scripts = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": scripts + (os.pathsep + path if path else "")}
     r = _run_with_heartbeat(
-        [str(python), "-c", snippet], "compiling kernels", capture=True
+        [str(python), "-c", snippet], "compiling kernels", env=env, capture=True
     )
     if r.returncode != 0:
         raise ToolError("the kernel build failed (see the compiler output above)")

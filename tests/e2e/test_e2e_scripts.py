@@ -17,12 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from vllm_exl3.e2e import run_fixture_e2e as fx
+from vllm_exl3.e2e import throughput as th
+from vllm_exl3.e2e.measures import (
+    WINDOW,
+    common_prefix,
+    continuation_agreement,
+    decode_logprob_agreement,
+    logprob_agreement,
+    next_token_logprobs,
+    perplexity,
+    relative_difference,
+    split_windows,
+)
+from vllm_exl3.repo import ROOT as REPO
+from vllm_exl3.testing.synthetic_checkpoint import load_config
 
-REPO = Path(__file__).resolve().parents[2]
 E2E = REPO / "scripts" / "e2e"
-sys.path.insert(0, str(E2E))
-
-import run_fixture_e2e as fx  # noqa: E402
 
 
 @pytest.mark.parametrize("script", ["run_fixture_e2e.py", "throughput.py"])
@@ -197,8 +208,6 @@ def test_time_budget_skips_stages(monkeypatch, tmp_path):
 
 
 def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch):
-    import throughput as th
-
     # qwen3-tiny: the 8B preset's 5.7 GB is for the host.
     target = th.checkpoint_dir(tmp_path, "qwen3-tiny", 2, 4.0, "mcg")
     # A writer that died half-way leaves target.partial with its pid: rewritten, not
@@ -233,11 +242,6 @@ def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch)
 
 
 def test_throughput_moe_preset_is_qwen3_30b_a3b():
-    import throughput as th
-
-    sys.path.insert(0, str(REPO / "tests"))
-    from synthetic_checkpoint import load_config
-
     cfg = load_config("qwen3-30b-a3b")
     dims = (
         cfg["hidden_size"],
@@ -250,8 +254,6 @@ def test_throughput_moe_preset_is_qwen3_30b_a3b():
 
 
 def test_throughput_repeats_each_concurrency_in_one_engine(monkeypatch):
-    import throughput as th
-
     engines, batches = [], []
 
     def fake_measure(llm, batch, output_len):
@@ -301,15 +303,6 @@ def test_throughput_refuses_a_repeat_below_one():
 # fake logprob source shaped like vLLM's prompt logprobs: a known next-token
 # distribution per position, so the expected perplexity is computed independently here.
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
-
-from measures import (  # noqa: E402
-    WINDOW,
-    next_token_logprobs,
-    perplexity,
-    relative_difference,
-    split_windows,
-)
 
 FIXTURE_TOKENS = 184368  # tests/fixtures/README.md: val.txt's token count
 FIXTURE_SCORED = 183960  # ... and the scored tokens of the recorded runs
@@ -428,15 +421,6 @@ def test_relative_difference():
 
 
 # Agreement measures of the GPU e2e record (scripts/e2e/agreement.py).
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "e2e"))
-
-from measures import (  # noqa: E402
-    common_prefix,
-    continuation_agreement,
-    decode_logprob_agreement,
-    logprob_agreement,
-)
 
 
 def test_logprob_agreement_max_and_mean():

@@ -14,10 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "bench"))
-import bench_linear  # noqa: E402
-import bench_moe  # noqa: E402
+from vllm_exl3.bench import bench_linear, bench_moe, exllamav3_anchor
 
 # 4-bit MCG k loop at BM = 16 (sass_loop_h200_76c291d_2026-11-30.json) and that run's
 # ceilings.
@@ -135,10 +132,6 @@ def test_kernel_profile_sums_each_kernel_per_call():
 # exit status. Each load runs in a fresh interpreter because the guard imports into
 # sys.modules.
 
-REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "scripts" / "bench"
-sys.path.insert(0, str(BENCH))
-import exllamav3_anchor  # noqa: E402
 
 # The stand-in import blocks while a torch-style lock exists, as torch's FileBaton does.
 FAKE_EXL3 = """
@@ -176,9 +169,7 @@ def load_in_subprocess(
     state: Path, env: dict[str, str] | None = None, import_timeout: float = 5
 ) -> subprocess.CompletedProcess:
     code = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(BENCH)!r})
-        import exllamav3_anchor as a
+        from vllm_exl3.bench import exllamav3_anchor as a
         try:
             cls = a.load_linear_class(__import__("pathlib").Path({str(state)!r}), 20,
                                       {import_timeout})

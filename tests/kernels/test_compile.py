@@ -19,14 +19,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
-from vllm_exl3 import kernels_build, repo  # noqa: E402
+from vllm_exl3 import kernels_build, repo
+from vllm_exl3.codec import exl3_format
 
 ARCHS = ["9.0", "12.0", "12.1"]
 
@@ -73,9 +70,6 @@ def test_one_generated_unit_per_rate_of_the_format(tmp_path: Path) -> None:
     """The generator's rates are the format's (every valid bitrate has its kernels, no
     other), one translation unit each, and a second run leaves unchanged units alone
     (their objects stay fresh) while removing a rate no longer built."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from vllm_exl3.codec import exl3_format
-
     gen = repo.kernel_generator()
     assert sorted(gen.RATES) == sorted(int(2 * b) for b in exl3_format.VALID_BITS)
     (tmp_path / "exl3_rate_k9.cu").write_text("// a rate no longer built\n")

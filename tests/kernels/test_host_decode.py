@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +58,6 @@ def driver(tmp_path_factory) -> Path:
 # left to the GPU verification (exl3_reconstruct bit-exact). Needs nvcc (host compile
 # only).
 
-sys.path.insert(0, str(REPO / "scripts"))
 from vllm_exl3.codec import reference  # noqa: E402
 
 CODEBOOKS = {0: "3inst", 1: "mcg", 2: "mul1"}

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Fixtures for the tooling tests (builders in minitree.py)."""
+"""Fixtures for the tooling tests (builders in minitree.py) and the codec's for the
+checkpoint tools' tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ from pathlib import Path
 
 import pytest
 from minitree import MINI_SDIST, MadeSeries, make_series, write_tree
+from vllm_exl3.testing.codec_fixtures import (  # noqa: F401 - fixtures for the tests
+    fmt,
+    reconstructed_ppl,
+    ref,
+    val_windows,
+)
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from vllm_exl3.repo import ROOT
+
 TOOL = ROOT / "scripts" / "vllm-exl3"
-sys.path.insert(0, str(ROOT / "scripts"))
 
 GIT_ENV = {
     "GIT_CONFIG_GLOBAL": os.devnull,

@@ -177,7 +177,6 @@ def test_every_machine_the_images_target_has_a_pinned_wheel(machine):
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ci" / "setup-env.sh"
-sys.path.insert(0, str(ROOT / "scripts"))
 from vllm_exl3 import repo  # noqa: E402
 
 # torch 2.11.0 names the cuda-toolkit metapackage at this version; the script spells out

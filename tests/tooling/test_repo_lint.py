@@ -84,7 +84,6 @@ def test_readme_settings_are_the_declared_ones():
 # The lint configuration is vLLM 0.26's, and the SPDX check tells a good header from a
 # bad one.
 
-sys.path.insert(0, str(ROOT / "scripts"))
 from vllm_exl3 import repo  # noqa: E402
 
 HEADER = (
