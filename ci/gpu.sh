@@ -7,7 +7,7 @@
 #   ci/gpu.sh [--out DIR] [STEP ...]
 #
 # Steps, in order (all of them when none is named):
-#   tests       pytest -m gpu tests (the kernel oracle and the GPU unit tests)
+#   tests       pytest -m gpu overlay/tests (the kernel oracle and the GPU unit tests)
 #   kernels     build the standalone extension for ARCH (default 9.0; VLLM_EXL3_EXT names one
 #               built beforehand), then the GPU kernel tests, two processes' plan logs (must
 #               match), compute-sanitizer on the oracle's, the MoE kernels' and the sparse-MLA
@@ -63,6 +63,10 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu.sh: $PY sees no CUDA device (torch.cuda.is_available() is False)" >&2
   exit 1
 fi
+# The tool's package (vllm_exl3.testing, .bench, .e2e), editable from this checkout: the
+# tests and scripts import it by name. Offline: setuptools is all it needs.
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . ||
+  { echo "gpu.sh: cannot install this checkout's vllm-exl3 package" >&2; exit 1; }
 
 # The kernels step's parts, each logged to $OUT_DIR/kernels/<part>.log.
 kernels_step() {
@@ -80,18 +84,19 @@ kernels_step() {
     part build bash -c "cd scripts && $PY -m vllm_exl3.kernels_build --arch ${ARCH:-9.0} --jobs $(nproc) --out ../build/exl3"
     export VLLM_EXL3_EXT=$PWD/build/exl3/_exl3_C.abi3.so
   fi
-  part gpu_tests "$PY" -m pytest -q -m gpu tests/gpu --junitxml "$out/gpu_tests.xml"
-  part plan_log_a "$PY" tests/gpu/exl3_oracle.py --log-plans
-  part plan_log_b "$PY" tests/gpu/exl3_oracle.py --log-plans
+  part gpu_tests "$PY" -m pytest -q -m gpu overlay/tests/kernels/quantization \
+    overlay/tests/v1/attention --junitxml "$out/gpu_tests.xml"
+  part plan_log_a "$PY" -m vllm_exl3.testing.exl3_oracle --log-plans
+  part plan_log_b "$PY" -m vllm_exl3.testing.exl3_oracle --log-plans
   if cmp -s "$out/plan_log_a.log" "$out/plan_log_b.log"; then echo "   plans identical across processes"
   else echo "   plans DIFFER"; status=1; fi
   local san
   san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  part memcheck "$san" --tool memcheck --error-exitcode 1 "$PY" tests/gpu/exl3_oracle.py --sample
+  part memcheck "$san" --tool memcheck --error-exitcode 1 "$PY" -m vllm_exl3.testing.exl3_oracle --sample
   # The MoE kernels' sample (grouped GEMM, transforms, the large-batch reconstruct), uncached so
   # memcheck sees each buffer's true bounds.
   part moe_memcheck env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$san" --tool memcheck \
-    --error-exitcode 1 "$PY" -m pytest -q -m gpu tests/gpu/test_moe_kernels.py -k sanitizer_sample
+    --error-exitcode 1 "$PY" -m pytest -q -m gpu overlay/tests/kernels/quantization/test_exl3_moe_kernels.py -k sanitizer_sample
   # Sparse-MLA decode: small cases covering partial head groups of 16 and 32 heads, fp8_ds_mla,
   # split-k with the combine, short lists, a strided cache, Hopper's wgmma path from 64 heads on
   # (lists and splits that end inside its 64-row tile); shared-memory races and barriers too.
@@ -102,7 +107,7 @@ or T2-H100-D576-bf16-k1000 or T2-H64-D576-bf16-k100 or T1-H65-D576-fp8-k2016"
   local tool
   for tool in memcheck racecheck synccheck; do
     part "sparse_mla_$tool" "$san" --tool "$tool" --error-exitcode 1 "$PY" -m pytest -q -m gpu \
-      tests/gpu/test_sparse_mla.py -k "test_matches_reference and ($mla_cases)"
+      overlay/tests/v1/attention/test_exl3_sparse_mla_kernel.py -k "test_matches_reference and ($mla_cases)"
   done
   part tune_plans "$PY" scripts/bench/tune_plans.py tests/fixtures/qwen3-tiny/exl3-4.0bpw \
     tests/fixtures/qwen3-tiny/exl3-3.0bpw-mcg --bench-shapes --dtype bfloat16 --dtype float16 \
@@ -114,7 +119,7 @@ run_step() {
   local step=$1
   local budget=$(( STEP_S - MARGIN_S ))
   case "$step" in
-    tests) "$PY" -m pytest -q -ra -m gpu -p no:cacheprovider tests ;;
+    tests) "$PY" -m pytest -q -ra -m gpu -p no:cacheprovider overlay/tests ;;
     kernels) kernels_step ;;
     e2e) "$PY" scripts/e2e/run_fixture_e2e.py --out "$OUT_DIR/e2e" --budget-s "$budget" ;;
     throughput) "$PY" scripts/e2e/throughput.py --out "$OUT_DIR/throughput" --budget-s "$budget" ;;
