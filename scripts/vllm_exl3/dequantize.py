@@ -83,23 +83,6 @@ def _trim(
     return k, n
 
 
-def _check_scales(
-    src: Path, index: dict, specs: dict, dims: dict, config: dict
-) -> list[str]:
-    """Each suh/svh's value rule (checkpoint.check_scale_values), before decoding."""
-    notes = []
-    for prefix, spec in specs.items():
-        real = _trim(prefix, spec.in_features, spec.out_features, dims, config, [])
-        for suffix, count in (("suh", real[0]), ("svh", real[1])):
-            name = f"{prefix}.{suffix}"
-            if name in spec.tensor_names:
-                values = fmt.read_tensor(src, name, index[name])
-                note = checkpoint.check_scale_values(name, values, count)
-                if note:
-                    notes.append(note)
-    return notes
-
-
 def dequantize(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -121,13 +104,13 @@ def dequantize(
         )
     if dst.exists() and any(dst.iterdir()):
         raise ToolError(f"{dst}: exists and is not empty")
-    # The verdict vLLM's loader gives on the same directory, before any weight is read.
+    # The verdict vLLM's loader gives on the same directory, before any weight is read:
+    # the headers and JSON files, then the markers and suh/svh values it checks while
+    # loading.
     try:
         description = checkpoint.validate_checkpoint(src)
     except fmt.Exl3FormatError as e:
         raise ToolError(str(e)) from e
-    if description.unsupported:
-        raise ToolError(next(iter(description.unsupported.values())))
     config, index, specs = description.config, description.tensors, description.modules
     for w in description.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -136,10 +119,19 @@ def dequantize(
     out_dtype = getattr(torch, dtype)
     dims, warnings = _real_dims(config)
     warnings = list(description.warnings) + warnings
-    try:
-        warnings += _check_scales(src, index, specs, dims, config)
-    except fmt.Exl3FormatError as e:
-        raise ToolError(str(e)) from e
+    real = {
+        prefix: _trim(prefix, spec.in_features, spec.out_features, dims, config, [])
+        for prefix, spec in specs.items()
+    }
+    problems, notes = checkpoint.value_problems(description, real)
+    if problems:
+        more = (
+            f" (and {checkpoint.more_problems(len(problems) - 1)})"
+            if len(problems) > 1
+            else ""
+        )
+        raise ToolError(problems[0] + more)
+    warnings += notes
     dst.mkdir(parents=True, exist_ok=True)
 
     exl3_names = {n for s in specs.values() for n in s.tensor_names}

@@ -3,13 +3,14 @@
 """`vllm-exl3 inspect <checkpoint>`: what an EXL3 checkpoint holds, from headers only.
 
 Reads the safetensors headers, config.json and quantization_config.json; the only tensor
-data read are the 4-byte codebook marker scalars (their values are checked). Per module:
-bitrate and codebook (from the module's own trellis width and marker,
-docs/design/exl3_format.md §1.5), shapes, the vLLM module it loads into, EXL3 or
-unquantized; totals; the tensor-parallel degrees the 128-wide Hadamard blocks allow (the
-loader's own rules, tp_rules.py), which modules then run with partial-block ownership
-and the redundant work that costs; and every place where the JSON files disagree with
-the tensors.
+data read are the 4-byte codebook marker scalars (their values are checked), and with
+--values every suh/svh vector. Per module: bitrate and codebook (from the module's own
+trellis width and marker, docs/design/exl3_format.md §1.5), shapes, the vLLM module it
+loads into, EXL3 or unquantized; totals; the tensor-parallel degrees the 128-wide
+Hadamard blocks allow (the loader's own rules, tp_rules.py), which modules then run with
+partial-block ownership and the redundant work that costs; every place where the JSON
+files disagree with the tensors; and the verdict vLLM's loader and `dequantize` give
+(checkpoint.py), saying what it did not read.
 """
 
 from __future__ import annotations
@@ -225,19 +226,23 @@ def _tensor_parallel(
 
 def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dict:
     """The whole report as a JSON-able dict (what --json prints). Files that cannot be
-    read as what they claim to be (checkpoint_files.py) raise; every rule a module or
-    config.json breaks is listed under errors, the first of them the one vLLM's loader
-    would name."""
+    read as what they claim to be (checkpoint_files.py) raise; every problem of the
+    verdict vLLM's loader and `dequantize` give (checkpoint.assess_checkpoint, then the
+    codebook markers and, with `values`, every suh/svh) is listed under errors, the
+    first of them the one vLLM's loader would name."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         raise ToolError(f"{root}: not a directory")
     try:
-        index = fmt.read_safetensors_index(root)
-        config, qjson = checkpoint.read_documents(str(root))
+        description = checkpoint.assess_checkpoint(root)
     except fmt.Exl3FormatError as e:
         raise ToolError(str(e)) from e
-    errors: list[str] = []
-    disagreements: list[str] = []
+    index, config = description.tensors, description.config
+    qjson, specs = description.quant_document, description.modules
+    errors = list(description.problems)
+    # What config.json declares about the method, as the verdict words it (its
+    # problems are among the errors already).
+    disagreements = checkpoint.method_declaration(config, qjson, specs)[1]
     notes: list[str] = []
 
     plan_slots: dict[str, LinearSlot] = {}
@@ -256,26 +261,19 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dic
 
     modules: list[dict] = []
     unquantized: list[dict] = []
-    specs: dict[str, fmt.Exl3ModuleSpec] = {}
     for prefix, members in fmt.group_tensors(index).items():
         names = [f"{prefix}.{s}" for s in members]
         nbytes = sum(_nbytes(index[n]) for n in names)
         tensors = {
             s: {"shape": list(sh), "dtype": dt} for s, (sh, dt) in members.items()
         }
-        try:
-            spec = fmt.group_spec(prefix, members)
-            if spec is not None:
-                for marker in ("mcg", "mul1"):
-                    name = f"{prefix}.{marker}"
-                    if name in index:
-                        value = fmt.read_tensor(root, name, index[name])
-                        fmt.check_marker(name, int(value.item()))
-        except fmt.Exl3FormatError as e:
-            errors.append(str(e))
-            continue
         slot = plan_slots.get(prefix)
+        spec = specs.get(prefix)
         if spec is None:
+            if prefix in description.unsupported or any(
+                s in fmt.EXL3_ONLY_SUFFIXES for s in members
+            ):
+                continue  # an EXL3 module that breaks a rule: under errors
             unquantized.append(
                 {
                     "name": prefix,
@@ -286,7 +284,6 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dic
                 }
             )
             continue
-        specs[prefix] = spec
         role, fused = (slot.tp, slot.fused) if slot else linear_role(prefix, cfg)
         if prefix == "lm_head" or (slot and slot.bits_key == "head_bits"):
             group = "head"
@@ -327,23 +324,16 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dic
             )
         modules.append(entry)
 
-    if config is not None:
-        errors += checkpoint.config_problems(config, index, specs)
-    if values:
-        for prefix, spec in specs.items():
-            slot = plan_slots.get(prefix)
-            real = (slot.in_features, slot.out_features) if slot else (None, None)
-            try:
-                for suffix, count in (("suh", real[0]), ("svh", real[1])):
-                    name = f"{prefix}.{suffix}"
-                    if name in spec.tensor_names:
-                        note = checkpoint.check_scale_values(
-                            name, fmt.read_tensor(root, name, index[name]), count
-                        )
-                        if note:
-                            notes.append(note)
-            except fmt.Exl3FormatError as e:
-                errors.append(str(e))
+    # The data vLLM's loader and `dequantize` check: every codebook marker (4 bytes
+    # each), and with --values every suh/svh.
+    real = {
+        prefix: (slot.in_features, slot.out_features)
+        for prefix in specs
+        if (slot := plan_slots.get(prefix)) is not None
+    }
+    found, value_notes = checkpoint.value_problems(description, real, scales=values)
+    errors += found
+    notes += value_notes
 
     # Totals.
     def bpw(mods: list[dict]) -> tuple[float | None, float | None]:
@@ -420,6 +410,9 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dic
         "disagreements": disagreements,
         "notes": notes,
         "errors": errors,
+        # Whether every suh/svh was read; without --values they were not, and the
+        # verdict says so.
+        "values_checked": values,
     }
 
 
@@ -433,19 +426,11 @@ def _compare_config(
 ) -> None:
     if not have_config:
         return
+    # A missing block or another quant_method is the verdict's
+    # (checkpoint.method_declaration).
     q = cfg.get("quantization_config")
     if not isinstance(q, dict):
-        out.append(
-            "config.json: no quantization_config block (not marked as an EXL3 "
-            "checkpoint)"
-        )
         return
-    if str(q.get("quant_method", "")).lower() != "exl3":
-        out.append(
-            "config.json: quantization_config.quant_method = "
-            f"{q.get('quant_method')!r}, "
-            f"not 'exl3'"
-        )
     codebook = q.get("codebook")
     if codebook is not None:
         other = [m["name"] for m in modules if m["codebook"] != codebook]
@@ -655,6 +640,20 @@ def format_text(report: dict) -> str:
             "",
             "config.json and quantization_config.json agree with the tensors.",
         ]
+    read = "headers, JSON files and codebook markers" + (
+        " and every suh/svh value" if report["values_checked"] else ""
+    )
+    if report["errors"]:
+        n = len(report["errors"])
+        verdict = f"{n} format rule{'s' if n > 1 else ''} broken (checked: {read})"
+    else:
+        verdict = f"no problems found in the {read}"
+    if not report["values_checked"]:
+        verdict += (
+            "; suh/svh values NOT read (--values reads and checks them, as vLLM's "
+            "loader and dequantize do)"
+        )
+    lines += ["", f"verdict: {verdict}."]
     return "\n".join(lines)
 
 

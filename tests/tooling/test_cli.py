@@ -116,15 +116,24 @@ def test_fixture_report(inspect_mod, ckpt):
 
 
 def test_headers_only(inspect_mod, monkeypatch):
+    """Without --values inspect reads the 4-byte markers only (through the verdict's
+    shared reader), and its verdict says the scales were not read."""
     read = []
-    original = inspect_mod.fmt.read_tensor
+    original = inspect_mod.checkpoint.read_tensor
     monkeypatch.setattr(
-        inspect_mod.fmt,
+        inspect_mod.checkpoint,
         "read_tensor",
         lambda d, name, e, device="cpu": read.append(name) or original(d, name, e),
     )
-    inspect_mod.inspect_checkpoint(FIXTURES / "exl3-3.0bpw-mcg")
+    report = inspect_mod.inspect_checkpoint(FIXTURES / "exl3-3.0bpw-mcg")
     assert len(read) == 29 and all(n.endswith(".mcg") for n in read)
+    assert report["values_checked"] is False
+    assert "suh/svh values NOT read" in inspect_mod.format_text(report)
+    read.clear()
+    report = inspect_mod.inspect_checkpoint(FIXTURES / "exl3-3.0bpw-mcg", values=True)
+    assert len(read) == 3 * 29 and report["values_checked"] is True
+    text = inspect_mod.format_text(report)
+    assert "verdict: no problems found" in text and "NOT read" not in text
 
 
 def test_json_mode_through_the_tool():

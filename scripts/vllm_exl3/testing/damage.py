@@ -13,6 +13,7 @@ are symlinked, so a case costs only the files it damages.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -72,11 +73,14 @@ class Case:
     build: Callable[[Path], None]
     expect: Expect
     vllm: bool = True  # whether vLLM's CPU loader can build this architecture today
+    # The checkpoint directory inside what build makes (a Hugging Face cache's
+    # snapshot lies two levels down).
+    inside: str = ""
 
     def make(self, root: Path) -> Path:
         dst = root / self.id
         self.build(dst)
-        return dst
+        return dst / self.inside
 
 
 def error(*needles: str, **per_path: tuple[str, ...]) -> Expect:
@@ -589,6 +593,126 @@ def _index_for_sharded(dst: Path) -> None:
     sharded(dst, parts=3)
 
 
+# A Hugging Face cache: snapshots/<revision>/<file> -> ../../blobs/<hash>.
+HF_SNAPSHOT = "snapshots/3f1c0a9e5b7d2c4e6a8b0d1f3e5c7a9b1d3f5e7a"
+
+
+def _hf_cache_blob_missing(dst: Path) -> None:
+    """The fixture as the Hugging Face cache lays it out, every file a link into
+    blobs/, after an interrupted download or a pruned cache: model.safetensors' blob
+    is gone, its link left in the snapshot."""
+    snapshot, blobs = dst / HF_SNAPSHOT, dst / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in BASE.iterdir():
+        blob = hashlib.sha256(f.name.encode()).hexdigest()
+        if f.name != WEIGHTS:
+            shutil.copy(f, blobs / blob)
+        (snapshot / f.name).symlink_to(f"../../blobs/{blob}")
+
+
+def _weights_link_loop(dst: Path) -> None:
+    copy_of(BASE, dst, weights=False)
+    (dst / WEIGHTS).symlink_to(WEIGHTS)
+
+
+def _no_config_block(*, quant_json: bool) -> Callable[[Path], None]:
+    """config.json rewritten without its quantization_config block (by a tool that
+    drops keys it does not know), quantization_config.json kept or not."""
+
+    def build(dst: Path) -> None:
+        copy_of(BASE, dst)
+        edit_json(dst / "config.json", lambda c: c.pop("quantization_config"))
+        if not quant_json:
+            (dst / "quantization_config.json").unlink()
+
+    return build
+
+
+def _o_proj_bias(named: dict[str, torch.Tensor]) -> None:
+    named[f"{L0}.self_attn.o_proj.bias"] = torch.zeros(256, dtype=torch.float16)
+
+
+def pack_signs(values: torch.Tensor) -> torch.Tensor:
+    """The legacy sign bitfield of a scale vector: bit b of int16 word w set where
+    element 16w+b is negative (format.unpack_sign_bits reads it back)."""
+    negative = (values < 0).reshape(-1, 16).to(torch.int32)
+    words = (negative << torch.arange(16, dtype=torch.int32)).sum(-1)
+    return ((words + (1 << 15)) % (1 << 16) - (1 << 15)).to(torch.int16)
+
+
+def _storage_entry_of(dst: Path, module: str, named: dict[str, torch.Tensor]) -> None:
+    """quantization_config.json's stored_tensors for `module` as now stored (what a
+    tool rewriting a module writes)."""
+    names = sorted(n for n in named if n.startswith(f"{module}."))
+
+    def edit(q: dict) -> None:
+        q["tensor_storage"][module]["stored_tensors"] = {
+            n: {
+                "shape": list(named[n].shape),
+                "n_bytes": named[n].numel() * named[n].element_size(),
+                "dtype": str(named[n].dtype),
+            }
+            for n in names
+        }
+
+    edit_json(dst / "quantization_config.json", edit)
+
+
+LEGACY_MODULE = "model.layers.1.mlp.up_proj"
+
+
+def _one_module_legacy_signs(dst: Path) -> None:
+    """One module as an older conversion stores it: su/sv sign bitfields instead of
+    suh/svh (quantization_config.json updated to match); every other module current."""
+    copy_of(BASE, dst)
+    named = tensors_of()
+    for full, packed in (("suh", "su"), ("svh", "sv")):
+        named[f"{LEGACY_MODULE}.{packed}"] = pack_signs(
+            named.pop(f"{LEGACY_MODULE}.{full}")
+        )
+    save(dst, named)
+    _storage_entry_of(dst, LEGACY_MODULE, named)
+
+
+MIXED_MODULE = f"{L0}.self_attn.q_proj"
+
+
+def _module_from_another_conversion(*drop_modules: str) -> Callable[[Path], None]:
+    """A 3-layer mcg 3 bpw conversion whose layer-0 q_proj comes from a mul1 2.5 bpw
+    conversion of the same model (its marker tensor is .mul1 where the other layers
+    store .mcg), as layer-mixing tools for EXL3 write it, tensor_storage entry
+    included; `drop_modules` then removed entirely."""
+
+    def build(dst: Path) -> None:
+        import synthetic_checkpoint as synth
+
+        other = dst.parent / f"{dst.name}-other-conversion"
+        synth.write_checkpoint("qwen3-tiny", dst, layers=3, bits=3, codebook="mcg")
+        synth.write_checkpoint("qwen3-tiny", other, layers=3, bits=2.5, codebook="mul1")
+        named = load_file(str(dst / WEIGHTS))
+        donor = load_file(str(other / WEIGHTS))
+        drop(f"{MIXED_MODULE}.")(named)
+        named.update(
+            {n: t for n, t in donor.items() if n.startswith(f"{MIXED_MODULE}.")}
+        )
+        drop(*(f"{m}." for m in drop_modules))(named)
+        save(dst, named)
+        entry = json.loads((other / "quantization_config.json").read_text())[
+            "tensor_storage"
+        ][MIXED_MODULE]
+
+        def edit(q: dict) -> None:
+            q["tensor_storage"][MIXED_MODULE] = entry
+            for module in drop_modules:
+                q["tensor_storage"].pop(module)
+
+        edit_json(dst / "quantization_config.json", edit)
+        shutil.rmtree(other)
+
+    return build
+
+
 QP = "model.layers.1.self_attn.q_proj"
 CASES: list[Case] = [
     # -- files: what stands in for model.safetensors, and headers that lie about the
@@ -696,6 +820,27 @@ CASES: list[Case] = [
         raw_edit(_metadata),
         error(
             "model.safetensors: safetensors __metadata__ must map strings to strings"
+        ),
+    ),
+    Case(
+        "hf-cache-blob-missing",
+        "file",
+        _hf_cache_blob_missing,
+        error(
+            "model.safetensors: a broken symbolic link to ../../blobs/",
+            "does not exist): the Hugging Face cache lost the file",
+            "download the model again",
+        ),
+        inside=HF_SNAPSHOT,
+    ),
+    Case(
+        "weights-link-loop",
+        "file",
+        _weights_link_loop,
+        error(
+            "model.safetensors: a symbolic link loop (model.safetensors -> "
+            "model.safetensors",
+            "replace the link with the file itself, or download it again",
         ),
     ),
     # -- JSON files --
@@ -934,6 +1079,64 @@ CASES: list[Case] = [
             "true"
         ),
     ),
+    Case(
+        "o-proj-bias-not-in-config",
+        "config",
+        with_tensors(_o_proj_bias),
+        error(
+            f"{L0}.self_attn.o_proj.bias: stored, but config.json attention_bias = "
+            "false: the model builds o_proj without a bias"
+        ),
+    ),
+    # vLLM picks the method from quant_method before any EXL3 code runs: it names the
+    # unknown method itself.
+    Case(
+        "quant-method-exl2",
+        "config",
+        _config_block(quant_method="exl2"),
+        error(
+            inspect=(
+                "config.json: quantization_config.quant_method = 'exl2', not 'exl3', "
+                "but the tensors are EXL3 (29 modules with a .trellis",
+                'set it to "exl3"',
+            ),
+            dequantize=(
+                "config.json: quantization_config.quant_method = 'exl2', not 'exl3', "
+                "but the tensors are EXL3 (29 modules with a .trellis",
+                'set it to "exl3"',
+            ),
+            vllm=("Unknown quantization method: exl2",),
+        ),
+    ),
+    # Without any declaration vLLM builds the model unquantized and no EXL3 code runs:
+    # its message is its own.
+    Case(
+        "no-config-block-no-quant-json",
+        "config",
+        _no_config_block(quant_json=False),
+        error(
+            inspect=(
+                "config.json: no quantization_config block and no "
+                "quantization_config.json beside it, but the tensors are EXL3",
+                '"quantization_config": {"quant_method": "exl3"}',
+            ),
+            dequantize=(
+                "config.json: no quantization_config block and no "
+                "quantization_config.json beside it, but the tensors are EXL3",
+                '"quantization_config": {"quant_method": "exl3"}',
+            ),
+            vllm=("There is no module or parameter named 'lm_head.suh'",),
+        ),
+    ),
+    Case(
+        "module-missing-beside-mixed-forms",
+        "config",
+        _module_from_another_conversion("model.layers.2.self_attn.q_proj"),
+        error(
+            "model.layers.2.self_attn.q_proj: missing from the checkpoint "
+            "(self_attn.q_proj absent from model.layers.2"
+        ),
+    ),
     # -- the DSA indexer (DeepSeek-V3.2, GLM-5): present on every layer vLLM builds one
     # for, in the form vLLM loads, on the schedule vLLM derives.
     Case(
@@ -1072,6 +1275,17 @@ CASES: list[Case] = [
             inspect=("head_bits = 8 but lm_head.trellis holds 6 bits",),
             dequantize=("lm_head: config.json quantization_config.head_bits = 8",),
             vllm=("lm_head: config.json quantization_config.head_bits = 8",),
+        ),
+    ),
+    Case(
+        "no-config-block",
+        "declared",
+        _no_config_block(quant_json=True),
+        warning(
+            "config.json: no quantization_config block; read as EXL3 from "
+            "quantization_config.json",
+            "quant_method 'exl3' (29 EXL3 modules stored)",
+            "Restore the block",
         ),
     ),
     # -- values of suh/svh --
@@ -1228,5 +1442,28 @@ CASES: list[Case] = [
         "unusual",
         synthetic("qwen3-tiny", layers=1, bits=2, codebook="mcg", legacy_signs=True),
         Expect(LOADS),
+    ),
+    # Each module's tensors describe it completely: layers of one kind need the same
+    # modules, not the same tensor names.
+    Case("one-module-legacy-signs", "unusual", _one_module_legacy_signs, Expect(LOADS)),
+    Case(
+        "module-from-another-conversion",
+        "unusual",
+        _module_from_another_conversion(),
+        # config.json's single codebook and bits cannot describe the mix: reported,
+        # the tensors decide.
+        warning(
+            inspect=(
+                f"codebook = 'mcg' but 1 modules use another codebook: {MIXED_MODULE}",
+            ),
+            dequantize=(
+                f"{MIXED_MODULE}: config.json quantization_config.codebook = 'mcg', "
+                "but its tensors are mul1",
+            ),
+            vllm=(
+                f"{MIXED_MODULE}: config.json quantization_config.codebook = 'mcg', "
+                "but its tensors are mul1",
+            ),
+        ),
     ),
 ]

@@ -382,6 +382,44 @@ def test_one_line_no_traceback(command, case, tmp_path):
         assert phrase in lines[0]
 
 
+def test_inspect_without_values_says_what_it_did_not_read(tmp_path):
+    """`inspect` without --values reads no suh/svh: on a checkpoint with a NaN scale it
+    finds nothing, and its verdict says that the values were not read; --values names
+    the NaN, as vLLM's loader and dequantize do."""
+    ckpt = BY_ID["suh-nan"].make(tmp_path)
+    rc, out, err = _cli(["inspect", str(ckpt)])
+    assert rc == 0, err
+    verdict = out.strip().splitlines()[-1]
+    assert verdict.startswith(
+        "verdict: no problems found in the headers, JSON files and codebook markers; "
+        "suh/svh values NOT read (--values reads and checks them"
+    ), verdict
+    rc, out, err = _cli(["inspect", "--values", str(ckpt)])
+    assert rc == 1 and f"{BY_ID['suh-nan'].expect.needles[0]}" in err, err
+    assert "verdict: 1 format rule broken (checked: headers" in out
+
+
+def test_layer_contents_one_item_per_module_in_any_form():
+    """Layers of one kind are compared module by module: EXL3 under any codebook marker
+    or none, with suh/svh or the legacy su/sv (and an ignored scale), or unquantized,
+    is one item; a bias or another tensor stays an item of its own."""
+    from vllm.model_executor.layers.quantization.exl3.checkpoint import (
+        layer_contents,
+    )
+
+    q = "self_attn.q_proj"
+    mcg = [f"{q}.{s}" for s in ("trellis", "suh", "svh", "mcg", "bias")]
+    legacy = [f"{q}.{s}" for s in ("trellis", "su", "sv", "scale", "bias")]
+    plain = [f"{q}.weight", f"{q}.bias"]
+    for form in (mcg, legacy, plain):
+        assert layer_contents(form) == {q: q, f"{q}.bias": q}, form
+    assert layer_contents([f"{q}.weight"]) == {q: q}  # the bias is missed
+    experts = layer_contents(
+        ["mlp.experts.0.up_proj.trellis", "mlp.experts.1.up_proj.weight"]
+    )
+    assert experts == {"mlp.experts.*.up_proj": "mlp.experts.*.up_proj"}
+
+
 def test_debug_shows_the_traceback(tmp_path):
     ckpt = BY_ID["html-page"].make(tmp_path)
     proc = _run("inspect", str(ckpt), "--debug")

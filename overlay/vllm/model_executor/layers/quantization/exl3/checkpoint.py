@@ -2,14 +2,17 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """One verdict on an EXL3 checkpoint directory, shared by vLLM's loader and the tools.
 
-`validate_checkpoint` runs before any weight is read: the files (checkpoint_files.py),
-the EXL3 modules (format.py), then config.json against the tensors (hidden size,
-vocabulary, the dims of every projection it implies, layer and expert counts, head
-presence and tying, biases), failing closed on the first problem with a message that
-starts with the tensor or file it is about. What the JSON files *declare* about bitrates
+`assess_checkpoint` reads no weight: the files (checkpoint_files.py), the quantization
+method config.json declares (vLLM picks the method from it), the EXL3 modules
+(format.py), then config.json against the tensors (hidden size, vocabulary, the dims of
+every projection it implies, layer and expert counts, head presence and tying, biases).
+It lists every problem, most basic first, each message starting with the tensor or file
+it is about; `validate_checkpoint` fails closed on the first (vLLM's loader and
+`dequantize`), `inspect` lists them all. What the JSON files *declare* about bitrates
 and codebooks is compared too, but the tensors decide: those disagreements come back as
-warnings. `check_scale_values` is the value rule for `suh` and `svh`, applied wherever
-their data is read (the vLLM loader, `dequantize`, `inspect --values`).
+warnings. `value_problems` reads the little data a verdict needs beyond the headers:
+the codebook markers, and `suh` / `svh` under `check_scale_values`, the rule applied
+wherever their data is read (the vLLM loader, `dequantize`, `inspect --values`).
 
 vLLM builds the model from config.json, so a config that claims more than the checkpoint
 holds would leave parameters unwritten (vLLM tracks unloaded parameters only for
@@ -39,15 +42,20 @@ from .checkpoint_files import (
 )
 from .format import (
     EMBED_SIGNS_SUFFIX,
+    EXL3_ONLY_SUFFIXES,
     HADAMARD_SIZE,
     Codebook,
     Exl3ModuleSpec,
+    check_marker,
     group_spec,
     group_tensors,
+    read_tensor,
 )
 
 CONFIG_FILE = "config.json"
 QUANT_CONFIG_FILE = "quantization_config.json"
+# config.json's quantization_config.quant_method that makes vLLM pick this method.
+EXL3_METHOD = "exl3"
 # config.json keys that name the number of routed experts, in the order models use them.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 # config.json keys for extra (multi-token-prediction) layers stored after the main ones.
@@ -61,8 +69,15 @@ CODEBOOK_NAMES = {
 }
 # Names listed in a message before "and N more".
 LIST_LIMIT = 3
-# Model types whose q/k/v projections carry a bias without saying so in config.json.
+# A linear's bias: its own tensor in every form the linear is stored in.
+BIAS_SUFFIX = "bias"
+# Model types whose q/k/v projections carry a bias without saying so in config.json
+# (their o_proj has none).
 IMPLICIT_QKV_BIAS = ("qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl")
+# Model types whose o_proj vLLM builds with a bias whatever attention_bias says; every
+# other model builds it without one when attention_bias is false (Llama ties it to
+# attention_bias, Qwen3 and Mixtral never have one).
+O_PROJ_BIAS_ALWAYS = ("gpt_oss", "phimoe")
 # Model types built on vLLM's Qwen3NextAttention: q_proj also carries the output gate
 # (twice the query width) unless config.json sets attn_output_gate to false.
 GATED_ATTENTION = (
@@ -116,6 +131,8 @@ class CheckpointDescription:
     warnings: list[str] = field(
         default_factory=list
     )  # declared vs stored; the tensors win
+    # Every rule broken, most basic first (validate_checkpoint raises the first).
+    problems: list[str] = field(default_factory=list)
 
 
 def listing(names: list[str], limit: int = LIST_LIMIT) -> str:
@@ -137,19 +154,21 @@ def round_up(x: int, to: int = HADAMARD_SIZE) -> int:
 
 def read_documents(root: str) -> tuple[dict | None, dict | None]:
     """config.json and quantization_config.json (None where absent), syntax errors
-    named."""
+    and broken links named."""
     docs = []
     for name in (CONFIG_FILE, QUANT_CONFIG_FILE):
         path = os.path.join(root, name)
-        docs.append(read_json_object(path) if os.path.exists(path) else None)
+        docs.append(read_json_object(path) if os.path.lexists(path) else None)
     return docs[0], docs[1]
 
 
 def find_modules(
     tensors: Mapping[str, TensorEntry],
+    problems: list[str] | None = None,
 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module
-    key, in sorted order (so every reader meets the same first error)."""
+    """EXL3 linears (validated) and unsupported EXL3 containers, by module key, in
+    sorted order (so every reader meets the same first error). A module that breaks a
+    rule raises, or, given `problems`, is left out and its error appended there."""
     specs: dict[str, Exl3ModuleSpec] = {}
     unsupported: dict[str, str] = {}
     for prefix, members in group_tensors(tensors).items():
@@ -158,15 +177,25 @@ def find_modules(
                 f"{prefix} is a quantized token embedding (trellis + signs, "
                 "--embed_bits), which is not supported"
             )
-        elif (spec := group_spec(prefix, members)) is not None:
+            continue
+        try:
+            spec = group_spec(prefix, members)
+        except Exl3FormatError as e:
+            if problems is None:
+                raise
+            problems.append(str(e))
+            continue
+        if spec is not None:
             specs[prefix] = spec
     return specs, unsupported
 
 
-def validate_checkpoint(
+def assess_checkpoint(
     ckpt_dir: str | os.PathLike, *, tied: bool | None = None
 ) -> CheckpointDescription:
-    """Every structural rule, failing closed on the first problem (an Exl3FormatError).
+    """Every structural rule, from the headers and JSON files: each problem listed in
+    `problems` (a file that cannot be read as what it claims to be raises at once, as
+    nothing after it could be described).
 
     `tied`: whether the model ties its output layer to the token embedding, when the
     caller knows it better than config.json (vLLM resolves the model class's default).
@@ -176,20 +205,106 @@ def validate_checkpoint(
         raise Exl3FormatError(f"{root}: not a directory")
     tensors = read_safetensors_index(root)
     config, quant_document = read_documents(root)
-    specs, unsupported = find_modules(tensors)
+    problems: list[str] = []
+    specs, unsupported = find_modules(tensors, problems)
+    declared, warnings = method_declaration(config, quant_document, specs)
+    problems[:0] = declared
+    problems += unsupported.values()
     if config is not None:
-        problems = config_problems(config, tensors, specs, tied=tied)
-        if problems:
-            more = (
-                f" (and {more_problems(len(problems) - 1)})"
-                if len(problems) > 1
-                else ""
-            )
-            raise Exl3FormatError(problems[0] + more)
-    warnings = declared_disagreements(config, quant_document, specs)
+        problems += config_problems(config, tensors, specs, tied=tied)
+    warnings += declared_disagreements(config, quant_document, specs)
     return CheckpointDescription(
-        root, tensors, config, quant_document, specs, unsupported, warnings
+        root, tensors, config, quant_document, specs, unsupported, warnings, problems
     )
+
+
+def validate_checkpoint(
+    ckpt_dir: str | os.PathLike, *, tied: bool | None = None
+) -> CheckpointDescription:
+    """`assess_checkpoint`, failing closed on its first problem (an Exl3FormatError
+    that says how many more there are)."""
+    description = assess_checkpoint(ckpt_dir, tied=tied)
+    problems = description.problems
+    if problems:
+        more = f" (and {more_problems(len(problems) - 1)})" if len(problems) > 1 else ""
+        raise Exl3FormatError(problems[0] + more)
+    return description
+
+
+# ---- the quantization method config.json declares
+# -------------------------------------------
+
+
+def quant_block(config: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """config.json's quantization_config, where vLLM looks for it (the top level, else
+    a multimodal model's text_config)."""
+    if not config:
+        return None
+    block = config.get("quantization_config")
+    if block is None and isinstance(config.get("text_config"), Mapping):
+        block = config["text_config"].get("quantization_config")
+    return block if isinstance(block, Mapping) else None
+
+
+def method_declaration(
+    config: Mapping[str, Any] | None,
+    quant_document: Mapping[str, Any] | None,
+    specs: Mapping[str, Exl3ModuleSpec],
+) -> tuple[list[str], list[str]]:
+    """(problems, warnings) about the quantization method config.json declares.
+
+    vLLM picks the quantization method from config.json's `quant_method` alone and
+    builds the model for it; EXL3 tensors under any other method fail on their first
+    tensor (or earlier, for a method vLLM does not know). Without a block, vLLM takes
+    quantization_config.json for it when that file names exl3 (ExLlamaV3 writes it
+    beside config.json; a local directory only, patch 0010): that loads, with a
+    warning.
+    """
+    if config is None:
+        return [], []
+    exl3 = sorted(specs)
+    held = (
+        f"the tensors are EXL3 ({len(exl3)} modules with a .trellis: {listing(exl3)})"
+        if exl3
+        else "the checkpoint holds no EXL3 tensors (no .trellis)"
+    )
+    block = quant_block(config)
+    if block is not None:
+        method = block.get("quant_method")
+        if str(method).lower() == EXL3_METHOD:
+            return [], []
+        return [
+            f"{CONFIG_FILE}: quantization_config.quant_method = {method!r}, not "
+            f"{EXL3_METHOD!r}, but {held}: vLLM picks the quantization method from "
+            f'this field and would not run them as EXL3; set it to "{EXL3_METHOD}" '
+            "(ExLlamaV3's converter writes that)"
+            if exl3
+            else f"{CONFIG_FILE}: quantization_config.quant_method = {method!r}, not "
+            f"{EXL3_METHOD!r}, and {held}: not an EXL3 checkpoint"
+        ], []
+    side = (quant_document or {}).get("quant_method")
+    if str(side).lower() == EXL3_METHOD:
+        stored = f"{len(exl3)} EXL3 modules stored" if exl3 else held
+        return [], [
+            f"{CONFIG_FILE}: no quantization_config block; read as EXL3 from "
+            f"{QUANT_CONFIG_FILE}, which ExLlamaV3 writes beside it and which declares "
+            f"quant_method {EXL3_METHOD!r} ({stored}). Did a tool rewrite "
+            f"{CONFIG_FILE}? Restore the block: {QUANT_CONFIG_FILE}'s fields without "
+            "tensor_storage"
+        ]
+    if not exl3:
+        return [], []
+    found = (
+        f"{QUANT_CONFIG_FILE} declares quant_method {side!r}"
+        if quant_document is not None
+        else f"no {QUANT_CONFIG_FILE} beside it"
+    )
+    return [
+        f"{CONFIG_FILE}: no quantization_config block and {found}, but {held}: vLLM "
+        "would build the model unquantized and fail on the first EXL3 tensor; add "
+        f'"quantization_config": {{"quant_method": "{EXL3_METHOD}"}} to {CONFIG_FILE} '
+        "(ExLlamaV3's converter writes it, with the bitrates)"
+    ], []
 
 
 # ---- config.json against the tensors
@@ -379,7 +494,8 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
             + f" (the checkpoint stores layers {_ranges(stored)}; is config.json from "
             "another model?)"
         )
-    # Layers of one kind (layer_types entry, MoE or dense) store the same tensors.
+    # Layers of one kind (layer_types entry, MoE or dense) store the same modules and
+    # other tensors (layer_contents).
     types = cfg.get("layer_types")
     groups: dict[tuple, list[int]] = {}
     for i in range(layers_total):
@@ -393,22 +509,45 @@ def _layer_problems(cfg: Mapping[str, Any], names: list[str]) -> list[str]:
     for members in groups.values():
         if len(members) < 2:
             continue
-        shapes = {
-            i: {_EXPERT.sub(r"\g<mlp>.*.", f"x.{r}")[2:] for r in stored[i]}
-            for i in members
-        }
+        contents = {i: layer_contents(stored[i]) for i in members}
         for i in members:
-            others = [shapes[j] for j in members if j != i]
-            common = set.intersection(*others)
-            lacking = sorted(common - shapes[i])
+            others = [set(contents[j]) for j in members if j != i]
+            lacking = sorted(set.intersection(*others) - set(contents[i]))
             if lacking:
-                modules = sorted({r.rpartition(".")[0] for r in lacking})
+                module = next(
+                    c[lacking[0]] for c in contents.values() if lacking[0] in c
+                )
                 problems.append(
-                    f"{base}.{i}.{modules[0]}: missing from the checkpoint "
+                    f"{base}.{i}.{module}: missing from the checkpoint "
                     f"({listing(lacking)} absent from {base}.{i}; every other layer of "
                     "its kind stores them)"
                 )
     return problems
+
+
+def layer_contents(rests: Iterable[str]) -> dict[str, str]:
+    """What one decoder layer stores, as layers of one kind must all store it: {item:
+    the module it belongs to}, relative to the layer, experts' indices as `*`.
+
+    A module's weights are one item, the module's own name, in whichever form they are
+    stored: EXL3 (any codebook marker or none, suh/svh or the legacy su/sv bitfields,
+    an ignored legacy scale) or an unquantized `.weight`. Layer-mixing tools combine
+    modules of different conversions, and each module's tensors describe it completely
+    (format.py checks that). Every other tensor (a bias, a norm's bias, a router's
+    correction bias) is an item of its own.
+    """
+    by_module: dict[str, set[str]] = {}
+    for rest in rests:
+        module, _, suffix = rest.rpartition(".")
+        by_module.setdefault(module, set()).add(suffix)
+    items: dict[str, str] = {}
+    for module, suffixes in by_module.items():
+        is_exl3 = any(s in EXL3_ONLY_SUFFIXES for s in suffixes)
+        key = _EXPERT.sub(r"\g<mlp>.*.", f"x.{module}.")[2:-1]
+        for suffix in suffixes:
+            weights = suffix == "weight" or (is_exl3 and suffix != BIAS_SUFFIX)
+            items[key if weights else f"{key}.{suffix}"] = key
+    return items
 
 
 def vllm_indexer_layers(cfg: Mapping[str, Any]) -> list[bool]:
@@ -700,20 +839,18 @@ def _bias_problems(
     """Bias presence against attention_bias / mlp_bias, for the projections they
     govern."""
     model_type = str(cfg.get("model_type", ""))
-    rules = []
+    # (projections, whether the model builds them with a bias, why)
+    rules: list[tuple[tuple[str, ...], bool, str]] = []
     if model_type in IMPLICIT_QKV_BIAS:
-        rules.append(
-            (("q_proj", "k_proj", "v_proj"), True, f"model_type = {model_type!r}")
-        )
+        why = f"model_type = {model_type!r}"
+        rules.append((("q_proj", "k_proj", "v_proj"), True, why))
+        rules.append((("o_proj",), False, why))
     elif isinstance(cfg.get("attention_bias"), bool):
         value = cfg["attention_bias"]
-        rules.append(
-            (
-                ("q_proj", "k_proj", "v_proj"),
-                value,
-                f"attention_bias = {str(value).lower()}",
-            )
-        )
+        why = f"attention_bias = {str(value).lower()}"
+        rules.append((("q_proj", "k_proj", "v_proj"), value, why))
+        if not value and model_type not in O_PROJ_BIAS_ALWAYS:
+            rules.append((("o_proj",), False, why))
     if isinstance(cfg.get("mlp_bias"), bool):
         value = cfg["mlp_bias"]
         rules.append(
@@ -962,3 +1099,39 @@ def check_scale_values(name: str, values: torch.Tensor, real: int | None) -> str
         f"{name}: 0 {where}, on real output columns (of {len(span)}): those outputs "
         "are always 0 (legal only for all-zero output channels)"
     )
+
+
+def value_problems(
+    description: CheckpointDescription,
+    real: Mapping[str, tuple[int | None, int | None]],
+    *,
+    scales: bool = True,
+) -> tuple[list[str], list[str]]:
+    """(problems, notes) from the data the verdict needs beyond the headers, per EXL3
+    module in order: its codebook marker's value (format.check_marker) and, with
+    `scales`, its suh and svh under `check_scale_values`. `real` maps a module to its
+    real (k, n) where known; the rest of each vector is 128-padding."""
+    problems: list[str] = []
+    notes: list[str] = []
+    root, tensors = description.root, description.tensors
+    for prefix, spec in description.modules.items():
+        names = []
+        if spec.codebook != Codebook.THREE_INST:
+            # A marker tensor is named after its codebook (P.mcg, P.mul1).
+            names.append(f"{prefix}.{CODEBOOK_NAMES[spec.codebook]}")
+        k, n = real.get(prefix, (None, None))
+        counts = {f"{prefix}.suh": k, f"{prefix}.svh": n}
+        if scales:
+            names += [name for name in counts if name in spec.tensor_names]
+        try:
+            for name in names:
+                values = read_tensor(root, name, tensors[name])
+                if name in counts:
+                    note = check_scale_values(name, values, counts[name])
+                    if note:
+                        notes.append(note)
+                else:
+                    check_marker(name, int(values.item()))
+        except Exl3FormatError as e:
+            problems.append(str(e))
+    return problems, notes

@@ -19,6 +19,7 @@ Imports only the standard library, so the checkpoint tools load it on their own.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -39,6 +40,11 @@ SNIFF_BYTES = 512
 LFS_POINTER_PREFIX = b"version https://git-lfs"
 # How an HTML page saved in place of a download begins (lower-cased, after blanks).
 HTML_PREFIXES = (b"<!doctype html", b"<html", b"<head", b"<body", b"<?xml")
+# Links followed when showing where a symbolic link loop goes (the kernel's own limit
+# on a chain of links is 40).
+MAX_LINK_CHAIN = 40
+# A Hugging Face cache stores every file once under blobs/ and links snapshots to it.
+HF_CACHE_BLOBS = "blobs"
 # Sharded checkpoints name their files like this (transformers and ExLlamaV3 both do).
 SHARD_NAME = re.compile(
     r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.safetensors$"
@@ -77,9 +83,61 @@ class TensorEntry(NamedTuple):
     offsets: tuple[int, int] = (0, 0)  # absolute byte range in the file
 
 
+def broken_link(path: str | os.PathLike) -> str | None:
+    """Why `path` is a symbolic link that reaches no file (a dangling link or a loop),
+    said with its target and what to do; None for anything else.
+
+    A Hugging Face cache keeps each file once under `blobs/` and links
+    `snapshots/<revision>/<name>` to it, so an interrupted download or a pruned cache
+    leaves the name in place and its data gone; `os.path.isfile` then says False and
+    the file would look absent.
+    """
+    path = os.fspath(path)
+    if not os.path.islink(path):
+        return None
+    try:
+        os.stat(path)
+        return None
+    except OSError as e:
+        failure = e
+    target = os.readlink(path)
+    if failure.errno == errno.ELOOP:
+        chain, current = [os.path.basename(path)], path
+        while os.path.islink(current) and len(chain) <= MAX_LINK_CHAIN:
+            step = os.readlink(current)
+            chain.append(step)
+            current = os.path.join(os.path.dirname(current), step)
+            if chain.count(step) > 1:
+                break
+        return (
+            f"{path}: a symbolic link loop ({' -> '.join(chain)} ...), never reaching "
+            "a file: replace the link with the file itself, or download it again"
+        )
+    if failure.errno not in (errno.ENOENT, errno.ENOTDIR):
+        return (
+            f"{path}: a symbolic link to {target} that cannot be followed "
+            f"({failure.strerror})"
+        )
+    resolved = os.path.realpath(path)
+    if HF_CACHE_BLOBS in resolved.split(os.sep):
+        remedy = (
+            "the Hugging Face cache lost the file (an interrupted download or a pruned "
+            "cache): download the model again (`hf download <repo id>` fetches only "
+            "what is missing) or delete this snapshot from the cache"
+        )
+    else:
+        remedy = "copy the file there, or point the link at the file"
+    return (
+        f"{path}: a broken symbolic link to {target} ({resolved} does not exist): "
+        f"{remedy}"
+    )
+
+
 def read_json_file(path: str | os.PathLike) -> Any:
     """A JSON document; a syntax error names the file, the line and the column."""
     path = os.fspath(path)
+    if reason := broken_link(path):
+        raise Exl3FormatError(reason)
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -141,6 +199,8 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
     and the file offset where its data starts, every rule of the format checked against
     the file size."""
     path = os.fspath(path)
+    if reason := broken_link(path):
+        raise Exl3FormatError(reason)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -290,6 +350,10 @@ def _shard_files(
     ckpt_dir: str, names: list[str]
 ) -> tuple[list[str], dict[str, str] | None]:
     """(the safetensors files to read, the index's weight map or None), strays named."""
+    for name in sorted(names):
+        read = name.endswith(SAFETENSORS_SUFFIX) or name == SAFETENSORS_INDEX
+        if read and (reason := broken_link(os.path.join(ckpt_dir, name))):
+            raise Exl3FormatError(reason)
     present = sorted(
         n
         for n in names
