@@ -84,7 +84,7 @@ SPEC_METRICS = (
 
 DEEPSEEK, QWEN3_NEXT = "deepseek", "qwen3-next"
 LAYOUTS = (DEEPSEEK, QWEN3_NEXT)
-# The synthetic writer's Qwen3-Next preset (scripts/vllm_exl3/testing/synthetic_checkpoint.py).
+# The synthetic writer's Qwen3-Next preset (vllm_exl3.testing.synthetic_checkpoint).
 QWEN3_NEXT_PRESET = "qwen3-next-tiny"
 
 

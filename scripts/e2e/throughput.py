@@ -2,8 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Throughput on a CUDA host where the built wheel (or the offline bundle) is installed:
-a synthetic EXL3 checkpoint at real dims (scripts/vllm_exl3/testing/synthetic_checkpoint.py, preset qwen3-8b
-or qwen3-30b-a3b, 4 bpw, written here on the host) next to the same dims in bf16 and as
+a synthetic EXL3 checkpoint at real dims (vllm_exl3.testing.synthetic_checkpoint, preset
+qwen3-8b or qwen3-30b-a3b, 4 bpw, written here on the host) next to the same dims in bf16 and as
 GPTQ int4 group 128 (both load_format="dummy"), vLLM offline generation with fixed
 input/output lengths (ignore_eos) at several concurrencies, the engines one after
 another in one process: output tok/s and TPOT. vLLM's defaults (torch.compile + CUDA
@@ -31,7 +31,7 @@ from vllm_exl3.e2e.measures import free_llm
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
-# Presets of scripts/vllm_exl3/testing/synthetic_checkpoint.py with their decoder layer count.
+# Presets of vllm_exl3.testing.synthetic_checkpoint with their decoder layer count.
 PRESETS = {"qwen3-8b": 36, "qwen3-30b-a3b": 48}
 MODELS = ("exl3", "bf16", "gptq")
 CONCURRENCY = (1, 4, 16, 64)

@@ -10,7 +10,7 @@ the down projection and the routing weights, and sums each token's top-k. Every 
 draws fresh random weights and routings, leaves a NaN-filled block for the output to
 reuse, and fails on any non-finite output.
 
-Error bound. Against the dense op (overlay/tests/kernels/quantization/test_exl3_kernels.py: fused path 3e-4 fp16 /
+Error bound. Against the dense op (test_exl3_kernels.py: fused path 3e-4 fp16 /
 1.7e-3 bf16, relative RMS) the layer adds three roundings: the gate/up outputs to the
 activation dtype, the SwiGLU product to fp16 after its Hadamard (the down GEMM's
 operand), and, in the deterministic combine, each (token, k) row to the activation dtype
@@ -20,7 +20,7 @@ is ~4e-4 (fp16) / ~3.5e-3 (bf16). Bounds: rel_fro <= 2e-3 (fp16), 1e-2 (bf16); m
 / rms(ref) <= 1.5e-2 (fp16), 1e-1 (bf16). A wrong expert, role, block, sign or routing
 weight gives O(1) errors.
 
-    pytest -q overlay/tests/kernels/quantization/test_exl3_moe_kernels.py
+    pytest -q tests/kernels/quantization/test_exl3_moe_kernels.py
 """
 
 from __future__ import annotations
@@ -1462,7 +1462,8 @@ def test_sanitizer_sample(gen: torch.Generator) -> None:
 
         PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
             --error-exitcode 1 python3 -m pytest -q -m gpu \
-            overlay/tests/kernels/quantization/test_exl3_moe_kernels.py -k sanitizer_sample
+            overlay/tests/kernels/quantization/test_exl3_moe_kernels.py \
+            -k sanitizer_sample
     """
     layer = ml.random_moe_layer(gen, 8, 256, 128, [2, 3, 4], 1)
     for block in BLOCKS:

@@ -16,8 +16,8 @@
   compared with transformers' own model class running the same checkpoint decoded to
   dense by the reference codec (moe_checkpoints.py).
 * A synthetic EXL3 checkpoint of each MoE architecture both ExLlamaV3 1.6.5 and vLLM
-  0.26 run, written in ExLlamaV3's layout (scripts/vllm_exl3/testing/synthetic_checkpoint.py), every MoE
-  block checked against the oracle (moe_model_run.py). Bitrates differ between experts
+  0.26 run, written in ExLlamaV3's layout (vllm_exl3.testing.synthetic_checkpoint),
+  every MoE block checked against the oracle (moe_model_run.py). Bitrates differ between experts
   and between gate, up and down, so one layer's per-expert rate table is exercised on
   every architecture.
 * DeepSeek-Sparse-Attention checkpoints (DeepSeek-V3.2, GLM-5 with a "shared"
@@ -282,8 +282,8 @@ def test_dsv3_fixture_as_mha_matches_transformers(tmp_path, monkeypatch, world1)
 
 
 # A synthetic EXL3 checkpoint of each MoE architecture both ExLlamaV3 1.6.5 and vLLM
-# 0.26 run, written in ExLlamaV3's layout (scripts/vllm_exl3/testing/synthetic_checkpoint.py, names from its
-# architecture files), loaded through vLLM's own model loader, every MoE block checked
+# 0.26 run, written in ExLlamaV3's layout (vllm_exl3.testing.synthetic_checkpoint,
+# names from its architecture files), loaded through vLLM's own model loader, every MoE block checked
 # against the oracle (moe_model_run.py). Bitrates differ between experts and between
 # gate, up and down, so one layer's per-expert rate table is exercised on every
 # architecture.

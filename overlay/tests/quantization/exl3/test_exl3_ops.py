@@ -23,8 +23,6 @@ import json
 import pytest
 import torch
 import torch.multiprocessing as mp
-from .exl3_harness import CKPT_3INST, config_for, tensors
-from .test_exl3_linear import ATTN, HIDDEN, finish, load_qkv, qkv_layer
 from vllm.model_executor.layers.quantization.exl3 import kernels, ops, plans
 from vllm.model_executor.layers.quantization.exl3.env_compat import (
     adopt_deprecated_env_names,
@@ -35,6 +33,9 @@ from vllm.model_executor.layers.quantization.exl3.plans import (
     PlanPins,
     parse_plan_setting,
 )
+
+from .exl3_harness import CKPT_3INST, config_for, tensors
+from .test_exl3_linear import ATTN, HIDDEN, finish, load_qkv, qkv_layer
 
 SCHEMAS = (
     "exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, Tensor? bias, "
@@ -49,6 +50,11 @@ SCHEMAS = (
 
 
 def _main(_: int, init_file: str) -> None:
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+    from vllm.model_executor.layers.quantization.exl3 import ops, reference
+    from vllm.model_executor.layers.quantization.exl3.kernels import CudaExl3Kernel
+    from vllm.model_executor.layers.quantization.exl3.linear import layer_runs
+
     from .exl3_harness import (
         CKPT_MCG,
         assert_matches,
@@ -58,10 +64,6 @@ def _main(_: int, init_file: str) -> None:
         load_module,
     )
     from .exl3_harness import tensors as fixture_tensors
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
-    from vllm.model_executor.layers.quantization.exl3 import ops, reference
-    from vllm.model_executor.layers.quantization.exl3.kernels import CudaExl3Kernel
-    from vllm.model_executor.layers.quantization.exl3.linear import layer_runs
 
     assert ops.load_exl3_ops.__wrapped__()[0] is False  # nothing registered yet
     lib = torch.library.Library("_C", "FRAGMENT")
@@ -518,11 +520,12 @@ def test_whole_model_load_warms_each_configuration_once(tmp_path, monkeypatch, w
     """vLLM's real loader on the fixture: with a plan-tuning kernel selected, every
     distinct linear configuration (qkv, o, gate_up, down, lm_head) is warmed once over
     the whole bucket walk, not once per decoder layer, and the load completes."""
-    from .exl3_harness import checkpoint_copy
-    from .test_exl3_model import CPU_ATTENTION_BACKEND
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.platforms import current_platform
+
+    from .exl3_harness import checkpoint_copy
+    from .test_exl3_model import CPU_ATTENTION_BACKEND
 
     calls: list[tuple[int, int, tuple[int, ...]]] = []
 
