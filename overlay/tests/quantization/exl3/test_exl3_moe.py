@@ -17,9 +17,9 @@
   dense by the reference codec (moe_checkpoints.py).
 * A synthetic EXL3 checkpoint of each MoE architecture both ExLlamaV3 1.6.5 and vLLM
   0.26 run, written in ExLlamaV3's layout (vllm_exl3.testing.synthetic_checkpoint),
-  every MoE block checked against the oracle (moe_model_run.py). Bitrates differ between experts
-  and between gate, up and down, so one layer's per-expert rate table is exercised on
-  every architecture.
+  every MoE block checked against the oracle (moe_model_run.py). Bitrates differ
+  between experts and between gate, up and down, so one layer's per-expert rate table
+  is exercised on every architecture.
 * DeepSeek-Sparse-Attention checkpoints (DeepSeek-V3.2, GLM-5 with a "shared"
   indexer layer) through vLLM's loader: every parameter written, the indexers where
   vLLM's schedule puts them, every EXL3 linear (the indexer's wq_b included) against the
@@ -283,10 +283,10 @@ def test_dsv3_fixture_as_mha_matches_transformers(tmp_path, monkeypatch, world1)
 
 # A synthetic EXL3 checkpoint of each MoE architecture both ExLlamaV3 1.6.5 and vLLM
 # 0.26 run, written in ExLlamaV3's layout (vllm_exl3.testing.synthetic_checkpoint,
-# names from its architecture files), loaded through vLLM's own model loader, every MoE block checked
-# against the oracle (moe_model_run.py). Bitrates differ between experts and between
-# gate, up and down, so one layer's per-expert rate table is exercised on every
-# architecture.
+# names from its architecture files), loaded through vLLM's own model loader, every
+# MoE block checked against the oracle (moe_model_run.py). Bitrates differ between
+# experts and between gate, up and down, so one layer's per-expert rate table is
+# exercised on every architecture.
 
 # Two decoder layers: one MoE layer at least in every preset (DeepSeek-V3 and GLM-4.5
 # start with a dense one).
