@@ -15,9 +15,9 @@ Weights are random (timing only).
 ExLlamaV3 1.6.5's own MoE block (BlockSparseMLP) is the fourth anchor when ExLlamaV3
 imports: a synthetic checkpoint in its layout (vllm_exl3.testing.synthetic_checkpoint;
 Qwen3-MoE architecture at the shape's dims, one decoder layer per weight copy, written
-once into --exllamav3-work and reused) loaded by its own Config/Model; each call is that block's
-forward on fp16 input, its own router (a 128-expert gate GEMM and top-k, uniform for
-random weights) included. Without ExLlamaV3 the column says why.
+once into --exllamav3-work and reused) loaded by its own Config/Model; each call is that
+block's forward on fp16 input, its own router (a 128-expert gate GEMM and top-k, uniform
+for random weights) included. Without ExLlamaV3 the column says why.
 
     python scripts/bench/bench_moe.py --out bench-results/moe [--bits 4] \
         [--shapes qwen3-30b-a3b] [--tokens 1 16 256] [--exl3-state DIR]

@@ -4,8 +4,8 @@
 """Throughput on a CUDA host where the built wheel (or the offline bundle) is installed:
 a synthetic EXL3 checkpoint at real dims (vllm_exl3.testing.synthetic_checkpoint, preset
 qwen3-8b or qwen3-30b-a3b, 4 bpw, written here on the host) next to the same dims in
-bf16 and as GPTQ int4 group 128 (both load_format="dummy"), vLLM offline generation with fixed
-input/output lengths (ignore_eos) at several concurrencies, the engines one after
+bf16 and as GPTQ int4 group 128 (both load_format="dummy"), vLLM offline generation with
+fixed input/output lengths (ignore_eos) at several concurrencies, the engines one after
 another in one process: output tok/s and TPOT. vLLM's defaults (torch.compile + CUDA
 graphs).
 
