@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -101,10 +102,18 @@ def cold_bf16(gen: torch.Generator, k: int, n: int) -> list[torch.Tensor]:
     ]
 
 
-def cold_layers(gen: torch.Generator, k: int, n: int, bits: float, cb: int) -> list:
-    """Random EXL3 layers [k][n], enough copies that a pass reads trellis from HBM."""
+def cold_layers(
+    gen: torch.Generator,
+    k: int,
+    n: int,
+    bits: float,
+    cb: int,
+    widths: Sequence[int] | None = None,
+) -> list:
+    """Random EXL3 layers [k][n] (one shard, or shards of `widths` summing to n), enough
+    copies that a pass reads trellis from HBM."""
     return [
-        random_layer(gen, k, [n], bits, cb)
+        random_layer(gen, k, list(widths or [n]), bits, cb)
         for _ in range(copies_for(int(k * n * bits / 8)))
     ]
 

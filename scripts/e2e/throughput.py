@@ -2,15 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Throughput on a CUDA host where the built wheel (or the offline bundle) is installed:
-a synthetic EXL3 checkpoint at real dims (vllm_exl3.testing.synthetic_checkpoint, preset
-qwen3-8b or qwen3-30b-a3b, 4 bpw, written here on the host) next to the same dims in
-bf16 and as GPTQ int4 group 128 (both load_format="dummy"), vLLM offline generation with
-fixed input/output lengths (ignore_eos) at several concurrencies, the engines one after
-another in one process: output tok/s and TPOT. vLLM's defaults (torch.compile + CUDA
-graphs).
+a synthetic EXL3 checkpoint at real dims (vllm_exl3.testing.synthetic_checkpoint,
+preset qwen3-8b or qwen3-30b-a3b, 4 bpw, written here on the host) next to the same dims
+in bf16 and as GPTQ int4 group 128 (both load_format="dummy"), vLLM offline generation
+with fixed input/output lengths (ignore_eos) at several concurrencies, the engines one
+after another in one process: output tok/s and TPOT. vLLM's defaults (torch.compile +
+CUDA graphs).
 
 `--write-only` writes the synthetic checkpoint and exits (needs torch, not vLLM): start
-it in the background early so that the measuring run finds it ready.
+it in the background early so that the measuring run finds it ready. The checkpoint is
+always written by a child process, so that no torch thread has run in this one when
+vLLM forks its engine (ensure_checkpoint).
 
 Prints a table; writes throughput.json to --out (default $OUT).
 """
@@ -22,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -85,30 +88,64 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def writer_command(
+    out: Path, preset: str, layers: int | None, bits: float, codebook: str
+) -> list[str]:
+    """The synthetic checkpoint writer as a command of its own (see ensure_checkpoint
+    for why it never runs in this process)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_exl3.testing.synthetic_checkpoint",
+        "--config",
+        preset,
+        "--out",
+        str(out),
+        "--bits",
+        f"{bits:g}",
+        "--codebook",
+        codebook,
+    ]
+    return cmd + (["--layers", str(layers)] if layers is not None else [])
+
+
 def ensure_checkpoint(
     target: Path, preset: str, layers: int | None, bits: float, codebook: str
 ) -> Path:
     """The synthetic checkpoint at `target`: reuse it, wait for a writer already at work
     on it (a background --write-only), or write it (into target.partial, renamed when
-    complete)."""
+    complete).
+
+    The writer runs in a child process: it runs torch ops, which start torch's intra-op
+    worker threads, and vLLM's engine, started later from this process, is forked by
+    default (VLLM_WORKER_MULTIPROC_METHOD=fork); a process forked after those threads
+    ran inherits their locks but not the threads, and the engine hung there in futex
+    waits. So this process runs no torch op of its own before its engines start."""
     partial = target.with_name(target.name + ".partial")
     pidfile = partial / "writer.pid"
     while not target.exists() and pidfile.exists():
-        pid = int(pidfile.read_text() or 0)
-        if not _pid_alive(pid):
-            log(f"stale partial checkpoint (writer {pid} gone): rewriting")
+        # The writing process and its writer child, either of which still works on
+        # it (none listed yet: the file is being written).
+        pids = [int(p) for p in pidfile.read_text().split()]
+        if pids and not any(_pid_alive(p) for p in pids):
+            log(f"stale partial checkpoint (writer {pids} gone): rewriting")
             break
-        log(f"waiting for writer {pid} of {target}")
+        log(f"waiting for writer {pids} of {target}")
         time.sleep(WRITER_POLL_S)
     if target.exists():
         return target
-    from vllm_exl3.testing.synthetic_checkpoint import write_checkpoint
-
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     pidfile.write_text(str(os.getpid()))
     t0 = time.monotonic()
-    write_checkpoint(preset, partial, bits=bits, codebook=codebook, layers=layers)
+    cmd = writer_command(partial, preset, layers, bits, codebook)
+    writer = subprocess.Popen(cmd)
+    pidfile.write_text(f"{os.getpid()} {writer.pid}")
+    if writer.wait():
+        raise RuntimeError(
+            f"throughput: the checkpoint writer exited with {writer.returncode} "
+            f"({' '.join(cmd)}); {partial} is left as it stopped"
+        )
     pidfile.unlink()
     partial.rename(target)
     size = sum(f.stat().st_size for f in target.iterdir())

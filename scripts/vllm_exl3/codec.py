@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The EXL3 codec (format reader and reference decoder) for the checkpoint tools.
+"""The EXL3 codec (format reader and reference decoder), the loader's placement rules
+(tp_rules, layout) and the plan tables' keys (plan_table) for the tools.
 
 The tools read the overlay sources of this repository, not an installed vLLM: the
 overlay `exl3` directory is imported as a private package under its own name, so this
@@ -71,3 +72,5 @@ exl3_format = _submodule("format")
 checkpoint = _submodule("checkpoint")
 reference = _submodule("reference")
 tp_rules = _submodule("tp_rules")
+layout = _submodule("layout")
+plan_table = _submodule("plan_table")

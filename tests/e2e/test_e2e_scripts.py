@@ -13,6 +13,7 @@ import math
 import random
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,6 +240,66 @@ def test_throughput_checkpoint_written_once_and_bf16_twin(tmp_path, monkeypatch)
     assert set(q["modules_in_block_to_quantize"][0]) == set(
         th.GPTQ_ATTENTION + th.GPTQ_DENSE_MLP
     )
+
+
+def test_throughput_writes_the_checkpoint_in_a_child_process(tmp_path):
+    # vLLM forks its engine from the process that asked for the checkpoint; forked after
+    # torch's worker threads had run (the writer's tensor ops), the engine hung. So the
+    # writer runs elsewhere: that process has not even imported torch afterwards.
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        from pathlib import Path
+        from vllm_exl3.e2e import throughput as th
+        target = th.checkpoint_dir(Path({str(tmp_path)!r}), "qwen3-tiny", 2, 4.0, "mcg")
+        th.ensure_checkpoint(target, "qwen3-tiny", 2, 4.0, "mcg")
+        cfg = json.loads((target / "config.json").read_text())
+        print(json.dumps([cfg["num_hidden_layers"], "torch" in sys.modules]))
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert th.json.loads(r.stdout.strip().splitlines()[-1]) == [2, False]
+
+
+def test_throughput_waits_while_the_writer_child_lives(tmp_path, monkeypatch):
+    # writer.pid lists the writing process and its child: a dead parent with a live
+    # child is still at work (waited on, not rewritten over).
+    target = th.checkpoint_dir(tmp_path, "qwen3-tiny", 2, 4.0, "mcg")
+    partial = target.with_name(target.name + ".partial")
+    partial.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import pathlib, sys, time; time.sleep(1); "
+            "pathlib.Path(sys.argv[1]).mkdir(); "
+            "(pathlib.Path(sys.argv[1]) / 'mark').write_text('child')",
+            str(target),
+        ]
+    )
+    (partial / "writer.pid").write_text(f"{dead.pid} {child.pid}")
+    monkeypatch.setattr(th, "WRITER_POLL_S", 0.1)
+    monkeypatch.setattr(
+        th, "writer_command", lambda *a: pytest.fail("rewrote a checkpoint in progress")
+    )
+    assert th.ensure_checkpoint(target, "qwen3-tiny", 2, 4.0, "mcg") == target
+    child.wait()
+    assert (target / "mark").read_text() == "child"
+
+
+def test_throughput_writer_failure_is_an_error(tmp_path, monkeypatch):
+    target = th.checkpoint_dir(tmp_path, "qwen3-tiny", 2, 4.0, "mcg")
+    monkeypatch.setattr(
+        th, "writer_command", lambda *a: [sys.executable, "-c", "raise SystemExit(3)"]
+    )
+    with pytest.raises(RuntimeError, match="checkpoint writer exited with 3"):
+        th.ensure_checkpoint(target, "qwen3-tiny", 2, 4.0, "mcg")
+    assert not target.exists()
 
 
 def test_throughput_moe_preset_is_qwen3_30b_a3b():

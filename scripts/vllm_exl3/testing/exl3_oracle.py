@@ -716,6 +716,7 @@ def log_plans(checkpoint: Path, max_tokens: int, dtype: torch.dtype) -> None:
     from safetensors import safe_open
 
     try:
+        from vllm.model_executor.layers.quantization.exl3 import plan_table
         from vllm.model_executor.layers.quantization.exl3 import plans as overlay_plans
     except ImportError:
         overlay_plans = None
@@ -733,7 +734,7 @@ def log_plans(checkpoint: Path, max_tokens: int, dtype: torch.dtype) -> None:
                 k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
                 bits = trellis.shape[2] / 16
                 if overlay_plans is not None:
-                    key = overlay_plans.layer_key(k, n, bits, cb, 1, dtype)
+                    key = plan_table.layer_key(k, n, bits, cb, 1, dtype)
                     table = overlay_plans.layer_plans(key, device)
                 else:
                     key, table = f"k={k},n={n},bits={bits:g},codebook={cb}", header()

@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 import torch.multiprocessing as mp
-from vllm.model_executor.layers.quantization.exl3 import kernels, ops, plans
+from vllm.model_executor.layers.quantization.exl3 import kernels, ops, plan_table, plans
 from vllm.model_executor.layers.quantization.exl3.env_compat import (
     adopt_deprecated_env_names,
 )
@@ -241,12 +241,12 @@ PLAN = {
     "early_release": 1,
     "spread": 1,
 }
-KEY = plans.layer_key(4096, 12288, 4.0, 1, 3, torch.bfloat16)
+KEY = plan_table.layer_key(4096, 12288, 4.0, 1, 3, torch.bfloat16)
 
 
 def test_layer_key_and_file_name():
     assert KEY == "k=4096,n=12288,bits=4,codebook=1,shards=3,dtype=bfloat16"
-    assert plans.layer_key(256, 512, 2.5, 2, 1, torch.float16).endswith(
+    assert plan_table.layer_key(256, 512, 2.5, 2, 1, torch.float16).endswith(
         "bits=2.5,codebook=2,shards=1,dtype=float16"
     )
     assert plans.config_file_name("NVIDIA_H200") == "device_name=NVIDIA_H200.json"

@@ -75,7 +75,7 @@ class Exl3KernelConfig:
 class Exl3Run:
     """One kernel call of a layer: a run of equal-bitrate shards (layout.py)."""
 
-    key: str  # plans.layer_key
+    key: str  # plan_table.layer_key
     trellis: torch.Tensor
     suh: torch.Tensor
     svh: torch.Tensor

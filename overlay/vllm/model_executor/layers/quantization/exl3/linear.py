@@ -40,7 +40,8 @@ from .layout import (
     plan_lm_head,
     trellis_words,
 )
-from .plans import layer_key, resolve_runs, tune_run, warm_up_layer
+from .plan_table import layer_key
+from .plans import resolve_runs, tune_run, warm_up_layer
 from .tp_rules import round_up
 from .weights import OUT_INDEX, Exl3LayerWeights, LoadLedger, direct_weight_loader
 

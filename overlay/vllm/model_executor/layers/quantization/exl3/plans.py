@@ -8,8 +8,9 @@ with the mode flags (VLLM_EXL3_DETERMINISTIC, vLLM's VLLM_BATCH_INVARIANT) and t
 pins of VLLM_EXL3_PLAN, then one entry per token-count bucket (m rounded up to a power
 of two). The entries come, as fused_moe's tuned configs do, from a checked-in per-device
 JSON table under `configs/` (`device_name=<GPU>.json`, written by
-scripts/bench/tune_plans.py), keyed by the layer's shape; a bucket without an entry is
-planned by the op's deterministic cost model. With VLLM_EXL3_TUNE=1 the load-time
+scripts/bench/tune_plans.py), keyed by the layer's shape (plan_table.py says by which
+fields and why); a bucket without an entry is planned by the op's deterministic cost
+model. With VLLM_EXL3_TUNE=1 the load-time
 warm-up times the candidates instead (never during capture). So the same GPU model and
 shapes give the same plans in every process. The load-time preparation (below) resolves
 every layer's plans, sizes the workspace and warms the layer up.
@@ -29,6 +30,7 @@ from vllm.logger import init_logger
 
 from . import ops
 from .kernels import MAX_WORKSPACE_FLOATS, Exl3Run, workspace_for
+from .plan_table import warmup_m_values
 
 logger = init_logger(__name__)
 
@@ -273,15 +275,6 @@ def config_file_name(device_name: str) -> str:
     return f"device_name={device_name}.json"
 
 
-def layer_key(
-    k: int, n: int, bits: float, codebook: int, shards: int, dtype: torch.dtype
-) -> str:
-    return (
-        f"k={k},n={n},bits={bits:g},codebook={codebook},shards={shards},"
-        f"dtype={str(dtype).removeprefix('torch.')}"
-    )
-
-
 def entry_from_json(bucket: int, plan: dict, where: str) -> list[int]:
     if not isinstance(plan, dict) or set(plan) != set(ENTRY_KEYS):
         raise Exl3PlanError(
@@ -415,16 +408,6 @@ _warmed: set[tuple] = set()
 # Configurations already timed in this process (VLLM_EXL3_TUNE).
 _timed: set[str] = set()
 _logged: set[tuple] = set()
-
-
-def warmup_m_values(max_tokens: int) -> list[int]:
-    """The token-count buckets (powers of two) up to the one covering max_tokens."""
-    values, m = [], 1
-    while True:
-        values.append(m)
-        if m >= max_tokens:
-            return values
-        m *= 2
 
 
 def max_tokens() -> int:
