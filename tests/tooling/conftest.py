@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 from minitree import MINI_SDIST, MadeSeries, make_series, write_tree
-from vllm_exl3.testing.codec_fixtures import (  # noqa: F401 - fixtures for the tests
-    fmt,
-    reconstructed_ppl,
-    ref,
-    val_windows,
-)
+from vllm_exl3.testing import codec_fixtures
+
+# The codec's fixtures, for the tests under this folder.
+fmt = codec_fixtures.fmt
+ref = codec_fixtures.ref
+val_windows = codec_fixtures.val_windows
+reconstructed_ppl = codec_fixtures.reconstructed_ppl
 
 
 @pytest.fixture

@@ -8,14 +8,15 @@ vLLM's per-test `cleanup_dist_env_and_memory` would tear down."""
 from __future__ import annotations
 
 import pytest
-from vllm_exl3.testing.codec_fixtures import (  # noqa: F401 - fixtures for the tests
-    fmt,
-    reconstructed_ppl,
-    ref,
-    val_windows,
-)
+from vllm_exl3.testing import codec_fixtures
 
 from .exl3_harness import FIXTURES, gloo_world
+
+# The codec's fixtures, for the tests under this folder.
+fmt = codec_fixtures.fmt
+ref = codec_fixtures.ref
+val_windows = codec_fixtures.val_windows
+reconstructed_ppl = codec_fixtures.reconstructed_ppl
 
 
 def pytest_configure(config: pytest.Config) -> None:
