@@ -42,8 +42,11 @@ from .format import (
     HADAMARD_SIZE,
     Codebook,
     Exl3ModuleSpec,
+    TensorShape,
+    group_shapes,
     group_spec,
-    group_tensors,
+    round_up,
+    tensor_shapes,
 )
 
 CONFIG_FILE = "config.json"
@@ -127,10 +130,6 @@ def more_problems(n: int) -> str:
     return f"{n} more problem{'s' if n > 1 else ''}"
 
 
-def round_up(x: int, to: int = HADAMARD_SIZE) -> int:
-    return -(-x // to) * to
-
-
 # ---- reading
 # --------------------------------------------------------------------------------
 
@@ -146,13 +145,14 @@ def read_documents(root: str) -> tuple[dict | None, dict | None]:
 
 
 def find_modules(
-    tensors: Mapping[str, TensorEntry],
+    tensors: Mapping[str, TensorShape],
 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
     """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module
-    key, in sorted order (so every reader meets the same first error)."""
+    key, in sorted order (so every reader meets the same first error). `tensors`: name
+    -> (shape, dtype), from the safetensors headers or from tensor_storage."""
     specs: dict[str, Exl3ModuleSpec] = {}
     unsupported: dict[str, str] = {}
-    for prefix, members in group_tensors(tensors).items():
+    for prefix, members in group_shapes(tensors).items():
         if EMBED_SIGNS_SUFFIX in members:
             unsupported[prefix] = (
                 f"{prefix} is a quantized token embedding (trellis + signs, "
@@ -176,7 +176,7 @@ def validate_checkpoint(
         raise Exl3FormatError(f"{root}: not a directory")
     tensors = read_safetensors_index(root)
     config, quant_document = read_documents(root)
-    specs, unsupported = find_modules(tensors)
+    specs, unsupported = find_modules(tensor_shapes(tensors))
     if config is not None:
         problems = config_problems(config, tensors, specs, tied=tied)
         if problems:
@@ -337,7 +337,7 @@ def _dims_problem(
     if implied is None:
         return None
     k, n, keys = implied
-    padded = (round_up(k), round_up(n))
+    padded = (round_up(k, HADAMARD_SIZE), round_up(n, HADAMARD_SIZE))
     if stored == padded or (not exact_padded and stored == (k, n)):
         return None
     return (
