@@ -5,6 +5,7 @@ kernels share, and the first-capable choice both kernel selections make (as vLLM
 `choose_mp_linear_kernel` does: candidates in priority order, each saying why not).
 """
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -16,9 +17,25 @@ from vllm.platforms import current_platform
 MIN_CAPABILITY = 80
 # The activation dtypes the kernels take (their fragments hold fp16 or bf16).
 KERNEL_ACT_DTYPES = (torch.float16, torch.bfloat16)
-# A kernel class: its classmethod `can_implement(config) -> (ok, why not)` is vLLM's
-# MPLinearKernel contract.
-K = TypeVar("K")
+
+
+class Exl3KernelCandidate(ABC):
+    """A kernel class as a selection sees it (vLLM's MPLinearKernel contract): the
+    compute capability it needs, and whether it can run a layer here, why not if not.
+    """
+
+    @classmethod
+    @abstractmethod
+    def get_min_capability(cls) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    @abstractmethod
+    def can_implement(cls, c: Any) -> tuple[bool, str | None]:
+        raise NotImplementedError
+
+
+K = TypeVar("K", bound=Exl3KernelCandidate)
 
 
 def cuda_kernel_unsupported(

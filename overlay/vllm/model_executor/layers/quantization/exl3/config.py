@@ -38,8 +38,8 @@ from .capability import MIN_CAPABILITY
 from .checkpoint import (
     MTP_PREFIX,
     QUANT_CONFIG_FILE,
+    declared_disagreements,
     find_modules,
-    listing,
     storage_claims,
     validate_checkpoint,
 )
@@ -99,7 +99,8 @@ def describe_checkpoint(
     storage: Mapping[str, Any] | None,
     source: str,
 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """Reconcile the safetensors headers (authoritative) with tensor_storage."""
+    """Reconcile the safetensors headers (authoritative) with tensor_storage: where
+    they disagree, the warnings a local checkpoint gets (declared_disagreements)."""
     if not headers:
         if not storage:
             raise ValueError(
@@ -125,40 +126,8 @@ def describe_checkpoint(
             len(specs),
         )
         return specs, unsupported
-    claims = storage_claims(storage)
-    phantom = sorted(k for k in claims if k not in specs)
-    if phantom:
-        logger.warning(
-            "EXL3 checkpoint %s: %s lists %s as EXL3 but the safetensors hold no "
-            "trellis for them; the tensors win (not EXL3)",
-            source,
-            QUANT_CONFIG_FILE,
-            listing(phantom),
-        )
-    for key in sorted(set(claims) & set(specs)):
-        bits, codebook = claims[key]
-        spec = specs[key]
-        if (bits, codebook) != (spec.bits, spec.codebook):
-            logger.warning(
-                "EXL3 %s: %s says %s bits, codebook %s; the tensors say %s bits, "
-                "codebook %s; using the tensors",
-                key,
-                QUANT_CONFIG_FILE,
-                bits,
-                codebook.name,
-                spec.bits,
-                spec.codebook.name,
-            )
-    recovered = sorted(k for k in specs if k not in claims)
-    if recovered:
-        logger.info(
-            "EXL3 checkpoint %s: %d EXL3 modules missing from %s recovered from the "
-            "safetensors headers: %s",
-            source,
-            len(recovered),
-            QUANT_CONFIG_FILE,
-            listing(recovered),
-        )
+    for warning in declared_disagreements(None, {"tensor_storage": storage}, specs):
+        logger.warning("EXL3 checkpoint %s: %s", source, warning)
     return specs, unsupported
 
 

@@ -16,7 +16,7 @@ kernel implements), then, only if some shard keeps part of its window, one gathe
 kept columns.
 """
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,12 @@ import vllm.envs as envs
 from vllm.logger import init_logger
 
 from . import ops, reference
-from .capability import MIN_CAPABILITY, cuda_kernel_unsupported, first_capable
+from .capability import (
+    MIN_CAPABILITY,
+    Exl3KernelCandidate,
+    cuda_kernel_unsupported,
+    first_capable,
+)
 from .layout import Exl3Layout
 from .plans import (
     Exl3Run,
@@ -54,7 +59,7 @@ class Exl3KernelConfig:
         return self.layout.prefix
 
 
-class Exl3Kernel(ABC):
+class Exl3Kernel(Exl3KernelCandidate):
     """One EXL3 linear's kernel: `run_gemm`, the GEMM of one run, is each kernel's
     own; the rest is shared."""
 
@@ -73,16 +78,6 @@ class Exl3Kernel(ABC):
             )
             for run in layout.runs
         ]
-
-    @classmethod
-    @abstractmethod
-    def get_min_capability(cls) -> int:
-        raise NotImplementedError
-
-    @classmethod
-    @abstractmethod
-    def can_implement(cls, c: Exl3KernelConfig) -> tuple[bool, str | None]:
-        raise NotImplementedError
 
     @abstractmethod
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

@@ -69,17 +69,34 @@ def _fused_loader(loader, num_shards: int, one_module: bool):
     return load
 
 
-@register_weight_loader_v2_supported_method
-class Exl3LinearMethod(LinearMethodBase):
-    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order,
-    `ledger` the model's record of loaded tensors (LoadLedger, weights.py)."""
+class Exl3KernelMethod:
+    """What the EXL3 linear and lm_head methods share: the model's record of loaded
+    tensors (`ledger`, LoadLedger, weights.py; a private one when None), the layout and
+    weights their create_weights plans, and, after loading, the kernel `apply` runs."""
 
-    def __init__(self, specs: list[Exl3ModuleSpec], ledger: LoadLedger | None = None):
-        self.specs = specs
+    def __init__(self, ledger: LoadLedger | None):
         self.ledger = ledger if ledger is not None else LoadLedger()
         self.layout: Exl3Layout
         self.weights: Exl3LayerWeights
         self.kernel: Exl3Kernel
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.weights.finish(layer)
+        self.kernel = init_exl3_linear_kernel(self.layout, layer)
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.kernel.apply_weights(layer, x, bias)
+
+
+@register_weight_loader_v2_supported_method
+class Exl3LinearMethod(Exl3KernelMethod, LinearMethodBase):
+    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order."""
+
+    def __init__(self, specs: list[Exl3ModuleSpec], ledger: LoadLedger | None = None):
+        super().__init__(ledger)
+        self.specs = specs
 
     def create_weights(
         self,
@@ -143,13 +160,7 @@ class Exl3LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         check_loaded(self.ledger, layer, ("bias",))
-        self.weights.finish(layer)
-        self.kernel = init_exl3_linear_kernel(self.layout, layer)
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.kernel.apply_weights(layer, x, bias)
+        super().process_weights_after_loading(layer)
 
 
 # `Exl3LMHeadMethod`: an EXL3 `lm_head` as vLLM's ParallelLMHead.
@@ -162,16 +173,13 @@ class Exl3LinearMethod(LinearMethodBase):
 # (layout.plan_lm_head).
 
 
-class Exl3LMHeadMethod(QuantizeMethodBase):
+class Exl3LMHeadMethod(Exl3KernelMethod, QuantizeMethodBase):
     def __init__(
         self, prefix: str, spec: Exl3ModuleSpec, ledger: LoadLedger | None = None
     ):
+        super().__init__(ledger)
         self.prefix = prefix
         self.spec = spec
-        self.ledger = ledger if ledger is not None else LoadLedger()
-        self.layout: Exl3Layout
-        self.weights: Exl3LayerWeights
-        self.kernel: Exl3Kernel
 
     def create_weights(
         self,
@@ -205,15 +213,6 @@ class Exl3LMHeadMethod(QuantizeMethodBase):
             [(input_size_per_partition, layer.org_vocab_size)],
         )
         self.weights.create(layer, direct_weight_loader)
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        self.weights.finish(layer)
-        self.kernel = init_exl3_linear_kernel(self.layout, layer)
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.kernel.apply_weights(layer, x, bias)
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
         raise Exl3LayoutError(
@@ -354,27 +353,14 @@ class Exl3PaddedUnquantizedLinearMethod(UnquantizedLinearMethod):
         self.ledger = ledger if ledger is not None else LoadLedger()
 
     def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
+        self, layer: torch.nn.Module, *args, **extra_weight_attrs
     ) -> None:
+        """vLLM's (its arguments passed on), with the weight's and the bias's loads
+        trimmed of the stored padding and recorded in the ledger."""
         extra_weight_attrs["weight_loader"] = unpadding_loader(
             layer, extra_weight_attrs["weight_loader"], self.ledger
         )
-        super().create_weights(
-            layer,
-            input_size_per_partition,
-            output_partition_sizes,
-            input_size,
-            output_size,
-            params_dtype,
-            **extra_weight_attrs,
-        )
+        super().create_weights(layer, *args, **extra_weight_attrs)
         unpad_bias_loads(layer, self.ledger)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

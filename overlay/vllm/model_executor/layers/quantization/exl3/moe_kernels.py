@@ -15,7 +15,7 @@ bitrates.
 """
 
 import enum
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,12 @@ from vllm.model_executor.layers.fused_moe.moe_align_block_size import (
 )
 
 from . import moe_ops, reference
-from .capability import MIN_CAPABILITY, cuda_kernel_unsupported, first_capable
+from .capability import (
+    MIN_CAPABILITY,
+    Exl3KernelCandidate,
+    cuda_kernel_unsupported,
+    first_capable,
+)
 from .format import TILE, VALID_BITS, Codebook
 from .moe_plans import (
     MOE_THRESHOLDS,
@@ -95,6 +100,18 @@ class Exl3MoEKernelConfig:
     bits: tuple[float, ...]
 
 
+@dataclass(frozen=True)
+class Exl3MoEApplyArgs:
+    """What a call gives besides the tokens, their routing and the weights
+    (Exl3MoEKernel.apply's keywords)."""
+
+    apply_router_weight_on_input: bool
+    expert_map: torch.Tensor | None  # global -> local expert id, -1 on another rank
+    global_num_experts: int
+    codebook: int
+    deterministic: bool
+
+
 def tile_words(k2: int) -> int:
     """int16 words of one 16x16 trellis tile at k2 = 2 * bits."""
     return TILE * k2 // K2_PER_BIT
@@ -113,23 +130,12 @@ def trellis_block(
     return flat[offset : offset + size].view(rows // TILE, cols // TILE, tile_words(k2))
 
 
-class Exl3MoEKernel(ABC):
+class Exl3MoEKernel(Exl3KernelCandidate):
     """One EXL3 MoE layer's routed experts (the kernel classes of Exl3MoEBackend)."""
-
-    @classmethod
-    @abstractmethod
-    def get_min_capability(cls) -> int:
-        raise NotImplementedError
-
-    @classmethod
-    @abstractmethod
-    def can_implement(cls, c: Exl3MoEKernelConfig) -> tuple[bool, str | None]:
-        raise NotImplementedError
 
     def prepare(self, w: "Exl3MoEWeights", act_dtype: torch.dtype) -> None:  # noqa: B027
         """Once, after loading: reserve what apply needs beyond the weights."""
 
-    @abstractmethod
     def apply(
         self,
         x: torch.Tensor,
@@ -147,7 +153,35 @@ class Exl3MoEKernel(ABC):
         """out [M, h] in x.dtype: for each token, the sum over its top-k of routing
         weight * down(SiLU(gate(x)) * up(x)) for the experts local to this rank
         (expert_map: global -> local, -1 = elsewhere, contributes nothing); routed
-        scaling and shared experts are applied by vLLM outside."""
+        scaling and shared experts are applied by vLLM outside. An activation the
+        experts do not run is refused before any weight is read."""
+        why_not = activation_unsupported(activation)
+        if why_not is not None:
+            raise ValueError(f"EXL3 MoE: unsupported {why_not}")
+        return self.run_experts(
+            x,
+            topk_weights,
+            topk_ids,
+            w,
+            Exl3MoEApplyArgs(
+                apply_router_weight_on_input,
+                expert_map,
+                global_num_experts,
+                codebook,
+                deterministic,
+            ),
+        )
+
+    @abstractmethod
+    def run_experts(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        w: Exl3MoEWeights,
+        a: Exl3MoEApplyArgs,
+    ) -> torch.Tensor:
+        """What apply computes, the activation checked."""
         raise NotImplementedError
 
 
@@ -185,33 +219,17 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
     ) -> torch.Tensor:
         return reference.forward(x, trellis, suh, svh, codebook, dtype=torch.float32)
 
-    def apply(
-        self,
-        x,
-        topk_weights,
-        topk_ids,
-        w,
-        *,
-        activation,
-        apply_router_weight_on_input,
-        expert_map,
-        global_num_experts,
-        codebook,
-        deterministic,
-    ):
-        why_not = activation_unsupported(activation)
-        if why_not is not None:
-            raise ValueError(f"EXL3 MoE: unsupported {why_not}")
+    def run_experts(self, x, topk_weights, topk_ids, w, a):
         h, i_p = w.hidden, w.width
         m, top_k = topk_ids.shape
         ids = topk_ids.long()
-        if expert_map is not None:
+        if a.expert_map is not None:
             # Out-of-range global ids (never produced by vLLM's routers) map to no
             # expert.
-            valid = (ids >= 0) & (ids < global_num_experts)
+            valid = (ids >= 0) & (ids < a.global_num_experts)
             ids = torch.where(
                 valid,
-                expert_map.long()[ids.clamp(0, global_num_experts - 1)],
+                a.expert_map.long()[ids.clamp(0, a.global_num_experts - 1)],
                 torch.full_like(ids, -1),
             )
         meta13 = w.w13_meta.cpu().tolist()
@@ -229,7 +247,7 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
                 )
             rows, slots = torch.nonzero(ids == e, as_tuple=True)
             xe = xf[rows]
-            if apply_router_weight_on_input:
+            if a.apply_router_weight_on_input:
                 xe = xe * topk_weights[rows, slots, None].float()
             (g_off, g_k2), (u_off, u_k2) = meta13[e]
             gate = self._project(
@@ -237,14 +255,14 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
                 trellis_block(w.w13_trellis, g_off, g_k2, h, i_p),
                 w.w13_suh[e, GATE],
                 w.w13_svh[e, :i_p],
-                codebook,
+                a.codebook,
             )
             up = self._project(
                 xe,
                 trellis_block(w.w13_trellis, u_off, u_k2, h, i_p),
                 w.w13_suh[e, UP],
                 w.w13_svh[e, i_p:],
-                codebook,
+                a.codebook,
             )
             d_off, d_k2 = meta2[e]
             y = self._project(
@@ -252,9 +270,9 @@ class ReferenceExl3MoEKernel(Exl3MoEKernel):
                 trellis_block(w.w2_trellis, d_off, d_k2, i_p, h),
                 w.w2_suh[e],
                 w.w2_svh[e],
-                codebook,
+                a.codebook,
             )
-            if not apply_router_weight_on_input:
+            if not a.apply_router_weight_on_input:
                 y = y * topk_weights[rows, slots, None].float()
             contributions[rows, slots] = y
         out = contributions[:, 0]
@@ -358,16 +376,13 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
 
     def _reconstructed_forward(
         self,
-        x,
-        topk_weights,
-        topk_ids,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
         w: Exl3MoEWeights,
         rates: tuple[list[int], list[int]],
-        *,
-        apply_router_weight_on_input,
-        expert_map,
-        global_num_experts,
-        codebook,
+        a: Exl3MoEApplyArgs,
+        expert_map: torch.Tensor | None,
     ) -> torch.Tensor:
         """Every local expert reconstructed into the shared scratch (x's dtype), then
         vLLM's own fused MoE on it; the scratch is rewritten by the next layer."""
@@ -378,7 +393,13 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
         w1, w2 = reconstruct_scratch(w, x.dtype)
         moe_ops.exl3_moe_reconstruct(
             moe_ops.Exl3MoEReconstructArgs(
-                w.w13_trellis, w.w13_meta, w.w13_suh, w.w13_svh, rates[0], codebook, w1
+                w.w13_trellis,
+                w.w13_meta,
+                w.w13_suh,
+                w.w13_svh,
+                rates[0],
+                a.codebook,
+                w1,
             )
         )
         moe_ops.exl3_moe_reconstruct(
@@ -388,7 +409,7 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
                 w.w2_suh.unsqueeze(1),
                 w.w2_svh,
                 rates[1],
-                codebook,
+                a.codebook,
                 w2,
             )
         )
@@ -398,8 +419,8 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
             w2,
             topk_weights.float(),
             topk_ids,
-            apply_router_weight_on_input=apply_router_weight_on_input,
-            global_num_experts=global_num_experts,
+            apply_router_weight_on_input=a.apply_router_weight_on_input,
+            global_num_experts=a.global_num_experts,
             expert_map=expert_map,
         )
 
@@ -439,39 +460,18 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
             self._rates[key] = found
         return found
 
-    def apply(
-        self,
-        x,
-        topk_weights,
-        topk_ids,
-        w,
-        *,
-        activation,
-        apply_router_weight_on_input,
-        expert_map,
-        global_num_experts,
-        codebook,
-        deterministic,
-    ):
-        why_not = activation_unsupported(activation)
-        if why_not is not None:
-            raise ValueError(f"EXL3 MoE: unsupported {why_not}")
-        rates13, rates2 = self.rates(w, codebook)
+    def run_experts(self, x, topk_weights, topk_ids, w, a):
+        rates13, rates2 = self.rates(w, a.codebook)
         m, top_k = topk_ids.shape
+        expert_map = a.expert_map
         if expert_map is not None and expert_map.dtype != torch.int32:
             expert_map = expert_map.to(torch.int32)
-        call = self.choose(m, top_k, global_num_experts, w, (rates13, rates2), x.device)
+        call = self.choose(
+            m, top_k, a.global_num_experts, w, (rates13, rates2), x.device
+        )
         if call.path is Exl3MoEPath.RECONSTRUCT:
             return self._reconstructed_forward(
-                x,
-                topk_weights,
-                topk_ids,
-                w,
-                (rates13, rates2),
-                apply_router_weight_on_input=apply_router_weight_on_input,
-                expert_map=expert_map,
-                global_num_experts=global_num_experts,
-                codebook=codebook,
+                x, topk_weights, topk_ids, w, (rates13, rates2), a, expert_map
             )
         if call.path is Exl3MoEPath.PAIRS:
             # The op lays the pairs out itself (its input transform writes the arrays).
@@ -482,7 +482,7 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
             sorted_ids, expert_ids, post_pad = moe_align_block_size(
                 topk_ids,
                 call.block,
-                global_num_experts,
+                a.global_num_experts,
                 expert_map,
                 ignore_invalid_experts=True,
             )
@@ -514,10 +514,10 @@ class CudaExl3MoEKernel(Exl3MoEKernel):
                 call.block,
                 rates13,
                 rates2,
-                global_num_experts,
-                codebook,
-                apply_router_weight_on_input,
-                deterministic,
+                a.global_num_experts,
+                a.codebook,
+                a.apply_router_weight_on_input,
+                a.deterministic,
                 *call.splits,
                 workspace,
                 call.wgmma,
