@@ -17,6 +17,7 @@ bitrates.
 import enum
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +101,7 @@ class Exl3MoEKernelConfig:
     bits: tuple[float, ...]
 
 
-@dataclass(frozen=True)
-class Exl3MoEApplyArgs:
+class Exl3MoEApplyArgs(NamedTuple):
     """What a call gives besides the tokens, their routing and the weights
     (Exl3MoEKernel.apply's keywords)."""
 

@@ -13,10 +13,10 @@ With `sorted_ids`, `expert_ids` and `num_tokens_post_pad` all None the op runs t
 pairs layout instead of vLLM's alignment: row block b (`PAIRS_BLOCK_SIZE` rows) serves
 routed pair b = token * top_k + k alone, its expert topk_ids.flat[b] (through
 expert_map), and the input transform writes those arrays itself, so the alignment's
-launches go (the few-token path; moe_kernels.py `uses_pairs` decides).
+launches go (the few-token path; moe_plans.py `select_moe_path` decides).
 
 `gate_up_splits` / `down_splits` cut the two grouped GEMMs' k (the caller's rule,
-moe_kernels.py `moe_splits`); their fp32 partial sums go to `workspace`
+moe_plans.py `moe_splits`); their fp32 partial sums go to `workspace`
 (`split_workspace_floats` elements, None when both are 1) and are summed in a fixed
 order by the SwiGLU transform and the combine.
 

@@ -25,6 +25,7 @@ fix a choice through `Exl3MoEOverrides`, which vLLM's layers never set.
 import enum
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -107,8 +108,7 @@ class Exl3MoEOverrides:
 NO_OVERRIDES = Exl3MoEOverrides()
 
 
-@dataclass(frozen=True)
-class Exl3MoECallShape:
+class Exl3MoECallShape(NamedTuple):
     """What the rules read of one call: host-known shapes, never the routing."""
 
     tokens: int
@@ -121,8 +121,7 @@ class Exl3MoECallShape:
     k2s: tuple[int, int]
 
 
-@dataclass(frozen=True)
-class Exl3MoECall:
+class Exl3MoECall(NamedTuple):
     """What one call runs. block, splits and wgmma are the op's arguments (PAIRS and
     ALIGNED; RECONSTRUCT runs no grouped GEMM and leaves them at 0, (1, 1), auto)."""
 

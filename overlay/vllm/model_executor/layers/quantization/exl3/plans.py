@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import vllm.envs as envs
@@ -61,8 +62,7 @@ class Exl3PlanError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class Exl3Run:
+class Exl3Run(NamedTuple):
     """One `_C::exl3_linear` call of a layer: a run of equal-bitrate shards
     (layout.KernelRun), its tensors viewed in the layer's parameters."""
 
