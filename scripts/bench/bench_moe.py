@@ -95,24 +95,31 @@ def exl3_variant(
     force_wgmma=None,
     force_pairs=None,
 ):
-    """reconstruct=False: the grouped GEMM at every size (the op's path below
-    RECONSTRUCT_MIN_ROWS_PER_EXPERT); True: the large-batch path at every size (every
-    local expert reconstructed into the shared scratch, then vLLM's fused_experts), so
-    the two rows place the threshold. force_splits: the grouped GEMMs' k-splits
-    (gate/up, down) at the decode tiers instead of the few-token rule's
-    (moe_kernels.moe_splits): (1, 1) is the unsplit kernel, so the rows exl3 and
-    exl3_unsplit measure the rule. force_wgmma: the grouped GEMMs' engine instead of
-    the op's choice (wgmma on Hopper for the 64- and 128-row blocks): False is mma.sync
-    everywhere, so the rows exl3 and exl3_mma measure the wgmma engine. force_pairs:
-    the row layout instead of the few-token rule's (moe_kernels.pairs_layout): False is
-    vLLM's alignment at every size, so the rows exl3 and exl3_aligned measure the pairs
-    layout where the rule takes it; True is the pairs layout at every size (row
-    exl3_pairs), which places the rule's limit."""
+    """The kernel class with its choices fixed as asked (moe_plans.Exl3MoEOverrides).
+
+    reconstruct=False: the grouped GEMM at every size (the op's path below the
+    reconstruct threshold, Exl3MoEThresholds.reconstruct_min_rows_per_expert); True:
+    the large-batch path at every size (every local expert reconstructed into the
+    shared scratch, then vLLM's fused_experts), so the two rows place the threshold.
+    force_splits: the grouped GEMMs' k-splits (gate/up, down) at the decode tiers
+    instead of the few-token rule's (moe_plans.moe_splits): (1, 1) is the unsplit
+    kernel, so the rows exl3 and exl3_unsplit measure the rule. force_wgmma: the
+    grouped GEMMs' engine instead of the op's choice (wgmma on Hopper for the 64- and
+    128-row blocks): False is mma.sync everywhere, so the rows exl3 and exl3_mma
+    measure the wgmma engine. force_pairs: the row layout instead of the few-token
+    rule's (moe_plans.pairs_layout): False is vLLM's alignment at every size, so the
+    rows exl3 and exl3_aligned measure the pairs layout where the rule takes it; True
+    is the pairs layout at every size (row exl3_pairs), which places the rule's
+    limit."""
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
         CudaExl3MoEKernel,
         Exl3MoEWeights,
         reconstruct_scratch_bytes,
         reserve_reconstruct_scratch,
+    )
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        Exl3MoEOverrides,
+        Exl3MoEPath,
     )
 
     expert_bytes = int(3 * h * i * bits / 8)
@@ -120,10 +127,15 @@ def exl3_variant(
         ml.random_moe_layer(gen, e, h, i, [bits], codebook, gap=False)
         for _ in range(copies_for(expert_bytes, top_k))
     ]
-    kernel = CudaExl3MoEKernel()
-    kernel.force_splits = force_splits
-    kernel.force_wgmma = force_wgmma
-    kernel.force_pairs = force_pairs
+    if reconstruct:
+        path = Exl3MoEPath.RECONSTRUCT
+    elif force_pairs is None:
+        path = None
+    else:
+        path = Exl3MoEPath.PAIRS if force_pairs else Exl3MoEPath.ALIGNED
+    kernel = CudaExl3MoEKernel(
+        Exl3MoEOverrides(path=path, splits=force_splits, wgmma=force_wgmma)
+    )
     weights = [
         Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
         for lay in layers
@@ -134,7 +146,6 @@ def exl3_variant(
             weights[0].w13_trellis.device,
             reconstruct_scratch_bytes(weights[0], torch.bfloat16),
         )
-        kernel.reconstruct_min_rows = 0
 
     def call(x, w, ids, j):
         return kernel.apply(

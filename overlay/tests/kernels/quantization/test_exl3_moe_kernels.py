@@ -25,6 +25,7 @@ weight gives O(1) errors.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import re
@@ -776,6 +777,10 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
             CudaExl3MoEKernel,
             Exl3MoEWeights,
         )
+        from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+            Exl3MoEOverrides,
+            block_size,
+        )
 
         align = "vllm.model_executor.layers.fused_moe.moe_align_block_size"
         if importlib.util.find_spec(align) is None:
@@ -784,7 +789,6 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
         pytest.skip(f"vLLM with the EXL3 overlay is not importable: {e}")
     layer = ml.random_moe_layer(gen, 16, 256, 256, [2, 3.5, 4], 2)
     weights = Exl3MoEWeights(*layer.tensors(), num_experts=16, hidden=256, width=256)
-    kernel = CudaExl3MoEKernel()
     emap = torch.arange(16, dtype=torch.int32, device="cuda")
     for m, force in (
         (1, None),
@@ -794,7 +798,7 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
         (7, None),
         (600, None),
     ):
-        kernel.force_splits = force
+        kernel = CudaExl3MoEKernel(Exl3MoEOverrides(splits=force))
         for det, expert_map in ((True, None), (False, emap)):
             x = activations(gen, m, 256, torch.float16)
             w, ids = ml.random_routing(gen, m, 4, 16)
@@ -814,12 +818,11 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
             )
             check(y, ref, m=m, det=det, force=force)
     # The engine override at a 64-row block (200 x 4 routed rows over 16 experts).
-    kernel.force_splits = None
     for force_wgmma in (False, True) if WGMMA_DEVICE else (False,):
-        kernel.force_wgmma = force_wgmma
+        kernel = CudaExl3MoEKernel(Exl3MoEOverrides(wgmma=force_wgmma))
         x = activations(gen, 200, 256, torch.float16)
         w, ids = ml.random_routing(gen, 200, 4, 16)
-        assert kernel.block_size(200, 4, 16) == 64
+        assert block_size(200, 4, 16) == 64
         vk.poison_next((200, 256), torch.float16)
         y = kernel.apply(
             x,
@@ -838,15 +841,15 @@ def test_through_the_kernel_class_and_vllm_alignment(gen: torch.Generator) -> No
 
 # The pairs layout (few tokens): no alignment passed, each routed pair in a 16-row block
 # of its own that the op's input transform lays out (exl3_moe.h MoePairsLayout). Forced
-# here at every size the tests use; the kernel class's rule (moe_kernels.pairs_layout)
+# here at every size the tests use; the kernel class's rule (moe_plans.pairs_layout)
 # takes it up to an eighth of a routed pair per expert. Same GEMMs, transforms and
 # combine as the aligned layout, so at 16-row blocks in deterministic mode the two give
 # the same bits (pairs_equal_aligned).
 
 
 def pairs_limit(experts: int, top_k: int) -> int:
-    """The rule's largest token count (moe_kernels.PAIRS_MAX_PAIRS_PER_EXPERT = 1/8),
-    at least 1."""
+    """The rule's largest token count (moe_plans.Exl3MoEThresholds
+    .pairs_max_pairs_per_expert = 1/8), at least 1."""
     return max(1, experts // 8 // top_k)
 
 
@@ -1169,12 +1172,16 @@ def test_pairs_a_launched_rate_no_expert_has(
 
 
 def pairs_kernel_class(layer: ml.MoeLayer):
-    """CudaExl3MoEKernel and the layer's weights; skips without vLLM (with the overlay)
-    importable."""
+    """A maker of CudaExl3MoEKernel with the row layout and the splits fixed (None: the
+    rule), and the layer's weights; skips without vLLM (with the overlay) importable."""
     try:
         from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
             CudaExl3MoEKernel,
             Exl3MoEWeights,
+        )
+        from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+            Exl3MoEOverrides,
+            Exl3MoEPath,
         )
 
         align = "vllm.model_executor.layers.fused_moe.moe_align_block_size"
@@ -1188,24 +1195,33 @@ def pairs_kernel_class(layer: ml.MoeLayer):
         hidden=layer.hidden,
         width=layer.width,
     )
-    return CudaExl3MoEKernel(), weights
+
+    def make(
+        pairs: bool | None, splits: tuple[int, int] | None = None
+    ) -> CudaExl3MoEKernel:
+        """pairs: True the pairs layout, False vLLM's alignment, None the rule."""
+        layout = {None: None, True: Exl3MoEPath.PAIRS, False: Exl3MoEPath.ALIGNED}
+        return CudaExl3MoEKernel(Exl3MoEOverrides(path=layout[pairs], splits=splits))
+
+    return make, weights
 
 
 def test_pairs_through_the_kernel_class(gen: torch.Generator) -> None:
     """CudaExl3MoEKernel.apply: the rule (pairs up to an eighth of a routed pair per
-    expert), force_pairs either way, with and without an expert_map, split and not;
-    against the float64 oracle."""
+    expert), the layout overridden either way, with and without an expert_map, split
+    and not; against the float64 oracle."""
     global_experts, local = 64, 32
     layer = ml.random_moe_layer(gen, local, 256, 256, [2, 3.5, 4], 2)
-    kernel, weights = pairs_kernel_class(layer)
+    make, weights = pairs_kernel_class(layer)
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import pairs_layout
+
     emap = torch.full((global_experts,), -1, dtype=torch.int32)
     emap[1::2] = torch.arange(local, dtype=torch.int32)
     emap = emap.cuda()
-    assert kernel.uses_pairs(1, 8, 64) and not kernel.uses_pairs(2, 8, 64)
+    assert pairs_layout(1, 8, 64) and not pairs_layout(2, 8, 64)
     for force in (None, True, False):
-        kernel.force_pairs = force
         for m, split in ((1, None), (2, (2, 2)), (3, None), (9, None)):
-            kernel.force_splits = split
+            kernel = make(force, split)
             for det, expert_map in ((True, None), (False, emap)):
                 ge = global_experts if expert_map is not None else local
                 x = activations(gen, m, 256, torch.float16)
@@ -1230,20 +1246,21 @@ def test_pairs_through_the_kernel_class(gen: torch.Generator) -> None:
 def test_pairs_layout_launches_no_alignment(gen: torch.Generator) -> None:
     """Which kernels a call launches (torch.profiler): the pairs layout only the op's
     own (input transform, a GEMM per rate and stage, SwiGLU transform, combine), none
-    of vLLM's alignment; the aligned layout (force_pairs=False) launches the
-    alignment, so the check can fail."""
+    of vLLM's alignment; the aligned layout (overridden) launches the alignment, so
+    the check can fail."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     layer = ml.random_moe_layer(gen, 128, 256, 256, [2, 4], 1)
-    kernel, weights = pairs_kernel_class(layer)
-    kernel.force_splits = (1, 1)
+    make, weights = pairs_kernel_class(layer)
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import pairs_layout
+
     m, top_k = 1, 8
     x = activations(gen, m, 256, torch.bfloat16)
     w, ids = ml.random_routing(gen, m, top_k, 128)
 
     def names(force: bool | None) -> list[str]:
-        kernel.force_pairs = force
+        kernel = make(force, (1, 1))
 
         def call() -> torch.Tensor:
             return kernel.apply(
@@ -1267,8 +1284,7 @@ def test_pairs_layout_launches_no_alignment(gen: torch.Generator) -> None:
         check(y, ml.reference_moe(x, w, ids, layer, None, 128), force=force)
         return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
 
-    kernel.force_pairs = None
-    assert kernel.uses_pairs(m, top_k, 128)  # the rule: 8 pairs of 128 experts
+    assert pairs_layout(m, top_k, 128)  # the rule: 8 pairs of 128 experts
     rates13, rates2 = layer.k2s
     expected = 3 + len(rates13) + len(rates2)
     for force in (None, True):
@@ -1382,6 +1398,10 @@ def large_batch_kernel(layer: ml.MoeLayer):
             CudaExl3MoEKernel,
             Exl3MoEWeights,
         )
+        from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+            Exl3MoEOverrides,
+            Exl3MoEPath,
+        )
     except ImportError as e:
         pytest.skip(f"vLLM with the EXL3 overlay is not importable: {e}")
     weights = Exl3MoEWeights(
@@ -1390,10 +1410,9 @@ def large_batch_kernel(layer: ml.MoeLayer):
         hidden=layer.hidden,
         width=layer.width,
     )
-    kernel = CudaExl3MoEKernel()
+    kernel = CudaExl3MoEKernel(Exl3MoEOverrides(path=Exl3MoEPath.RECONSTRUCT))
     kernel.prepare(weights, torch.bfloat16)
-    assert kernel.reconstruct_min_rows is not None, "the scratch was not reserved"
-    kernel.reconstruct_min_rows = 0
+    assert kernel.reconstruct_ready, "the scratch was not reserved"
     return kernel, weights
 
 
@@ -1448,9 +1467,23 @@ def test_large_batch_path(gen: torch.Generator) -> None:
                 deterministic=True,
             )
             assert torch.equal(y.view(torch.int16), again.view(torch.int16)), m
-    kernel.reconstruct_min_rows = 16
-    assert not kernel.uses_reconstruct(63, 4, 16)
-    assert kernel.uses_reconstruct(64, 4, 16)
+    # Not forced, the path is taken from the rows-per-expert threshold (16 here) on.
+    from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+        CudaExl3MoEKernel,
+    )
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        MOE_THRESHOLDS,
+        Exl3MoEPath,
+    )
+
+    sixteen = dataclasses.replace(MOE_THRESHOLDS, reconstruct_min_rows_per_expert=16)
+    ruled = CudaExl3MoEKernel(thresholds=sixteen)
+    ruled.prepare(weights, torch.bfloat16)
+    rates = ruled.rates(weights, 1)
+    cuda = torch.device("cuda")
+    path = Exl3MoEPath.RECONSTRUCT
+    assert ruled.choose(63, 4, 16, weights, rates, cuda).path is not path
+    assert ruled.choose(64, 4, 16, weights, rates, cuda).path is path
 
 
 def test_sanitizer_sample(gen: torch.Generator) -> None:

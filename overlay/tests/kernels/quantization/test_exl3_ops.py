@@ -49,7 +49,7 @@ M_VALUES = [1, 16, 100, 1000]
 TOLERANCE = {torch.float16: (2e-3, 1e-2), torch.bfloat16: (5e-3, 6e-2)}
 
 
-def linear_args(x, layer, bias):
+def linear_args(x, layer, bias) -> ops.Exl3LinearArgs:
     """The arguments of `_C::exl3_linear` (and `ops.exl3_linear`) in schema order:
     no plan table entries (the op's cost model plans every m) and a zeroed workspace
     large enough for split-k at every m tested."""
@@ -57,7 +57,7 @@ def linear_args(x, layer, bias):
     workspace = torch.zeros(
         max(M_VALUES) * sum(layer["widths"]), dtype=torch.float32, device=x.device
     )
-    return (
+    return ops.Exl3LinearArgs(
         x,
         layer["trellis"],
         layer["suh"],
@@ -181,7 +181,7 @@ def test_exl3_linear_opcheck(device, bits, codebook, k, widths, dtype):
     for b in (None, bias):
         opcheck(
             torch.ops._C.exl3_linear.default,
-            linear_args(x, layer, b),
+            tuple(linear_args(x, layer, b)),
             test_utils=utils,
         )
 
@@ -203,7 +203,7 @@ def test_exl3_fakes(device):
             for k, v in layer.items()
         }
         x = torch.empty(7, 512, dtype=torch.bfloat16, device=device)
-        y = ops.exl3_linear(*linear_args(x, fake, None))
+        y = ops.exl3_linear(linear_args(x, fake, None))
         w_hat = ops.exl3_reconstruct(fake["trellis"], int(Codebook.MCG))
     assert (tuple(y.shape), y.dtype) == ((7, 512), torch.bfloat16)
     assert (tuple(w_hat.shape), w_hat.dtype) == ((512, 512), torch.float16)
@@ -246,7 +246,7 @@ def test_exl3_linear_matches_reference(device, bits, codebook, k, widths, dtype)
         # block of that size there, so a tile the kernel fails to write cannot pass.
         poison = torch.full((m, sum(widths)), math.nan, dtype=dtype, device=device)
         del poison
-        y = ops.exl3_linear(*linear_args(x, layer, b))
+        y = ops.exl3_linear(linear_args(x, layer, b))
         ref = reference.forward(
             x,
             layer["trellis"],

@@ -29,7 +29,8 @@ from vllm.distributed import (
     initialize_model_parallel,
 )
 from vllm.model_executor.layers.quantization.exl3 import reference
-from vllm.model_executor.layers.quantization.exl3.config import Exl3Config, find_modules
+from vllm.model_executor.layers.quantization.exl3.checkpoint import find_modules
+from vllm.model_executor.layers.quantization.exl3.config import Exl3Config
 from vllm.model_executor.layers.quantization.exl3.format import module_spec
 from vllm_exl3.testing.fixtures import QWEN3_TINY as FIXTURES
 

@@ -18,27 +18,30 @@ import pickle
 import pytest
 import torch
 from vllm.model_executor.layers.quantization.exl3 import ops
-from vllm.model_executor.layers.quantization.exl3.config import (
-    Exl3Config,
-    ModuleNameResolver,
-    shard_names,
-    strip_wrappers,
-)
+from vllm.model_executor.layers.quantization.exl3.config import Exl3Config
 from vllm.model_executor.layers.quantization.exl3.env_compat import (
     adopt_deprecated_env_names,
 )
-from vllm.model_executor.layers.quantization.exl3.format import Codebook, Exl3ModuleSpec
+from vllm.model_executor.layers.quantization.exl3.format import (
+    Codebook,
+    Exl3ModuleSpec,
+    round_up,
+)
 from vllm.model_executor.layers.quantization.exl3.kernels import (
     Exl3KernelConfig,
     ReferenceExl3Kernel,
-    choose_exl3_kernel,
+    choose_exl3_linear_kernel,
 )
 from vllm.model_executor.layers.quantization.exl3.layout import (
     Exl3LayoutError,
     Split,
     plan_linear,
     plan_lm_head,
-    round_up,
+)
+from vllm.model_executor.layers.quantization.exl3.names import (
+    ModuleNameResolver,
+    shard_names,
+    strip_wrappers,
 )
 from vllm.model_executor.models.utils import WeightsMapper
 
@@ -52,6 +55,7 @@ from .exl3_harness import (
 )
 
 CONFIG_LOGGER = "vllm.model_executor.layers.quantization.exl3.config"
+NAMES_LOGGER = "vllm.model_executor.layers.quantization.exl3.names"
 LAYERS, LINEARS_PER_LAYER = 4, 7
 
 
@@ -319,7 +323,7 @@ def test_debug_names_logs_hits_and_misses(monkeypatch):
         def emit(self, record):
             messages.append(record.getMessage())
 
-    logger = logging.getLogger(CONFIG_LOGGER)
+    logger = logging.getLogger(NAMES_LOGGER)
     handler = Capture()
     logger.addHandler(handler)
     try:
@@ -359,29 +363,38 @@ def test_config_adopts_deprecated_names_into_vllm_envs(monkeypatch):
     monkeypatch.delenv("VLLM_EXL3_DEBUG_NAMES")
 
 
-def test_reference_kernel_on_cpu():
-    kernel = choose_exl3_kernel(
-        Exl3KernelConfig("l", torch.device("cpu"), torch.bfloat16)
+def kernel_config(device: str) -> Exl3KernelConfig:
+    """A one-shard 128 x 128 layer whose weights are on `device`."""
+    layout = plan_linear(
+        "l",
+        [spec("l", 128, 128)],
+        split=Split.NONE,
+        tp_rank=0,
+        tp_size=1,
+        k_width=128,
+        widths=[128],
     )
-    assert isinstance(kernel, ReferenceExl3Kernel)
+    return Exl3KernelConfig(layout, torch.device(device), torch.bfloat16)
+
+
+def test_reference_kernel_on_cpu():
+    assert choose_exl3_linear_kernel(kernel_config("cpu")) is ReferenceExl3Kernel
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the GPU-less refusal")
 def test_no_kernel_for_cuda_weights_without_the_op():
     with pytest.raises(
         ValueError,
-        match=r"CudaExl3Kernel: needs compute capability 80.*"
+        match=r"l: no kernel can run this layer: "
+        r"CudaExl3Kernel: needs compute capability 80.*"
         r"ReferenceExl3Kernel: weights are on cuda",
     ):
-        choose_exl3_kernel(Exl3KernelConfig("l", torch.device("cuda"), torch.bfloat16))
+        choose_exl3_linear_kernel(kernel_config("cuda"))
 
 
 def test_force_reference(monkeypatch):
     monkeypatch.setenv("VLLM_EXL3_FORCE_REFERENCE", "1")
-    kernel = choose_exl3_kernel(
-        Exl3KernelConfig("l", torch.device("cuda"), torch.bfloat16)
-    )
-    assert isinstance(kernel, ReferenceExl3Kernel)
+    assert choose_exl3_linear_kernel(kernel_config("cuda")) is ReferenceExl3Kernel
 
 
 @pytest.mark.skipif(

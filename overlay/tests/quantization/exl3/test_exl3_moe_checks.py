@@ -17,7 +17,7 @@ are checked here too.
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -303,45 +303,19 @@ def _main(_: int) -> None:
     w = _layer(4, 128, 128, 2)
     ref = ReferenceExl3MoEKernel()
 
-    def stand_in(
-        x,
-        topk_weights,
-        topk_ids,
-        sorted_ids,
-        expert_ids,
-        post_pad,
-        expert_map,
-        w13_trellis,
-        w13_meta,
-        w13_suh,
-        w13_svh,
-        w2_trellis,
-        w2_meta,
-        w2_suh,
-        w2_svh,
-        block_size,
-        w13_k2s,
-        w2_k2s,
-        global_num_experts,
-        codebook,
-        on_input,
-        det,
-        gate_up_splits,
-        down_splits,
-        workspace,
-        wgmma,
-    ):
+    def stand_in(*args):
+        a = moe_ops.Exl3MoEArgs(*args)
         return ref.apply(
-            x,
-            topk_weights,
-            topk_ids,
+            a.x,
+            a.topk_weights,
+            a.topk_ids,
             w,
             activation="silu",
-            apply_router_weight_on_input=on_input,
-            expert_map=expert_map,
-            global_num_experts=global_num_experts,
-            codebook=codebook,
-            deterministic=det,
+            apply_router_weight_on_input=a.apply_router_weight_on_input,
+            expert_map=a.expert_map,
+            global_num_experts=a.global_num_experts,
+            codebook=a.codebook,
+            deterministic=a.deterministic,
         )
 
     lib = torch.library.Library("_C", "FRAGMENT")
@@ -352,11 +326,11 @@ def _main(_: int) -> None:
     lib.impl("exl3_moe", stand_in, "CPU")
     assert moe_ops.load_exl3_moe_op() == (True, None)
 
-    # The fake and the wrapper take the schema's arguments, by name and in order.
+    # The one argument list the fake and the wrapper take is the schema's, by name and
+    # in order.
     names = re.findall(r"(?:Tensor\??|int\[\]|int|bool) (\w+)", schema)
     assert names[-4:] == ["gate_up_splits", "down_splits", "workspace", "wgmma"], names
-    for fn in (moe_ops.exl3_moe_fake, moe_ops.exl3_moe):
-        assert list(inspect.signature(fn).parameters) == names, fn.__name__
+    assert list(moe_ops.Exl3MoEArgs._fields) == names
 
     m, top_k = 5, 2
     x = torch.randn(m, 128).to(torch.bfloat16)
@@ -412,7 +386,9 @@ def _main(_: int) -> None:
         assert out.shape == (7, 128) and out.dtype == torch.float16
 
     compiled = torch.compile(
-        lambda t: moe_ops.exl3_moe(t, *args), backend="aot_eager", fullgraph=True
+        lambda t: moe_ops.exl3_moe(moe_ops.Exl3MoEArgs(t, *args)),
+        backend="aot_eager",
+        fullgraph=True,
     )
     y = compiled(x)
     assert y.shape == (m, 128) and y.dtype == torch.bfloat16
@@ -431,7 +407,9 @@ def _main(_: int) -> None:
     assert torch.equal(y, expected)
     pairs_args = (*args[:2], None, None, None, *args[5:])
     compiled = torch.compile(
-        lambda t: moe_ops.exl3_moe(t, *pairs_args), backend="aot_eager", fullgraph=True
+        lambda t: moe_ops.exl3_moe(moe_ops.Exl3MoEArgs(t, *pairs_args)),
+        backend="aot_eager",
+        fullgraph=True,
     )
     assert torch.equal(compiled(x), expected)
 
@@ -463,12 +441,10 @@ def test_rate_table_checks_name_the_entry() -> None:
 
 
 def test_block_size_rule() -> None:
-    from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
-        CudaExl3MoEKernel,
-    )
     from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import block_size
 
-    rule = CudaExl3MoEKernel.block_size
+    rule = block_size
     assert rule(1, 8, 128) == BLOCK_SIZES[0]  # decode: a 16-row block per routed pair
     assert rule(256, 8, 128) == 16
     assert rule(257, 8, 128) == 32
@@ -485,22 +461,81 @@ def test_reconstruct_op_schema_matches_the_fake_and_wrapper() -> None:
         schema.startswith(moe_ops.RECONSTRUCT_OP + "(") and "Tensor(a!) out" in schema
     )
     names = re.findall(r"(?:Tensor(?:\(a!\))?|int\[\]|int|bool) (\w+)", schema)
-    for fn in (moe_ops.exl3_moe_reconstruct_fake, moe_ops.exl3_moe_reconstruct):
-        assert list(inspect.signature(fn).parameters) == names
+    assert list(moe_ops.Exl3MoEReconstructArgs._fields) == names
+
+
+# The per-call choice (moe_plans.py) on GLM-4.5-Air's MoE layer: hidden 4096, expert
+# width 1408, 128 experts, all local, 4 bits.
+
+
+def glm_shape(tokens: int, top_k: int = 8, experts: int = 128):
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        Exl3MoECallShape,
+    )
+
+    return Exl3MoECallShape(tokens, top_k, experts, experts, 4096, 1408, (8, 8))
+
+
+def path_of(tokens: int, top_k: int, experts: int, **kwargs):
+    """moe_plans.select_moe_path for `tokens` x top-k over `experts` experts."""
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        select_moe_path,
+    )
+
+    return select_moe_path(glm_shape(tokens, top_k, experts), **kwargs)
+
+
+def glm_call(kernel, tokens: int):
+    """What the CUDA kernel class `kernel` runs for `tokens` x top-8 (its choice reads
+    only the layer's dimensions, so the tensors are empty CPU ones)."""
+    from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
+        Exl3MoEWeights,
+    )
+
+    none = torch.empty(0)
+    w = Exl3MoEWeights(*[none] * 8, num_experts=128, hidden=4096, width=1408)
+    return kernel.choose(tokens, 8, 128, w, ([8], [8]), torch.device("cpu"))
+
+
+@pytest.fixture
+def h200_on_cpu():
+    """The split rule's device for CPU tensors: an H200's SMs and shared memory."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_plans
+
+    cpu = torch.device("cpu")
+    moe_plans._split_devices[cpu] = moe_plans.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
+    yield
+    moe_plans._split_devices.pop(cpu, None)
 
 
 def test_large_batch_rule_and_shared_scratch() -> None:
     """The rows-per-expert rule, and the scratch views: w1 [E, 2i, h] and w2 [E, h, i]
     side by side in one buffer, refused (named) when the layer was not reserved for."""
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        MOE_THRESHOLDS,
+        Exl3MoEPath,
+    )
 
-    kernel = mk.CudaExl3MoEKernel()
-    assert not kernel.uses_reconstruct(1 << 20, 8, 128)  # prepare() not run: never
-    kernel.reconstruct_min_rows = mk.RECONSTRUCT_MIN_ROWS_PER_EXPERT
-    rows = mk.RECONSTRUCT_MIN_ROWS_PER_EXPERT
-    assert not kernel.uses_reconstruct(rows * 16 - 1, 8, 128)
-    assert kernel.uses_reconstruct(rows * 16, 8, 128)
-    assert 0 < mk.RECONSTRUCT_SCRATCH_MAX_FRACTION < 1
+    # Not until prepare() reserved the scratch for the layer: never.
+    assert not mk.CudaExl3MoEKernel().reconstruct_ready
+    assert path_of(1 << 20, 8, 128, reconstruct_ready=False) is Exl3MoEPath.ALIGNED
+    rows = MOE_THRESHOLDS.reconstruct_min_rows_per_expert
+    assert path_of(rows * 16 - 1, 8, 128, reconstruct_ready=True) is not (
+        Exl3MoEPath.RECONSTRUCT
+    )
+    assert path_of(rows * 16, 8, 128, reconstruct_ready=True) is (
+        Exl3MoEPath.RECONSTRUCT
+    )
+    # Another threshold, passed as data: 16 rows per expert.
+    sixteen = dataclasses.replace(MOE_THRESHOLDS, reconstruct_min_rows_per_expert=16)
+    assert path_of(63, 4, 16, reconstruct_ready=True, thresholds=sixteen) is not (
+        Exl3MoEPath.RECONSTRUCT
+    )
+    assert path_of(64, 4, 16, reconstruct_ready=True, thresholds=sixteen) is (
+        Exl3MoEPath.RECONSTRUCT
+    )
+    assert 0 < MOE_THRESHOLDS.reconstruct_scratch_max_fraction < 1
 
     w = _layer(3, 128, 256, 3)
     cpu = torch.device("cpu")
@@ -525,7 +560,7 @@ def test_large_batch_rule_and_shared_scratch() -> None:
         mk._reconstruct_scratch.pop(cpu, None)
 
 
-# The few-token split rule (moe_kernels.moe_splits) at the four bench shapes
+# The few-token split rule (moe_plans.moe_splits) at the four bench shapes
 # (scripts/bench/bench_moe.py SHAPES: hidden, expert width, experts, top-k), on an
 # H200 (132 SMs, 228 KB of shared memory per SM), 4 bits.
 BENCH_SHAPES = {
@@ -550,16 +585,17 @@ def test_split_rule_at_the_bench_shapes() -> None:
     its down k (22 stages) and all of Qwen3-30B-A3B's (32 and 12) are too short to
     split. From 2 tokens (about 16 of 128 experts reached) the blocks fill more than
     half the slots and nothing is split."""
-    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3 import moe_plans as mk
     from vllm.model_executor.layers.quantization.exl3.moe_ops import (
         GATE_UP_ROLES,
         STAGE_K,
     )
 
     dev = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
+    least = mk.MOE_THRESHOLDS.split_min_stages
     for name, (h, i, e, top_k) in BENCH_SHAPES.items():
         for tokens in (1, 2, 4, 8, 16, 64, 256):
-            block = mk.CudaExl3MoEKernel.block_size(tokens, top_k, e)
+            block = mk.block_size(tokens, top_k, e)
             got = mk.moe_splits(tokens, top_k, e, e, h, i, block, (8, 8), dev)
             assert got == SPLITS_AT[name].get(tokens, (1, 1)), (name, tokens, got)
             # Never past one wave of resident slots, never below the stages a split
@@ -570,7 +606,7 @@ def test_split_rule_at_the_bench_shapes() -> None:
                 (got[1], blocks * h // 128, i),
             ):
                 assert splits == 1 or splits * tiles <= H200_SMS * 4, (name, tokens)
-                assert splits == 1 or k // STAGE_K // splits >= mk.SPLIT_MIN_STAGES
+                assert splits == 1 or k // STAGE_K // splits >= least
 
     assert mk.expected_row_blocks(1, 8, 128, 128, 16) == 8  # exactly top-k experts
     assert mk.expected_row_blocks(0, 8, 128, 128, 16) == 0
@@ -586,10 +622,10 @@ def test_split_rule_at_the_bench_shapes() -> None:
 
 
 def test_pairs_rule() -> None:
-    """moe_kernels.pairs_layout: up to an eighth of a routed pair per (global) expert,
+    """moe_plans.pairs_layout: up to an eighth of a routed pair per (global) expert,
     where a uniform routing reaches nearly as many experts as it has pairs (the excess
     trellis read, P / D - 1, stays at or below 6.5 %); never for an empty batch."""
-    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3 import moe_plans as mk
 
     limits = {"qwen3-30b-a3b": 2, "qwen3-235b-a22b": 2, "glm-4.5-air": 2}
     limits["deepseek-v3"] = 4
@@ -602,34 +638,42 @@ def test_pairs_rule() -> None:
     assert not mk.pairs_layout(1, 8, 8)  # 8 pairs over 8 experts: the alignment
     # The constant's bound: the excess read at the limit, for every expert count.
     for e in (8, 64, 128, 256, 512):
-        p = int(mk.PAIRS_MAX_PAIRS_PER_EXPERT * e)
+        p = int(mk.MOE_THRESHOLDS.pairs_max_pairs_per_expert * e)
         reached = e * (1 - (1 - 1 / e) ** p)
         assert p / reached - 1 <= 0.065, (e, p / reached)
 
 
-def test_pairs_choice_of_the_kernel_class(monkeypatch) -> None:
-    """CudaExl3MoEKernel.uses_pairs: the rule, force_pairs either way; batch
+def test_pairs_choice_of_the_kernel_class(monkeypatch, h200_on_cpu) -> None:
+    """CudaExl3MoEKernel.choose: the rule, an overridden path either way; batch
     invariance keeps the rule (a row's sums do not depend on the layout)."""
     import vllm.envs as envs
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3.moe_ops import PAIRS_BLOCK_SIZE
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        Exl3MoEOverrides,
+        Exl3MoEPath,
+    )
+
+    pairs, aligned = Exl3MoEPath.PAIRS, Exl3MoEPath.ALIGNED
+
+    def path(kernel, tokens: int) -> Exl3MoEPath:
+        return glm_call(kernel, tokens).path
 
     kernel = mk.CudaExl3MoEKernel()
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
-    assert kernel.uses_pairs(2, 8, 128) and not kernel.uses_pairs(3, 8, 128)
-    kernel.force_pairs = True
-    assert kernel.uses_pairs(1024, 8, 128)
-    kernel.force_pairs = False
-    assert not kernel.uses_pairs(1, 8, 128)
-    kernel.force_pairs = None
+    assert path(kernel, 2) is pairs and path(kernel, 3) is aligned
+    assert glm_call(kernel, 2).block == PAIRS_BLOCK_SIZE
+    assert path(mk.CudaExl3MoEKernel(Exl3MoEOverrides(path=pairs)), 1024) is pairs
+    assert path(mk.CudaExl3MoEKernel(Exl3MoEOverrides(path=aligned)), 1) is aligned
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
-    assert kernel.uses_pairs(2, 8, 128) and not kernel.uses_pairs(3, 8, 128)
+    assert path(kernel, 2) is pairs and path(kernel, 3) is aligned
 
 
 def test_split_rule_counts_the_pairs_blocks() -> None:
     """With the pairs layout the split rule counts one working block per local routed
     pair: the aligned estimate's where every pair reaches its own expert (one token),
     more where pairs repeat experts, and the local share under expert parallelism."""
-    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3 import moe_plans as mk
 
     dev = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
     assert mk.expected_row_blocks(1, 8, 128, 128, 16, pairs=True) == 8
@@ -652,7 +696,7 @@ def test_split_rule_counts_the_pairs_blocks() -> None:
 def test_split_rule_resident_blocks() -> None:
     """Shared memory caps the resident blocks: 4 on an H200 at every rate; on a 100 KB
     sm_12x SM 4 at 4 bits (4 x (4 x (2 KB + 4 KB) + 1 KB) = 100 KB) but 2 at 8."""
-    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3 import moe_plans as mk
 
     h200 = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
     sm120 = mk.SplitDevice(170, 100 * 1024)
@@ -667,41 +711,47 @@ def test_split_rule_resident_blocks() -> None:
     assert mk.moe_splits(1, 8, 128, 128, 4096, 1408, 16, (16, 16), sm120) == (1, 1)
 
 
-def test_split_choice_of_the_kernel_class(monkeypatch) -> None:
-    """CudaExl3MoEKernel.splits: the rule, force_splits (capped at k's stages), nothing
-    on the large-batch tiers, nothing under batch invariance."""
+def test_split_choice_of_the_kernel_class(monkeypatch, h200_on_cpu) -> None:
+    """moe_plans.call_splits: the rule, overridden splits (capped at k's stages),
+    nothing on the large-batch tiers, nothing under batch invariance; the kernel
+    class's calls follow its overrides."""
     import vllm.envs as envs
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        Exl3MoEOverrides,
+        call_splits,
+    )
+
+    def splits(tokens: int, block: int, **kw) -> tuple[int, int]:
+        kw.setdefault("batch_invariant", False)
+        return call_splits(glm_shape(tokens), block, False, torch.device("cpu"), **kw)
 
     # The rule reads only the layer's dimensions (GLM-4.5-Air's: split at one token).
-    none = torch.empty(0)
-    w = mk.Exl3MoEWeights(*[none] * 8, num_experts=128, hidden=4096, width=1408)
-    kernel = mk.CudaExl3MoEKernel()
-    cpu = torch.device("cpu")
-    mk._split_devices[cpu] = mk.SplitDevice(H200_SMS, H200_SMEM_PER_SM)
-    try:
-        rates = ([8], [8])
-        assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (3, 1)
-        assert kernel.splits(1, 8, 128, w, 64, rates, cpu) == (1, 1)
-        kernel.force_splits = (1, 1)
-        assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (1, 1)
-        kernel.force_splits = (100, 100)
-        assert kernel.splits(16, 8, 128, w, 32, rates, cpu) == (64, 22)
-        assert kernel.splits(16, 8, 128, w, 128, rates, cpu) == (1, 1)
-        kernel.force_splits = None
-        monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
-        assert kernel.splits(1, 8, 128, w, 16, rates, cpu) == (1, 1)
-    finally:
-        mk._split_devices.pop(cpu, None)
+    assert splits(1, 16) == (3, 1)
+    assert splits(1, 64) == (1, 1)
+    assert splits(1, 16, overrides=Exl3MoEOverrides(splits=(1, 1))) == (1, 1)
+    capped = Exl3MoEOverrides(splits=(100, 100))
+    assert splits(16, 32, overrides=capped) == (64, 22)
+    assert splits(16, 128, overrides=capped) == (1, 1)
+    assert splits(1, 16, batch_invariant=True) == (1, 1)
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
+    assert glm_call(mk.CudaExl3MoEKernel(), 1).splits == (3, 1)
+    assert glm_call(mk.CudaExl3MoEKernel(capped), 16).splits == (64, 22)
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
+    assert glm_call(mk.CudaExl3MoEKernel(), 1).splits == (1, 1)
 
 
-def test_wgmma_choice_of_the_kernel_class(monkeypatch) -> None:
-    """CudaExl3MoEKernel.wgmma_mode: the op's own choice (-1), force_wgmma either way,
+def test_wgmma_choice_of_the_kernel_class(monkeypatch, h200_on_cpu) -> None:
+    """moe_plans.wgmma_mode: the op's own choice (-1), an override either way,
     mma.sync under batch invariance (the decode tiers have no wgmma, so one engine
-    serves every batch size)."""
+    serves every batch size); the kernel class's calls follow its overrides."""
     import vllm.envs as envs
     from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
     from vllm.model_executor.layers.quantization.exl3 import moe_ops
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        Exl3MoEOverrides,
+        wgmma_mode,
+    )
 
     assert (moe_ops.WGMMA_AUTO, moe_ops.WGMMA_NEVER, moe_ops.WGMMA_FORCE) == (-1, 0, 1)
     # The block sizes are the kernels' tiers (16 rows each), and unsplit.
@@ -710,18 +760,17 @@ def test_wgmma_choice_of_the_kernel_class(monkeypatch) -> None:
     assert tuple(16 * int(t) for t in tiers.split(",")) == moe_ops.WGMMA_BLOCK_SIZES
     assert not set(moe_ops.WGMMA_BLOCK_SIZES) & set(moe_ops.SPLIT_BLOCK_SIZES)
     assert set(moe_ops.WGMMA_BLOCK_SIZES) <= set(moe_ops.BLOCK_SIZES)
-    kernel = mk.CudaExl3MoEKernel()
+    wgmma, mma = Exl3MoEOverrides(wgmma=True), Exl3MoEOverrides(wgmma=False)
+    assert wgmma_mode(Exl3MoEOverrides(), False) == moe_ops.WGMMA_AUTO
+    assert wgmma_mode(wgmma, False) == moe_ops.WGMMA_FORCE
+    assert wgmma_mode(mma, False) == moe_ops.WGMMA_NEVER
+    assert wgmma_mode(Exl3MoEOverrides(), True) == moe_ops.WGMMA_NEVER
+    assert wgmma_mode(wgmma, True) == moe_ops.WGMMA_FORCE  # an override still wins
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
-    assert kernel.wgmma_mode() == moe_ops.WGMMA_AUTO
-    kernel.force_wgmma = True
-    assert kernel.wgmma_mode() == moe_ops.WGMMA_FORCE
-    kernel.force_wgmma = False
-    assert kernel.wgmma_mode() == moe_ops.WGMMA_NEVER
-    kernel.force_wgmma = None
+    assert glm_call(mk.CudaExl3MoEKernel(), 200).wgmma == moe_ops.WGMMA_AUTO
+    assert glm_call(mk.CudaExl3MoEKernel(mma), 200).wgmma == moe_ops.WGMMA_NEVER
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True, raising=False)
-    assert kernel.wgmma_mode() == moe_ops.WGMMA_NEVER
-    kernel.force_wgmma = True  # an explicit override still wins
-    assert kernel.wgmma_mode() == moe_ops.WGMMA_FORCE
+    assert glm_call(mk.CudaExl3MoEKernel(), 200).wgmma == moe_ops.WGMMA_NEVER
 
 
 def test_split_workspace_accounting() -> None:
@@ -769,13 +818,14 @@ def test_an_unsupported_activation_is_named() -> None:
         (4.0,),
     )
     with pytest.raises(ValueError) as e:
-        mk.choose_exl3_moe_kernel(c)
+        mk.select_exl3_moe_backend(c)
     msg = str(e.value)
     assert "model.layers.0.mlp.experts: no MoE kernel" in msg, msg
-    assert msg.count("activation 'gelu' (supported: ('silu',))") == len(mk.CANDIDATES)
-    for kernel in mk.CANDIDATES:
+    backends = list(mk.Exl3MoEBackend)
+    assert msg.count("activation 'gelu' (supported: ('silu',))") == len(backends)
+    for backend in backends:
         with pytest.raises(ValueError, match="EXL3 MoE: unsupported activation 'gelu'"):
-            kernel().apply(
+            mk.backend_to_kernel_cls(backend)().apply(
                 torch.zeros(1, 128),
                 torch.ones(1, 1),
                 torch.zeros(1, 1, dtype=torch.int32),

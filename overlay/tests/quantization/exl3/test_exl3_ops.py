@@ -19,6 +19,7 @@ kernels that do not tune (the reference) are never called.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -27,7 +28,6 @@ from vllm.model_executor.layers.quantization.exl3 import kernels, ops, plan_tabl
 from vllm.model_executor.layers.quantization.exl3.env_compat import (
     adopt_deprecated_env_names,
 )
-from vllm.model_executor.layers.quantization.exl3.linear import warm_up
 from vllm.model_executor.layers.quantization.exl3.plans import (
     Exl3PlanError,
     PlanPins,
@@ -53,7 +53,6 @@ def _main(_: int, init_file: str) -> None:
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
     from vllm.model_executor.layers.quantization.exl3 import ops, reference
     from vllm.model_executor.layers.quantization.exl3.kernels import CudaExl3Kernel
-    from vllm.model_executor.layers.quantization.exl3.linear import layer_runs
 
     from .exl3_harness import (
         CKPT_MCG,
@@ -66,6 +65,9 @@ def _main(_: int, init_file: str) -> None:
     from .exl3_harness import tensors as fixture_tensors
 
     assert ops.load_exl3_ops.__wrapped__()[0] is False  # nothing registered yet
+    # The load-time preparation below resolves plans; the walk on zeros is
+    # test_each_bucket_once_per_configuration's.
+    os.environ["VLLM_EXL3_WARMUP"] = "0"
     lib = torch.library.Library("_C", "FRAGMENT")
     for schema in SCHEMAS:
         lib.define(schema)
@@ -83,6 +85,14 @@ def _main(_: int, init_file: str) -> None:
         lambda trellis, codebook: reference.decode_rotated(trellis, codebook),
         "CPU",
     )
+    resolved = []
+
+    def plan(trellis, shards, codebook, bf16, m, plans, workspace_floats):
+        """The cost model's answer for every bucket: fused, 16 rows, split 1."""
+        resolved.append(m)
+        return [m, ops.PATH_FUSED, 16, 1, 0, 0, 0, 0, ops.SOURCE_COST_MODEL]
+
+    lib.impl("exl3_plan", plan, "CPU")
     assert ops.load_exl3_ops() == (True, None)
 
     named = fixture_tensors(CKPT_MCG)
@@ -106,8 +116,10 @@ def _main(_: int, init_file: str) -> None:
         load_module(layer, named, f"{mlp}.gate_proj", 0)
         load_module(layer, named, f"{mlp}.up_proj", 1)
         layer.quant_method.process_weights_after_loading(layer)
-        kernel = CudaExl3Kernel()  # the op path, here on CPU tensors
-        kernel.prepare(layer_runs(layer.quant_method.layout, layer))
+        # The op path, here on CPU tensors: its load-time preparation, then its GEMMs.
+        kernel = CudaExl3Kernel(layer.quant_method.kernel.config)
+        kernel.process_weights_after_loading(layer)
+        assert resolved and kernel.workspace is not None
         layer.quant_method.kernel = kernel
         return layer
 
@@ -424,18 +436,27 @@ def test_fake_has_the_new_schema():
 
 
 class RecordingKernel(kernels.ReferenceExl3Kernel):
-    """The reference's arithmetic, declared as a plan-tuning kernel, recording each
-    call."""
+    """The reference's arithmetic, warmed up after loading as the CUDA kernel is,
+    recording each GEMM."""
 
-    uses_plans = True
-
-    def __init__(self):
+    def __init__(self, c):
+        super().__init__(c)
         self.calls: list[tuple[int, int, tuple[int, ...]]] = []
 
-    def apply(self, x, trellis, suh, svh, bias, shard_widths, codebook, run):
+    def process_weights_after_loading(self, layer):
+        self.warm_up(layer)
+
+    def run_gemm(self, x, index, run, bias):
         assert not x.any(), "warm-up inputs are zeros"
-        self.calls.append((x.shape[0], x.shape[1], tuple(shard_widths)))
-        return super().apply(x, trellis, suh, svh, bias, shard_widths, codebook, run)
+        self.calls.append((x.shape[0], x.shape[1], tuple(run.shard_widths)))
+        return super().run_gemm(x, index, run, bias)
+
+
+def prepared(kernel_class, layer):
+    """`kernel_class` for the loaded layer, after its load-time preparation."""
+    kernel = kernel_class(layer.quant_method.kernel.config)
+    kernel.process_weights_after_loading(layer)
+    return kernel
 
 
 @pytest.fixture
@@ -460,36 +481,29 @@ def test_bucket_walk_covers_the_token_budget():
 
 @pytest.mark.usefixtures("world1")
 def test_each_bucket_once_per_configuration(fresh):
-    layer = loaded_qkv()
-    kernel = RecordingKernel()
-    warm_up(kernel, layer.quant_method.layout, layer)
+    kernel = prepared(RecordingKernel, loaded_qkv())
     assert [m for m, _, _ in kernel.calls] == [1, 2, 4, 8, 16, 32, 64]
     assert {(k, widths) for _, k, widths in kernel.calls} == {(HIDDEN, (256, 128, 128))}
     # A second layer with the same configuration (another decoder layer) is not
     # re-tuned.
-    other = loaded_qkv("model.layers.1.self_attn.qkv_proj")
-    before = len(kernel.calls)
-    warm_up(kernel, other.quant_method.layout, other)
-    assert len(kernel.calls) == before
+    other = prepared(RecordingKernel, loaded_qkv("model.layers.1.self_attn.qkv_proj"))
+    assert other.calls == []
 
 
 @pytest.mark.usefixtures("world1")
 def test_memory_cap_stops_the_walk(fresh, monkeypatch):
     layer = loaded_qkv()
-    kernel = RecordingKernel()
     n = layer.quant_method.layout.out_width
     # Room for m = 8 (8 rows x (k + n) x 4 bytes), not for 16.
     monkeypatch.setattr(plans, "MAX_WARMUP_BYTES", 8 * (HIDDEN + n) * 4)
-    warm_up(kernel, layer.quant_method.layout, layer)
+    kernel = prepared(RecordingKernel, layer)
     assert [m for m, _, _ in kernel.calls] == [1, 2, 4, 8]
 
 
 @pytest.mark.usefixtures("world1")
 def test_env_turns_it_off(fresh, monkeypatch):
     monkeypatch.setenv("VLLM_EXL3_WARMUP", "0")
-    layer = loaded_qkv()
-    kernel = RecordingKernel()
-    warm_up(kernel, layer.quant_method.layout, layer)
+    kernel = prepared(RecordingKernel, loaded_qkv())
     assert kernel.calls == []
 
 
@@ -498,9 +512,9 @@ def test_reference_kernel_is_not_warmed(fresh, monkeypatch):
     layer = loaded_qkv()
     called = []
     monkeypatch.setattr(
-        kernels.ReferenceExl3Kernel, "apply", lambda *a, **k: called.append(1)
+        kernels.ReferenceExl3Kernel, "run_gemm", lambda *a, **k: called.append(1)
     )
-    warm_up(kernels.ReferenceExl3Kernel(), layer.quant_method.layout, layer)
+    prepared(kernels.ReferenceExl3Kernel, layer)
     assert not called
 
 
@@ -530,7 +544,8 @@ def test_whole_model_load_warms_each_configuration_once(tmp_path, monkeypatch, w
     calls: list[tuple[int, int, tuple[int, ...]]] = []
 
     class Tuning(RecordingKernel):
-        def __init__(self):
+        def __init__(self, c):
+            super().__init__(c)
             self.calls = calls
 
     monkeypatch.setattr(kernels, "CANDIDATES", (Tuning,))

@@ -170,19 +170,18 @@ def sparse_mla_decode_fake(
     return None
 
 
-def _needs_fake() -> bool:
-    return hasattr(
-        torch.ops._C, OP
-    ) and not torch._C._dispatch_has_kernel_for_dispatch_key(f"_C::{OP}", "Meta")
-
-
 @functools.cache
 def load_sparse_mla_op() -> tuple[bool, str | None]:
     """Make the op available once (the EXL3 extension's loader); returns (available,
     why not)."""
-    if not hasattr(torch.ops._C, OP):
-        from vllm.model_executor.layers.quantization.exl3.ops import load_exl3_ops
+    # At the first call, not at import: this module imports only torch, so the
+    # benchmark (scripts/bench/bench_sparse_mla.py) loads it from its file without vLLM.
+    from vllm.model_executor.layers.quantization.exl3.ops import (
+        load_exl3_ops,
+        register_missing_fakes,
+    )
 
+    if not hasattr(torch.ops._C, OP):
         ok, why = load_exl3_ops()
         if not ok:
             return False, why
@@ -191,8 +190,7 @@ def load_sparse_mla_op() -> tuple[bool, str | None]:
             f"torch.ops._C.{OP} is not registered: the EXL3 extension is an older "
             "build (rebuild the kernels)"
         )
-    if _needs_fake():
-        torch.library.register_fake(f"_C::{OP}")(sparse_mla_decode_fake)
+    register_missing_fakes({OP: sparse_mla_decode_fake})
     return True, None
 
 

@@ -13,6 +13,8 @@ __all__ = ["Exl3Config"]
 
 def __getattr__(name: str):
     if name == "Exl3Config":
+        # Lazy: the config imports vLLM's layers, and the tools load this package
+        # without vLLM (the module docstring).
         from .config import Exl3Config
 
         return Exl3Config

@@ -46,10 +46,13 @@ from .format import (
     HADAMARD_SIZE,
     Codebook,
     Exl3ModuleSpec,
+    TensorShape,
     check_marker,
+    group_shapes,
     group_spec,
-    group_tensors,
     read_tensor,
+    round_up,
+    tensor_shapes,
 )
 
 CONFIG_FILE = "config.json"
@@ -144,10 +147,6 @@ def more_problems(n: int) -> str:
     return f"{n} more problem{'s' if n > 1 else ''}"
 
 
-def round_up(x: int, to: int = HADAMARD_SIZE) -> int:
-    return -(-x // to) * to
-
-
 # ---- reading
 # --------------------------------------------------------------------------------
 
@@ -163,15 +162,17 @@ def read_documents(root: str) -> tuple[dict | None, dict | None]:
 
 
 def find_modules(
-    tensors: Mapping[str, TensorEntry],
+    tensors: Mapping[str, TensorShape],
     problems: list[str] | None = None,
 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
     """EXL3 linears (validated) and unsupported EXL3 containers, by module key, in
-    sorted order (so every reader meets the same first error). A module that breaks a
-    rule raises, or, given `problems`, is left out and its error appended there."""
+    sorted order (so every reader meets the same first error). `tensors`: name ->
+    (shape, dtype), from the safetensors headers or from tensor_storage. A module that
+    breaks a rule raises, or, given `problems`, is left out and its error appended
+    there."""
     specs: dict[str, Exl3ModuleSpec] = {}
     unsupported: dict[str, str] = {}
-    for prefix, members in group_tensors(tensors).items():
+    for prefix, members in group_shapes(tensors).items():
         if EMBED_SIGNS_SUFFIX in members:
             unsupported[prefix] = (
                 f"{prefix} is a quantized token embedding (trellis + signs, "
@@ -206,7 +207,7 @@ def assess_checkpoint(
     tensors = read_safetensors_index(root)
     config, quant_document = read_documents(root)
     problems: list[str] = []
-    specs, unsupported = find_modules(tensors, problems)
+    specs, unsupported = find_modules(tensor_shapes(tensors), problems)
     declared, warnings = method_declaration(config, quant_document, specs)
     problems[:0] = declared
     problems += unsupported.values()
@@ -452,7 +453,7 @@ def _dims_problem(
     if implied is None:
         return None
     k, n, keys = implied
-    padded = (round_up(k), round_up(n))
+    padded = (round_up(k, HADAMARD_SIZE), round_up(n, HADAMARD_SIZE))
     if stored == padded or (not exact_padded and stored == (k, n)):
         return None
     return (

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """`Exl3Config`: what the checkpoint holds, and which method each vLLM layer gets (the
-layer's prefix resolved to its checkpoint module, below).
+layer's prefix resolved to its checkpoint module by names.py).
 
 An EXL3 module is defined by its tensors (`P.trellis` exists; bitrate = trellis width /
 16; codebook = the marker present), not by the JSON. config.json's `quantization_config`
@@ -16,31 +16,50 @@ fails before that.
 """
 
 import os
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-import vllm.envs as envs
 from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
 )
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.transformers_utils.config import get_safetensors_params_metadata
+from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
 
-from .checkpoint import MTP_PREFIX, storage_claims, validate_checkpoint
+from .capability import MIN_CAPABILITY
+from .checkpoint import (
+    MTP_PREFIX,
+    QUANT_CONFIG_FILE,
+    declared_disagreements,
+    find_modules,
+    storage_claims,
+    validate_checkpoint,
+)
 from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX, Exl3FormatError
+from .dequantized import DENSE_CONSUMED, Exl3DequantizedLinearMethod
 from .env_compat import adopt_deprecated_env_names
-from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
+from .format import Codebook, Exl3ModuleSpec, TensorShape
 from .layout import Exl3LayoutError
+from .linear import (
+    Exl3LinearMethod,
+    Exl3LMHeadMethod,
+    Exl3PaddedUnquantizedLinearMethod,
+)
+from .moe import Exl3MoEMethod, plan_experts
+from .names import ModuleNameResolver, shard_names
 from .unsupported_models import refuse_unsupported_architecture
 from .weights import LoadLedger
 
-if TYPE_CHECKING:
-    from vllm.model_executor.models.utils import WeightsMapper
-
 logger = init_logger(__name__)
 
-QUANT_CONFIG_FILE = "quantization_config.json"
 # tensor_storage spells dtypes as torch does; module_spec takes safetensors' spelling.
 TORCH_TO_SAFETENSORS_DTYPE = {
     "torch.int16": "I16",
@@ -49,151 +68,11 @@ TORCH_TO_SAFETENSORS_DTYPE = {
     "torch.bfloat16": "BF16",
     "torch.float32": "F32",
 }
-# Names listed in warnings before "and N more".
-LIST_LIMIT = 5
-
-TensorShapes = dict[
-    str, tuple[tuple[int, ...], str]
-]  # suffix -> (shape, safetensors dtype)
-
-
-# Checkpoint module names <-> vLLM module prefixes.
-#
-# ExLlamaV3 writes one tensor set per projection under the source model's names
-# (`model.layers.3.self_attn.q_proj`); vLLM asks per layer, under its own prefix, often
-# for a fused layer (`...self_attn.qkv_proj`). A vLLM name resolves to a checkpoint
-# module in this order:
-#
-# 1. exact: the name itself is a checkpoint module;
-# 2. mapped: the model's `hf_to_vllm_mapper` (stacked entries removed) renames a
-#    checkpoint module to the name;
-# 3. wrappers dropped: equal once every `model` / `language_model` segment is removed
-#    from both sides (multimodal wrappers nest the text model differently in vLLM and
-#    in checkpoints). A stripped name that two checkpoint modules share is ambiguous
-#    and never used.
-#
-# `VLLM_EXL3_DEBUG_NAMES=1` logs every resolution, hits and misses.
-
-WRAPPER_SEGMENTS = frozenset({"model", "language_model"})
-
-# Fused vLLM layers and the checkpoint projections they stack, for models whose
-# packed_modules_mapping lacks an entry (e.g. Qwen3-MoE lists gate_up_proj only
-# sometimes).
-FUSED_SHARDS_FALLBACK: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "kv_proj": ("k_proj", "v_proj"),
-    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
-    "in_proj_ba": ("in_proj_b", "in_proj_a"),
-    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
-}
-
-# A module key is mapped through the model's tensor-name mapper as this tensor name.
-_PROBE_SUFFIX = ".trellis"
-
-
-def strip_wrappers(name: str) -> str:
-    return ".".join(p for p in name.split(".") if p not in WRAPPER_SEGMENTS)
-
-
-class ModuleNameResolver:
-    """Resolves vLLM module names against a fixed set of checkpoint module keys."""
-
-    def __init__(self, checkpoint_modules: Iterable[str]):
-        self.modules = frozenset(checkpoint_modules)
-        self._mapped: dict[str, str] = {}
-        self._stripped: dict[str, str | None] = {}
-        for key in sorted(self.modules):
-            stripped = strip_wrappers(key)
-            # None marks a stripped name shared by two checkpoint modules.
-            self._stripped[stripped] = None if stripped in self._stripped else key
-
-    def set_mapper(self, mapper: "WeightsMapper") -> None:
-        """Index the checkpoint modules under the names the model's mapper gives."""
-        self._mapped = {}
-        for key in sorted(self.modules):
-            mapped = mapper._map_name(key + _PROBE_SUFFIX)
-            if mapped is None or not mapped.endswith(_PROBE_SUFFIX):
-                continue
-            mapped = mapped[: -len(_PROBE_SUFFIX)]
-            if mapped != key:
-                self._mapped[mapped] = key
-
-    def resolve(self, name: str) -> str | None:
-        key, how = self._lookup(name)
-        if envs.VLLM_EXL3_DEBUG_NAMES:
-            if key is None:
-                logger.info(
-                    "exl3 names: %r -> no EXL3 checkpoint module (%s)", name, how
-                )
-            else:
-                logger.info("exl3 names: %r -> %r (%s)", name, key, how)
-        return key
-
-    def _lookup(self, name: str) -> tuple[str | None, str]:
-        if name in self.modules:
-            return name, "exact"
-        if name in self._mapped:
-            return self._mapped[name], "model mapper"
-        stripped = strip_wrappers(name)
-        if stripped in self._stripped:
-            key = self._stripped[stripped]
-            if key is None:
-                return (
-                    None,
-                    f"ambiguous: several checkpoint modules strip to {stripped!r}",
-                )
-            return key, "model/language_model segments dropped"
-        return None, "no match"
-
-    def modules_under(self, prefix: str) -> list[str]:
-        """Checkpoint modules inside the vLLM module `prefix` (exact or wrappers
-        dropped)."""
-        stripped = strip_wrappers(prefix) + "."
-        exact = prefix + "."
-        return sorted(
-            k
-            for k in self.modules
-            if k.startswith(exact) or strip_wrappers(k).startswith(stripped)
-        )
-
-
-def shard_names(
-    prefix: str, packed_modules_mapping: Mapping[str, list[str]]
-) -> list[str]:
-    """The checkpoint-side names of the logical shards of vLLM layer `prefix`, in shard
-    order.
-
-    A fused layer (`...qkv_proj`) expands through the model's packed_modules_mapping,
-    else the built-in fallback table; any other layer is its own single shard.
-    """
-    parent, _, last = prefix.rpartition(".")
-    members = packed_modules_mapping.get(last) or FUSED_SHARDS_FALLBACK.get(last)
-    if not members:
-        return [prefix]
-    return [f"{parent}.{m}" if parent else m for m in members]
-
-
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:LIST_LIMIT])
-    return shown + (
-        f" and {len(names) - LIST_LIMIT} more" if len(names) > LIST_LIMIT else ""
-    )
-
-
-def _group(
-    tensors: Mapping[str, tuple[tuple[int, ...], str]],
-) -> dict[str, TensorShapes]:
-    groups: dict[str, TensorShapes] = {}
-    for name, info in tensors.items():
-        prefix, _, suffix = name.rpartition(".")
-        groups.setdefault(prefix, {})[suffix] = info
-    return groups
 
 
 def header_tensors(
     metadata: Mapping[str, Any],
-) -> dict[str, tuple[tuple[int, ...], str]]:
+) -> dict[str, TensorShape]:
     """vLLM's safetensors metadata ({name: {"dtype", "shape", ...}}) as name -> (shape,
     dtype)."""
     return {
@@ -205,7 +84,7 @@ def header_tensors(
 
 def storage_tensors(
     storage: Mapping[str, Any],
-) -> dict[str, tuple[tuple[int, ...], str]]:
+) -> dict[str, TensorShape]:
     """quantization_config.json's tensor_storage: name -> (shape, safetensors dtype)."""
     out = {}
     for entry in storage.values():
@@ -215,30 +94,13 @@ def storage_tensors(
     return out
 
 
-def find_modules(
-    tensors: Mapping[str, tuple[tuple[int, ...], str]],
-) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module
-    key."""
-    specs: dict[str, Exl3ModuleSpec] = {}
-    unsupported: dict[str, str] = {}
-    for prefix, members in sorted(_group(tensors).items()):
-        if EMBED_SIGNS_SUFFIX in members:
-            unsupported[prefix] = (
-                f"{prefix} is a quantized token embedding (trellis + signs, "
-                f"--embed_bits), which is not supported"
-            )
-        elif (spec := group_spec(prefix, members)) is not None:
-            specs[prefix] = spec
-    return specs, unsupported
-
-
 def describe_checkpoint(
-    headers: Mapping[str, tuple[tuple[int, ...], str]],
+    headers: Mapping[str, TensorShape],
     storage: Mapping[str, Any] | None,
     source: str,
 ) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """Reconcile the safetensors headers (authoritative) with tensor_storage."""
+    """Reconcile the safetensors headers (authoritative) with tensor_storage: where
+    they disagree, the warnings a local checkpoint gets (declared_disagreements)."""
     if not headers:
         if not storage:
             raise ValueError(
@@ -264,40 +126,8 @@ def describe_checkpoint(
             len(specs),
         )
         return specs, unsupported
-    claims = storage_claims(storage)
-    phantom = sorted(k for k in claims if k not in specs)
-    if phantom:
-        logger.warning(
-            "EXL3 checkpoint %s: %s lists %s as EXL3 but the safetensors hold no "
-            "trellis for them; the tensors win (not EXL3)",
-            source,
-            QUANT_CONFIG_FILE,
-            _listing(phantom),
-        )
-    for key in sorted(set(claims) & set(specs)):
-        bits, codebook = claims[key]
-        spec = specs[key]
-        if (bits, codebook) != (spec.bits, spec.codebook):
-            logger.warning(
-                "EXL3 %s: %s says %s bits, codebook %s; the tensors say %s bits, "
-                "codebook %s; using the tensors",
-                key,
-                QUANT_CONFIG_FILE,
-                bits,
-                codebook.name,
-                spec.bits,
-                spec.codebook.name,
-            )
-    recovered = sorted(k for k in specs if k not in claims)
-    if recovered:
-        logger.info(
-            "EXL3 checkpoint %s: %d EXL3 modules missing from %s recovered from the "
-            "safetensors headers: %s",
-            source,
-            len(recovered),
-            QUANT_CONFIG_FILE,
-            _listing(recovered),
-        )
+    for warning in declared_disagreements(None, {"tensor_storage": storage}, specs):
+        logger.warning("EXL3 checkpoint %s: %s", source, warning)
     return specs, unsupported
 
 
@@ -342,8 +172,7 @@ class Exl3Config(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        # Tensor-core mma.sync m16n8k16 with fp16 operands and cp.async: Ampere.
-        return 80
+        return MIN_CAPABILITY
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -357,9 +186,6 @@ class Exl3Config(QuantizationConfig):
     def maybe_update_config(
         self, model_name: str, hf_config: Any = None, revision: str | None = None
     ) -> None:
-        from vllm.transformers_utils.config import get_safetensors_params_metadata
-        from vllm.transformers_utils.repo_utils import get_hf_file_to_dict
-
         # Before the checkpoint is read: no tensor can make these models loadable.
         refuse_unsupported_architecture(hf_config, str(model_name))
         if _holds_weights(model_name):
@@ -441,12 +267,6 @@ class Exl3Config(QuantizationConfig):
     def get_quant_method(
         self, layer: torch.nn.Module, prefix: str
     ) -> QuantizeMethodBase | None:
-        from vllm.model_executor.layers.linear import LinearBase
-        from vllm.model_executor.layers.vocab_parallel_embedding import (
-            ParallelLMHead,
-            VocabParallelEmbedding,
-        )
-
         if self.modules is None:
             raise ValueError(
                 "Exl3Config.get_quant_method called before maybe_update_config "
@@ -464,14 +284,9 @@ class Exl3Config(QuantizationConfig):
         if isinstance(layer, LinearBase):
             specs = self.linear_specs(prefix, len(layer.output_partition_sizes))
             if specs is None:
-                from .linear import Exl3PaddedUnquantizedLinearMethod
-
                 # The format keeps unquantized linears 128-padded too; this is vLLM's
                 # unquantized method with a loader that trims that padding (linear.py).
                 return Exl3PaddedUnquantizedLinearMethod(self.ledger)
-            from .dequantized import DENSE_CONSUMED, Exl3DequantizedLinearMethod
-            from .linear import Exl3LinearMethod
-
             if prefix.rpartition(".")[2] in DENSE_CONSUMED:
                 return Exl3DequantizedLinearMethod(specs)
             return Exl3LinearMethod(specs, self.ledger)
@@ -479,13 +294,11 @@ class Exl3Config(QuantizationConfig):
             key = self._resolve(prefix)
             if key is None:
                 return None
-            from .linear import Exl3LMHeadMethod
-
             return Exl3LMHeadMethod(prefix, self.modules[key], self.ledger)
         if isinstance(layer, VocabParallelEmbedding):
             self._resolve(prefix)  # raises for a quantized embedding
             return None
-        if _is_routed_experts(layer):
+        if isinstance(layer, RoutedExperts):
             return self._moe_method(layer, prefix)
         return None
 
@@ -504,8 +317,6 @@ class Exl3Config(QuantizationConfig):
         inside = [k for k in under if k in self.modules]
         if not inside:
             return None
-        from .moe import Exl3MoEMethod, plan_experts
-
         moe = layer.moe_config
         experts = plan_experts(
             prefix,
@@ -545,9 +356,3 @@ def _tied(hf_config: Any) -> bool | None:
     )
     tied = getattr(text, "tie_word_embeddings", None)
     return tied if isinstance(tied, bool) else None
-
-
-def _is_routed_experts(layer: torch.nn.Module) -> bool:
-    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-
-    return isinstance(layer, RoutedExperts)

@@ -16,9 +16,9 @@ from vllm.model_executor.layers.linear import (
     register_weight_loader_v2_supported_method,
 )
 
-from .format import Exl3ModuleSpec
+from .format import DATA_SUFFIXES, Exl3ModuleSpec
 from .linear import Exl3LinearMethod
-from .weights import DATA_SUFFIXES, OUT_INDEX
+from .weights import OUT_INDEX
 
 # Checkpoint linears whose vLLM model reads a dense weight instead of calling the layer.
 DENSE_CONSUMED = ("kv_b_proj",)
@@ -32,25 +32,9 @@ class Exl3DequantizedLinearMethod(UnquantizedLinearMethod):
         super().__init__()
         self.exl3 = Exl3LinearMethod(specs)
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
-    ) -> None:
-        self.exl3.create_weights(
-            layer,
-            input_size_per_partition,
-            output_partition_sizes,
-            input_size,
-            output_size,
-            params_dtype,
-            **extra_weight_attrs,
-        )
+    def create_weights(self, layer: torch.nn.Module, *args, **kwargs) -> None:
+        """Exl3LinearMethod.create_weights (vLLM's arguments, passed on)."""
+        self.exl3.create_weights(layer, *args, **kwargs)
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

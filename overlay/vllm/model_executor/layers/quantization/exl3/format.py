@@ -45,6 +45,12 @@ HADAMARD_SIZE = 128
 TILE = 16
 
 
+def round_up(value: int, multiple: int) -> int:
+    """`value` rounded up to a multiple of `multiple` (the format pads dims to
+    HADAMARD_SIZE)."""
+    return -(-value // multiple) * multiple
+
+
 class Codebook(enum.IntEnum):
     """Procedural codebooks; the values are the kernel ids."""
 
@@ -66,18 +72,30 @@ HALF_BITS = (1.5, 2.5, 3.5)
 # words.
 WORDS_PER_BIT = TILE
 
-# Suffixes of the tensors one EXL3 linear may have (docs/design/exl3_format.md §1.4).
-EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias", "scale")
+# The tensors of one EXL3 linear, by suffix (docs/design/exl3_format.md §1.4).
+# The data every kernel reads: trellis int16 [k/16, n/16, 16K], suh fp16 [k], svh fp16
+# [n].
+DATA_SUFFIXES = ("trellis", "suh", "svh")
+# Legacy sign bitfields (int16, one bit per row / column) -> the fp16 tensor each stands
+# in for; where both are stored the fp16 tensor takes precedence.
+LEGACY_SIGNS = {"su": "suh", "sv": "svh"}
+# Codebook markers: the marker suffix -> (its codebook, the int32 value it must hold).
+# Neither present means 3INST.
+MARKERS = {
+    "mcg": (Codebook.MCG, MCG_MARKER_VALUE),
+    "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE),
+}
+# Stored by old converters and never applied (ExLlamaV3 1.6.5 ignores them too).
+IGNORED = ("scale",)
+EXL3_SUFFIXES = (*DATA_SUFFIXES, *LEGACY_SIGNS, *MARKERS, "bias", *IGNORED)
 # Suffixes that exist only on EXL3 modules (a `.bias`/`.scale` can belong to anything).
-EXL3_ONLY_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
+EXL3_ONLY_SUFFIXES = (*DATA_SUFFIXES, *LEGACY_SIGNS, *MARKERS)
 # Optional quantized token embedding container (--embed_bits); a different codec, not
 # supported.
 EMBED_SIGNS_SUFFIX = "signs"
 
-_MARKERS = {
-    "mcg": (Codebook.MCG, MCG_MARKER_VALUE),
-    "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE),
-}
+# A tensor as the headers describe it: (shape, safetensors dtype string).
+TensorShape = tuple[tuple[int, ...], str]
 
 # safetensors dtype strings -> torch dtypes (the subset a checkpoint of ours can hold).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -125,6 +143,11 @@ class Exl3ModuleSpec:
     legacy_signs: bool  # su and/or sv bitfields stand in for suh/svh
     tensor_names: tuple[str, ...]  # every stored tensor of the module, full names
 
+    @property
+    def suffixes(self) -> frozenset[str]:
+        """The suffixes of the module's stored tensors."""
+        return frozenset(name.rpartition(".")[2] for name in self.tensor_names)
+
 
 @dataclass
 class Exl3Weights:
@@ -139,7 +162,7 @@ class Exl3Weights:
 def _expect(
     prefix: str,
     suffix: str,
-    tensors: Mapping[str, tuple[tuple[int, ...], str]],
+    tensors: Mapping[str, TensorShape],
     dtypes: tuple[str, ...],
     shape: tuple[int, ...],
 ) -> None:
@@ -155,9 +178,7 @@ def _expect(
         )
 
 
-def module_spec(
-    prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]]
-) -> Exl3ModuleSpec:
+def module_spec(prefix: str, tensors: Mapping[str, TensorShape]) -> Exl3ModuleSpec:
     """Validate the tensors of one EXL3 linear. `tensors` maps suffix -> (shape, dtype
     string)."""
     for suffix in tensors:
@@ -199,7 +220,7 @@ def module_spec(
             )
     bits = bits_from_trellis_width(t_shape[2], t_name)
 
-    markers = [m for m in _MARKERS if m in tensors]
+    markers = [m for m in MARKERS if m in tensors]
     if len(markers) > 1:
         raise Exl3FormatError(
             f"{prefix}.mcg / {prefix}.mul1: both codebook markers present (at most one "
@@ -208,7 +229,7 @@ def module_spec(
     codebook = Codebook.THREE_INST
     for marker in markers:
         _expect(prefix, marker, tensors, ("I32",), ())
-        codebook = _MARKERS[marker][0]
+        codebook = MARKERS[marker][0]
     if bits in HALF_BITS and codebook != Codebook.MUL1:
         raise Exl3FormatError(
             f"{t_name}: half-integer rate {bits} needs the mul1 codebook, found "
@@ -216,8 +237,8 @@ def module_spec(
         )
 
     legacy = False
-    for side, full, dim in (("input", "suh", k), ("output", "svh", n)):
-        packed = full[:2]
+    for packed, full in LEGACY_SIGNS.items():
+        side, dim = ("input", k) if full == "suh" else ("output", n)
         if full in tensors:
             _expect(prefix, full, tensors, ("F16",), (dim,))
             if packed in tensors:
@@ -263,20 +284,32 @@ def split_name(name: str) -> tuple[str, str]:
     return prefix, suffix
 
 
-def group_tensors(
-    index: Mapping[str, TensorEntry],
-) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+def tensor_shapes(index: Mapping[str, TensorEntry]) -> dict[str, TensorShape]:
+    """A safetensors index as name -> (shape, dtype)."""
+    return {name: (entry.shape, entry.dtype) for name, entry in index.items()}
+
+
+def group_shapes(
+    tensors: Mapping[str, TensorShape],
+) -> dict[str, dict[str, TensorShape]]:
     """Tensors grouped by module prefix: {prefix: {suffix: (shape, dtype)}}, prefixes
     sorted."""
-    groups: dict[str, dict[str, tuple[tuple[int, ...], str]]] = {}
-    for name, entry in index.items():
+    groups: dict[str, dict[str, TensorShape]] = {}
+    for name, info in tensors.items():
         prefix, suffix = split_name(name)
-        groups.setdefault(prefix, {})[suffix] = (entry.shape, entry.dtype)
+        groups.setdefault(prefix, {})[suffix] = info
     return {p: groups[p] for p in sorted(groups)}
 
 
+def group_tensors(
+    index: Mapping[str, TensorEntry],
+) -> dict[str, dict[str, TensorShape]]:
+    """A safetensors index grouped by module prefix (group_shapes)."""
+    return group_shapes(tensor_shapes(index))
+
+
 def group_spec(
-    prefix: str, members: Mapping[str, tuple[tuple[int, ...], str]]
+    prefix: str, members: Mapping[str, TensorShape]
 ) -> Exl3ModuleSpec | None:
     """The spec of one tensor group if it is an EXL3 module, None if it is not one at
     all."""
@@ -349,7 +382,7 @@ def unpack_sign_bits(words: torch.Tensor) -> torch.Tensor:
 
 def check_marker(name: str, value: int) -> None:
     """A codebook marker scalar must hold its codebook's multiplier (as int32)."""
-    expected = _MARKERS[split_name(name)[1]][1]
+    expected = MARKERS[split_name(name)[1]][1]
     if value != expected:
         raise Exl3FormatError(
             f"{name}: marker value {value}, expected {expected} (wrong codebook marker "
@@ -378,7 +411,7 @@ def load_module(
             )
         return read_tensor(ckpt_dir, name, index[name], device)
 
-    for marker in _MARKERS:
+    for marker in MARKERS:
         value = get(marker)
         if value is not None:
             check_marker(f"{spec.prefix}.{marker}", int(value.item()))

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+
 from .format import (
     HADAMARD_SIZE,
     TILE,
@@ -39,12 +41,12 @@ from .format import (
     Codebook,
     Exl3FormatError,
     Exl3ModuleSpec,
+    round_up,
 )
 from .tp_rules import (
     ColumnWindow,
     column_window,
     rank_column_window,
-    round_up,
     row_split_error,
 )
 
@@ -161,6 +163,13 @@ class Exl3Layout:
     def module_shards(self, module: int) -> tuple[int, ...]:
         """The shards (consecutive) that checkpoint module `module` covers."""
         return tuple(i for i, s in enumerate(self.shards) if s.module == module)
+
+    def run_trellis(self, trellis: torch.Tensor, run: KernelRun) -> torch.Tensor:
+        """Run `run`'s block [k_alloc/16, cols/16, 16 * bits] of the layer's
+        `trellis` parameter (either shape of it: see trellis_shape)."""
+        return trellis.view(-1)[run.word_start : run.word_stop].view(
+            self.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits)
+        )
 
     def run_of(self, shard_index: int) -> KernelRun:
         for run in self.runs:

@@ -5,17 +5,14 @@ linears; `Exl3LMHeadMethod` for its ParallelLMHead, and
 `Exl3PaddedUnquantizedLinearMethod` for the linears the format keeps unquantized but
 stores padded (both below).
 
-The path of one forward: `apply` -> `run_layout` (pad x to the allocated k, one kernel
-call per run of equal-bitrate shards over the shards' 128-aligned windows, then, only if
-some shard keeps part of its window, one gather of the kept columns) ->
-`Exl3Kernel.apply` (the CUDA op, or the reference codec on CPU).
+The method describes the layer (its `Exl3Layout`) and loads it; after loading it picks
+the layer's kernel (kernels.py: the CUDA op, or the reference codec on CPU), and `apply`
+is that kernel's `apply_weights`.
 """
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-import vllm.envs as envs
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -30,20 +27,16 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-from .format import HADAMARD_SIZE, TILE, Exl3FormatError, Exl3ModuleSpec
-from .kernels import Exl3Kernel, Exl3KernelConfig, Exl3Run, choose_exl3_kernel
+from .format import HADAMARD_SIZE, Exl3FormatError, Exl3ModuleSpec, round_up
+from .kernels import Exl3Kernel, init_exl3_linear_kernel
 from .layout import (
     Exl3Layout,
     Exl3LayoutError,
     Split,
     plan_linear,
     plan_lm_head,
-    trellis_words,
 )
-from .plan_table import layer_key
-from .plans import resolve_runs, tune_run, warm_up_layer
-from .tp_rules import round_up
-from .weights import OUT_INDEX, Exl3LayerWeights, LoadLedger, direct_weight_loader
+from .weights import Exl3LayerWeights, LoadLedger, direct_weight_loader
 
 
 def linear_split(layer: LinearBase) -> Split:
@@ -55,106 +48,6 @@ def linear_split(layer: LinearBase) -> Split:
         return Split.NONE
     raise Exl3LayoutError(
         f"EXL3 {layer.prefix}: unsupported linear class {type(layer).__name__}"
-    )
-
-
-def run_layout(
-    kernel: Exl3Kernel,
-    layout: Exl3Layout,
-    layer: torch.nn.Module,
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """y = x @ W (+ bias) for the layer's shards on this rank, in x.dtype."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if layout.k_alloc != layout.k_width:
-        x2 = F.pad(x2, (0, layout.k_alloc - layout.k_width))
-    x2 = x2.contiguous()
-    fuse_bias = bias is not None and len(layout.runs) == 1 and layout.identity_output
-    storage = layer.trellis.view(-1)
-    ys = []
-    for i, run in enumerate(layout.runs):
-        trellis = storage[run.word_start : run.word_stop].view(
-            layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits)
-        )
-        ys.append(
-            kernel.apply(
-                x2,
-                trellis,
-                layer.suh[run.first : run.stop],
-                layer.svh[run.col : run.col + run.cols],
-                bias if fuse_bias else None,
-                list(run.shard_widths),
-                int(run.codebook),
-                i,
-            )
-        )
-    if not ys:
-        y = x2.new_zeros((x2.shape[0], 0))
-    else:
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-    if not layout.identity_output:
-        # One gather of m x out_width elements, a copy of the output: small next to the
-        # GEMM that produced it, and a single shape-static op for torch.compile and
-        # CUDA graphs.
-        y = y.index_select(1, getattr(layer, OUT_INDEX))
-    if bias is not None and not fuse_bias:
-        y = y + bias
-    return y.reshape(*lead, layout.out_width)
-
-
-def layer_runs(layout: Exl3Layout, layer: torch.nn.Module) -> list[Exl3Run]:
-    storage = layer.trellis.view(-1)
-    runs = []
-    for run in layout.runs:
-        trellis = storage[run.word_start : run.word_stop].view(
-            layout.k_alloc // TILE, run.cols // TILE, trellis_words(run.bits)
-        )
-        key = layer_key(
-            layout.k_alloc,
-            run.cols,
-            run.bits,
-            int(run.codebook),
-            len(run.shard_widths),
-            layer.params_dtype,
-        )
-        runs.append(
-            Exl3Run(
-                key,
-                trellis,
-                layer.suh[run.first : run.stop],
-                layer.svh[run.col : run.col + run.cols],
-                list(run.shard_widths),
-                int(run.codebook),
-            )
-        )
-    return runs
-
-
-def warm_up(kernel: Exl3Kernel, layout: Exl3Layout, layer: torch.nn.Module) -> None:
-    """Prepare the kernel's plans and workspace, then warm the layer up (plans.py)."""
-    if not kernel.uses_plans:
-        return
-    runs = layer_runs(layout, layer)
-    if envs.VLLM_EXL3_TUNE:
-        for run in runs:
-            tune_run(run, layer.params_dtype)
-    kernel.prepare(runs)
-    resolve_runs(runs, getattr(kernel, "run_plans", []), layer.params_dtype)
-    key = (
-        str(layer.trellis.device),
-        layer.params_dtype,
-        layout.k_alloc,
-        tuple((r.bits, int(r.codebook), r.shard_widths) for r in layout.runs),
-    )
-    warm_up_layer(
-        key,
-        layout.k_width,
-        layout.out_width,
-        layer.params_dtype,
-        layer.trellis.device,
-        lambda x: run_layout(kernel, layout, layer, x, None),
     )
 
 
@@ -176,17 +69,34 @@ def _fused_loader(loader, num_shards: int, one_module: bool):
     return load
 
 
-@register_weight_loader_v2_supported_method
-class Exl3LinearMethod(LinearMethodBase):
-    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order,
-    `ledger` the model's record of loaded tensors (LoadLedger, weights.py)."""
+class Exl3KernelMethod:
+    """What the EXL3 linear and lm_head methods share: the model's record of loaded
+    tensors (`ledger`, LoadLedger, weights.py; a private one when None), the layout and
+    weights their create_weights plans, and, after loading, the kernel `apply` runs."""
 
-    def __init__(self, specs: list[Exl3ModuleSpec], ledger: LoadLedger | None = None):
-        self.specs = specs
+    def __init__(self, ledger: LoadLedger | None):
         self.ledger = ledger if ledger is not None else LoadLedger()
         self.layout: Exl3Layout
         self.weights: Exl3LayerWeights
         self.kernel: Exl3Kernel
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.weights.finish(layer)
+        self.kernel = init_exl3_linear_kernel(self.layout, layer)
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.kernel.apply_weights(layer, x, bias)
+
+
+@register_weight_loader_v2_supported_method
+class Exl3LinearMethod(Exl3KernelMethod, LinearMethodBase):
+    """One EXL3 linear layer; `specs` are its checkpoint modules in shard order."""
+
+    def __init__(self, specs: list[Exl3ModuleSpec], ledger: LoadLedger | None = None):
+        super().__init__(ledger)
+        self.specs = specs
 
     def create_weights(
         self,
@@ -250,18 +160,7 @@ class Exl3LinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         check_loaded(self.ledger, layer, ("bias",))
-        self.weights.finish(layer)
-        self.kernel = choose_exl3_kernel(
-            Exl3KernelConfig(
-                self.layout.prefix, layer.trellis.device, layer.params_dtype
-            )
-        )
-        warm_up(self.kernel, self.layout, layer)
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return run_layout(self.kernel, self.layout, layer, x, bias)
+        super().process_weights_after_loading(layer)
 
 
 # `Exl3LMHeadMethod`: an EXL3 `lm_head` as vLLM's ParallelLMHead.
@@ -274,16 +173,13 @@ class Exl3LinearMethod(LinearMethodBase):
 # (layout.plan_lm_head).
 
 
-class Exl3LMHeadMethod(QuantizeMethodBase):
+class Exl3LMHeadMethod(Exl3KernelMethod, QuantizeMethodBase):
     def __init__(
         self, prefix: str, spec: Exl3ModuleSpec, ledger: LoadLedger | None = None
     ):
+        super().__init__(ledger)
         self.prefix = prefix
         self.spec = spec
-        self.ledger = ledger if ledger is not None else LoadLedger()
-        self.layout: Exl3Layout
-        self.weights: Exl3LayerWeights
-        self.kernel: Exl3Kernel
 
     def create_weights(
         self,
@@ -317,18 +213,6 @@ class Exl3LMHeadMethod(QuantizeMethodBase):
             [(input_size_per_partition, layer.org_vocab_size)],
         )
         self.weights.create(layer, direct_weight_loader)
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        self.weights.finish(layer)
-        self.kernel = choose_exl3_kernel(
-            Exl3KernelConfig(self.prefix, layer.trellis.device, layer.params_dtype)
-        )
-        warm_up(self.kernel, self.layout, layer)
-
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return run_layout(self.kernel, self.layout, layer, x, bias)
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module):
         raise Exl3LayoutError(
@@ -469,27 +353,14 @@ class Exl3PaddedUnquantizedLinearMethod(UnquantizedLinearMethod):
         self.ledger = ledger if ledger is not None else LoadLedger()
 
     def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
+        self, layer: torch.nn.Module, *args, **extra_weight_attrs
     ) -> None:
+        """vLLM's (its arguments passed on), with the weight's and the bias's loads
+        trimmed of the stored padding and recorded in the ledger."""
         extra_weight_attrs["weight_loader"] = unpadding_loader(
             layer, extra_weight_attrs["weight_loader"], self.ledger
         )
-        super().create_weights(
-            layer,
-            input_size_per_partition,
-            output_partition_sizes,
-            input_size,
-            output_size,
-            params_dtype,
-            **extra_weight_attrs,
-        )
+        super().create_weights(layer, *args, **extra_weight_attrs)
         unpad_bias_loads(layer, self.ledger)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

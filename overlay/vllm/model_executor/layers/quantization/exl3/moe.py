@@ -19,8 +19,8 @@ hidden h, per-rank expert width i_p, all multiples of 128) are held as:
 * `w2_suh` fp16 [E, i_p]; `w2_svh` fp16 [E, h].
 
 The meta tables are non-persistent buffers (dummy-weight initialisation must not
-randomise them); block offsets are multiples of `BLOCK_ALIGN` elements. One codebook per
-layer.
+randomise them); block offsets are multiples of `TRELLIS_OFFSET_ALIGN` elements. One
+codebook per layer.
 
 Tensor parallelism follows the dense rules (tp_rules.py): gate/up are column-parallel
 (their n split), down row-parallel (its k split), so every rank's i_p must be a multiple
@@ -53,44 +53,42 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 
-from .config import strip_wrappers
 from .format import (
+    DATA_SUFFIXES,
+    EXL3_ONLY_SUFFIXES,
     HADAMARD_SIZE,
-    MCG_MARKER_VALUE,
-    MUL1_MARKER_VALUE,
+    IGNORED,
+    LEGACY_SIGNS,
+    MARKERS,
     TILE,
     Codebook,
     Exl3ModuleSpec,
+    round_up,
     unpack_sign_bits,
 )
 from .layout import Exl3LayoutError
 from .moe_kernels import (
+    DOWN,
+    GATE,
     K2_PER_BIT,
+    TRELLIS_OFFSET_ALIGN,
+    UP,
     Exl3MoEKernel,
     Exl3MoEKernelConfig,
     Exl3MoEWeights,
-    choose_exl3_moe_kernel,
+    backend_to_kernel_cls,
+    block_words,
+    select_exl3_moe_backend,
+    tile_words,
 )
-from .tp_rules import round_up, row_split_error
+from .names import strip_wrappers
+from .tp_rules import row_split_error
 
 logger = init_logger(__name__)
 
-# Trellis blocks start on 16-byte boundaries (8 int16 elements) for vectorised loads.
-BLOCK_ALIGN = 8
-# Roles in checkpoint order; w13 holds gate (0) and up (1), w2 the down projection.
-GATE, UP, DOWN = 0, 1, 2
+# The roles (GATE, UP, DOWN) for messages, and by vLLM's expert shard ids.
 ROLE_NAMES = ("gate", "up", "down")
 SHARD_ROLES = {"w1": GATE, "w3": UP, "w2": DOWN}
-MARKERS = {
-    "mcg": (Codebook.MCG, MCG_MARKER_VALUE),
-    "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE),
-}
-LEGACY_SIGNS = {
-    "su": "suh",
-    "sv": "svh",
-}  # packed sign bitfield -> the fp16 tensor it replaces
-DATA = ("trellis", "suh", "svh")
-IGNORED = ("scale",)  # stored by old converters, never applied (exl3-format.md §1.4)
 
 
 @dataclass(frozen=True)
@@ -107,10 +105,6 @@ class ExpertSpecs:
 
 def _k2(spec: Exl3ModuleSpec) -> int:
     return int(spec.bits * K2_PER_BIT)
-
-
-def _suffixes(spec: Exl3ModuleSpec) -> set[str]:
-    return {name.rpartition(".")[2] for name in spec.tensor_names}
 
 
 def plan_experts(
@@ -328,24 +322,18 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             for role in (GATE, UP):
                 k2 = _k2(specs.role(role))
                 w13_meta[local, role] = torch.tensor([t13, k2])
-                t13 += round_up(
-                    (h // TILE) * (i_p // TILE) * TILE * k2 // K2_PER_BIT, BLOCK_ALIGN
-                )
+                t13 += round_up(block_words(h, i_p, k2), TRELLIS_OFFSET_ALIGN)
             k2 = _k2(specs.down)
             w2_meta[local] = torch.tensor([t2, k2])
-            t2 += round_up(
-                (i_p // TILE) * (h // TILE) * TILE * k2 // K2_PER_BIT, BLOCK_ALIGN
-            )
+            t2 += round_up(block_words(i_p, h, k2), TRELLIS_OFFSET_ALIGN)
             for role in (GATE, UP, DOWN):
-                self._expected[(local, role)] = _suffixes(specs.role(role))
+                self._expected[(local, role)] = set(specs.role(role).suffixes)
         self.w13_meta_cpu, self.w2_meta_cpu = w13_meta, w2_meta
 
         all_suffixes = (
             set().union(*self._expected.values()) if self._expected else set()
         )
-        unknown = (
-            all_suffixes - set(DATA) - set(MARKERS) - set(LEGACY_SIGNS) - set(IGNORED)
-        )
+        unknown = all_suffixes - set(EXL3_ONLY_SUFFIXES) - set(IGNORED)
         if unknown:
             raise Exl3LayoutError(
                 f"{where}: checkpoint expert tensors with suffixes {sorted(unknown)} "
@@ -448,7 +436,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self._claim(where, suffix, local, role, name)
         i_p, r = self.width, self.tp_rank
         if suffix == "trellis":
-            words = TILE * _k2(spec) // K2_PER_BIT
+            words = tile_words(_k2(spec))
             self._check(
                 where,
                 loaded,
@@ -514,7 +502,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             if isinstance(getattr(layer, name), Exl3MoEParameter):
                 data = getattr(layer, name).data
                 delattr(layer, name)
-                if name.partition("_")[2] in DATA:
+                if name.partition("_")[2] in DATA_SUFFIXES:
                     layer.register_parameter(
                         name, torch.nn.Parameter(data, requires_grad=False)
                     )
@@ -527,7 +515,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 for r in (GATE, UP, DOWN)
             }
         )
-        self.kernel = choose_exl3_moe_kernel(
+        backend, reason = select_exl3_moe_backend(
             Exl3MoEKernelConfig(
                 self.prefix,
                 layer.w13_trellis.device,
@@ -537,6 +525,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 tuple(bits),
             )
         )
+        logger.debug("EXL3 %s: %s MoE backend (%s)", self.prefix, backend.value, reason)
+        self.kernel = backend_to_kernel_cls(backend)()
         self.kernel.prepare(self.weights(layer), layer.params_dtype)
 
     def _check_complete(self) -> None:
@@ -559,7 +549,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             )
         for (local, role), value in sorted(self._markers.items()):
             spec = self.experts[self._local[local]].role(role)
-            marker = next(s for s in _suffixes(spec) if s in MARKERS)
+            marker = next(s for s in spec.suffixes if s in MARKERS)
             codebook, expected = MARKERS[marker]
             if value != expected or codebook != spec.codebook:
                 raise Exl3LayoutError(

@@ -13,10 +13,10 @@ With `sorted_ids`, `expert_ids` and `num_tokens_post_pad` all None the op runs t
 pairs layout instead of vLLM's alignment: row block b (`PAIRS_BLOCK_SIZE` rows) serves
 routed pair b = token * top_k + k alone, its expert topk_ids.flat[b] (through
 expert_map), and the input transform writes those arrays itself, so the alignment's
-launches go (the few-token path; moe_kernels.py `uses_pairs` decides).
+launches go (the few-token path; moe_plans.py `select_moe_path` decides).
 
 `gate_up_splits` / `down_splits` cut the two grouped GEMMs' k (the caller's rule,
-moe_kernels.py `moe_splits`); their fp32 partial sums go to `workspace`
+moe_plans.py `moe_splits`); their fp32 partial sums go to `workspace`
 (`split_workspace_floats` elements, None when both are 1) and are summed in a fixed
 order by the SwiGLU transform and the combine.
 
@@ -29,8 +29,9 @@ and up, or w2: down) in the original basis and transposed, into a caller-owned b
 laid out as vLLM's fused-MoE weights: the large-batch path.
 """
 
+from typing import NamedTuple
+
 import torch
-from torch.library import register_fake
 
 from . import ops
 
@@ -64,120 +65,72 @@ def load_exl3_moe_op() -> tuple[bool, str | None]:
             False,
             f"the EXL3 extension is loaded but registers no _C::{OP} (an older build?)",
         )
-    _register_fake()
+    ops.register_missing_fakes(
+        {OP: exl3_moe_fake, RECONSTRUCT_OP: exl3_moe_reconstruct_fake}
+    )
     return True, None
 
 
-def exl3_moe_fake(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    sorted_ids: torch.Tensor | None,
-    expert_ids: torch.Tensor | None,
-    num_tokens_post_pad: torch.Tensor | None,
-    expert_map: torch.Tensor | None,
-    w13_trellis: torch.Tensor,
-    w13_meta: torch.Tensor,
-    w13_suh: torch.Tensor,
-    w13_svh: torch.Tensor,
-    w2_trellis: torch.Tensor,
-    w2_meta: torch.Tensor,
-    w2_suh: torch.Tensor,
-    w2_svh: torch.Tensor,
-    block_size: int,
-    w13_k2s: list[int],
-    w2_k2s: list[int],
-    global_num_experts: int,
-    codebook: int,
-    apply_router_weight_on_input: bool,
-    deterministic: bool,
-    gate_up_splits: int,
-    down_splits: int,
-    workspace: torch.Tensor | None,
-    wgmma: int,
-) -> torch.Tensor:
+class Exl3MoEArgs(NamedTuple):
+    """The arguments of `_C::exl3_moe`, in schema order (see the module docstring)."""
+
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    sorted_ids: torch.Tensor | None  # the alignment; all three None: the pairs layout
+    expert_ids: torch.Tensor | None
+    num_tokens_post_pad: torch.Tensor | None
+    expert_map: torch.Tensor | None
+    w13_trellis: torch.Tensor
+    w13_meta: torch.Tensor
+    w13_suh: torch.Tensor
+    w13_svh: torch.Tensor
+    w2_trellis: torch.Tensor
+    w2_meta: torch.Tensor
+    w2_suh: torch.Tensor
+    w2_svh: torch.Tensor
+    block_size: int
+    w13_k2s: list[int]
+    w2_k2s: list[int]
+    global_num_experts: int
+    codebook: int
+    apply_router_weight_on_input: bool
+    deterministic: bool
+    gate_up_splits: int
+    down_splits: int
+    workspace: torch.Tensor | None
+    wgmma: int
+
+
+class Exl3MoEReconstructArgs(NamedTuple):
+    """The arguments of `_C::exl3_moe_reconstruct`, in schema order: one weight set
+    (w13 or w2) and the caller's output buffer."""
+
+    trellis: torch.Tensor
+    meta: torch.Tensor  # int64 [E, roles, 2]
+    suh: torch.Tensor  # [E, roles, k]
+    svh: torch.Tensor  # [E, roles * n]
+    k2s: list[int]  # the distinct 2 * bits of meta
+    codebook: int
+    out: torch.Tensor  # [E, roles * n, k], bf16 or fp16
+
+
+def exl3_moe_fake(*args, **kwargs) -> torch.Tensor:
+    """`_C::exl3_moe`'s output metadata; takes the op's arguments (Exl3MoEArgs)."""
+    x = Exl3MoEArgs(*args, **kwargs).x
     return x.new_empty((x.shape[0], x.shape[1]))
 
 
-def exl3_moe_reconstruct_fake(
-    trellis: torch.Tensor,
-    meta: torch.Tensor,
-    suh: torch.Tensor,
-    svh: torch.Tensor,
-    k2s: list[int],
-    codebook: int,
-    out: torch.Tensor,
-) -> None:
+def exl3_moe_reconstruct_fake(*args, **kwargs) -> None:
+    """`_C::exl3_moe_reconstruct` (Exl3MoEReconstructArgs) writes `out` in place and
+    returns nothing."""
     return None
 
 
-def _register_fake() -> None:
-    for op, fake in ((OP, exl3_moe_fake), (RECONSTRUCT_OP, exl3_moe_reconstruct_fake)):
-        qualname = f"_C::{op}"
-        if hasattr(torch.ops._C, op) and not (
-            torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta")
-        ):
-            register_fake(qualname)(fake)
-
-
-def exl3_moe(
-    x: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    sorted_ids: torch.Tensor | None,
-    expert_ids: torch.Tensor | None,
-    num_tokens_post_pad: torch.Tensor | None,
-    expert_map: torch.Tensor | None,
-    w13_trellis: torch.Tensor,
-    w13_meta: torch.Tensor,
-    w13_suh: torch.Tensor,
-    w13_svh: torch.Tensor,
-    w2_trellis: torch.Tensor,
-    w2_meta: torch.Tensor,
-    w2_suh: torch.Tensor,
-    w2_svh: torch.Tensor,
-    block_size: int,
-    w13_k2s: list[int],
-    w2_k2s: list[int],
-    global_num_experts: int,
-    codebook: int,
-    apply_router_weight_on_input: bool,
-    deterministic: bool,
-    gate_up_splits: int,
-    down_splits: int,
-    workspace: torch.Tensor | None,
-    wgmma: int,
-) -> torch.Tensor:
+def exl3_moe(args: Exl3MoEArgs) -> torch.Tensor:
     """y [M, h] in x.dtype: the routed experts' weighted sum per token (see the module
     doc)."""
-    return torch.ops._C.exl3_moe(
-        x,
-        topk_weights,
-        topk_ids,
-        sorted_ids,
-        expert_ids,
-        num_tokens_post_pad,
-        expert_map,
-        w13_trellis,
-        w13_meta,
-        w13_suh,
-        w13_svh,
-        w2_trellis,
-        w2_meta,
-        w2_suh,
-        w2_svh,
-        block_size,
-        w13_k2s,
-        w2_k2s,
-        global_num_experts,
-        codebook,
-        apply_router_weight_on_input,
-        deterministic,
-        gate_up_splits,
-        down_splits,
-        workspace,
-        wgmma,
-    )
+    return torch.ops._C.exl3_moe(*args)
 
 
 def split_workspace_floats(
@@ -198,16 +151,7 @@ def split_workspace_floats(
     return gate_up + down
 
 
-def exl3_moe_reconstruct(
-    trellis: torch.Tensor,
-    meta: torch.Tensor,
-    suh: torch.Tensor,
-    svh: torch.Tensor,
-    k2s: list[int],
-    codebook: int,
-    out: torch.Tensor,
-) -> None:
-    """out [E, roles * n, k] (bf16 or fp16) = each (expert, role)'s W^T, W = diag(suh)
-    Ĥ Ŵ Ĥ diag(svh); meta [E, roles, 2], suh [E, roles, k], svh [E, roles * n], k2s the
-    distinct 2 * bits of meta."""
-    torch.ops._C.exl3_moe_reconstruct(trellis, meta, suh, svh, k2s, codebook, out)
+def exl3_moe_reconstruct(args: Exl3MoEReconstructArgs) -> None:
+    """args.out [E, roles * n, k] (bf16 or fp16) = each (expert, role)'s W^T,
+    W = diag(suh) Ĥ Ŵ Ĥ diag(svh)."""
+    torch.ops._C.exl3_moe_reconstruct(*args)

@@ -54,7 +54,7 @@ split beyond k's chunks, entries against the flags) with an error naming the rul
 
 `workspace`: fp32, 1-D, on x's device, all zeros between calls (the split-k finish
 kernel re-zeroes what it read); one per device from torch's caching allocator
-(kernels.py). A plan whose split-k / stream-k partial sums (m x n floats) do not fit
+(workspace.py). A plan whose split-k / stream-k partial sums (m x n floats) do not fit
 runs with split 1 instead.
 
 `exl3_plan` returns the plan `exl3_linear` would run for m rows on trellis's device
@@ -70,6 +70,8 @@ scripts/bench/tune_plans.py).
 
 import functools
 import importlib
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch.library import register_fake
@@ -80,7 +82,6 @@ from .format import TILE
 logger = init_logger(__name__)
 
 QUICK_BUILD_MODULE = "vllm._exl3_C"
-OPS = ("exl3_linear", "exl3_reconstruct", "exl3_plan", "exl3_time_plans")
 
 # The plan table's layout (mirrored in csrc/quantization/exl3/exl3_kernels.h).
 PLAN_VERSION = 1
@@ -115,29 +116,45 @@ def load_exl3_ops() -> tuple[bool, str | None]:
             "torch.ops._C.exl3_linear is an older build without exl3_plan "
             "(rebuild the kernels)"
         )
-    register_fakes()
+    register_missing_fakes(
+        {"exl3_linear": exl3_linear_fake, "exl3_reconstruct": exl3_reconstruct_fake}
+    )
     return True, None
 
 
-def _needs_fake(name: str) -> bool:
-    qualname = f"_C::{name}"
-    return _has_op(name) and not torch._C._dispatch_has_kernel_for_dispatch_key(
-        qualname, "Meta"
-    )
+def register_missing_fakes(fakes: Mapping[str, Callable]) -> None:
+    """Register the fake implementation of each loaded `_C` op (name -> fake) that has
+    no Meta kernel yet: output metadata for fake tensors and Dynamo, so the ops run
+    inside the torch.compile graph. Eager-only ops (exl3_plan, exl3_time_plans) have
+    none."""
+    for name, fake in fakes.items():
+        qualname = f"_C::{name}"
+        if _has_op(name) and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            qualname, "Meta"
+        ):
+            register_fake(qualname)(fake)
 
 
-def exl3_linear_fake(
-    x: torch.Tensor,
-    trellis: torch.Tensor,
-    suh: torch.Tensor,
-    svh: torch.Tensor,
-    bias: torch.Tensor | None,
-    shard_widths: list[int],
-    codebook: int,
-    plans: list[int],
-    workspace: torch.Tensor,
-) -> torch.Tensor:
-    return x.new_empty((x.shape[0], svh.shape[0]))
+class Exl3LinearArgs(NamedTuple):
+    """The arguments of `_C::exl3_linear` and of `_C::exl3_time_plans`, in schema
+    order (see the module docstring)."""
+
+    x: torch.Tensor
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    bias: torch.Tensor | None
+    shard_widths: list[int]
+    codebook: int
+    plans: list[int]
+    workspace: torch.Tensor
+
+
+def exl3_linear_fake(*args, **kwargs) -> torch.Tensor:
+    """`_C::exl3_linear`'s output metadata; takes the op's arguments
+    (Exl3LinearArgs)."""
+    a = Exl3LinearArgs(*args, **kwargs)
+    return a.x.new_empty((a.x.shape[0], a.svh.shape[0]))
 
 
 def exl3_reconstruct_fake(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
@@ -146,30 +163,9 @@ def exl3_reconstruct_fake(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
     )
 
 
-def register_fakes() -> None:
-    """Output metadata for Dynamo: the dense EXL3 linears run inside the torch.compile
-    graph. exl3_plan and exl3_time_plans are eager-only (load time) and have none."""
-    if _needs_fake("exl3_linear"):
-        register_fake("_C::exl3_linear")(exl3_linear_fake)
-    if _needs_fake("exl3_reconstruct"):
-        register_fake("_C::exl3_reconstruct")(exl3_reconstruct_fake)
-
-
-def exl3_linear(
-    x: torch.Tensor,
-    trellis: torch.Tensor,
-    suh: torch.Tensor,
-    svh: torch.Tensor,
-    bias: torch.Tensor | None,
-    shard_widths: list[int],
-    codebook: int,
-    plans: list[int],
-    workspace: torch.Tensor,
-) -> torch.Tensor:
+def exl3_linear(args: Exl3LinearArgs) -> torch.Tensor:
     """y [m, n] = x [m, k] through S shards of one trellis (see the schema above)."""
-    return torch.ops._C.exl3_linear(
-        x, trellis, suh, svh, bias, shard_widths, codebook, plans, workspace
-    )
+    return torch.ops._C.exl3_linear(*args)
 
 
 def exl3_reconstruct(trellis: torch.Tensor, codebook: int) -> torch.Tensor:
@@ -195,23 +191,10 @@ def exl3_plan(
     )
 
 
-def exl3_time_plans(
-    x: torch.Tensor,
-    trellis: torch.Tensor,
-    suh: torch.Tensor,
-    svh: torch.Tensor,
-    bias: torch.Tensor | None,
-    shard_widths: list[int],
-    codebook: int,
-    plans: list[int],
-    workspace: torch.Tensor,
-) -> list[tuple[list[int], int]]:
-    """(plan entry, mean ns) for every candidate plan of x's m bucket (eager only)."""
-    flat = list(
-        torch.ops._C.exl3_time_plans(
-            x, trellis, suh, svh, bias, shard_widths, codebook, plans, workspace
-        )
-    )
+def exl3_time_plans(args: Exl3LinearArgs) -> list[tuple[list[int], int]]:
+    """(plan entry, mean ns) for every candidate plan of x's m bucket (eager only;
+    `args.plans` is the header the candidates must suit)."""
+    flat = list(torch.ops._C.exl3_time_plans(*args))
     row = PLAN_FIELDS + 1
     return [
         (flat[i : i + PLAN_FIELDS], flat[i + PLAN_FIELDS])

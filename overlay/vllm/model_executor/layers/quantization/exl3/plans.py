@@ -22,15 +22,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import vllm.envs as envs
 from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
+from vllm.utils.platform_utils import get_device_name_as_file_name
 
 from . import ops
-from .kernels import MAX_WORKSPACE_FLOATS, Exl3Run, workspace_for
 from .plan_table import warmup_m_values
+from .workspace import MAX_WORKSPACE_FLOATS, workspace_for
 
 logger = init_logger(__name__)
 
@@ -60,6 +62,18 @@ ENTRY_KEYS = (
 
 class Exl3PlanError(ValueError):
     pass
+
+
+class Exl3Run(NamedTuple):
+    """One `_C::exl3_linear` call of a layer: a run of equal-bitrate shards
+    (layout.KernelRun), its tensors viewed in the layer's parameters."""
+
+    key: str  # layer_key: the plan table's key for this configuration
+    trellis: torch.Tensor  # int16 [k/16, n/16, 16 * bits]
+    suh: torch.Tensor  # fp16 [shards, k]
+    svh: torch.Tensor  # fp16 [n]
+    shard_widths: list[int]
+    codebook: int
 
 
 @dataclass(frozen=True)
@@ -263,8 +277,6 @@ def entry_allowed(entry: list[int], header: list[int]) -> bool:
 
 def device_file_name(device: torch.device) -> str:
     """fused_moe's device naming: the H200 family shares the NVIDIA_H200 tables."""
-    from vllm.utils.platform_utils import get_device_name_as_file_name
-
     name = get_device_name_as_file_name(device.index or 0)
     if "H200" in name.split("_"):
         name = "NVIDIA_H200"
@@ -439,15 +451,17 @@ def tune_run(run: Exl3Run, dtype: torch.dtype) -> None:
             device=run.trellis.device,
         )
         timed = ops.exl3_time_plans(
-            x,
-            run.trellis,
-            run.suh,
-            run.svh,
-            None,
-            run.shard_widths,
-            run.codebook,
-            header,
-            ws,
+            ops.Exl3LinearArgs(
+                x,
+                run.trellis,
+                run.suh,
+                run.svh,
+                None,
+                run.shard_widths,
+                run.codebook,
+                header,
+                ws,
+            )
         )
         if timed:
             entries.append(min(timed, key=lambda t: t[1])[0])

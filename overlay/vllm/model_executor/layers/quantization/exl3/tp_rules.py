@@ -17,11 +17,7 @@ tools (`vllm-exl3 inspect`), so both apply one rule:
 
 from dataclasses import dataclass
 
-from .format import HADAMARD_SIZE
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+from .format import HADAMARD_SIZE, round_up
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,11 @@ from vllm.model_executor.parameter import BasevLLMParameter
 
 from .checkpoint import check_scale_values
 from .format import (
-    MCG_MARKER_VALUE,
-    MUL1_MARKER_VALUE,
+    DATA_SUFFIXES,
+    IGNORED,
+    LEGACY_SIGNS,
+    MARKERS,
     TILE,
-    Codebook,
     Exl3FormatError,
     Exl3ModuleSpec,
     unpack_sign_bits,
@@ -46,19 +47,7 @@ from .layout import Exl3Layout, Exl3LayoutError, ShardLayout, trellis_words
 
 logger = init_logger(__name__)
 
-DATA_SUFFIXES = ("trellis", "suh", "svh")
 OUT_INDEX = "out_index"  # layer buffer: returned column -> computed column (Exl3Layout)
-MARKERS = {
-    "mcg": (Codebook.MCG, MCG_MARKER_VALUE),
-    "mul1": (Codebook.MUL1, MUL1_MARKER_VALUE),
-}
-LEGACY_SIGNS = {
-    "su": "suh",
-    "sv": "svh",
-}  # packed bitfield -> the fp16 tensor it stands in for
-IGNORED = (
-    "scale",
-)  # stored by old converters, never applied (docs/design/exl3_format.md §1.4)
 # The layer's own bias parameter loads `.bias`; it is not an EXL3 parameter.
 LAYER_OWNED = ("bias",)
 QKV_SHARD_IDS = {"q": 0, "k": 1, "v": 2}
@@ -187,10 +176,6 @@ def direct_weight_loader(
     param.exl3_owner.load(param.exl3_suffix, loaded_weight, shard_indices(shard_id))
 
 
-def _suffixes(spec: Exl3ModuleSpec) -> set[str]:
-    return {name.rpartition(".")[2] for name in spec.tensor_names}
-
-
 class Exl3LayerWeights:
     """Creates, loads and finalises the EXL3 parameters of one layer on one rank."""
 
@@ -205,7 +190,7 @@ class Exl3LayerWeights:
         private one when None); `real`: per module, the real (unpadded) input and output
         features, for the value rule of suh/svh."""
         self.layout = layout
-        self.expected = [_suffixes(spec) - set(LAYER_OWNED) for spec in specs]
+        self.expected = [set(spec.suffixes) - set(LAYER_OWNED) for spec in specs]
         self.loaded: set[tuple[str, int]] = set()
         self.ledger = ledger if ledger is not None else LoadLedger()
         self.real = real if real is not None else [(None, None)] * len(specs)
@@ -352,10 +337,7 @@ class Exl3LayerWeights:
         for index in covered:
             shard = layout.shards[index]
             run = layout.run_of(index)
-            storage = self._params["trellis"].data.view(-1)[
-                run.word_start : run.word_stop
-            ]
-            block = storage.view(layout.k_alloc // TILE, run.cols // TILE, words)
+            block = layout.run_trellis(self._params["trellis"].data, run)
             dst = block.narrow(1, (shard.col - run.col) // TILE, shard.alloc // TILE)
             rows, cols = layout.copy_rows(shard) // TILE, shard.copy_cols // TILE
             dst.zero_()
