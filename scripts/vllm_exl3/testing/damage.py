@@ -685,7 +685,6 @@ def _module_from_another_conversion(*drop_modules: str) -> Callable[[Path], None
     included; `drop_modules` then removed entirely."""
 
     def build(dst: Path) -> None:
-
         other = dst.parent / f"{dst.name}-other-conversion"
         synth.write_checkpoint("qwen3-tiny", dst, layers=3, bits=3, codebook="mcg")
         synth.write_checkpoint("qwen3-tiny", other, layers=3, bits=2.5, codebook="mul1")
