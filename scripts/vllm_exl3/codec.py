@@ -70,4 +70,5 @@ def _submodule(name: str) -> ModuleType:
 exl3_format = _submodule("format")
 checkpoint = _submodule("checkpoint")
 reference = _submodule("reference")
+embedding_reference = _submodule("embedding_reference")
 tp_rules = _submodule("tp_rules")
