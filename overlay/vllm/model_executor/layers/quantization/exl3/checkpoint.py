@@ -38,12 +38,14 @@ from .checkpoint_files import (
     read_safetensors_index,
 )
 from .format import (
-    EMBED_SIGNS_SUFFIX,
     HADAMARD_SIZE,
     Codebook,
+    Exl3EmbeddingSpec,
     Exl3ModuleSpec,
+    embedding_spec,
     group_spec,
     group_tensors,
+    is_embedding_group,
 )
 
 CONFIG_FILE = "config.json"
@@ -112,7 +114,7 @@ class CheckpointDescription:
     config: dict | None  # config.json
     quant_document: dict | None  # quantization_config.json
     modules: dict[str, Exl3ModuleSpec]  # EXL3 linears by module key
-    unsupported: dict[str, str]  # EXL3 containers vLLM cannot load, with the reason
+    embeddings: dict[str, Exl3EmbeddingSpec]  # quantized token embeddings (§8)
     warnings: list[str] = field(
         default_factory=list
     )  # declared vs stored; the tensors win
@@ -147,20 +149,17 @@ def read_documents(root: str) -> tuple[dict | None, dict | None]:
 
 def find_modules(
     tensors: Mapping[str, TensorEntry],
-) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module
-    key, in sorted order (so every reader meets the same first error)."""
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, Exl3EmbeddingSpec]]:
+    """EXL3 linears and quantized token embeddings (both validated, fail closed), by
+    module key, in sorted order (so every reader meets the same first error)."""
     specs: dict[str, Exl3ModuleSpec] = {}
-    unsupported: dict[str, str] = {}
+    embeddings: dict[str, Exl3EmbeddingSpec] = {}
     for prefix, members in group_tensors(tensors).items():
-        if EMBED_SIGNS_SUFFIX in members:
-            unsupported[prefix] = (
-                f"{prefix} is a quantized token embedding (trellis + signs, "
-                "--embed_bits), which is not supported"
-            )
+        if is_embedding_group(members):
+            embeddings[prefix] = embedding_spec(prefix, members)
         elif (spec := group_spec(prefix, members)) is not None:
             specs[prefix] = spec
-    return specs, unsupported
+    return specs, embeddings
 
 
 def validate_checkpoint(
@@ -176,9 +175,11 @@ def validate_checkpoint(
         raise Exl3FormatError(f"{root}: not a directory")
     tensors = read_safetensors_index(root)
     config, quant_document = read_documents(root)
-    specs, unsupported = find_modules(tensors)
+    specs, embeddings = find_modules(tensors)
     if config is not None:
-        problems = config_problems(config, tensors, specs, tied=tied)
+        problems = config_problems(
+            config, tensors, specs, tied=tied, embeddings=embeddings
+        )
         if problems:
             more = (
                 f" (and {more_problems(len(problems) - 1)})"
@@ -188,7 +189,7 @@ def validate_checkpoint(
             raise Exl3FormatError(problems[0] + more)
     warnings = declared_disagreements(config, quant_document, specs)
     return CheckpointDescription(
-        root, tensors, config, quant_document, specs, unsupported, warnings
+        root, tensors, config, quant_document, specs, embeddings, warnings
     )
 
 
@@ -749,6 +750,7 @@ def config_problems(
     specs: Mapping[str, Exl3ModuleSpec],
     *,
     tied: bool | None = None,
+    embeddings: Mapping[str, Exl3EmbeddingSpec] | None = None,
 ) -> list[str]:
     """Every way config.json disagrees with the stored tensors, most basic first."""
     cfg = text_config(config)
@@ -804,7 +806,37 @@ def config_problems(
             if found:
                 problems.append(found)
     problems += _head_problems(cfg, tensors, specs, tied)
+    problems += _embedding_problems(cfg, embeddings or {}, tied)
     problems += _bias_problems(cfg, tensors, specs)
+    return problems
+
+
+def _embedding_problems(
+    cfg: Mapping[str, Any],
+    embeddings: Mapping[str, Exl3EmbeddingSpec],
+    tied: bool | None,
+) -> list[str]:
+    """A quantized token embedding (§8) against config.json: vocab_size rows, groups
+    covering hidden_size, and no output layer tied to it (§8.3)."""
+    if tied is None:
+        tied = cfg.get("tie_word_embeddings") is True
+    hidden, vocab = _int(cfg, "hidden_size"), _int(cfg, "vocab_size")
+    problems = []
+    for prefix, spec in sorted(embeddings.items()):
+        if vocab and spec.rows != vocab:
+            problems.append(
+                f"{prefix}.trellis: {spec.rows} rows, but config.json vocab_size = "
+                f"{vocab} (is config.json from another model?)"
+            )
+        if hidden and (found := spec.hidden_problem(hidden)):
+            problems.append(f"{found}; config.json hidden_size = {hidden}")
+        if tied:
+            problems.append(
+                f"{prefix}.trellis: a quantized token embedding, but config.json "
+                "tie_word_embeddings = true makes it the output layer too, which EXL3 "
+                "cannot run (ExLlamaV3 writes a separate lm_head and sets "
+                "tie_word_embeddings to false)"
+            )
     return problems
 
 

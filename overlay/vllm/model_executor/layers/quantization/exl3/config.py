@@ -30,7 +30,14 @@ from vllm.model_executor.layers.quantization.base_config import (
 from .checkpoint import MTP_PREFIX, storage_claims, validate_checkpoint
 from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX, Exl3FormatError
 from .env_compat import adopt_deprecated_env_names
-from .format import EMBED_SIGNS_SUFFIX, Codebook, Exl3ModuleSpec, group_spec
+from .format import (
+    Codebook,
+    Exl3EmbeddingSpec,
+    Exl3ModuleSpec,
+    embedding_spec,
+    group_spec,
+    is_embedding_group,
+)
 from .layout import Exl3LayoutError
 from .unsupported_models import refuse_unsupported_architecture
 from .weights import LoadLedger
@@ -217,27 +224,24 @@ def storage_tensors(
 
 def find_modules(
     tensors: Mapping[str, tuple[tuple[int, ...], str]],
-) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """EXL3 linears (validated, fail closed) and unsupported EXL3 containers, by module
-    key."""
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, Exl3EmbeddingSpec]]:
+    """EXL3 linears and quantized token embeddings (both validated, fail closed), by
+    module key."""
     specs: dict[str, Exl3ModuleSpec] = {}
-    unsupported: dict[str, str] = {}
+    embeddings: dict[str, Exl3EmbeddingSpec] = {}
     for prefix, members in sorted(_group(tensors).items()):
-        if EMBED_SIGNS_SUFFIX in members:
-            unsupported[prefix] = (
-                f"{prefix} is a quantized token embedding (trellis + signs, "
-                f"--embed_bits), which is not supported"
-            )
+        if is_embedding_group(members):
+            embeddings[prefix] = embedding_spec(prefix, members)
         elif (spec := group_spec(prefix, members)) is not None:
             specs[prefix] = spec
-    return specs, unsupported
+    return specs, embeddings
 
 
 def describe_checkpoint(
     headers: Mapping[str, tuple[tuple[int, ...], str]],
     storage: Mapping[str, Any] | None,
     source: str,
-) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, Exl3EmbeddingSpec]]:
     """Reconcile the safetensors headers (authoritative) with tensor_storage."""
     if not headers:
         if not storage:
@@ -254,7 +258,7 @@ def describe_checkpoint(
             QUANT_CONFIG_FILE,
         )
         return find_modules(storage_tensors(storage))
-    specs, unsupported = find_modules(headers)
+    specs, embeddings = find_modules(headers)
     if storage is None:
         logger.info(
             "EXL3 checkpoint %s: no %s tensor_storage; %d EXL3 modules found in the "
@@ -263,7 +267,7 @@ def describe_checkpoint(
             QUANT_CONFIG_FILE,
             len(specs),
         )
-        return specs, unsupported
+        return specs, embeddings
     claims = storage_claims(storage)
     phantom = sorted(k for k in claims if k not in specs)
     if phantom:
@@ -298,7 +302,7 @@ def describe_checkpoint(
             QUANT_CONFIG_FILE,
             _listing(recovered),
         )
-    return specs, unsupported
+    return specs, embeddings
 
 
 class Exl3Config(QuantizationConfig):
@@ -314,7 +318,7 @@ class Exl3Config(QuantizationConfig):
         )
         self.quant_block = block
         self.modules: dict[str, Exl3ModuleSpec] | None = None
-        self.unsupported: dict[str, str] = {}
+        self.embeddings: dict[str, Exl3EmbeddingSpec] = {}
         self.resolver: ModuleNameResolver | None = None
         self._mapper = None
         # tensor_storage's (bits, codebook) per module; MoE experts must agree with it.
@@ -373,7 +377,7 @@ class Exl3Config(QuantizationConfig):
                 storage_claims(storage) if isinstance(storage, Mapping) else {}
             )
             self.mtp_stored = any(n.startswith(MTP_PREFIX) for n in description.tensors)
-            self.set_checkpoint(description.modules, description.unsupported)
+            self.set_checkpoint(description.modules, description.embeddings)
             return
         storage = self.tensor_storage
         if storage is None:
@@ -389,11 +393,13 @@ class Exl3Config(QuantizationConfig):
         self.set_checkpoint(*describe_checkpoint(headers, storage, str(model_name)))
 
     def set_checkpoint(
-        self, modules: dict[str, Exl3ModuleSpec], unsupported: dict[str, str]
+        self,
+        modules: dict[str, Exl3ModuleSpec],
+        embeddings: dict[str, Exl3EmbeddingSpec],
     ) -> None:
         self.modules = modules
-        self.unsupported = unsupported
-        self.resolver = ModuleNameResolver([*modules, *unsupported])
+        self.embeddings = embeddings
+        self.resolver = ModuleNameResolver([*modules, *embeddings])
         if self._mapper is not None:
             self.resolver.set_mapper(self._mapper)
 
@@ -407,10 +413,7 @@ class Exl3Config(QuantizationConfig):
 
     def _resolve(self, name: str) -> str | None:
         assert self.resolver is not None
-        key = self.resolver.resolve(name)
-        if key in self.unsupported:
-            raise NotImplementedError(f"EXL3: {self.unsupported[key]} (layer {name})")
-        return key
+        return self.resolver.resolve(name)
 
     def linear_specs(self, prefix: str, num_shards: int) -> list[Exl3ModuleSpec] | None:
         """The EXL3 modules of a (fused) linear in shard order (one per output shard,
@@ -483,8 +486,12 @@ class Exl3Config(QuantizationConfig):
 
             return Exl3LMHeadMethod(prefix, self.modules[key], self.ledger)
         if isinstance(layer, VocabParallelEmbedding):
-            self._resolve(prefix)  # raises for a quantized embedding
-            return None
+            key = self._resolve(prefix)
+            if key not in self.embeddings:
+                return None
+            from .embedding import Exl3EmbeddingMethod
+
+            return Exl3EmbeddingMethod(prefix, self.embeddings[key], self.ledger)
         if _is_routed_experts(layer):
             return self._moe_method(layer, prefix)
         return None
@@ -496,11 +503,6 @@ class Exl3Config(QuantizationConfig):
         unquantized experts) when the checkpoint has no EXL3 module under the prefix."""
         assert self.resolver is not None and self.modules is not None
         under = self.resolver.modules_under(prefix)
-        for key in under:
-            if key in self.unsupported:
-                raise NotImplementedError(
-                    f"EXL3: {self.unsupported[key]} (layer {prefix})"
-                )
         inside = [k for k in under if k in self.modules]
         if not inside:
             return None
