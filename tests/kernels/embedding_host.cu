@@ -62,6 +62,7 @@ int main(int argc, char** argv) {
   }
   FILE* f = fopen(argv[5], "wb");
   if (!f) return 3;
-  const bool ok = fwrite(out.data(), sizeof(float), out.size(), f) == out.size();
+  const bool ok =
+      fwrite(out.data(), sizeof(float), out.size(), f) == out.size();
   return (fclose(f) == 0 && ok) ? 0 : 3;
 }

@@ -126,8 +126,8 @@ void launch_embedding(const EmbeddingParams& p, cudaStream_t stream) {
   using embedding::kWarpsPerBlock;
   const int64_t items = p.tokens * p.groups;
   if (items == 0) return;
-  const dim3 grid(static_cast<unsigned>((items + kWarpsPerBlock - 1) /
-                                        kWarpsPerBlock));
+  const dim3 grid(
+      static_cast<unsigned>((items + kWarpsPerBlock - 1) / kWarpsPerBlock));
   if (p.ids_int64)
     embedding::launch_for_ids<int64_t>(p, grid, stream);
   else

@@ -10,10 +10,11 @@
 // The group is then the 256-point Walsh-Hadamard transform of those values,
 // divided by 16 and multiplied by the group's signs.
 //
-// Every fp32 operation happens in the reference's order (embedding_reference.py:
-// the butterflies in ascending stride), so the result is the reference's bit
-// for bit. The per-lane parts are __host__ __device__: a host driver runs them
-// (and emulates the cross-lane stages) against the reference without a GPU.
+// Every fp32 operation happens in the reference's order
+// (embedding_reference.py: the butterflies in ascending stride), so the result
+// is the reference's bit for bit. The per-lane parts are __host__ __device__: a
+// host driver runs them (and emulates the cross-lane stages) against the
+// reference without a GPU.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -137,9 +138,10 @@ __host__ __device__ __forceinline__ void lane_values(const uint16_t* ring,
   for (int q = 0; q < kPerLane / 2; ++q) {
     // One MUL1 decode per pair of states: the linear's codebook code, fp16
     // rounded exactly as the format defines.
-    const uint32_t pair = decode_pair<kMul1>(states[2 * q], states[2 * q + 1], 0u);
-    x[2 * q] =
-        mul_rn(half_bits_to_float(static_cast<uint16_t>(pair & 0xFFFFu)), scale);
+    const uint32_t pair =
+        decode_pair<kMul1>(states[2 * q], states[2 * q + 1], 0u);
+    x[2 * q] = mul_rn(half_bits_to_float(static_cast<uint16_t>(pair & 0xFFFFu)),
+                      scale);
     x[2 * q + 1] =
         mul_rn(half_bits_to_float(static_cast<uint16_t>(pair >> 16)), scale);
   }

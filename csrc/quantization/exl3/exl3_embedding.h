@@ -13,11 +13,11 @@ namespace vllm_exl3 {
 enum class EmbeddingOut : int { kFloat = 0, kHalf = 1, kBFloat16 = 2 };
 
 struct EmbeddingParams {
-  const void* ids;       // [tokens] int32 or int64
-  bool ids_int64;        // the ids' type
-  const int16_t* table;  // trellis [rows, groups * group_words(bits)]
-  const uint16_t* signs; // fp16 bit patterns [groups, 256]
-  void* out;             // [tokens, hidden] of `out_type`
+  const void* ids;        // [tokens] int32 or int64
+  bool ids_int64;         // the ids' type
+  const int16_t* table;   // trellis [rows, groups * group_words(bits)]
+  const uint16_t* signs;  // fp16 bit patterns [groups, 256]
+  void* out;              // [tokens, hidden] of `out_type`
   EmbeddingOut out_type;
   int64_t tokens;
   int64_t rows;

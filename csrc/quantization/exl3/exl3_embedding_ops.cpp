@@ -98,14 +98,16 @@ Tensor exl3_embedding(Tensor ids, Tensor trellis, Tensor signs, int64_t hidden,
                       per_group == kScaleWords + kStreamWordsPerBit * bits &&
                       bits >= kMinBits && bits <= kMaxBits,
                   kOp, ": trellis ", shape_str(trellis), " is not [rows >= 1, ",
-                  groups, " groups (from signs) * (1 + 16 * bits)] for bits in ",
+                  groups,
+                  " groups (from signs) * (1 + 16 * bits)] for bits in ",
                   kMinBits, "..", kMaxBits);
-  STD_TORCH_CHECK(hidden > (groups - 1) * kGroup && hidden <= groups * kGroup,
-                  kOp, ": hidden = ", hidden, " does not fill ", groups,
-                  " groups of 256 (the table stores ceil(hidden / 256) groups)");
+  STD_TORCH_CHECK(
+      hidden > (groups - 1) * kGroup && hidden <= groups * kGroup, kOp,
+      ": hidden = ", hidden, " does not fill ", groups,
+      " groups of 256 (the table stores ceil(hidden / 256) groups)");
   const int64_t tokens = ids.size(0);
-  STD_TORCH_CHECK(tokens * groups <= kMaxItems, kOp, ": ", tokens,
-                  " ids x ", groups, " groups exceed one launch");
+  STD_TORCH_CHECK(tokens * groups <= kMaxItems, kOp, ": ", tokens, " ids x ",
+                  groups, " groups exceed one launch");
   STD_TORCH_CHECK(hidden <= kMaxInt32, kOp, ": hidden = ", hidden,
                   " is too large");
 

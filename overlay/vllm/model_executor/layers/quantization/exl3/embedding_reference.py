@@ -139,7 +139,5 @@ def decode_rows(
         rings = trellis.index_select(0, chunk).view(chunk.numel() * groups, -1)
         tiled = signs.repeat(chunk.numel(), 1)
         decoded = decode_rings(rings, tiled, bits)
-        out[start : start + chunk.numel()] = decoded.view(chunk.numel(), -1)[
-            :, :hidden
-        ]
+        out[start : start + chunk.numel()] = decoded.view(chunk.numel(), -1)[:, :hidden]
     return out.view(*ids.shape, hidden)
