@@ -44,7 +44,7 @@ __device__ __forceinline__ void store_lane(Out* row, int col, int hidden,
                                            const float (&x)[kPerLane]) {
   if (hidden % kPerLane == 0) {
     if (col >= hidden) return;
-    Out v[kPerLane];
+    alignas(16) Out v[kPerLane];
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) v[j] = from_float<Out>(x[j]);
     constexpr int kVectors = sizeof(v) / sizeof(uint4);
