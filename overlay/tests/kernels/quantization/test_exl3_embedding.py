@@ -6,13 +6,14 @@
 
 The kernel rounds every fp32 operation in the reference's order, so its fp32 output
 must equal the reference exactly, and its fp16 / bf16 output the reference rounded
-once: no tolerance. Fresh random tables every run (the seed is in the failure message), every rate,
-hidden sizes that are and are not multiples of the 256-wide group, vocabularies of 1 row
-to the real 151,936, ids with duplicates and the first and last rows, int32 and int64;
-outputs come from a NaN-poisoned allocation, and NaN never compares equal. Also: tensor
-parallel shards as vLLM cuts them (summed over ranks = the whole table), the input
-checks, an out-of-range id stopping the kernel with its message, no allocation beyond
-the output (no dense table), CUDA-graph replay, and opcheck of the schema and fake.
+once: no tolerance. Fresh random tables every run (the seed is in the failure message),
+every rate, hidden sizes that are and are not multiples of the 256-wide group,
+vocabularies of 1 row to the real 151,936, ids with duplicates and the first and last
+rows, int32 and int64; outputs come from a NaN-poisoned allocation, and NaN never
+compares equal. Also: tensor parallel shards as vLLM cuts them (summed over ranks = the
+whole table), the input checks, an out-of-range id stopping the kernel with its
+message, no allocation beyond the output (no dense table), CUDA-graph replay, and
+opcheck of the schema and fake.
 
 Needs a CUDA GPU and the extension: $VLLM_EXL3_EXT, build/exl3/_exl3_C.abi3.so (quick
 build: `python -m vllm_exl3.kernels_build` from scripts/), or an installed vllm._exl3_C
