@@ -71,6 +71,7 @@ def _submodule(name: str) -> ModuleType:
 exl3_format = _submodule("format")
 checkpoint = _submodule("checkpoint")
 reference = _submodule("reference")
+embedding_reference = _submodule("embedding_reference")
 tp_rules = _submodule("tp_rules")
 layout = _submodule("layout")
 plan_table = _submodule("plan_table")

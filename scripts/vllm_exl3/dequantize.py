@@ -111,6 +111,11 @@ def dequantize(
         description = checkpoint.validate_checkpoint(src)
     except fmt.Exl3FormatError as e:
         raise ToolError(str(e)) from e
+    if description.embeddings:
+        raise ToolError(
+            f"{next(iter(description.embeddings))}: a quantized token embedding "
+            "(--embed_bits); dequantize does not decode it yet"
+        )
     config, index, specs = description.config, description.tensors, description.modules
     for w in description.warnings:
         print(f"warning: {w}", file=sys.stderr)

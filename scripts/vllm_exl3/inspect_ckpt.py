@@ -270,10 +270,10 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dic
         slot = plan_slots.get(prefix)
         spec = specs.get(prefix)
         if spec is None:
-            if prefix in description.unsupported or any(
+            if prefix in description.embeddings or any(
                 s in fmt.EXL3_ONLY_SUFFIXES for s in members
             ):
-                continue  # an EXL3 module that breaks a rule: under errors
+                continue  # a quantized embedding, or an EXL3 module breaking a rule
             unquantized.append(
                 {
                     "name": prefix,

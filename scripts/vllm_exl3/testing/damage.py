@@ -532,6 +532,8 @@ def _quantized_indexer_wk(named: dict[str, torch.Tensor]) -> None:
 
 
 def _quantized_embedding(named: dict[str, torch.Tensor]) -> None:
+    """A quantized token embedding whose trellis width (130 words for 1 group) is no
+    bitrate's 1 + 16K."""
     del named["model.embed_tokens.weight"]
     named["model.embed_tokens.trellis"] = torch.zeros(4096, 2 * 65, dtype=torch.int16)
     named["model.embed_tokens.signs"] = torch.zeros(1, 256, dtype=torch.float16)

@@ -17,7 +17,11 @@ tensor_storage, shards + index over a cap.
 
 Random words are valid trellis content: every int16 word sequence decodes (the
 tail-biting ring has no invalid states), so the reference decodes these checkpoints like
-real ones.
+real ones. `embed_bits` 1..8 stores the token embedding as ExLlamaV3's `--embed_bits`
+does (exl3-format.md §8): `embed_tokens.trellis` int16 [vocab, groups * (1 + 16K)] of
+random rings, each with a realistic fp16 scale in word 0, and `embed_tokens.signs` fp16
+[groups, 256] of +-1; nothing in the JSON files says so (the converter writes no
+`embed_bits` key).
 
 As a script:
     python -m vllm_exl3.testing.synthetic_checkpoint --config qwen3-tiny --bits 4 \
@@ -79,6 +83,11 @@ MULTIPLIER_KEYS = {
     fmt.Codebook.MCG: ("mcg_multiplier", fmt.MCG_MARKER_VALUE),
     fmt.Codebook.MUL1: ("mul1_multiplier", fmt.MUL1_MARKER_VALUE),
 }
+# A quantized embedding's group scales: the decoded group's RMS is its scale times the
+# mul1 codebook's RMS (~1), so this is the RMS of the "embed" plain tensors below.
+EMBED_SCALE_RANGE = (0.015, 0.025)
+# ExLlamaV3's --embed_bits default: the table stays unquantized (`.weight`).
+UNQUANTIZED_EMBED_BITS = 16
 # Files a converter copies from the source directory besides the weights and config.
 COPIED_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".py", ".tiktoken")
 NOT_COPIED = {"config.json", "model.safetensors.index.json", "quantization_config.json"}
@@ -565,6 +574,27 @@ def _exl3_tensors(
     return out
 
 
+def quantized_embedding_tensors(
+    prefix: str, vocab: int, hidden: int, bits: int, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """`prefix.trellis` and `prefix.signs` of a quantized token embedding (§8)."""
+    if bits not in fmt.EMBED_BITS:
+        raise ValueError(f"{prefix}: embed_bits {bits} is not one of {fmt.EMBED_BITS}")
+    groups = -(-hidden // fmt.EMBED_GROUP)
+    words = fmt.EMBED_SCALE_WORDS + fmt.EMBED_STREAM_WORDS_PER_BIT * bits
+    trellis = torch.randint(
+        -(1 << 15), 1 << 15, (vocab, groups, words), generator=gen, dtype=torch.int16
+    )
+    lo, hi = EMBED_SCALE_RANGE
+    scales = lo + (hi - lo) * torch.rand((vocab, groups), generator=gen)
+    trellis[:, :, 0] = scales.half().view(torch.int16)
+    signs = torch.randint(0, 2, (groups, fmt.EMBED_GROUP), generator=gen) * 2 - 1
+    return {
+        f"{prefix}.trellis": trellis.view(vocab, groups * words),
+        f"{prefix}.{fmt.EMBED_SIGNS_SUFFIX}": signs.half(),
+    }
+
+
 def _plain_tensor(
     kind: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
 ) -> torch.Tensor:
@@ -593,6 +623,7 @@ def write_checkpoint(
     bits: float = 4,
     codebook: str | int = "mul1",
     head_bits: float = DEFAULT_HEAD_BITS,
+    embed_bits: int = UNQUANTIZED_EMBED_BITS,
     mtp_bits: float | None = None,
     bits_overrides: Mapping[str, float] | None = None,
     codebook_overrides: Mapping[str, str | int] | None = None,
@@ -610,7 +641,8 @@ def write_checkpoint(
     bits_overrides / codebook_overrides map fnmatch patterns of module names to a rate /
     codebook (first match wins), e.g. {"*.mlp.down_proj": 6, "*.experts.*": 2.5}.
     `layers` overrides num_hidden_layers; `mtp=False` drops the MTP layers (either
-    layout), True requires some.
+    layout), True requires some. `embed_bits` 1..8 quantizes the token embedding (16:
+    stored as is).
     """
     cfg = load_config(config)
     if layers is not None:
@@ -687,7 +719,12 @@ def write_checkpoint(
                 w[slot.out_features :] = 0.0
             tensors[f"{module}.weight"] = w.half()
         for p in plain_by_module.get(module, []):
-            tensors[p.name] = _plain_tensor(p.kind, p.shape, dtype, gen)
+            if p.kind == "embed" and embed_bits != UNQUANTIZED_EMBED_BITS:
+                tensors.update(
+                    quantized_embedding_tensors(module, *p.shape, embed_bits, gen)
+                )
+            else:
+                tensors[p.name] = _plain_tensor(p.kind, p.shape, dtype, gen)
         writer.add_module(tensors)
         storage[module] = {"stored_tensors": _storage_entry(tensors), **entry}
         if progress:
@@ -754,6 +791,12 @@ def main(argv: list[str] | None = None) -> int:
         help="lm_head rate (16 = unquantized fp16)",
     )
     p.add_argument(
+        "--embed-bits",
+        type=int,
+        default=UNQUANTIZED_EMBED_BITS,
+        help="token embedding rate 1-8 (16 = unquantized, the default)",
+    )
+    p.add_argument(
         "--mtp-bits", type=float, default=None, help="MTP layer rate (default --bits)"
     )
     p.add_argument("--no-mtp", action="store_true", help="drop the config's MTP layers")
@@ -782,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
         bits=args.bits,
         codebook=args.codebook,
         head_bits=args.head_bits,
+        embed_bits=args.embed_bits,
         mtp_bits=args.mtp_bits,
         layers=args.layers,
         mtp=False if args.no_mtp else None,

@@ -333,7 +333,7 @@ CASES = [
         "quantized embedding",
         with_(good(), signs=((1, 256), "F16")),
         f"{P}.signs",
-        "not supported",
+        "quantized token embedding",
     ),
     (
         "trellis dtype",

@@ -24,6 +24,7 @@ from vllm.model_executor.layers.quantization.exl3.env_compat import (
 )
 from vllm.model_executor.layers.quantization.exl3.format import (
     Codebook,
+    Exl3FormatError,
     Exl3ModuleSpec,
     round_up,
 )
@@ -84,7 +85,7 @@ def test_fixture_is_described_from_its_tensors(ckpt, bits, codebook, config_log)
     config = config_for(ckpt)
     assert config.get_name() == "exl3"
     assert len(config.modules) == LAYERS * LINEARS_PER_LAYER + 1
-    assert config.unsupported == {}
+    assert config.embeddings == {}
     for key, spec in config.modules.items():
         assert spec.codebook == codebook, key
         assert spec.bits == (6 if key == "lm_head" else bits), key
@@ -210,7 +211,10 @@ def test_exl3_moe_experts_fail_closed():
     assert config.get_quant_method(experts, "model.layers.1.mlp.experts") is None
 
 
-def test_quantized_token_embedding_fails_closed(world1):
+def test_quantized_token_embedding_gets_its_method(world1):
+    from vllm.model_executor.layers.quantization.exl3.embedding import (
+        Exl3EmbeddingMethod,
+    )
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         VocabParallelEmbedding,
     )
@@ -219,7 +223,12 @@ def test_quantized_token_embedding_fails_closed(world1):
         "model.embed_tokens.trellis": torch.zeros(4096, 2 * 65, dtype=torch.int16),
         "model.embed_tokens.signs": torch.zeros(2, 256, dtype=torch.float16),
     }
-    with pytest.raises(NotImplementedError, match="quantized token embedding"):
+    layer = VocabParallelEmbedding(
+        4096, 512, quant_config=config_from_tensors(named), prefix="model.embed_tokens"
+    )
+    assert isinstance(layer.quant_method, Exl3EmbeddingMethod)
+    # Two groups of 256 are the table of a 257..512-wide model, not of a 256-wide one.
+    with pytest.raises(Exl3FormatError, match=r"model\.embed_tokens\.signs: 2 groups"):
         VocabParallelEmbedding(
             4096,
             256,

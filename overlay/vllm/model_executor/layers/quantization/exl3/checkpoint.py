@@ -41,15 +41,17 @@ from .checkpoint_files import (
     read_safetensors_index,
 )
 from .format import (
-    EMBED_SIGNS_SUFFIX,
     EXL3_ONLY_SUFFIXES,
     HADAMARD_SIZE,
     Codebook,
+    Exl3EmbeddingSpec,
     Exl3ModuleSpec,
     TensorShape,
     check_marker,
+    embedding_spec,
     group_shapes,
     group_spec,
+    is_embedding_group,
     read_tensor,
     round_up,
     tensor_shapes,
@@ -130,7 +132,7 @@ class CheckpointDescription:
     config: dict | None  # config.json
     quant_document: dict | None  # quantization_config.json
     modules: dict[str, Exl3ModuleSpec]  # EXL3 linears by module key
-    unsupported: dict[str, str]  # EXL3 containers vLLM cannot load, with the reason
+    embeddings: dict[str, Exl3EmbeddingSpec]  # quantized token embeddings (§8)
     warnings: list[str] = field(
         default_factory=list
     )  # declared vs stored; the tensors win
@@ -164,22 +166,19 @@ def read_documents(root: str) -> tuple[dict | None, dict | None]:
 def find_modules(
     tensors: Mapping[str, TensorShape],
     problems: list[str] | None = None,
-) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
-    """EXL3 linears (validated) and unsupported EXL3 containers, by module key, in
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, Exl3EmbeddingSpec]]:
+    """EXL3 linears and quantized token embeddings (both validated), by module key, in
     sorted order (so every reader meets the same first error). `tensors`: name ->
     (shape, dtype), from the safetensors headers or from tensor_storage. A module that
     breaks a rule raises, or, given `problems`, is left out and its error appended
     there."""
     specs: dict[str, Exl3ModuleSpec] = {}
-    unsupported: dict[str, str] = {}
+    embeddings: dict[str, Exl3EmbeddingSpec] = {}
     for prefix, members in group_shapes(tensors).items():
-        if EMBED_SIGNS_SUFFIX in members:
-            unsupported[prefix] = (
-                f"{prefix} is a quantized token embedding (trellis + signs, "
-                "--embed_bits), which is not supported"
-            )
-            continue
         try:
+            if is_embedding_group(members):
+                embeddings[prefix] = embedding_spec(prefix, members)
+                continue
             spec = group_spec(prefix, members)
         except Exl3FormatError as e:
             if problems is None:
@@ -188,7 +187,7 @@ def find_modules(
             continue
         if spec is not None:
             specs[prefix] = spec
-    return specs, unsupported
+    return specs, embeddings
 
 
 def assess_checkpoint(
@@ -207,15 +206,16 @@ def assess_checkpoint(
     tensors = read_safetensors_index(root)
     config, quant_document = read_documents(root)
     problems: list[str] = []
-    specs, unsupported = find_modules(tensor_shapes(tensors), problems)
+    specs, embeddings = find_modules(tensor_shapes(tensors), problems)
     declared, warnings = method_declaration(config, quant_document, specs)
     problems[:0] = declared
-    problems += unsupported.values()
     if config is not None:
-        problems += config_problems(config, tensors, specs, tied=tied)
+        problems += config_problems(
+            config, tensors, specs, tied=tied, embeddings=embeddings
+        )
     warnings += declared_disagreements(config, quant_document, specs)
     return CheckpointDescription(
-        root, tensors, config, quant_document, specs, unsupported, warnings, problems
+        root, tensors, config, quant_document, specs, embeddings, warnings, problems
     )
 
 
@@ -887,6 +887,7 @@ def config_problems(
     specs: Mapping[str, Exl3ModuleSpec],
     *,
     tied: bool | None = None,
+    embeddings: Mapping[str, Exl3EmbeddingSpec] | None = None,
 ) -> list[str]:
     """Every way config.json disagrees with the stored tensors, most basic first."""
     cfg = text_config(config)
@@ -942,7 +943,37 @@ def config_problems(
             if found:
                 problems.append(found)
     problems += _head_problems(cfg, tensors, specs, tied)
+    problems += _embedding_problems(cfg, embeddings or {}, tied)
     problems += _bias_problems(cfg, tensors, specs)
+    return problems
+
+
+def _embedding_problems(
+    cfg: Mapping[str, Any],
+    embeddings: Mapping[str, Exl3EmbeddingSpec],
+    tied: bool | None,
+) -> list[str]:
+    """A quantized token embedding (§8) against config.json: vocab_size rows, groups
+    covering hidden_size, and no output layer tied to it (§8.3)."""
+    if tied is None:
+        tied = cfg.get("tie_word_embeddings") is True
+    hidden, vocab = _int(cfg, "hidden_size"), _int(cfg, "vocab_size")
+    problems = []
+    for prefix, spec in sorted(embeddings.items()):
+        if vocab and spec.rows != vocab:
+            problems.append(
+                f"{prefix}.trellis: {spec.rows} rows, but config.json vocab_size = "
+                f"{vocab} (is config.json from another model?)"
+            )
+        if hidden and (found := spec.hidden_problem(hidden)):
+            problems.append(f"{found}; config.json hidden_size = {hidden}")
+        if tied:
+            problems.append(
+                f"{prefix}.trellis: a quantized token embedding, but config.json "
+                "tie_word_embeddings = true makes it the output layer too, which EXL3 "
+                "cannot run (ExLlamaV3 writes a separate lm_head and sets "
+                "tie_word_embeddings to false)"
+            )
     return problems
 
 

@@ -45,8 +45,9 @@ from .checkpoint import (
 )
 from .checkpoint_files import SAFETENSORS_INDEX, SAFETENSORS_SUFFIX, Exl3FormatError
 from .dequantized import DENSE_CONSUMED, Exl3DequantizedLinearMethod
+from .embedding import Exl3EmbeddingMethod
 from .env_compat import adopt_deprecated_env_names
-from .format import Codebook, Exl3ModuleSpec, TensorShape
+from .format import Codebook, Exl3EmbeddingSpec, Exl3ModuleSpec, TensorShape
 from .layout import Exl3LayoutError
 from .linear import (
     Exl3LinearMethod,
@@ -98,7 +99,7 @@ def describe_checkpoint(
     headers: Mapping[str, TensorShape],
     storage: Mapping[str, Any] | None,
     source: str,
-) -> tuple[dict[str, Exl3ModuleSpec], dict[str, str]]:
+) -> tuple[dict[str, Exl3ModuleSpec], dict[str, Exl3EmbeddingSpec]]:
     """Reconcile the safetensors headers (authoritative) with tensor_storage: where
     they disagree, the warnings a local checkpoint gets (declared_disagreements)."""
     if not headers:
@@ -116,7 +117,7 @@ def describe_checkpoint(
             QUANT_CONFIG_FILE,
         )
         return find_modules(storage_tensors(storage))
-    specs, unsupported = find_modules(headers)
+    specs, embeddings = find_modules(headers)
     if storage is None:
         logger.info(
             "EXL3 checkpoint %s: no %s tensor_storage; %d EXL3 modules found in the "
@@ -125,10 +126,10 @@ def describe_checkpoint(
             QUANT_CONFIG_FILE,
             len(specs),
         )
-        return specs, unsupported
+        return specs, embeddings
     for warning in declared_disagreements(None, {"tensor_storage": storage}, specs):
         logger.warning("EXL3 checkpoint %s: %s", source, warning)
-    return specs, unsupported
+    return specs, embeddings
 
 
 class Exl3Config(QuantizationConfig):
@@ -144,7 +145,7 @@ class Exl3Config(QuantizationConfig):
         )
         self.quant_block = block
         self.modules: dict[str, Exl3ModuleSpec] | None = None
-        self.unsupported: dict[str, str] = {}
+        self.embeddings: dict[str, Exl3EmbeddingSpec] = {}
         self.resolver: ModuleNameResolver | None = None
         self._mapper = None
         # tensor_storage's (bits, codebook) per module; MoE experts must agree with it.
@@ -199,7 +200,7 @@ class Exl3Config(QuantizationConfig):
                 storage_claims(storage) if isinstance(storage, Mapping) else {}
             )
             self.mtp_stored = any(n.startswith(MTP_PREFIX) for n in description.tensors)
-            self.set_checkpoint(description.modules, description.unsupported)
+            self.set_checkpoint(description.modules, description.embeddings)
             return
         storage = self.tensor_storage
         if storage is None:
@@ -215,11 +216,13 @@ class Exl3Config(QuantizationConfig):
         self.set_checkpoint(*describe_checkpoint(headers, storage, str(model_name)))
 
     def set_checkpoint(
-        self, modules: dict[str, Exl3ModuleSpec], unsupported: dict[str, str]
+        self,
+        modules: dict[str, Exl3ModuleSpec],
+        embeddings: dict[str, Exl3EmbeddingSpec],
     ) -> None:
         self.modules = modules
-        self.unsupported = unsupported
-        self.resolver = ModuleNameResolver([*modules, *unsupported])
+        self.embeddings = embeddings
+        self.resolver = ModuleNameResolver([*modules, *embeddings])
         if self._mapper is not None:
             self.resolver.set_mapper(self._mapper)
 
@@ -233,10 +236,7 @@ class Exl3Config(QuantizationConfig):
 
     def _resolve(self, name: str) -> str | None:
         assert self.resolver is not None
-        key = self.resolver.resolve(name)
-        if key in self.unsupported:
-            raise NotImplementedError(f"EXL3: {self.unsupported[key]} (layer {name})")
-        return key
+        return self.resolver.resolve(name)
 
     def linear_specs(self, prefix: str, num_shards: int) -> list[Exl3ModuleSpec] | None:
         """The EXL3 modules of a (fused) linear in shard order (one per output shard,
@@ -296,8 +296,10 @@ class Exl3Config(QuantizationConfig):
                 return None
             return Exl3LMHeadMethod(prefix, self.modules[key], self.ledger)
         if isinstance(layer, VocabParallelEmbedding):
-            self._resolve(prefix)  # raises for a quantized embedding
-            return None
+            key = self._resolve(prefix)
+            if key not in self.embeddings:
+                return None
+            return Exl3EmbeddingMethod(prefix, self.embeddings[key], self.ledger)
         if isinstance(layer, RoutedExperts):
             return self._moe_method(layer, prefix)
         return None
@@ -309,11 +311,6 @@ class Exl3Config(QuantizationConfig):
         unquantized experts) when the checkpoint has no EXL3 module under the prefix."""
         assert self.resolver is not None and self.modules is not None
         under = self.resolver.modules_under(prefix)
-        for key in under:
-            if key in self.unsupported:
-                raise NotImplementedError(
-                    f"EXL3: {self.unsupported[key]} (layer {prefix})"
-                )
         inside = [k for k in under if k in self.modules]
         if not inside:
             return None

@@ -90,9 +90,21 @@ IGNORED = ("scale",)
 EXL3_SUFFIXES = (*DATA_SUFFIXES, *LEGACY_SIGNS, *MARKERS, "bias", *IGNORED)
 # Suffixes that exist only on EXL3 modules (a `.bias`/`.scale` can belong to anything).
 EXL3_ONLY_SUFFIXES = (*DATA_SUFFIXES, *LEGACY_SIGNS, *MARKERS)
-# Optional quantized token embedding container (--embed_bits); a different codec, not
-# supported.
+# A quantized token embedding (--embed_bits; docs/design/exl3_format.md §8) is its own
+# container: `P.trellis` int16 [rows, groups * (1 + 16K)] and `P.signs` fp16
+# [groups, 256], nothing else. Its trellis is 2-D (a linear's is 3-D) and its signs
+# tensor exists in no other container, so either marks the group as an embedding.
 EMBED_SIGNS_SUFFIX = "signs"
+EMBED_SUFFIXES = ("trellis", EMBED_SIGNS_SUFFIX)
+# Elements per group: one tail-biting ring of 256 codes, rotated by one 256-point
+# Hadamard transform; a row is zero-padded to whole groups before quantization.
+EMBED_GROUP = 256
+# Word 0 of a group's ring holds the bit pattern of its fp16 scale.
+EMBED_SCALE_WORDS = 1
+# int16 words of ring bitstream per bit of rate: 256 codes of K bits = 16K words.
+EMBED_STREAM_WORDS_PER_BIT = EMBED_GROUP // 16
+# The converter's --embed_bits: integer rates only (16 stores the table unquantized).
+EMBED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 # A tensor as the headers describe it: (shape, safetensors dtype string).
 TensorShape = tuple[tuple[int, ...], str]
@@ -149,6 +161,38 @@ class Exl3ModuleSpec:
         return frozenset(name.rpartition(".")[2] for name in self.tensor_names)
 
 
+@dataclass(frozen=True)
+class Exl3EmbeddingSpec:
+    """One quantized token embedding as found on disk (shapes only, no data)."""
+
+    prefix: str
+    rows: int  # the table's rows: config.json's vocab_size
+    groups: int  # ceil(hidden_size / 256)
+    bits: int  # K, 1..8; the codebook is always MUL1
+    tensor_names: tuple[str, ...]
+
+    @property
+    def group_words(self) -> int:
+        """int16 words per group: the scale word and 16K stream words."""
+        return EMBED_SCALE_WORDS + EMBED_STREAM_WORDS_PER_BIT * self.bits
+
+    @property
+    def row_words(self) -> int:
+        return self.groups * self.group_words
+
+    def hidden_problem(self, hidden: int) -> str | None:
+        """Why the table cannot be the embedding of a model with `hidden` columns, or
+        None: its groups must cover hidden exactly once padded to whole groups."""
+        want = -(-hidden // EMBED_GROUP)
+        if self.groups == want:
+            return None
+        return (
+            f"{self.prefix}.{EMBED_SIGNS_SUFFIX}: {self.groups} groups of "
+            f"{EMBED_GROUP}, but hidden_size {hidden} is stored as ceil({hidden} / "
+            f"{EMBED_GROUP}) = {want} groups (quantized token embedding)"
+        )
+
+
 @dataclass
 class Exl3Weights:
     trellis: torch.Tensor  # int16 [k/16, n/16, 16K]
@@ -184,9 +228,9 @@ def module_spec(prefix: str, tensors: Mapping[str, TensorShape]) -> Exl3ModuleSp
     for suffix in tensors:
         if suffix == EMBED_SIGNS_SUFFIX:
             raise Exl3FormatError(
-                f"{prefix}.{suffix}: quantized token embedding container (trellis + "
-                "signs, "
-                f"--embed_bits) is not supported (unexpected tensor)"
+                f"{prefix}.{suffix}: a quantized token embedding's tensor (trellis + "
+                "signs, --embed_bits) in an EXL3 linear (unexpected tensor; "
+                "embedding_spec reads that container)"
             )
         if suffix not in EXL3_SUFFIXES:
             raise Exl3FormatError(
@@ -277,6 +321,92 @@ def module_spec(prefix: str, tensors: Mapping[str, TensorShape]) -> Exl3ModuleSp
         legacy_signs=legacy,
         tensor_names=tuple(f"{prefix}.{s}" for s in EXL3_SUFFIXES if s in tensors),
     )
+
+
+def is_embedding_group(members: Mapping[str, tuple[tuple[int, ...], str]]) -> bool:
+    """Whether a tensor group is a quantized token embedding's container (§8), not a
+    linear: it has `signs`, or a 2-D trellis."""
+    trellis = members.get("trellis")
+    return EMBED_SIGNS_SUFFIX in members or (
+        trellis is not None and len(trellis[0]) == 2
+    )
+
+
+def embedding_geometry(
+    prefix: str, trellis_shape: tuple[int, ...], signs_shape: tuple[int, ...]
+) -> tuple[int, int, int]:
+    """(rows, groups, bits) of a quantized token embedding from its two shapes, failing
+    closed with the tensor and the rule (shared by the headers' check, the loader and
+    the reference decode)."""
+    t_name, s_name = f"{prefix}.trellis", f"{prefix}.{EMBED_SIGNS_SUFFIX}"
+    if len(signs_shape) != 2 or signs_shape[1] != EMBED_GROUP or signs_shape[0] <= 0:
+        raise Exl3FormatError(
+            f"{s_name}: shape {list(signs_shape)}, expected [groups, {EMBED_GROUP}] "
+            "with groups >= 1 (wrong shape; quantized token embedding)"
+        )
+    groups = signs_shape[0]
+    if len(trellis_shape) != 2 or trellis_shape[0] <= 0:
+        raise Exl3FormatError(
+            f"{t_name}: shape {list(trellis_shape)}, expected 2 dims [rows, groups * "
+            "(1 + 16 * bits)] with rows >= 1 (wrong shape; quantized token embedding)"
+        )
+    rows, width = trellis_shape
+    per_group, rest = divmod(width, groups)
+    stream, odd = divmod(per_group - EMBED_SCALE_WORDS, EMBED_STREAM_WORDS_PER_BIT)
+    bits = stream if not rest and not odd else None
+    if bits not in EMBED_BITS:
+        raise Exl3FormatError(
+            f"{t_name}: width {width} is not {groups} groups (from {s_name}) x (1 + 16 "
+            f"* bits) words for bits in 1..8 (wrong shape; quantized token embedding)"
+        )
+    return rows, groups, bits
+
+
+def embedding_spec(
+    prefix: str, tensors: Mapping[str, tuple[tuple[int, ...], str]]
+) -> Exl3EmbeddingSpec:
+    """Validate the tensors of one quantized token embedding (§8). `tensors` maps
+    suffix -> (shape, dtype string)."""
+    for suffix in tensors:
+        if suffix not in EMBED_SUFFIXES:
+            raise Exl3FormatError(
+                f"{prefix}.{suffix}: unexpected tensor in a quantized token embedding "
+                f"(allowed suffixes: {', '.join(EMBED_SUFFIXES)})"
+            )
+    for suffix in EMBED_SUFFIXES:
+        if suffix not in tensors:
+            raise Exl3FormatError(
+                f"{prefix}.{suffix}: missing tensor (a quantized token embedding needs "
+                f"{' and '.join(EMBED_SUFFIXES)})"
+            )
+    for suffix, dtype in (("trellis", "I16"), (EMBED_SIGNS_SUFFIX, "F16")):
+        got = tensors[suffix][1]
+        if got != dtype:
+            raise Exl3FormatError(
+                f"{prefix}.{suffix}: dtype {got}, expected {dtype} (wrong dtype; "
+                "quantized token embedding)"
+            )
+    rows, groups, bits = embedding_geometry(
+        prefix, tuple(tensors["trellis"][0]), tuple(tensors[EMBED_SIGNS_SUFFIX][0])
+    )
+    return Exl3EmbeddingSpec(
+        prefix=prefix,
+        rows=rows,
+        groups=groups,
+        bits=bits,
+        tensor_names=tuple(f"{prefix}.{s}" for s in EMBED_SUFFIXES),
+    )
+
+
+def check_embedding_signs(name: str, signs: torch.Tensor) -> None:
+    """A quantized embedding's signs hold only +1 and -1 (§8)."""
+    bad = (signs != 1) & (signs != -1)
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        raise Exl3FormatError(
+            f"{name}: value {float(signs[tuple(at)])} at {at}; every sign must be +1 "
+            "or -1 (quantized token embedding)"
+        )
 
 
 def split_name(name: str) -> tuple[str, str]:
