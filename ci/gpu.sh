@@ -65,7 +65,8 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 # The tool's package (vllm_exl3.testing, .bench, .e2e), editable from this checkout: the
 # tests and scripts import it by name. Offline: setuptools is all it needs.
-"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . ||
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+  --config-settings editable_mode=strict 2>/dev/null ||
   { echo "gpu.sh: cannot install this checkout's vllm-exl3 package" >&2; exit 1; }
 
 # The kernels step's parts, each logged to $OUT_DIR/kernels/<part>.log.

@@ -18,8 +18,13 @@ site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 # so the tests exercise exactly what the patches and overlay produce.
 "$PY" scripts/vllm-exl3 apply --replace "$site"
 # The tool's package (with vllm_exl3.testing, .bench and .e2e), editable, pointing at this
-# checkout: the tests of both trees import it by name.
-"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e .
+# checkout: the tests of both trees import it by name. Strict mode links the files on an
+# import path entry, so a copy of scripts/ on PYTHONPATH (as the build tests make) wins
+# whole, where the lenient mode's import hook would fill in its missing modules.
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+  --config-settings editable_mode=strict 2>/dev/null ||
+  "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . \
+    --config-settings editable_mode=strict
 set +e
 # The tool's own tests (tests/), then vLLM's own harness on every test of vLLM's code paths
 # (overlay/tests/) on a plain run (no pytest arguments, as CI calls it). The harness is its
