@@ -3,7 +3,9 @@
 """Quick build of the EXL3 kernels into the standalone stable-ABI extension
 `_exl3_C.abi3.so`.
 
-Compiles `csrc/quantization/exl3/*`, `csrc/attention/exl3_sparse_mla/*` and the
+Compiles the translation units of `csrc/libtorch_stable/quantization/exl3/`,
+`csrc/libtorch_stable/attention/exl3_sparse_mla/` and
+`csrc/libtorch_stable/exl3_mma.cu` (SOURCE_GLOBS, the CMake patch's globs) and the
 per-rate units exl3's generate_kernels.py writes (into the build folder) against the
 torch headers of the running Python (torch 2.11, stable ABI only) with the local nvcc,
 in parallel, one object per translation unit, and links them with
@@ -32,10 +34,20 @@ from pathlib import Path
 from .repo import kernel_generator
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = REPO / "csrc" / "quantization" / "exl3"
-# Every directory whose translation units go into the extension (the sparse-MLA
-# attention kernel registers its op the same way).
-SOURCE_DIRS = (SOURCES, REPO / "csrc" / "attention" / "exl3_sparse_mla")
+# Where vLLM's stable-ABI extension keeps its sources; ours are laid out as there.
+STABLE_SOURCES = REPO / "csrc/libtorch_stable"
+SOURCES = STABLE_SOURCES / "quantization/exl3"
+SPARSE_MLA_SOURCES = STABLE_SOURCES / "attention/exl3_sparse_mla"
+# The extension's translation units under STABLE_SOURCES: the EXL3 GEMM's, the
+# sparse-MLA attention kernel's (it registers its op the same way) and the host side
+# of the primitives both share. The CMake patch globs the same (a test compares).
+SOURCE_GLOBS = (
+    "quantization/exl3/*.cu",
+    "quantization/exl3/*.cpp",
+    "attention/exl3_sparse_mla/*.cu",
+    "attention/exl3_sparse_mla/*.cpp",
+    "exl3_*.cu",
+)
 # Under the build folder: the sources generate_kernels.py writes at build time.
 GENERATED_DIR = "generated"
 EXTENSION = "_exl3_C.abi3.so"
@@ -159,10 +171,9 @@ def sources(out_dir: Path, with_standalone: bool = True) -> list[Path]:
     names = {p.name for p in generated}
     checked_in = [
         p
-        for d in SOURCE_DIRS
-        for p in d.iterdir()
-        if p.suffix in (".cu", ".cpp")
-        and p.name not in names  # a stale generated copy beside the sources
+        for pattern in SOURCE_GLOBS
+        for p in STABLE_SOURCES.glob(pattern)
+        if p.name not in names  # a stale generated copy beside the sources
         and (with_standalone or p.name != STANDALONE)
     ]
     return sorted(checked_in + generated, key=lambda p: p.name)
@@ -171,13 +182,13 @@ def sources(out_dir: Path, with_standalone: bool = True) -> list[Path]:
 def _stale(obj: Path, src: Path) -> bool:
     if not obj.exists():
         return True
-    # Any header of the source's directory (or of the EXL3 directory, whose headers
-    # every unit includes) may be included, and this file holds the flags: rebuild when
-    # either is newer.
+    # Any header of the source's directory, of the EXL3 directory (the generated units
+    # include its headers) or of the shared one (exl3_mma.cuh, exl3_tensor_checks.h)
+    # may be included, and this file holds the flags: rebuild when either is newer.
     newest = max(
         [
             p.stat().st_mtime
-            for d in {src.parent, SOURCES}
+            for d in {src.parent, SOURCES, STABLE_SOURCES}
             for p in d.iterdir()
             if p.is_file()
         ]

@@ -239,8 +239,8 @@ def test_complete_load_runs(tmp_path, world1):
 # plain Python and are checked here too.
 
 REPO = Path(__file__).resolve().parents[2]
-OPS_CPP = REPO / "csrc" / "quantization" / "exl3" / "exl3_moe_ops.cpp"
-LINEAR_OPS_CPP = REPO / "csrc" / "quantization" / "exl3" / "exl3_ops.cpp"
+OPS_CPP = REPO / "csrc/libtorch_stable/quantization/exl3/exl3_moe_ops.cpp"
+LINEAR_OPS_CPP = REPO / "csrc/libtorch_stable/quantization/exl3/exl3_ops.cpp"
 
 
 def schemas(path: Path) -> list[str]:

@@ -244,7 +244,7 @@ def test_sparse_mla_kernels_fit_without_spills(tmp_path: Path, arch: str) -> Non
     none of the wgmma path's MMAs (C7513)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
-    sources = kernels_build.SOURCE_DIRS[1]
+    sources = kernels_build.SPARSE_MLA_SOURCES
     entries = []
     for unit in ("exl3_sparse_mla_bf16.cu", "exl3_sparse_mla_fp8.cu"):
         err = ptxas_report(
