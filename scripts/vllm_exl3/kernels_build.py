@@ -70,8 +70,36 @@ class BuildError(RuntimeError):
     pass
 
 
+# The device architectures the kernels are built for: every one with mma.sync
+# m16n8k16 (fp16 and bf16) and cp.async, the instructions of their portable path. Each
+# maps to the entry of the CMake patch's EXL3_ARCHS (patches/0003) whose image runs on
+# it: Hopper's is arch-specific (9.0a: the wgmma paths), the Blackwell ones are family
+# images (10.0f, 12.0f). README, the user guide and Exl3Config.get_min_capability (the
+# lowest) say the same (tests/tooling/test_support_claims.py).
+BUILT_ARCHS = {
+    "80": "8.0",
+    "86": "8.6",
+    "89": "8.9",
+    "90": "9.0a",
+    "100": "10.0f",
+    "120": "12.0f",
+    "121": "12.0f",
+}
+# The ones the kernels are tuned for (shared-memory and register budgets), compiled
+# unit by unit by CI (tests/kernels/test_compile.py) and by `scripts/vllm-exl3 build`
+# by default. Of them only sm_90 has run (H100, H200). The others are built from the
+# same mma.sync code and compile-checked, and have never run.
+TARGET_ARCHS = ("90", "120", "121")
+
+
+def dotted(arch: str) -> str:
+    """'121' -> '12.1' (the CMake and TORCH_CUDA_ARCH_LIST spelling)."""
+    return f"{int(arch) // 10}.{int(arch) % 10}"
+
+
 def normalize_arch(arch: str) -> str:
-    """'9.0', '90', 'sm_90', 'compute_90' -> '90'; '12.1' -> '121'."""
+    """'9.0', '90', 'sm_90', 'compute_90' -> '90'; '12.1' -> '121'. Refuses, naming
+    them, an architecture outside BUILT_ARCHS."""
     a = arch.strip().lower().removeprefix("sm_").removeprefix("compute_")
     if "." in a:
         major, minor = a.split(".", 1)
@@ -80,12 +108,18 @@ def normalize_arch(arch: str) -> str:
         raise BuildError(
             f"unrecognised CUDA architecture {arch!r} (use e.g. 9.0, 12.0, sm_121)"
         )
+    if a not in BUILT_ARCHS:
+        built = ", ".join(map(dotted, BUILT_ARCHS))
+        raise BuildError(
+            f"CUDA architecture {arch!r} (sm_{a}): the EXL3 kernels are built for "
+            f"{built} only (they need mma.sync m16n8k16 and cp.async, sm_80 on)"
+        )
     return a
 
 
-# Hopper is built with its arch-specific features (sm_90a): the wgmma engine of the
-# GEMM needs them, and an sm_90a image runs on exactly the devices an sm_90 one does
-# (compute capability 9.0).
+# Hopper is built with its arch-specific features (sm_90a): the wgmma paths need them,
+# and an sm_90a image runs on exactly the devices an sm_90 one does (compute
+# capability 9.0).
 ARCH_FEATURES = {"90": "90a"}
 
 
@@ -306,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         "--arch",
         action="append",
         default=None,
-        help="CUDA architecture (repeatable): 9.0, 12.0, 12.1 (default 9.0)",
+        help="CUDA architecture (repeatable): one of "
+        + ", ".join(map(dotted, BUILT_ARCHS))
+        + " (default 9.0)",
     )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--compile-only", action="store_true")

@@ -342,7 +342,8 @@ class Exl3Config(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        # Tensor-core mma.sync m16n8k16 with fp16 operands and cp.async: Ampere.
+        # The lowest of the architectures CMakeLists.txt builds the kernels for
+        # (EXL3_ARCHS): their portable path needs mma.sync m16n8k16 and cp.async.
         return 80
 
     @staticmethod
