@@ -4,7 +4,8 @@
 #   ruff check and ruff format --check (pyproject.toml: vLLM 0.26's settings),
 #   clang-format --dry-run on csrc/ (.clang-format: vLLM 0.26's),
 #   the two-line SPDX header on the Python files of overlay/, scripts/, ci/ and tests/,
-#   the checked-in generated source against its generator (csrc/quantization/exl3/generate_kernels.py).
+#   the checked-in generated source (csrc/libtorch_stable/exl3_wgmma_ops.h) against its
+#   generator (csrc/libtorch_stable/quantization/exl3/generate_kernels.py --wgmma).
 # ruff and clang-format are the versions vLLM 0.26's .pre-commit-config.yaml pins, installed
 # from PyPI into the pinned environment when missing. To fix findings: ruff check --fix,
 # ruff format, clang-format -i (or `pre-commit run --all-files`).
@@ -41,8 +42,8 @@ step "SPDX headers" "$BIN/python" ci/check_spdx.py "${py[@]}"
 
 generated_sources_match() {
   # Each generator rewrites its output in place; the checkout must already hold that output.
-  "$BIN/python" csrc/quantization/exl3/generate_kernels.py --wgmma >/dev/null &&
-    git diff --exit-code --stat -- csrc/quantization/exl3/exl3_wgmma_ops.h
+  "$BIN/python" csrc/libtorch_stable/quantization/exl3/generate_kernels.py --wgmma >/dev/null &&
+    git diff --exit-code --stat -- csrc/libtorch_stable/exl3_wgmma_ops.h
 }
 step "generated sources" generated_sources_match
 

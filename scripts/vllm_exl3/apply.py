@@ -233,8 +233,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="apply the overlay, csrc and patch series onto a vLLM tree (or "
         "check/revert)",
         description=(
-            "Apply this repository's overlay/, csrc/ (to csrc/libtorch_stable/) and "
-            "patches/ onto "
+            "Apply this repository's overlay/, csrc/ (both laid out as in vLLM's "
+            "tree) and patches/ onto "
             f"a vLLM {VLLM_VERSION} tree: an unpacked sdist, or an installed "
             "wheel "
             "(site-packages; there csrc/ and patches to files outside vllm/ are "

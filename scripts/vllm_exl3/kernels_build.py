@@ -3,7 +3,9 @@
 """Quick build of the EXL3 kernels into the standalone stable-ABI extension
 `_exl3_C.abi3.so`.
 
-Compiles `csrc/quantization/exl3/*`, `csrc/attention/exl3_sparse_mla/*` and the
+Compiles the translation units of `csrc/libtorch_stable/quantization/exl3/`,
+`csrc/libtorch_stable/attention/exl3_sparse_mla/` and
+`csrc/libtorch_stable/exl3_mma.cu` (SOURCE_GLOBS, the CMake patch's globs) and the
 per-rate units exl3's generate_kernels.py writes (into the build folder) against the
 torch headers of the running Python (torch 2.11, stable ABI only) with the local nvcc,
 in parallel, one object per translation unit, and links them with
@@ -32,10 +34,20 @@ from pathlib import Path
 from .repo import kernel_generator
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = REPO / "csrc" / "quantization" / "exl3"
-# Every directory whose translation units go into the extension (the sparse-MLA
-# attention kernel registers its op the same way).
-SOURCE_DIRS = (SOURCES, REPO / "csrc" / "attention" / "exl3_sparse_mla")
+# Where vLLM's stable-ABI extension keeps its sources; ours are laid out as there.
+STABLE_SOURCES = REPO / "csrc/libtorch_stable"
+SOURCES = STABLE_SOURCES / "quantization/exl3"
+SPARSE_MLA_SOURCES = STABLE_SOURCES / "attention/exl3_sparse_mla"
+# The extension's translation units under STABLE_SOURCES: the EXL3 GEMM's, the
+# sparse-MLA attention kernel's (it registers its op the same way) and the host side
+# of the primitives both share. The CMake patch globs the same (a test compares).
+SOURCE_GLOBS = (
+    "quantization/exl3/*.cu",
+    "quantization/exl3/*.cpp",
+    "attention/exl3_sparse_mla/*.cu",
+    "attention/exl3_sparse_mla/*.cpp",
+    "exl3_*.cu",
+)
 # Under the build folder: the sources generate_kernels.py writes at build time.
 GENERATED_DIR = "generated"
 EXTENSION = "_exl3_C.abi3.so"
@@ -58,8 +70,36 @@ class BuildError(RuntimeError):
     pass
 
 
+# The device architectures the kernels are built for: every one with mma.sync
+# m16n8k16 (fp16 and bf16) and cp.async, the instructions of their portable path. Each
+# maps to the entry of the CMake patch's EXL3_ARCHS (patches/0003) whose image runs on
+# it: Hopper's is arch-specific (9.0a: the wgmma paths), the Blackwell ones are family
+# images (10.0f, 12.0f). README, the user guide and Exl3Config.get_min_capability (the
+# lowest) say the same (tests/tooling/test_support_claims.py).
+BUILT_ARCHS = {
+    "80": "8.0",
+    "86": "8.6",
+    "89": "8.9",
+    "90": "9.0a",
+    "100": "10.0f",
+    "120": "12.0f",
+    "121": "12.0f",
+}
+# The ones the kernels are tuned for (shared-memory and register budgets), compiled
+# unit by unit by CI (tests/kernels/test_compile.py) and by `scripts/vllm-exl3 build`
+# by default. Of them only sm_90 has run (H100, H200). The others are built from the
+# same mma.sync code and compile-checked, and have never run.
+TARGET_ARCHS = ("90", "120", "121")
+
+
+def dotted(arch: str) -> str:
+    """'121' -> '12.1' (the CMake and TORCH_CUDA_ARCH_LIST spelling)."""
+    return f"{int(arch) // 10}.{int(arch) % 10}"
+
+
 def normalize_arch(arch: str) -> str:
-    """'9.0', '90', 'sm_90', 'compute_90' -> '90'; '12.1' -> '121'."""
+    """'9.0', '90', 'sm_90', 'compute_90' -> '90'; '12.1' -> '121'. Refuses, naming
+    them, an architecture outside BUILT_ARCHS."""
     a = arch.strip().lower().removeprefix("sm_").removeprefix("compute_")
     if "." in a:
         major, minor = a.split(".", 1)
@@ -68,12 +108,18 @@ def normalize_arch(arch: str) -> str:
         raise BuildError(
             f"unrecognised CUDA architecture {arch!r} (use e.g. 9.0, 12.0, sm_121)"
         )
+    if a not in BUILT_ARCHS:
+        built = ", ".join(map(dotted, BUILT_ARCHS))
+        raise BuildError(
+            f"CUDA architecture {arch!r} (sm_{a}): the EXL3 kernels are built for "
+            f"{built} only (they need mma.sync m16n8k16 and cp.async, sm_80 on)"
+        )
     return a
 
 
-# Hopper is built with its arch-specific features (sm_90a): the wgmma engine of the
-# GEMM needs them, and an sm_90a image runs on exactly the devices an sm_90 one does
-# (compute capability 9.0).
+# Hopper is built with its arch-specific features (sm_90a): the wgmma paths need them,
+# and an sm_90a image runs on exactly the devices an sm_90 one does (compute
+# capability 9.0).
 ARCH_FEATURES = {"90": "90a"}
 
 
@@ -159,10 +205,9 @@ def sources(out_dir: Path, with_standalone: bool = True) -> list[Path]:
     names = {p.name for p in generated}
     checked_in = [
         p
-        for d in SOURCE_DIRS
-        for p in d.iterdir()
-        if p.suffix in (".cu", ".cpp")
-        and p.name not in names  # a stale generated copy beside the sources
+        for pattern in SOURCE_GLOBS
+        for p in STABLE_SOURCES.glob(pattern)
+        if p.name not in names  # a stale generated copy beside the sources
         and (with_standalone or p.name != STANDALONE)
     ]
     return sorted(checked_in + generated, key=lambda p: p.name)
@@ -171,13 +216,13 @@ def sources(out_dir: Path, with_standalone: bool = True) -> list[Path]:
 def _stale(obj: Path, src: Path) -> bool:
     if not obj.exists():
         return True
-    # Any header of the source's directory (or of the EXL3 directory, whose headers
-    # every unit includes) may be included, and this file holds the flags: rebuild when
-    # either is newer.
+    # Any header of the source's directory, of the EXL3 directory (the generated units
+    # include its headers) or of the shared one (exl3_mma.cuh, exl3_tensor_checks.h)
+    # may be included, and this file holds the flags: rebuild when either is newer.
     newest = max(
         [
             p.stat().st_mtime
-            for d in {src.parent, SOURCES}
+            for d in {src.parent, SOURCES, STABLE_SOURCES}
             for p in d.iterdir()
             if p.is_file()
         ]
@@ -295,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         "--arch",
         action="append",
         default=None,
-        help="CUDA architecture (repeatable): 9.0, 12.0, 12.1 (default 9.0)",
+        help="CUDA architecture (repeatable): one of "
+        + ", ".join(map(dotted, BUILT_ARCHS))
+        + " (default 9.0)",
     )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--compile-only", action="store_true")

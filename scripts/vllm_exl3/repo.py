@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The series this repository holds: what it is pinned to, where its overlay, CUDA
-sources and patches live and where each lands in a vLLM tree, and recognising the vLLM
-trees it applies onto: an unpacked sdist (or a git checkout made from one) or an
+sources and patches live (overlay/ and csrc/ are laid out as in the vLLM tree: a file's
+path there is its path here, less `overlay/`), and recognising the vLLM trees it
+applies onto: an unpacked sdist (or a git checkout made from one) or an
 installed wheel (a site-packages directory, or an unpacked wheel).
 
 The pinned files' hashes were computed locally on the downloaded files and agree with
@@ -47,10 +48,6 @@ WHEELS = {
 # This repository's layout.
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# Repository `csrc/X` lands at `csrc/libtorch_stable/X` in the vLLM tree, next to the
-# sources of vLLM's stable-ABI extension that the CMake patch adds ours to.
-CSRC_DEST = "csrc/libtorch_stable"
 
 # Never part of what we ship into a tree: interpreter caches and build products.
 _EXCLUDED_DIRS = {"__pycache__", ".pytest_cache"}
@@ -108,7 +105,7 @@ class SourceFile:
 
 # Writes the kernels' per-rate translation units at build time (as vLLM's Marlin
 # generator): placed into a tree with the CUDA sources, where CMake's glob finds them.
-KERNEL_GENERATOR = "csrc/quantization/exl3/generate_kernels.py"
+KERNEL_GENERATOR = "csrc/libtorch_stable/quantization/exl3/generate_kernels.py"
 
 
 def kernel_generator(root: Path = ROOT) -> ModuleType | None:
@@ -132,12 +129,12 @@ def _generated_csrc(root: Path) -> tuple[SourceFile, ...]:
     if module is None:
         return ()
     generator = root / KERNEL_GENERATOR
-    folder = Path(KERNEL_GENERATOR).parent.relative_to("csrc").as_posix()
+    folder = Path(KERNEL_GENERATOR).parent.as_posix()
     return tuple(
         SourceFile(
             generator,
             f"{KERNEL_GENERATOR} ({name})",
-            f"{CSRC_DEST}/{folder}/{name}",
+            f"{folder}/{name}",
             text.encode(),
         )
         for name, text in sorted(module.build_sources().items())
@@ -164,11 +161,10 @@ class Series:
             )
             for p in _files_under(root / "overlay")
         )
+        # csrc/ is laid out as in the vLLM tree: a file's path there is its path here.
         csrc = tuple(
             SourceFile(
-                p,
-                p.relative_to(root).as_posix(),
-                f"{CSRC_DEST}/{p.relative_to(root / 'csrc').as_posix()}",
+                p, p.relative_to(root).as_posix(), p.relative_to(root).as_posix()
             )
             for p in _files_under(root / "csrc")
         )

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_SOURCES = REPO / "csrc" / "quantization" / "exl3"
+KERNEL_SOURCES = REPO / "csrc/libtorch_stable/quantization/exl3"
 
 
 @pytest.fixture(scope="module")

@@ -133,7 +133,7 @@ def make_series(base: Path, dest: Path, variant: str = "a") -> MadeSeries:
             "overlay/vllm/model_executor/layers/quantization/exl3/__init__.py": f"# {variant}\n",  # noqa: E501
             "overlay/vllm/exl3_new_module.py": f"X = '{variant}'\n",
             "overlay/tests/quantization/test_exl3_harness.py": "def test_x():\n    pass\n",  # noqa: E501
-            "csrc/quantization/exl3/kernel.cu": f"// kernel {variant}\n",
+            "csrc/libtorch_stable/quantization/exl3/kernel.cu": f"// kernel {variant}\n",  # noqa: E501
         },
     )
     patched = {

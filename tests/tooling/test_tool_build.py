@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from minitree import ROOT, check_record, make_wheel, run_tool, write_tree
-from vllm_exl3 import repo
+from vllm_exl3 import kernels_build, repo
 from vllm_exl3.build import _REQUIREMENTS_PROBE
 from vllm_exl3.bundle import parse_size
 from vllm_exl3.repo import VLLM_VERSION
@@ -156,18 +156,17 @@ def test_from_source_requirement_check():
 
 
 # The CMake patch (0003) run by CMake: with vLLM's own cmake/utils.cmake, the EXL3 block
-# of the patched CMakeLists.txt picks the architectures and the sources (all of
-# csrc/quantization/exl3's and csrc/attention/exl3_sparse_mla's .cu/.cpp but the quick
-# build's standalone module) and gives
-# each its gencode flags. A full configure of vLLM needs CUTLASS and seven other
-# repositories, so only the block runs.
+# of the patched CMakeLists.txt picks the architectures and the sources (exactly the
+# quick build's translation units, kernels_build.SOURCE_GLOBS and the generated ones,
+# but its standalone module) and gives each its gencode flags. A full configure of vLLM
+# needs CUTLASS and seven other repositories, so only the block runs.
 
-BLOCK_START = "  # EXL3 (ExLlamaV3 trellis quantization) kernels."
+BLOCK_START = "  # EXL3 (ExLlamaV3 trellis quantization) kernels"
 HARNESS = """cmake_minimum_required(VERSION 3.25)
 project(exl3_block LANGUAGES NONE)
 include(${VLLM_TREE}/cmake/utils.cmake)
 set(CUDA_ARCHS "${TEST_ARCHS}")
-set(VLLM_STABLE_EXT_SRC "csrc/libtorch_stable/existing.cu")
+set(VLLM_STABLE_EXT_SRC "${OTHER_SOURCE}")
 include(${CMAKE_SOURCE_DIR}/block.cmake)
 message(STATUS "EXL3_ARCHS=${EXL3_ARCHS}")
 foreach(src ${VLLM_STABLE_EXT_SRC})
@@ -218,6 +217,7 @@ def _configure(tree: Path, work: Path, archs: str) -> tuple[str, dict[str, str]]
             str(work / "build"),
             f"-DVLLM_TREE={tree}",
             f"-DTEST_ARCHS={archs}",
+            f"-DOTHER_SOURCE={OTHER_SOURCE}",
         ],
         capture_output=True,
         text=True,
@@ -228,13 +228,13 @@ def _configure(tree: Path, work: Path, archs: str) -> tuple[str, dict[str, str]]
     return archs_out, srcs
 
 
-SOURCE_DIRS = ("quantization/exl3", "attention/exl3_sparse_mla")
+OTHER_SOURCE = "csrc/libtorch_stable/existing.cu"  # vLLM's own, in the harness
 EXPECTED = sorted(
     [
         p.name
-        for d in SOURCE_DIRS
-        for p in (ROOT / "csrc" / d).glob("*")
-        if p.suffix in (".cu", ".cpp") and p.name != "standalone_module.cpp"
+        for pattern in kernels_build.SOURCE_GLOBS
+        for p in kernels_build.STABLE_SOURCES.glob(pattern)
+        if p.name != kernels_build.STANDALONE
     ]
     + [
         Path(f.dest).name
@@ -252,26 +252,22 @@ EXPECTED = sorted(
     ],
 )
 def test_exl3_sources_join_c_stable_libtorch(tmp_path, patched_tree, archs, expected):
-    assert EXPECTED, "no EXL3 sources in csrc/quantization/exl3"
+    assert "exl3_sparse_mla_ops.cpp" in EXPECTED and "exl3_ops.cpp" in EXPECTED
     got_archs, srcs = _configure(patched_tree, tmp_path, archs)
     assert set(got_archs.split(";")) == expected
-    exl3 = {
-        Path(s).name: opts
-        for s, opts in srcs.items()
-        if any(f"/{d}/" in s for d in SOURCE_DIRS)
-    }
+    exl3 = {Path(s).name: opts for s, opts in srcs.items() if s != OTHER_SOURCE}
     assert sorted(exl3) == EXPECTED
     for name, opts in exl3.items():
         for arch in expected:
             code = arch.replace(".", "")
             assert f"arch=compute_{code},code=sm_{code}" in opts, (name, opts)
-    assert "csrc/libtorch_stable/existing.cu" in srcs  # appended to, not replaced
+    assert OTHER_SOURCE in srcs  # appended to, not replaced
 
 
 def test_no_exl3_sources_without_a_supported_arch(tmp_path, patched_tree):
     got_archs, srcs = _configure(patched_tree, tmp_path, "7.5")
     assert got_archs == ""
-    assert list(srcs) == ["csrc/libtorch_stable/existing.cu"]
+    assert list(srcs) == [OTHER_SOURCE]
 
 
 # `bundle`: trimming, splitting into parts, install.sh's checks and reassembly,

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """GPU tests of the quantized token embedding's row gather `_C::exl3_embedding`
-(csrc/quantization/exl3/exl3_embedding.cu) against the reference decode
+(csrc/libtorch_stable/quantization/exl3/exl3_embedding.cu) against the reference decode
 (embedding_reference.py, exl3-format.md §8).
 
 The kernel rounds every fp32 operation in the reference's order, so its fp32 output

@@ -243,8 +243,8 @@ def test_complete_load_runs(tmp_path, world1):
 
 from vllm_exl3.repo import ROOT as REPO  # noqa: E402
 
-OPS_CPP = REPO / "csrc" / "quantization" / "exl3" / "exl3_moe_ops.cpp"
-LINEAR_OPS_CPP = REPO / "csrc" / "quantization" / "exl3" / "exl3_ops.cpp"
+OPS_CPP = REPO / "csrc/libtorch_stable/quantization/exl3/exl3_moe_ops.cpp"
+LINEAR_OPS_CPP = REPO / "csrc/libtorch_stable/quantization/exl3/exl3_ops.cpp"
 
 
 def schemas(path: Path) -> list[str]:

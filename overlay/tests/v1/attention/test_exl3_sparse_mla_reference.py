@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from vllm.v1.attention.ops import exl3_sparse_mla as mla
 from vllm_exl3.repo import ROOT as REPO
 
-HEADER = REPO / "csrc/attention/exl3_sparse_mla/exl3_sparse_mla.cuh"
+HEADER = REPO / "csrc/libtorch_stable/attention/exl3_sparse_mla/exl3_sparse_mla.cuh"
 H100_SMS, H200_SMS = 132, 132
 
 

@@ -9,7 +9,8 @@ to the top-k KV rows its indexer selected, all heads sharing the rows::
     out[t, h] = softmax(scale * q[t, h] . K[sel_t]^T) . V[sel_t]     (V = K[:, :512])
     lse[t, h] = log(sum(exp(scale * q[t, h] . K[sel_t]^T)))           (natural log)
 
-Schema (stable ABI, csrc/attention/exl3_sparse_mla/exl3_sparse_mla_ops.cpp)::
+Schema (stable ABI,
+csrc/libtorch_stable/attention/exl3_sparse_mla/exl3_sparse_mla_ops.cpp)::
 
     exl3_sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices, float scale,
                            int kv_format, Tensor(a!) out, Tensor(b!) lse,
@@ -32,7 +33,7 @@ import math
 
 import torch
 
-# Mirrors csrc/attention/exl3_sparse_mla/exl3_sparse_mla.cuh.
+# Mirrors csrc/libtorch_stable/attention/exl3_sparse_mla/exl3_sparse_mla.cuh.
 LATENT = 512
 ROPE = 64
 HEAD_SIZES = (576, 512)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Python wrapper and fake implementation of the quantized token embedding's CUDA op
-(`torch.ops._C.exl3_embedding`, csrc/quantization/exl3/exl3_embedding_ops.cpp).
+(`torch.ops._C.exl3_embedding`,
+csrc/libtorch_stable/quantization/exl3/exl3_embedding_ops.cpp).
 
 Schema::
 

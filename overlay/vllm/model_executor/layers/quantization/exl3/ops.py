@@ -83,7 +83,8 @@ logger = init_logger(__name__)
 
 QUICK_BUILD_MODULE = "vllm._exl3_C"
 
-# The plan table's layout (mirrored in csrc/quantization/exl3/exl3_kernels.h).
+# The plan table's layout (mirrored in
+# csrc/libtorch_stable/quantization/exl3/exl3_kernels.h).
 PLAN_VERSION = 1
 PLAN_HEADER_LEN = 10
 PLAN_FIELDS = 8

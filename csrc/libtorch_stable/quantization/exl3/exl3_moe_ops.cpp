@@ -26,9 +26,10 @@
 #include <string>
 #include <vector>
 
+#include "../../exl3_mma.cuh"
+#include "../../exl3_tensor_checks.h"
 #include "exl3_kernels.h"
 #include "exl3_moe.h"
-#include "exl3_tensor_checks.h"
 
 namespace vllm_exl3 {
 

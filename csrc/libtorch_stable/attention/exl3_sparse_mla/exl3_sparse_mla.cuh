@@ -39,6 +39,8 @@
 
 #include <cstdint>
 
+#include "../../exl3_mma.cuh"
+
 namespace vllm_exl3::sparse_mla {
 
 // One mma.sync m16 tile of heads.
@@ -87,18 +89,16 @@ constexpr int kMaxSplits = 64;
 constexpr int kWgHeads = 64;
 constexpr int kWgRows = 64;
 constexpr int kWgGroups = 2;
-constexpr int kWgGroupThreads = 128;  // a warpgroup
-constexpr int kWgThreads = kWgGroups * kWgGroupThreads;
+constexpr int kWgThreads = kWgGroups * kWarpgroupThreads;
 constexpr int kWgDims = kLatent / kWgGroups;
 // bf16 rows land in the stage wgmma reads: one stage gathered while one is
 // consumed (two 72 KB stages and the 72 KB Q fill Hopper's 227 KB). fp8 rows
 // land raw in one ring slot and are dequantized into a single bf16 stage at
 // the top of their tile, freeing the slot for the next gather.
 constexpr int kWgStagesBf16 = 2;
-// One 128-byte swizzled row holds 64 bf16; eight rows make the 1024-byte
-// atom the swizzle repeats with (exl3_wgmma.cuh's kSwizzleAtomBytes).
+// One 128-byte swizzled row holds 64 bf16; eight rows make the atom the
+// swizzle repeats with (kSwizzleAtomBytes).
 constexpr int kSwizzleCols = 64;
-constexpr int kWgAtomBytes = 1024;
 
 // Head tiles per CTA for a head count (1 or 2).
 inline int head_tiles(int64_t heads) {
@@ -249,8 +249,8 @@ struct WgLayout {
   static constexpr int kL = kM + kWgHeads * 4;
   static constexpr int kEnd = kL + kWgHeads * 4;
   // The dynamic shared memory base is only 16-byte aligned: room to align it.
-  static constexpr int kBytes = kEnd + kWgAtomBytes;
-  static_assert(kTileBytes % kWgAtomBytes == 0, "whole atoms");
+  static constexpr int kBytes = kEnd + kSwizzleAtomBytes;
+  static_assert(kTileBytes % kSwizzleAtomBytes == 0, "whole atoms");
 };
 static_assert(WgLayout<576, false>::kBytes <= kSmemLimitSm90, "wgmma bf16");
 static_assert(WgLayout<576, true>::kBytes <= kSmemLimitSm90, "wgmma fp8");
@@ -271,63 +271,9 @@ void launch_combine(const Params& p, cudaStream_t stream);
 
   #include <cmath>
 
-  #include "../../quantization/exl3/exl3_wgmma.cuh"
-
 namespace vllm_exl3::sparse_mla {
 
-static_assert(kWgAtomBytes == kSwizzleAtomBytes, "one swizzle atom");
-static_assert(kWgGroupThreads == kWarpgroupThreads, "one warpgroup");
-
 constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte cp.async; src_bytes 0 zero-fills the destination without reading.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src,
-                                           int src_bytes) {
-  asm volatile(
-      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)),
-      "l"(src), "r"(src_bytes)
-      : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-// Waits until at most n of this thread's newest commit groups are pending.
-template <int n>
-__device__ __forceinline__ void cp_async_wait_pending() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile(
-      "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-      : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4],
-                                                  const void* p) {
-  asm volatile(
-      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, "
-      "[%4];\n"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-      : "r"(smem_addr(p)));
-}
-
-// c += a . b: a 16x16 (row), b 16x8 (col), bf16 in, fp32 accumulate.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4],
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -492,7 +438,7 @@ __global__ void __launch_bounds__(128 * kMTiles)
   const int wd = warp & 1, wn = (warp >> 1) & 1, mt = warp >> 2;
   constexpr int kHalfSteps = kD / 16 / 2;
   uint32_t q_frag[kHalfSteps][4];
-  cp_async_wait_pending<kStages - 2>();  // Q and tile 0
+  cp_async_wait<kStages - 2>();  // Q and tile 0
   __syncthreads();
   #pragma unroll
   for (int i = 0; i < kHalfSteps; ++i)
@@ -512,7 +458,7 @@ __global__ void __launch_bounds__(128 * kMTiles)
   // stage = tile mod kStages; refill = the stage of tile + kStages - 1.
   int stage = 0, refill = kStages - 1;
   for (int tile = 0; tile < ntiles; ++tile) {
-    cp_async_wait_pending<kStages - 2>();
+    cp_async_wait<kStages - 2>();
     // The stage is complete for every thread; every warp is done with the
     // refilled stage (read in the previous iteration) and, the first time,
     // with Q, whose bytes the last stage reuses, before it is refilled.
@@ -565,8 +511,8 @@ __global__ void __launch_bounds__(128 * kMTiles)
         else
           ldmatrix_x4(b, raw + b_row * kFp8RowBytes + kFp8RopeOffset +
                              2 * (d0 - kLatent + b_col));
-        mma_bf16(s_acc[i & 1][0], q_frag[i], b[0], b[1]);
-        mma_bf16(s_acc[i & 1][1], q_frag[i], b[2], b[3]);
+        mma_16816_bf16(s_acc[i & 1][0], q_frag[i], b[0], b[1]);
+        mma_16816_bf16(s_acc[i & 1][1], q_frag[i], b[2], b[3]);
       }
       float* ss = s_s + (wd * kHeads + mt * kHeadsPerMma) * kRowsPerTile;
   #pragma unroll
@@ -665,8 +611,8 @@ __global__ void __launch_bounds__(128 * kMTiles)
                             kv + (k0 + v_row) * L::kKvStride + v_col + np * 16);
   #pragma unroll
           for (int m = 0; m < kMTiles; ++m) {
-            mma_bf16(acc[m][2 * np], a[m], b[0], b[1]);
-            mma_bf16(acc[m][2 * np + 1], a[m], b[2], b[3]);
+            mma_16816_bf16(acc[m][2 * np], a[m], b[0], b[1]);
+            mma_16816_bf16(acc[m][2 * np + 1], a[m], b[2], b[3]);
           }
         }
       }
@@ -675,7 +621,7 @@ __global__ void __launch_bounds__(128 * kMTiles)
     refill = refill + 1 == kStages ? 0 : refill + 1;
   }
 
-  cp_async_wait_all();  // Q's copy when the split had no rows
+  cp_async_wait<0>();  // Q's copy when the split had no rows
   // Every warp is past its last read of Q and of the stages: s_m / s_l share
   // Q's bytes.
   __syncthreads();
@@ -756,8 +702,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   constexpr int kONBlocks = kWgDims / 8;                // O's n8 blocks
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const uint32_t raw_addr = smem_addr(smem_raw);
-  uint8_t* smem = smem_raw + (((raw_addr + kWgAtomBytes - 1) &
-                               ~uint32_t{kWgAtomBytes - 1}) -
+  uint8_t* smem = smem_raw + (((raw_addr + kSwizzleAtomBytes - 1) &
+                               ~uint32_t{kSwizzleAtomBytes - 1}) -
                               raw_addr);
   const uint32_t base = smem_addr(smem);
   int* s_valid = reinterpret_cast<int*>(smem + L::kValid);
@@ -829,9 +775,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       __syncthreads();
       if (tile + 1 < ntiles) issue(tile + 1);
       cp_async_commit();
-      cp_async_wait_pending<1>();
+      cp_async_wait<1>();
     } else {
-      cp_async_wait_all();
+      cp_async_wait<0>();
     }
     // The tile's rows (and, the first time, Q) have landed for every thread
     // and are ordered before wgmma's reads; fp8: every warpgroup is done with
@@ -976,7 +922,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     }
   }
 
-  cp_async_wait_all();  // Q's copy when the split had no rows
+  cp_async_wait<0>();  // Q's copy when the split had no rows
   if (wg == 0) {
   #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -162,11 +162,6 @@ void launch_bias_broadcast(const void* bias, void* y, bool bf16, int m, int n,
 // Sleep on the device so the plan timer's launches queue up behind it (no
 // launch gaps).
 void launch_device_sleep(int microseconds, cudaStream_t stream);
-// Whether this build carries the wgmma engine for `device` (an sm_90a image on
-// a 9.0 device), asked of the image the device loaded. `device` must be the
-// current device. No launch and no allocation, so it may be asked during
-// CUDA-graph capture.
-bool wgmma_supported(int device);
 
 // The plans.
 //

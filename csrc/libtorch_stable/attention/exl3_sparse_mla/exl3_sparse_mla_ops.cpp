@@ -14,8 +14,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../../quantization/exl3/exl3_kernels.h"
-#include "../../quantization/exl3/exl3_tensor_checks.h"
+#include "../../exl3_tensor_checks.h"
 #include "exl3_sparse_mla.cuh"
 
 namespace vllm_exl3 {

@@ -13,13 +13,14 @@ for. `scripts/vllm-exl3 apply` writes them into a vLLM tree beside the other sou
 
     python generate_kernels.py OUT_DIR
 
-Checked in: exl3_wgmma_ops.h, the wgmma.mma_async wrappers of the Hopper engine (and
-of the sparse-MLA decode's Hopper path, which multiplies bf16 from two shared-memory
-descriptors). An m64nNk16 wgmma with fp32 accumulators names N/2 accumulator registers
-per thread in one inline-asm statement (128 operands at N = 256), too many to keep
-correct by hand. The text goes through clang-format (the repository's .clang-format) so
-the header is what the C++ linter expects; CI regenerates it and compares. Rerun after
-changing the token widths:
+Checked in: csrc/libtorch_stable/exl3_wgmma_ops.h, the wgmma.mma_async wrappers of
+the GEMM's Hopper engine and of the sparse-MLA decode's Hopper path (which multiplies
+bf16 from two shared-memory descriptors), beside exl3_mma.cuh, the header of the
+primitives both kernels share. An m64nNk16 wgmma with fp32 accumulators names N/2
+accumulator registers per thread in one inline-asm statement (128 operands at N = 256),
+too many to keep correct by hand. The text goes through clang-format (the repository's
+.clang-format) so the header is what the C++ linter expects; CI regenerates it and
+compares. Rerun after changing the token widths:
 
     python generate_kernels.py --wgmma
 """
@@ -41,7 +42,7 @@ RATE_UNITS = "exl3_rate_k*.cu"
 
 # Token widths (the wgmma's N) of the Hopper engine's tiers.
 WGMMA_WIDTHS = (64, 128, 256)
-WGMMA_HEADER = HERE / "exl3_wgmma_ops.h"
+WGMMA_HEADER = HERE.parents[1] / "exl3_wgmma_ops.h"
 # The sparse-MLA decode's (N, B transposed): S = Q K^T over 64 KV rows (K-major B) and
 # O += P V over a warpgroup's 256 output dims (V read MN-major from the same rows).
 WGMMA_SS_BF16 = ((64, False), (256, True))
@@ -194,7 +195,7 @@ def write_wgmma_header(path: Path = WGMMA_HEADER) -> None:
 // memory descriptor), one warpgroup (wgmma_rs); the bf16 form with both
 // operands from shared-memory descriptors, B K-major or MN-major
 // (wgmma_ss_bf16; accumulate false overwrites D). Only compiled where the
-// sm_90a features exist (see exl3_wgmma.cuh).
+// sm_90a features exist (see exl3_mma.cuh).
 #pragma once
 
 #include <cstdint>

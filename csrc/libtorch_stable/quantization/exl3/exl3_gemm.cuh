@@ -310,7 +310,7 @@ __device__ __forceinline__ void gemm_segment(
   const int shard = shard_of_column(p.shards, n0);
   const int n_chunks = c_end - c_begin;
   if constexpr (WG) {
-    // The swizzle is decoded from absolute address bits (exl3_wgmma.cuh): a
+    // The swizzle is decoded from absolute address bits (exl3_mma.cuh): a
     // misplaced stage would be a silent wrong answer, so stop instead.
     if ((s_a & (kSwizzleAtomBytes - 1)) != 0) __trap();
   }

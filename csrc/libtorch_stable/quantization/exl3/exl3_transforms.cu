@@ -1,11 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Rate-independent kernels: the input transform, the split-k finish, the bias
-// broadcast of the cuBLAS path, the plan timer's device sleep, and the wgmma
-// build marker.
+// broadcast of the cuBLAS path and the plan timer's device sleep.
 
 #include "exl3_hadamard.cuh"
 #include "exl3_kernels.h"
-#include "exl3_wgmma.cuh"
 
 namespace vllm_exl3 {
 
@@ -96,19 +94,6 @@ __global__ void exl3_device_sleep_kernel(int64_t nanoseconds) {
   }
 }
 
-// Never launched: its static shared memory is kWgmmaMarkerWords words in an
-// image compiled with the sm_90a features (EXL3_WGMMA) and one word otherwise,
-// so cudaFuncGetAttributes asks the image the device actually loaded, without a
-// launch or an allocation (safe during capture).
-constexpr int kWgmmaMarkerWords = 2;
-__global__ void exl3_wgmma_marker_kernel(int* out) {
-  __shared__ int words[EXL3_WGMMA ? kWgmmaMarkerWords : 1];
-  constexpr int kWords = sizeof(words) / sizeof(int);
-  words[threadIdx.x % kWords] = static_cast<int>(threadIdx.x);
-  __syncthreads();
-  out[threadIdx.x] = words[(threadIdx.x + 1) % kWords];
-}
-
 static unsigned grid_for_warps(int64_t warps) {
   return static_cast<unsigned>((warps + kRowWarps - 1) / kRowWarps);
 }
@@ -167,25 +152,6 @@ void launch_bias_broadcast(const void* bias, void* y, bool bf16, int m, int n,
 void launch_device_sleep(int microseconds, cudaStream_t stream) {
   exl3_device_sleep_kernel<<<1, 1, 0, stream>>>(
       static_cast<int64_t>(microseconds) * 1000);
-}
-
-bool wgmma_supported(int device) {
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                             device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
-                             device) != cudaSuccess)
-    return false;
-  if (major != 9 || minor != 0) return false;
-  int current = 0;
-  if (cudaGetDevice(&current) != cudaSuccess || current != device) return false;
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, exl3_wgmma_marker_kernel) != cudaSuccess) {
-    cudaGetLastError();  // no image for this device: not an error of the
-                         // caller's
-    return false;
-  }
-  return attr.sharedSizeBytes == kWgmmaMarkerWords * sizeof(int);
 }
 
 }  // namespace vllm_exl3

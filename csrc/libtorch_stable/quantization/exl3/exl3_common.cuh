@@ -1,14 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// Constants and PTX wrappers shared by every EXL3 kernel. Only
-// mma.sync.m16n8k16 (fp16 in, fp32 accumulate), ldmatrix and cp.async are used,
-// so one source serves sm_90, sm_120 and sm_121. The one exception is the
-// GEMM's optional Hopper engine (exl3_wgmma.cuh), compiled only into sm_90a
-// images and chosen at run time only where the device runs one.
+// Constants and helpers shared by the trellis kernels (GEMM, MoE GEMM,
+// reconstructs, transforms). Their tensor-core and cp.async primitives, which
+// the sparse-MLA decode uses too, are in ../../exl3_mma.cuh: mma.sync
+// m16n8k16, ldmatrix and cp.async, so one source serves every target from
+// sm_80 on. The one exception is the GEMM's optional Hopper engine
+// (exl3_wgmma.cuh), compiled only into sm_90a images and chosen at run time
+// only where the device runs one.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+
+#include "../../exl3_mma.cuh"
 
 namespace vllm_exl3 {
 
@@ -47,29 +51,12 @@ constexpr uint32_t kMul1Base2 = 0x64006400u;
 constexpr uint16_t kMul1ScaleBits = 0x1EEE;
 constexpr uint16_t kMul1BiasBits = 0xC931;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global->shared copy; src_bytes = 0 zero-fills (rows past m).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src,
-                                           int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-               "l"(src), "r"(src_bytes));
-}
-// 8-byte copy (only the L1-allocating .ca form exists at this size); src_bytes
-// = 0 zero-fills.
+// 8-byte global->shared copy (only the L1-allocating .ca form exists at this
+// size); src_bytes = 0 zero-fills.
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src,
                                           int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst),
                "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // Programmatic dependent launch (sm_90+): a grid launched with programmatic
@@ -86,23 +73,6 @@ __device__ __forceinline__ void grid_dependents_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// D += A(16x16, row) * B(16x8, col), fp16 operands, fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
-                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Four fp32 added into global memory. sm_90 has a vector reduction (one L2

@@ -14,59 +14,18 @@
 // trellis tile: the two B fragments of the tile (b0, b1: columns 0-7, b2, b3:
 // columns 8-15; k rows 2q.. in b0/b2, 2q+8.. in b1/b3) are the A fragment {b0,
 // b2, b1, b3}. Only compiled for sm_90a; elsewhere the kernel traps and the
-// host never selects it (wgmma_supported, asked of the loaded image).
+// host never selects it (wgmma_supported, asked of the loaded image). The
+// wgmma wrappers, descriptors and fences it shares with the sparse-MLA decode
+// are in ../../exl3_mma.cuh; here are the GEMM's own: its pipeline depth and
+// its TMA loads of the activations.
 #pragma once
 
 #include <cstdint>
 
 #include "exl3_common.cuh"
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  #define EXL3_WGMMA 1
-  #include "exl3_wgmma_ops.h"
-#else
-  #define EXL3_WGMMA 0
-#endif
-
 namespace vllm_exl3 {
 
-// Threads of one warpgroup: the unit that issues a wgmma together.
-constexpr int kWarpgroupThreads = 128;
-// 128-byte swizzle: rows of 128 bytes, 16-byte chunks XORed with (row & 7),
-// repeating every 8 rows (1024 bytes). The GEMM's A stage already uses exactly
-// this layout; the hardware decodes it from absolute address bits, so every
-// stage must start on a 1024-byte boundary.
-constexpr int kSwizzleAtomBytes = 1024;
-// Shared-memory matrix descriptor fields (PTX ISA, "Matrix Descriptor Format"):
-// addresses and byte offsets are stored >> 4; 1 in bits 62-63 selects the
-// 128-byte swizzle.
-constexpr uint64_t kDescSwizzle128 = 1ull << 62;
-constexpr int kDescAddrBits = 14;
-
-// B operand descriptor of a K-major N x 64 fp16 tile at `addr` (N rows of 128
-// bytes). The stride between 8-row groups is one swizzle atom; the leading
-// offset is unused by K-major swizzled layouts whose k16 step (32 bytes) stays
-// inside a row, and is set to 1 by convention.
-__device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t addr) {
-  return static_cast<uint64_t>((addr >> 4) & ((1u << kDescAddrBits) - 1)) |
-         (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) |
-         kDescSwizzle128;
-}
-// Descriptor of an MN-major operand in the same 128-byte swizzle: rows of 64
-// MN values (one k each) in atoms of 8 k rows; `mn_block_bytes` apart sit the
-// next 64 MN values (the leading offset), one atom apart the next 8 k (the
-// stride offset). The sparse-MLA decode reads V this way from the K-major
-// rows it gathered for S = Q K^T.
-__device__ __forceinline__ uint64_t
-wgmma_desc_mn_major_sw128(uint32_t addr, uint32_t mn_block_bytes) {
-  return static_cast<uint64_t>((addr >> 4) & ((1u << kDescAddrBits) - 1)) |
-         (static_cast<uint64_t>((mn_block_bytes >> 4) &
-                                ((1u << kDescAddrBits) - 1))
-          << 16) |
-         (static_cast<uint64_t>(kSwizzleAtomBytes >> 4) << 32) |
-         kDescSwizzle128;
-}
 // The descriptor of the k16 step `kk` inside a 64-k stage row: 32 bytes
 // further, in >> 4 units.
 constexpr uint64_t kDescK16Step = (16 * 2) >> 4;
@@ -80,31 +39,6 @@ constexpr uint64_t kDescK16Step = (16 * 2) >> 4;
   #define EXL3_WGMMA_IN_FLIGHT 2
 #endif
 constexpr int kWgmmaInFlight = EXL3_WGMMA_IN_FLIGHT;
-
-__device__ __forceinline__ void wgmma_fence() {
-#if EXL3_WGMMA
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void wgmma_commit() {
-#if EXL3_WGMMA
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#endif
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#if EXL3_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-#endif
-}
-// cp.async writes shared memory through the generic proxy, wgmma reads it
-// through the async proxy: each thread orders its own landed copies before the
-// barrier that publishes them.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if EXL3_WGMMA
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
 
 // The activations' stages come from the tensor memory accelerator (TMA): one
 // thread issues a stage's whole A tile as one bulk tensor copy and arms that
@@ -159,14 +93,6 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 #endif
-}
-
-// Keeps the accumulators' registers tied to the asynchronous MMA (no reordering
-// of their reads or writes across this point by the compiler).
-template <int R>
-__device__ __forceinline__ void wgmma_fence_operands(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 }  // namespace vllm_exl3

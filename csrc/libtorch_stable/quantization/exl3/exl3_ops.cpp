@@ -28,8 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "../../exl3_tensor_checks.h"
 #include "exl3_kernels.h"
-#include "exl3_tensor_checks.h"
 
 // Host-side launch resources. Buffers (the split-k workspace, scratch) are
 // torch tensors from the caller or torch's caching allocator, and the cuBLAS

@@ -4,7 +4,7 @@
 // memory descriptor), one warpgroup (wgmma_rs); the bf16 form with both
 // operands from shared-memory descriptors, B K-major or MN-major
 // (wgmma_ss_bf16; accumulate false overwrites D). Only compiled where the
-// sm_90a features exist (see exl3_wgmma.cuh).
+// sm_90a features exist (see exl3_mma.cuh).
 #pragma once
 
 #include <cstdint>

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "../../exl3_mma.cuh"
 #include "exl3_kernels.h"
 
 namespace vllm_exl3 {
