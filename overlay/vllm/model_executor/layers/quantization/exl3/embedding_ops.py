@@ -19,7 +19,6 @@ the dense ops (ops.py loads it); nothing is loaded at import time.
 """
 
 import torch
-from torch.library import register_fake
 
 from . import ops
 
@@ -27,17 +26,9 @@ OP = "exl3_embedding"
 
 
 def load_exl3_embedding_op() -> tuple[bool, str | None]:
-    """Make the op available once; returns (available, why not)."""
-    ok, why_not = ops.load_exl3_ops()
-    if not ok:
-        return ok, why_not
-    if not hasattr(torch.ops._C, OP):
-        return (
-            False,
-            f"the EXL3 extension is loaded but registers no _C::{OP} (an older build?)",
-        )
-    _register_fake()
-    return True, None
+    """Make the op available once (its fake too: the lookup runs inside the
+    torch.compile graph); returns (available, why not)."""
+    return ops.load_exl3_extra_ops({OP: exl3_embedding_fake})
 
 
 def exl3_embedding_fake(
@@ -48,13 +39,6 @@ def exl3_embedding_fake(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     return trellis.new_empty((ids.shape[0], hidden), dtype=dtype)
-
-
-def _register_fake() -> None:
-    """Output metadata for Dynamo: the lookup runs inside the torch.compile graph."""
-    qualname = f"_C::{OP}"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
-        register_fake(qualname)(exl3_embedding_fake)
 
 
 def exl3_embedding(

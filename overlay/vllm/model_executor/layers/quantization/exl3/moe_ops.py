@@ -56,19 +56,10 @@ GATE_UP_ROLES = 2
 
 
 def load_exl3_moe_op() -> tuple[bool, str | None]:
-    """Make the op available once; returns (available, why not)."""
-    ok, why_not = ops.load_exl3_ops()
-    if not ok:
-        return ok, why_not
-    if not hasattr(torch.ops._C, OP):
-        return (
-            False,
-            f"the EXL3 extension is loaded but registers no _C::{OP} (an older build?)",
-        )
-    ops.register_missing_fakes(
+    """Make the ops available once; returns (available, why not)."""
+    return ops.load_exl3_extra_ops(
         {OP: exl3_moe_fake, RECONSTRUCT_OP: exl3_moe_reconstruct_fake}
     )
-    return True, None
 
 
 class Exl3MoEArgs(NamedTuple):
