@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "exl3_embedding.h"
-#include "exl3_tensor_checks.h"
+#include "../../exl3_tensor_checks.h"
 
 namespace vllm_exl3 {
 
