@@ -402,7 +402,7 @@ def tune(args: argparse.Namespace, jobs: list[Job], table: dict) -> int:
     # The kernels first: the overlay's modules expect the ops registered.
     vk.load_extension(args.ext)
     from vllm.model_executor.layers.quantization.exl3 import ops, plans
-    from vllm.model_executor.layers.quantization.exl3.kernels import (
+    from vllm.model_executor.layers.quantization.exl3.workspace import (
         MAX_WORKSPACE_FLOATS,
     )
 
@@ -501,7 +501,7 @@ def gap_point(
     """One (layer, bucket) of --check-gap: the default plan and the timer's fastest
     candidates, each timed cold."""
     from vllm.model_executor.layers.quantization.exl3 import ops, plans
-    from vllm.model_executor.layers.quantization.exl3.kernels import (
+    from vllm.model_executor.layers.quantization.exl3.workspace import (
         MAX_WORKSPACE_FLOATS,
     )
 
