@@ -424,15 +424,17 @@ def tune(args: argparse.Namespace, jobs: list[Job], table: dict) -> int:
                 # workspace are not an option (kernels.MAX_WORKSPACE_FLOATS).
                 floats = min(m * job.n, MAX_WORKSPACE_FLOATS)
                 timed = ops.exl3_time_plans(
-                    x.to(getattr(torch, dtype)),
-                    layer.trellis,
-                    layer.suh,
-                    layer.svh,
-                    None,
-                    list(job.widths),
-                    job.codebook,
-                    header,
-                    vk.workspace(floats)[:floats],
+                    ops.Exl3LinearArgs(
+                        x.to(getattr(torch, dtype)),
+                        layer.trellis,
+                        layer.suh,
+                        layer.svh,
+                        None,
+                        list(job.widths),
+                        job.codebook,
+                        header,
+                        vk.workspace(floats)[:floats],
+                    )
                 )
                 if not timed:
                     raise SystemExit(
@@ -525,15 +527,17 @@ def gap_point(
     source = "table" if resolved[ops.PLAN_FIELDS] == ops.SOURCE_TABLE else "model"
     # The timer's candidates, fastest first (timed warm, on one copy), without pins.
     timed = ops.exl3_time_plans(
-        x,
-        pool[0].trellis,
-        pool[0].suh,
-        pool[0].svh,
-        None,
-        list(job.widths),
-        job.codebook,
-        vk.header(),
-        ws,
+        ops.Exl3LinearArgs(
+            x,
+            pool[0].trellis,
+            pool[0].suh,
+            pool[0].svh,
+            None,
+            list(job.widths),
+            job.codebook,
+            vk.header(),
+            ws,
+        )
     )
     warm = [e for e, _ in sorted(timed, key=lambda t: t[1])]
     cands = [e for e in warm[: args.gap_candidates] if e[1:] != entry[1:]]
