@@ -28,7 +28,7 @@ OP = "exl3_embedding"
 def load_exl3_embedding_op() -> tuple[bool, str | None]:
     """Make the op available once (its fake too: the lookup runs inside the
     torch.compile graph); returns (available, why not)."""
-    return ops.load_exl3_extra_ops({OP: exl3_embedding_fake})
+    return ops.load_exl3_extra_ops(OP, {OP: exl3_embedding_fake})
 
 
 def exl3_embedding_fake(

@@ -58,7 +58,7 @@ GATE_UP_ROLES = 2
 def load_exl3_moe_op() -> tuple[bool, str | None]:
     """Make the ops available once; returns (available, why not)."""
     return ops.load_exl3_extra_ops(
-        {OP: exl3_moe_fake, RECONSTRUCT_OP: exl3_moe_reconstruct_fake}
+        OP, {OP: exl3_moe_fake, RECONSTRUCT_OP: exl3_moe_reconstruct_fake}
     )
 
 

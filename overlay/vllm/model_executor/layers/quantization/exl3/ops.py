@@ -136,17 +136,18 @@ def register_missing_fakes(fakes: Mapping[str, Callable]) -> None:
             register_fake(qualname)(fake)
 
 
-def load_exl3_extra_ops(fakes: Mapping[str, Callable]) -> tuple[bool, str | None]:
-    """The extension (load_exl3_ops), then its ops beyond the dense linear's, each
-    with its fake (name -> fake); returns (available, why not)."""
+def load_exl3_extra_ops(
+    op: str, fakes: Mapping[str, Callable]
+) -> tuple[bool, str | None]:
+    """The extension (load_exl3_ops), then `op`, one of its ops beyond the dense
+    linear's, and the fakes (name -> fake) of those of them it registers; returns
+    (available, why not)."""
     ok, why_not = load_exl3_ops()
     if not ok:
         return ok, why_not
-    missing = [name for name in fakes if not _has_op(name)]
-    if missing:
+    if not _has_op(op):
         return False, (
-            f"the EXL3 extension is loaded but registers no _C::{missing[0]} (an older "
-            "build?)"
+            f"the EXL3 extension is loaded but registers no _C::{op} (an older build?)"
         )
     register_missing_fakes(fakes)
     return True, None
