@@ -28,8 +28,11 @@ constexpr double kL2Discount = 4.0;
 constexpr int kReconstructM = 1024;
 constexpr int kReconstructMWgmma = 2048;
 // The original-basis reconstruct from this many rows on: its two-sided Hadamard
-// costs a fixed k*n pass, the rotated path's transforms grow with m*(k+n).
-constexpr int kOriginalBasisM = 4096;
+// costs a fixed k*n pass, the rotated path's transforms grow with m*(k+n). At
+// the 2048-row bucket it beat the rotated path on 10 of 11 held-out layers, by
+// 1.13-1.56x, cold (scripts/bench/README.md, "Default plans against the
+// tuner's best").
+constexpr int kOriginalBasisM = 2048;
 // The wgmma engine's smallest tier is 64 tokens; the cost model uses it from
 // that bucket on, and the timer from this many rows (a 33..64-row call pads at
 // most half the tile).
