@@ -24,7 +24,7 @@ import torch
 from vllm_exl3.codec import embedding_reference
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_SOURCES = REPO / "csrc" / "quantization" / "exl3"
+KERNEL_SOURCES = REPO / "csrc" / "libtorch_stable" / "quantization" / "exl3"
 GROUPS = 6  # random groups per rate: lane 0's ring wrap and the last lanes in each
 GROUP = 256
 

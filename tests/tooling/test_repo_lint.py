@@ -263,8 +263,8 @@ def _cmake_archs() -> list[str]:
 
 
 def _min_capabilities() -> set[int]:
-    """The literal Exl3Config.get_min_capability returns and every MIN_CAPABILITY
-    constant of the EXL3 package."""
+    """The literal every get_min_capability of the EXL3 package returns, and every
+    MIN_CAPABILITY constant of it; 0 (the reference kernels: no GPU feature) aside."""
     found = set()
     for module in EXL3_PACKAGE.glob("*.py"):
         for node in ast.walk(ast.parse(module.read_text())):
@@ -282,7 +282,7 @@ def _min_capabilities() -> set[int]:
                 and isinstance(node.value, ast.Constant)
             ):
                 found.add(node.value.value)
-    return found
+    return found - {0}
 
 
 def _gpu_row(text: str) -> tuple[set[str], set[str]]:
