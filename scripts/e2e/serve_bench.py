@@ -125,7 +125,7 @@ SOAK_WARMUP_FRACTION = 0.2
 # shapes (2-20 MiB each) come and go; a per-request leak of even 1 MiB over the
 # several hundred requests of a ten-minute soak exceeds it, and one leaked 8k-token
 # activation (8192 x 2048 x 2 bytes = 32 MiB at Qwen3-30B-A3B's hidden size) per
-# cancelled request does after eight.
+# cancelled request does after nine.
 MEMORY_FLAT_MIB = 256
 MIN_MEMORY_SAMPLES = 10
 # The completion sent after the soak to show the engine still serves.

@@ -502,3 +502,52 @@ def test_soak_client_against_a_fake_server(fake, monkeypatch):
     assert failed and all(o.input_len < 12 for o in failed)
     assert all("tokens, asked" in o.error for o in failed)
     assert all(o.input_len >= 12 for o in outcomes if o.status == "ok")
+
+
+@pytest.mark.parametrize(
+    "how",
+    [["scripts/e2e/serve_bench.py"], ["-m", "vllm_exl3.e2e.serve_bench"]],
+    ids=["script", "module"],
+)
+def test_help(how):
+    from vllm_exl3.repo import ROOT
+
+    r = sb.subprocess.run(
+        [sys.executable, *how, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "--soak" in r.stdout and "--resume" in r.stdout
+
+
+def _soak_args(out: Path, budget: float = 0) -> Namespace:
+    return Namespace(out=out, budget_s=budget)
+
+
+def test_collect_and_detach_of_the_soak(tmp_path):
+    out = tmp_path / "soak"
+    out.mkdir()
+    # Nothing started: an error naming the missing result.
+    assert sb.collect_soak(_soak_args(out)) == 1
+    # One still running past the budget: "collect again".
+    sleeper = sb.subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / sb.SOAK_PIDFILE).write_text(str(sleeper.pid))
+        assert sb.collect_soak(_soak_args(out)) == 3
+        # A running soak is not started twice.
+        assert sb.detach_soak(_soak_args(out), ["--soak", "--detach"]) == 0
+        assert (out / sb.SOAK_PIDFILE).read_text() == str(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    for passed, rc in ((True, 0), (False, 1)):
+        (out / sb.SOAK_RESULT_NAME).write_text(
+            json.dumps({"verdicts": {"passed": passed, "metrics_at_end": {}}})
+        )
+        assert sb.collect_soak(_soak_args(out)) == rc
+    # A finished soak is collected, not rerun, by repeating the step.
+    assert sb.detach_soak(_soak_args(out), ["--soak", "--detach"]) == 0
+    assert not (out / "soak.log").exists()
