@@ -197,8 +197,8 @@ def serve_command(
     return cmd
 
 
-def num_prompts(concurrency: int) -> int:
-    return max(PROMPT_WAVES * concurrency, MIN_PROMPTS)
+def num_prompts(concurrency: int, waves: int = PROMPT_WAVES) -> int:
+    return max(waves * concurrency, MIN_PROMPTS)
 
 
 def row_seed(preset: str, variant: str, concurrency: int) -> int:
@@ -220,6 +220,7 @@ def bench_command(
     result_dir: Path,
     filename: str,
     tokenizer: Path = TOKENIZER,
+    waves: int = PROMPT_WAVES,
 ) -> list[str]:
     return [
         *vllm_cli(),
@@ -245,7 +246,7 @@ def bench_command(
         "--max-concurrency",
         str(concurrency),
         "--num-prompts",
-        str(num_prompts(concurrency)),
+        str(num_prompts(concurrency, waves)),
         "--seed",
         str(seed),
         "--temperature",
@@ -624,9 +625,10 @@ def run_row(
     name = result_filename(preset, variant, c)
     bench_dir.mkdir(parents=True, exist_ok=True)
     (bench_dir / name).unlink(missing_ok=True)
-    cmd = bench_command(port, c, seed, bench_dir, name)
+    cmd = bench_command(port, c, seed, bench_dir, name, waves=args.prompt_waves)
     logfile = args.out / "logs" / name.replace(".json", ".log")
-    log(f"{preset} {variant} c={c}: {num_prompts(c)} prompts, seed {seed}")
+    n = num_prompts(c, args.prompt_waves)
+    log(f"{preset} {variant} c={c}: {n} prompts, seed {seed}")
     t0 = time.monotonic()
     with open(logfile, "w") as logf:
         try:
@@ -641,12 +643,16 @@ def run_row(
             "error": f"{preset} {variant} c={c}: vllm bench serve exited with {rc}; "
             f"{logfile} ends:\n{tail(logfile)}"
         }
+    try:
+        measured = parse_bench_result(bench_dir / name)
+    except (ValueError, KeyError) as e:
+        return {"error": f"{preset} {variant} c={c}: {e}"}
     row = {
         "preset": preset,
         "variant": variant,
         "concurrency": c,
         "seed": seed,
-        **parse_bench_result(bench_dir / name),
+        **measured,
         "bench_s": round(time.monotonic() - t0, 1),
     }
     log(
@@ -812,8 +818,6 @@ class MemorySampler(threading.Thread):
 async def soak_request(
     session, base: str, rng: random.Random, ids: list[int], cancel: bool
 ) -> Outcome:
-    import aiohttp
-
     n_in = rng.randint(*SOAK_INPUT)
     n_out = rng.randint(*SOAK_OUTPUT)
     prompt = rng.choices(ids, k=n_in)
@@ -867,7 +871,7 @@ async def soak_request(
             out.status, out.error = "cancelled", ""
         else:
             out.error = f"no answer within {SOAK_REQUEST_TIMEOUT_S} s"
-    except (aiohttp.ClientError, json.JSONDecodeError, OSError) as e:
+    except Exception as e:  # any error of one request is that request's failure
         out.error = f"{type(e).__name__}: {e}"
     return out
 
@@ -1077,6 +1081,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="default per preset: "
         + ", ".join(f"{k} {v}" for k, v in GPU_MEMORY_UTILIZATION.items()),
+    )
+    ap.add_argument(
+        "--prompt-waves",
+        type=int,
+        default=PROMPT_WAVES,
+        help=f"prompts per row: this many times the concurrency, at least "
+        f"{MIN_PROMPTS} (fewer: a KV-limited row, e.g. bf16 Qwen3-30B-A3B on an "
+        "80 GB card, fits a call)",
     )
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument(

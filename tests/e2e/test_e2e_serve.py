@@ -88,6 +88,9 @@ def test_bench_command_and_distinct_seeds(tmp_path):
     assert _flag(cmd, "--result-dir") == str(tmp_path)
     assert _flag(cmd, "--result-filename") == "r.json"
     assert [sb.num_prompts(c) for c in sb.CONCURRENCY] == [8, 16, 64, 256]
+    assert [sb.num_prompts(c, 2) for c in sb.CONCURRENCY] == [8, 8, 32, 128]
+    short = sb.bench_command(8123, 64, 1, tmp_path, "r.json", waves=2)
+    assert _flag(short, "--num-prompts") == "128"
 
 
 def _defined_flags(*files: str) -> set[str]:
@@ -348,7 +351,7 @@ def test_server_that_exits_or_never_answers(fake):
     assert time.monotonic() - t0 < 10
 
 
-def _write_result_cmd(port, c, seed, result_dir, filename, tokenizer=TOKENIZER):
+def _write_result_cmd(port, c, seed, result_dir, filename, **kw):
     """Stands in for `vllm bench serve`: writes a recorded-shape result whose
     throughput encodes the seed, so each row is traceable to its command."""
     data = recorded_result(max_concurrency=c, output_throughput=float(seed))
@@ -395,6 +398,7 @@ def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypa
         gpu_memory_utilization=None,
         budget_s=3600,
         resume=resume,
+        prompt_waves=sb.PROMPT_WAVES,
     )
     assert sb.run_matrix(args) == 0
     rows = json.loads((out / sb.RESULT_NAME).read_text())["rows"]
@@ -425,6 +429,7 @@ def test_budget_leaves_rows_for_a_later_call(exl3_dir, tmp_path, monkeypatch):
         gpu_memory_utilization=None,
         budget_s=60,
         resume=None,
+        prompt_waves=sb.PROMPT_WAVES,
     )
     assert sb.run_matrix(args) == 1
     rec = json.loads((args.out / sb.RESULT_NAME).read_text())
