@@ -72,22 +72,30 @@ MODEL_LEN_SLACK = 256
 MAX_MODEL_LEN = INPUT_LEN + OUTPUT_LEN + MODEL_LEN_SLACK
 EXL3_BITS = 4.0
 EXL3_CODEBOOK = "mul1"  # ExLlamaV3 1.6.5's default
-# Prompts per run: four waves of `concurrency` requests, so the mean is not one wave's
-# start-up; at least eight so that concurrency 1 averages over several requests (eight
-# requests of 8k/1k take about a minute there).
-PROMPT_WAVES = 4
-MIN_PROMPTS = 8
+# Prompts per run: two waves of `concurrency` requests. With fixed lengths and no
+# request rate limit the first wave starts together and the second starts as the first
+# finishes, its prefills interleaved with the first wave's last decodes: two waves hold
+# both regimes, and a one-time cost shows as the waves differing (the result's TTFT
+# spread). At least four, so concurrency 1 averages over several requests (four 8k/1k
+# requests take about 35 s there). Every wave is a minute or more at concurrency 64, and
+# the whole matrix is 32 rows: more waves cost calls, not information; --prompt-waves
+# raises it.
+PROMPT_WAVES = 2
+MIN_PROMPTS = 4
 # Seeds of the random dataset: SEED_BASE plus the row's index in the full matrix, so no
 # two rows (or calls that resume) send the same prompts.
 SEED_BASE = 1000
-# Rough upper estimates of one row's seconds at Qwen3-8B dims on an H100/H200 (prefill
-# of about 20k tok/s, 7-30 ms per decode step from concurrency 1 to 64, times the
-# waves above), used only to skip a row that would not fit the budget; a row that runs
-# longer is cut at the budget and stays unmeasured for a later --resume.
-EST_ROW_S = {1: 90, 4: 60, 16: 110, 64: 280}
-EST_ROW_DEFAULT_S = 280
+# Rough upper guesses of one row's seconds at Qwen3-8B dims on an H100/H200 (prefill of
+# about 20k tok/s, 7-30 ms per decode step from concurrency 1 to 64, the waves above,
+# plus `vllm bench serve`'s one ready-check request), used to skip a row that would not
+# fit the budget until a row of the same preset and concurrency has been measured (then
+# its time is the estimate). A row that runs longer is cut at the budget and stays
+# unmeasured for a later --resume.
+EST_ROW_S = {1: 50, 4: 40, 16: 70, 64: 200}
+EST_ROW_DEFAULT_S = 200
 # Seconds a server start is allowed (compile + CUDA graph capture of a 30B MoE model at
-# real dims, cold caches) and what the budget keeps back for it.
+# real dims, cold caches), and the guess the budget keeps back for one until a server
+# of the same preset has started (then its time is the estimate).
 SERVER_READY_TIMEOUT_S = 420
 EST_SERVER_START_S = 150
 SERVER_STOP_TIMEOUT_S = 30
@@ -314,6 +322,27 @@ def pending(
 
 KV_TOKENS_RE = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
 KV_CONC_RE = re.compile(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x")
+
+
+def estimate_start_s(rows: list[dict], preset: str) -> float:
+    """Seconds to budget for a server of `preset`: the slowest start measured."""
+    seen = [
+        r["server_ready_s"]
+        for r in rows
+        if r["preset"] == preset and "server_ready_s" in r
+    ]
+    return max(seen, default=EST_SERVER_START_S)
+
+
+def estimate_row_s(rows: list[dict], preset: str, concurrency: int) -> float:
+    """Seconds to budget for one row: the slowest measured at this preset and
+    concurrency (any variant), else the guess of EST_ROW_S."""
+    seen = [
+        r["bench_s"]
+        for r in rows
+        if r["preset"] == preset and r["concurrency"] == concurrency and "bench_s" in r
+    ]
+    return max(seen, default=EST_ROW_S.get(concurrency, EST_ROW_DEFAULT_S))
 
 
 def kv_capacity(log_text: str) -> dict:
@@ -557,8 +586,8 @@ def run_matrix(args: argparse.Namespace) -> int:
             conc = [c for p, name, c in mine if name == v.name]
             if not conc:
                 continue
-            first = EST_ROW_S.get(conc[0], EST_ROW_DEFAULT_S)
-            if budget.left() < EST_SERVER_START_S + first + STOP_MARGIN_S:
+            first = estimate_row_s(rows, preset, conc[0])
+            if budget.left() < estimate_start_s(rows, preset) + first + STOP_MARGIN_S:
                 record["skipped"] += [f"{preset} {v.name} c={c} (budget)" for c in conc]
                 continue
             port = free_port()
@@ -586,7 +615,7 @@ def run_matrix(args: argparse.Namespace) -> int:
                 log(f"{preset} {v.name}: ready in {ready:.0f} s, {kv}")
                 for c in conc:
                     left = budget.left() - STOP_MARGIN_S
-                    if left < EST_ROW_S.get(c, EST_ROW_DEFAULT_S):
+                    if left < estimate_row_s(rows, preset, c):
                         record["skipped"].append(f"{preset} {v.name} c={c} (budget)")
                         continue
                     row = run_row(preset, v.name, c, port, bench_dir, left, args)

@@ -82,15 +82,15 @@ def test_bench_command_and_distinct_seeds(tmp_path):
     assert _flag(cmd, "--random-output-len") == "1024"
     assert "--ignore-eos" in cmd and "--save-result" in cmd
     assert _flag(cmd, "--max-concurrency") == "16"
-    assert _flag(cmd, "--num-prompts") == "64"
+    assert _flag(cmd, "--num-prompts") == "32"
     assert _flag(cmd, "--seed") == "1007"
     assert _flag(cmd, "--base-url") == "http://127.0.0.1:8123"
     assert _flag(cmd, "--result-dir") == str(tmp_path)
     assert _flag(cmd, "--result-filename") == "r.json"
-    assert [sb.num_prompts(c) for c in sb.CONCURRENCY] == [8, 16, 64, 256]
-    assert [sb.num_prompts(c, 2) for c in sb.CONCURRENCY] == [8, 8, 32, 128]
-    short = sb.bench_command(8123, 64, 1, tmp_path, "r.json", waves=2)
-    assert _flag(short, "--num-prompts") == "128"
+    assert [sb.num_prompts(c) for c in sb.CONCURRENCY] == [4, 8, 32, 128]
+    assert [sb.num_prompts(c, 4) for c in sb.CONCURRENCY] == [4, 16, 64, 256]
+    longer = sb.bench_command(8123, 64, 1, tmp_path, "r.json", waves=4)
+    assert _flag(longer, "--num-prompts") == "256"
 
 
 def _defined_flags(*files: str) -> set[str]:
@@ -438,6 +438,46 @@ def test_budget_leaves_rows_for_a_later_call(exl3_dir, tmp_path, monkeypatch):
         "qwen3-8b exl3 c=1 (budget)",
         "qwen3-8b exl3 c=64 (budget)",
     ]
+
+
+def _row(preset, variant, c, **kw) -> dict:
+    """A row as run_matrix stores it (the bench fields of a recorded result)."""
+    measured = {f: recorded_result()[f] for f in sb.BENCH_FIELDS}
+    return {"preset": preset, "variant": variant, "concurrency": c, **measured, **kw}
+
+
+def test_estimates_come_from_measured_rows(exl3_dir, tmp_path, monkeypatch):
+    rows = [
+        _row("qwen3-8b", "gptq", 64, bench_s=310.0, server_ready_s=95.0),
+        _row("qwen3-8b", "bf16", 64, bench_s=250.0, server_ready_s=120.0),
+        _row("qwen3-30b-a3b", "gptq", 1, bench_s=9.0),
+    ]
+    assert sb.estimate_row_s(rows, "qwen3-8b", 64) == 310.0
+    assert sb.estimate_row_s(rows, "qwen3-8b", 1) == sb.EST_ROW_S[1]
+    assert sb.estimate_row_s(rows, "qwen3-30b-a3b", 1) == 9.0
+    assert sb.estimate_start_s(rows, "qwen3-8b") == 120.0
+    assert sb.estimate_start_s(rows, "qwen3-30b-a3b") == sb.EST_SERVER_START_S
+    # A budget the guesses would allow, but not the measured concurrency-64 row.
+    monkeypatch.setattr(sb, "ensure_checkpoint", lambda *a: exl3_dir)
+    monkeypatch.setattr(sb, "host_facts", lambda: {})
+    monkeypatch.setattr(sb, "Server", None)  # must not start one
+    resume = tmp_path / "earlier.json"
+    resume.write_text(json.dumps({"rows": rows}))
+    budget = sb.EST_SERVER_START_S + sb.EST_ROW_S[64] + sb.STOP_MARGIN_S + 20
+    args = Namespace(
+        out=tmp_path / "out",
+        work=exl3_dir.parent,
+        presets=["qwen3-8b"],
+        variants=["exl3"],
+        concurrency=[64],
+        gpu_memory_utilization=None,
+        budget_s=budget,
+        resume=resume,
+        prompt_waves=sb.PROMPT_WAVES,
+    )
+    assert sb.run_matrix(args) == 1
+    rec = json.loads((args.out / sb.RESULT_NAME).read_text())
+    assert rec["skipped"] == ["qwen3-8b exl3 c=64 (budget)"] and len(rec["rows"]) == 3
 
 
 def _flat(n=60, base=70000.0, wobble=20.0):
