@@ -26,6 +26,12 @@
 #               its runs stay in .e2e/sparse-mla, so repeating the step completes the table)
 #   harness     ci/test_vllm_harness.sh, GPU part included (vLLM's own harness on our test files;
 #               needs VLLM_EXL3_HARNESS_PACK, the pack `ci/test_vllm_harness.sh --pack` wrote)
+#   serve       scripts/e2e/serve_bench.py --resume: `vllm serve` + `vllm bench serve`, 8k in /
+#               1k out, EXL3 vs GPTQ int4 vs FP8 vs bf16 at concurrency 1-64, both presets; its
+#               rows stay in .e2e/serve, so repeating the step completes the table
+#   soak        scripts/e2e/serve_bench.py --soak: ten minutes of the EXL3 MoE server under
+#               cancelling clients, started detached (it outlives the step); repeat the step
+#               to collect its verdicts (remove .e2e/serve-soak to soak again)
 #
 # Everything goes to the results folder ($OUT, or --out DIR, else ./gpu-results): one log per
 # step, each script's JSON, and summary.txt (step, exit status, seconds). Each step runs under
@@ -35,13 +41,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(tests kernels e2e throughput bench moebench sparsebench moe mtp sparse harness)
+ALL_STEPS=(tests kernels e2e throughput bench moebench sparsebench moe mtp sparse harness serve soak)
 OUT_DIR=${OUT:-gpu-results}
 steps=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR=${2:?--out needs a directory}; shift 2 ;;
-    -h|--help) sed -n '3,34p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '3,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *)
       if [[ " ${ALL_STEPS[*]} " != *" $1 "* ]]; then
         echo "gpu.sh: unknown step '$1' (steps: ${ALL_STEPS[*]})" >&2; exit 2
@@ -152,6 +158,19 @@ VLLM_EXL3_MOE_DIR (scripts/e2e/stage_fixtures.sh)}" --out "$OUT_DIR/moe" --budge
     # faulthandler dumps the stacks of one still running after 300 s.
     harness) PYTHONUNBUFFERED=1 PYTHON=$PY bash ci/test_vllm_harness.sh -v --durations=20 \
                -o faulthandler_timeout=300 ;;
+    serve)
+      "$PY" scripts/e2e/serve_bench.py --out .e2e/serve --resume .e2e/serve/serve_bench.json \
+        --budget-s "$budget"
+      local rc=$?
+      cp -r .e2e/serve "$OUT_DIR/"
+      return $rc ;;
+    soak)
+      "$PY" scripts/e2e/serve_bench.py --soak --detach --out .e2e/serve-soak &&
+        "$PY" scripts/e2e/serve_bench.py --soak --collect --out .e2e/serve-soak \
+          --budget-s "$budget"
+      local rc=$?
+      cp -r .e2e/serve-soak "$OUT_DIR/"
+      return $rc ;;
   esac
 }
 
