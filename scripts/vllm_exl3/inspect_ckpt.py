@@ -270,10 +270,17 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike, values: bool = False) -> dic
         slot = plan_slots.get(prefix)
         spec = specs.get(prefix)
         if spec is None:
-            if prefix in description.embeddings or any(
-                s in fmt.EXL3_ONLY_SUFFIXES for s in members
-            ):
-                continue  # a quantized embedding, or an EXL3 module breaking a rule
+            embedding = description.embeddings.get(prefix)
+            if embedding is not None:
+                notes.append(
+                    f"{prefix}: quantized token embedding (--embed_bits "
+                    f"{embedding.bits}): {embedding.rows} rows of {embedding.groups} "
+                    f"groups of {fmt.EMBED_GROUP}, {nbytes} bytes; vLLM decodes "
+                    "the looked-up rows, `dequantize` does not decode it yet"
+                )
+                continue
+            if any(s in fmt.EXL3_ONLY_SUFFIXES for s in members):
+                continue  # an EXL3 module that breaks a rule: under errors
             unquantized.append(
                 {
                     "name": prefix,

@@ -208,6 +208,15 @@ def test_disagreements_are_reported(inspect_mod, tmp_path):
     ) in found
 
 
+def test_quantized_embedding_is_reported_not_an_error(inspect_mod, tmp_path):
+    synth.write_checkpoint("qwen3-tiny", tmp_path, layers=1, bits=4, embed_bits=3)
+    report = inspect_mod.inspect_checkpoint(tmp_path)
+    assert report["errors"] == []
+    (note,) = [n for n in report["notes"] if n.startswith("model.embed_tokens:")]
+    assert "quantized token embedding (--embed_bits 3)" in note
+    assert not any(u["name"] == "model.embed_tokens" for u in report["unquantized"])
+
+
 def test_missing_modules_and_missing_json(inspect_mod, tmp_path):
     synth.write_checkpoint("qwen3-tiny", tmp_path, bits=2, layers=2)
     cfg = json.loads((tmp_path / "config.json").read_text())
