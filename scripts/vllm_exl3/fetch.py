@@ -111,8 +111,8 @@ def ensure_sdist_tree(
     series' own). Shared: never modify it; copy it first."""
     if version not in SDISTS:
         raise ToolError(
-            f"vLLM {version} has no pinned sdist (pinned: {', '.join(SDISTS)}); add its "
-            "sha256 to SDISTS in scripts/vllm_exl3/repo.py"
+            f"vLLM {version} has no pinned sdist (pinned: {', '.join(SDISTS)}); add "
+            "its sha256 to SDISTS in scripts/vllm_exl3/repo.py"
         )
     sha256 = SDISTS[version]
     tree = cache / "src" / f"vllm-{version}"

@@ -33,9 +33,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from . import ToolError
 from .fetch import copy_sdist_tree, ensure_sdist_tree
@@ -186,7 +187,9 @@ class UpstreamSeries:
         for c in self.concerns:
             for p in c.sources:
                 if not any(fnmatch.fnmatchcase(f.origin, p) for f in files):
-                    problems.append(f"concern {c.name}: source pattern {p} matches nothing")
+                    problems.append(
+                        f"concern {c.name}: source pattern {p} matches nothing"
+                    )
         if problems:
             raise ToolError(
                 f"{self.folder / MAP_NAME} does not account for the sources:\n  "
@@ -232,9 +235,10 @@ def _commit_env(identity: str, date: str) -> dict[str, str]:
 def _am(tree: Path, patch: Path, what: str) -> None:
     r = _git(tree, "am", "-q", "--whitespace=nowarn", str(patch), check=False)
     if r.returncode:
+        shown = patch.relative_to(ROOT) if patch.is_relative_to(ROOT) else patch
         raise ToolError(
-            f"{what}: {patch.relative_to(ROOT) if patch.is_relative_to(ROOT) else patch} "
-            f"does not apply in {tree}, left with `git am` in progress:\n"
+            f"{what}: {shown} does not apply in {tree}, left with `git am` in "
+            "progress:\n"
             f"{r.stdout}{r.stderr}\nResolve it there (edit, `git add`, `git am "
             "--continue`), finish the tree by hand or rebuild it after "
             "`--export`, and export."
@@ -295,7 +299,9 @@ class ConcernCommits:
 def read_dev_tree(us: UpstreamSeries, dev: Path) -> list[ConcernCommits]:
     """The dev tree's history split by concern (markers), checked against the map."""
     if _git(dev, "rev-parse", "-q", "--verify", BASE_TAG, check=False).returncode:
-        raise ToolError(f"{dev} is not a dev tree of `series --dev` (no {BASE_TAG} tag)")
+        raise ToolError(
+            f"{dev} is not a dev tree of `series --dev` (no {BASE_TAG} tag)"
+        )
     if (dev / ".git" / "rebase-apply").exists():
         raise ToolError(f"{dev}: a git am is in progress; finish it first")
     if _git(dev, "status", "--porcelain", "--untracked-files=no").stdout.strip():
@@ -396,7 +402,8 @@ def export_dev_tree(us: UpstreamSeries, dev: Path) -> list[str]:
 
 def write_series(us: UpstreamSeries, dev: Path, out: Path) -> list[tuple[str, list]]:
     """One folder per concern in `out`: its commits as `git format-patch` files (the
-    sources and adaptations squashed into one commit) and its PR.md."""
+    sources and their adaptations squashed into one commit; a concern without sources
+    keeps its adaptation commits) and its PR.md."""
     if out.exists() and any(out.iterdir()):
         raise ToolError(f"{out} exists and is not empty")
     parsed = read_dev_tree(us, dev)
@@ -406,8 +413,15 @@ def write_series(us: UpstreamSeries, dev: Path, out: Path) -> list[tuple[str, li
         start = head
         for c in cc.members:
             head = _recommit(dev, c, head)
-        if cc.concern.sources or cc.adapt:
-            message = cc.concern.subject + ("\n\n" + cc.concern.body if cc.concern.body else "")
+        if not cc.concern.sources:
+            # Nothing to squash into: a concern of patches only keeps its adaptations
+            # (new tests, say) as the commits they are.
+            for c in cc.adapt:
+                head = _recommit(dev, c, head)
+        else:
+            message = cc.concern.subject + (
+                "\n\n" + cc.concern.body if cc.concern.body else ""
+            )
             tree = _git(dev, "rev-parse", f"{cc.end}^{{tree}}").stdout.strip()
             head = _git(
                 dev,
@@ -519,7 +533,9 @@ def run(args: argparse.Namespace) -> int:
     base = ensure_sdist_tree(args.cache_dir, offline=args.offline, version=us.base)
     if args.dev:
         build_dev_tree(us, args.dev, base)
-        print(f"{args.dev}: vLLM {us.base} with {len(us.concerns)} concern(s) as commits")
+        print(
+            f"{args.dev}: vLLM {us.base} with {len(us.concerns)} concern(s) as commits"
+        )
         print(f"edit, commit, then: scripts/vllm-exl3 series --export {args.dev}")
         return 0
     if args.out is None:
@@ -562,7 +578,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Write the upstream series: one folder of `git format-patch` files and a "
             "PR.md per concern, in merge order, from patches/, overlay/, csrc/ and "
-            f"patches/<base>/ (series.toml, the concern map). See patches/README.md."
+            "patches/<base>/ (series.toml, the concern map). See patches/README.md."
         ),
     )
     p.add_argument(
