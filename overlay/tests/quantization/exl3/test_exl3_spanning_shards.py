@@ -945,3 +945,38 @@ def test_qwen3_5_fixture_written_by_exllamav3_loads_and_decodes(
             checkpoint_name=lambda n: n.replace("language_model.model.", f"{VL_TEXT}."),
         )
         assert blocks == 4
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_qwen3_5_fixture_mtp_draft_loads_its_stored_layer(
+    kind, tmp_path, monkeypatch, world1
+):
+    """vLLM's Qwen3.5 MTP draft (speculative method "mtp" -> qwen3_5_mtp) builds from
+    the fixture's `mtp.*` layer as ExLlamaV3 stored it (EXL3 at its MTP bits): fc,
+    the decoder layer's linears (and, for the MoE model, its experts) EXL3, each EXL3
+    linear of the draft equal to the reference decode of its checkpoint module."""
+    from .moe_model_run import (
+        assert_linear_matches,
+        exl3_linear_calls,
+        load_target_and_draft,
+    )
+
+    named = qwen3_5_fixture(tmp_path, kind)
+    _, draft, vllm_config = load_target_and_draft(tmp_path, monkeypatch, "float16")
+    assert type(draft).__name__ == ("Qwen3_5MoeMTP" if kind == "moe" else "Qwen3_5MTP")
+    checked = set()
+    for name, _, x, y in exl3_linear_calls(
+        draft, vllm_config, HIDDEN, torch.float16, 6, MODEL_TOKENS
+    ):
+        if name == "lm_head":
+            continue
+        module = "mtp." + name.removeprefix("model.")
+        parent, _, leaf = module.rpartition(".")
+        modules = [f"{parent}.{p}" for p in VLLM_FUSED.get(leaf, (leaf,))]
+        w = torch.cat([dense(named, m).double()[: x.shape[1]] for m in modules], dim=1)
+        assert_linear_matches(y, x.double() @ w, name)
+        checked.update(modules)
+    wanted = {
+        m for m in exl3_modules(named) if m.startswith("mtp.") and ".experts." not in m
+    }
+    assert checked == wanted, sorted(checked ^ wanted)
