@@ -23,6 +23,9 @@
 #   moe         scripts/e2e/run_moe_e2e.py on the MoE fixture conversions staged in
 #               VLLM_EXL3_MOE_DIR by scripts/e2e/stage_fixtures.sh (perplexity, eager vs graphs)
 #   mtp         scripts/e2e/run_mtp_e2e.py, both MTP layouts (speculation against plain decoding)
+#   qwen35      scripts/e2e/run_qwen3_5_e2e.py --stages ppl mtp on the Qwen3.5 fixtures (perplexity
+#               against ExLlamaV3's, the stored MTP layer's speculation); the agreement, image
+#               and serve stages take longer than a step: run them with the script's --stages
 #   sparse      scripts/e2e/run_sparse_mla_e2e.py --resume (EXL3_MLA_SPARSE vs FLASHMLA_SPARSE;
 #               its runs stay in .e2e/sparse-mla, so repeating the step completes the table)
 #   harness     ci/test_vllm_harness.sh, GPU part included (vLLM's own harness on our test files;
@@ -42,7 +45,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(tests kernels e2e throughput bench moebench sparsebench moe mtp sparse harness serve soak)
+ALL_STEPS=(tests kernels e2e throughput bench moebench sparsebench moe mtp qwen35 sparse harness serve
+  soak)
 OUT_DIR=${OUT:-gpu-results}
 steps=()
 while [ $# -gt 0 ]; do
@@ -155,6 +159,7 @@ VLLM_EXL3_MOE_DIR (scripts/e2e/stage_fixtures.sh)}" --out "$OUT_DIR/moe" --budge
       "$PY" scripts/e2e/run_mtp_e2e.py --out "$OUT_DIR/mtp" --budget-s $(( budget / 2 )) &&
         "$PY" scripts/e2e/run_mtp_e2e.py --layout qwen3-next --out "$OUT_DIR/mtp" \
           --budget-s $(( budget / 2 )) ;;
+    qwen35) "$PY" scripts/e2e/run_qwen3_5_e2e.py --out "$OUT_DIR/qwen3_5" --stages ppl mtp ;;
     sparse)
       "$PY" scripts/e2e/run_sparse_mla_e2e.py --out .e2e/sparse-mla --resume --budget-s "$budget"
       local rc=$?
