@@ -761,6 +761,30 @@ def exl3_modules(named: dict) -> set[str]:
     return {k.removesuffix(".trellis") for k in named if k.endswith(".trellis")}
 
 
+def load_qwen3_5(root, monkeypatch, moe: bool, language_model_only: bool):
+    """(model, vllm_config, passed_over): vLLM's real Qwen3.5 class through its loader,
+    every parameter written (the routed experts' are reported under the runner's name;
+    the EXL3 MoE method checks every expert tensor arrived; a checkpoint tensor with no
+    destination fails vLLM's loader by name)."""
+    from vllm.model_executor.models.qwen3_5 import (
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    from .moe_model_run import load_model, record_unloaded
+
+    cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    unloaded = record_unloaded(monkeypatch, cls)
+    passed_over = record_passed_over(monkeypatch)
+    model, vllm_config = load_model(
+        root, monkeypatch, "float16", language_model_only=language_model_only
+    )
+    assert type(model) is cls
+    unloaded = {n for n in unloaded if ".routed_experts." not in n}
+    assert unloaded == set(), sorted(unloaded)
+    return model, vllm_config, passed_over
+
+
 @pytest.mark.parametrize(
     "moe, language_model_only",
     [(False, False), (True, False), (False, True)],
@@ -769,28 +793,14 @@ def exl3_modules(named: dict) -> set[str]:
 def test_qwen3_5_real_model_loads_the_exllamav3_checkpoint(
     moe, language_model_only, tmp_path, monkeypatch, world1
 ):
-    from vllm.model_executor.models.qwen3_5 import (
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5MoeForConditionalGeneration,
-    )
-
     from .moe_checkpoints import link_tokenizer
-    from .moe_model_run import check_moe_blocks, load_model, record_unloaded
+    from .moe_model_run import check_moe_blocks
 
     named = qwen3_5_checkpoint(tmp_path, moe=moe)
     link_tokenizer(tmp_path)
-    cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
-    unloaded = record_unloaded(monkeypatch, cls)
-    passed_over = record_passed_over(monkeypatch)
-    model, vllm_config = load_model(
-        tmp_path, monkeypatch, "float16", language_model_only=language_model_only
+    model, vllm_config, passed_over = load_qwen3_5(
+        tmp_path, monkeypatch, moe, language_model_only
     )
-    assert type(model) is cls
-    # Every parameter written (the routed experts' are reported under the runner's
-    # name; the EXL3 MoE method checks every expert tensor arrived); a checkpoint
-    # tensor with no destination fails vLLM's loader by name (the test below).
-    unloaded = {n for n in unloaded if ".routed_experts." not in n}
-    assert unloaded == set(), sorted(unloaded)
     # No tensor passed over either (with language_model_only the tower is a
     # StageMissingLayer, whose tensors vLLM drops before these checks).
     assert passed_over == set(), sorted(passed_over)
@@ -903,27 +913,12 @@ def qwen3_5_fixture(root, kind: str) -> dict[str, torch.Tensor]:
 def test_qwen3_5_fixture_written_by_exllamav3_loads_and_decodes(
     kind, language_model_only, tmp_path, monkeypatch, world1
 ):
-    from vllm.model_executor.models.qwen3_5 import (
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5MoeForConditionalGeneration,
-    )
-
-    from .moe_model_run import check_moe_blocks, load_model, record_unloaded
+    from .moe_model_run import check_moe_blocks
 
     named = qwen3_5_fixture(tmp_path, kind)
-    cls = (
-        Qwen3_5MoeForConditionalGeneration
-        if kind == "moe"
-        else Qwen3_5ForConditionalGeneration
+    model, vllm_config, passed_over = load_qwen3_5(
+        tmp_path, monkeypatch, kind == "moe", language_model_only
     )
-    unloaded = record_unloaded(monkeypatch, cls)
-    passed_over = record_passed_over(monkeypatch)
-    model, vllm_config = load_model(
-        tmp_path, monkeypatch, "float16", language_model_only=language_model_only
-    )
-    assert type(model) is cls
-    unloaded = {n for n in unloaded if ".routed_experts." not in n}
-    assert unloaded == set(), sorted(unloaded)
     mtp = {n for n in named if n.startswith("mtp.")}
     assert mtp and {n for n in passed_over if not n.startswith("mtp.")} == set()
     checked = check_model_linears(model, vllm_config, named)
