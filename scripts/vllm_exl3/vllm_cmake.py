@@ -524,6 +524,8 @@ def _link_libraries(machine: Machine, only: str, standins: Path) -> dict[str, st
     }
     out, missing = {}, []
     for var, paths in candidates.items():
+        if var in user_cmake_args():
+            continue
         hit = next((c for c in paths if c.is_file()), None)
         if hit is not None and machine.cuda in hit.parents:
             continue  # CMake finds it itself
@@ -582,6 +584,19 @@ def cutlass_args(cutlass: Path) -> list[str]:
     ]
 
 
+def user_cmake_args() -> dict[str, str]:
+    """$CMAKE_ARGS, which vLLM's setup.py appends to its CMake command, as
+    {variable: -D argument}; appended here too, so it overrides what is found."""
+    out = {}
+    for arg in shlex.split(os.environ.get("CMAKE_ARGS", "")):
+        m = re.match(r"-D([A-Za-z_][\w-]*)(?::\w+)?=", arg)
+        if m:
+            out[m.group(1)] = arg
+        else:
+            raise ToolError(f"CMAKE_ARGS: {arg!r} is not a -DNAME=VALUE argument")
+    return out
+
+
 def cmake_args(
     machine: Machine, tree: Path, work: Path, cutlass: Path, only: str
 ) -> list[str]:
@@ -607,7 +622,7 @@ def cmake_args(
             f"-DCMAKE_{lang}_STANDARD_INCLUDE_DIRECTORIES={headers}"
             for lang in ("CXX", "CUDA")
         ]
-    return args
+    return args + list(user_cmake_args().values())
 
 
 def configure(
@@ -901,6 +916,10 @@ _WEAK = set("WVu")
 # VTT, TLS init/wrapper, guard variable, reference temporary).
 _SPECIAL = ("TV", "TI", "TS", "TT", "TH", "TW", "GV", "GR")
 _STD_ABBREVIATIONS = ("St", "Sa", "Sb", "Ss", "Si", "So", "Sd")
+# operator new, new[], delete, delete[]: at global scope by the language's rule, the
+# standard library's (its placement forms are inline in <new>), so counted as std's: a
+# weak copy is the header's, a strong one would replace the program's allocator.
+_ALLOCATION_OPERATORS = ("nw", "na", "dl", "da")
 # nvcc's name for an anonymous namespace: `_GLOBAL__N__<hash of the file>`, unique to
 # its translation unit (nvcc gives such names global binding).
 ANONYMOUS = "_GLOBAL__N_"
@@ -934,7 +953,7 @@ def _first_component(s: str, nested: bool) -> str:
         return _first_component(s[1:], nested=False)
     if s.startswith("N"):
         return _first_component(s[1:].lstrip("rVKRO"), nested=True)
-    if s[:2] in _STD_ABBREVIATIONS:
+    if s[:2] in _STD_ABBREVIATIONS or (not nested and s[:2] in _ALLOCATION_OPERATORS):
         return "std"
     s = s.removeprefix("L")  # internal linkage
     m = re.match(r"(\d+)", s)
