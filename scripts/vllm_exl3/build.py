@@ -377,16 +377,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "<tag>.whl. --from-source: apply the series to the pinned sdist and run "
             "vLLM's own "
             "build (pip wheel --no-build-isolation) with our kernels in "
-            "_C_stable_libtorch; "
-            "needs the CUDA 13 toolkit, cmake>=3.26.1, ninja, setuptools-scm, "
-            "setuptools-rust "
-            "and torch 2.11.0 in --python's environment, network or the *_SRC_DIR "
-            "variables "
-            "(VLLM_CUTLASS_SRC_DIR, VLLM_FLASH_ATTN_SRC_DIR, FLASH_MLA_SRC_DIR, "
-            "DEEPGEMM_SRC_DIR, "
+            "_C_stable_libtorch; needs the CUDA 13 toolkit, cmake>=3.26.1, ninja, "
+            "setuptools-scm, setuptools-rust and torch 2.11.0 in --python's "
+            "environment, CUTLASS from its pinned wheel, network or the *_SRC_DIR "
+            "variables (VLLM_FLASH_ATTN_SRC_DIR, FLASH_MLA_SRC_DIR, DEEPGEMM_SRC_DIR, "
             "QUTLASS_SRC_DIR, TRITON_KERNELS_SRC_DIR, FMHA_SM100_SRC_DIR, "
-            "TML_FA4_SRC_DIR) for "
-            "the repositories its CMake fetches, and hours on a small machine."
+            "TML_FA4_SRC_DIR) for the other repositories its CMake fetches, and hours "
+            "on a small machine. --from-source --only objects|target: vLLM's CMake for "
+            "_C_stable_libtorch alone, offline (scripts/README.md)."
         ),
     )
     p.add_argument(

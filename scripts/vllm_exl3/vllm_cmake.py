@@ -57,7 +57,6 @@ from pathlib import Path
 from . import ToolError
 from .apply import apply_onto
 from .fetch import ensure_pinned, ensure_sdist_tree, wheels_dir
-from .kernels_build import BUILT_ARCHS, BuildError, normalize_arch
 from .repo import SDIST_SHA256, VLLM_VERSION, Series
 from .series import STATE_DIR, parse_patch
 
@@ -140,12 +139,6 @@ STANDINS = (
 _STANDIN_FILE_RE = re.compile(
     r"\$\{([\w-]+)_SOURCE_DIR\}/([\w./-]+\.(?:cu|cuh|cpp|h|hpp|py))\b"
 )
-# The libraries torch's CMake (CUDA::cuda_driver, torch's nvrtc) links every target
-# against, by CMake cache variable and file name.
-LINK_LIBRARIES = {
-    "CUDA_cuda_driver_LIBRARY": "libcuda.so",
-    "CUDA_nvrtc_LIBRARY": "libnvrtc.so",
-}
 
 STATE_FILE = "state.json"
 LOG_FILE = "build.log"
@@ -490,6 +483,10 @@ def arch_key(arch: str) -> float:
 def expected_archs(archs: list[str]) -> list[str]:
     """The EXL3 block's architectures (patch 0003) for requested ones: the kernels'
     BUILT_ARCHS map (9.0 -> 9.0a, 12.0 and 12.1 -> the 12.0f family image)."""
+    # Imported here: `build` loads this module, and works (quick build with
+    # --no-kernels) in a copy of the tool without the kernel build.
+    from .kernels_build import BUILT_ARCHS, BuildError, normalize_arch
+
     try:
         built = {BUILT_ARCHS[normalize_arch(a)] for a in archs}
         return sorted(built, key=arch_key)
@@ -512,33 +509,43 @@ def _driver_libraries() -> list[Path]:
 
 
 def _link_libraries(machine: Machine, only: str, standins: Path) -> dict[str, str]:
-    """Cache values for the libraries CMake would not find in the toolkit itself: a
-    CUDA host without the toolkit's stubs links the driver's own libcuda and torch's
-    nvrtc wheel; objects are never linked, so there a stand-in path is enough."""
+    """Cache values for the libraries torch's CMake links every target against, where
+    CMake would not find them in the toolkit itself (a toolkit assembled from NVIDIA's
+    wheels has no stubs/ and only versioned names): the driver's own libcuda, and
+    torch's nvrtc and cudart wheels. Objects are never linked: there a stand-in path
+    is enough."""
     lib = machine.cuda / "lib64"
-    candidates = {
-        "CUDA_cuda_driver_LIBRARY": [lib / "stubs" / "libcuda.so", lib / "libcuda.so"]
-        + _driver_libraries(),
-        "CUDA_nvrtc_LIBRARY": [lib / "libnvrtc.so"]
-        + [d / "libnvrtc.so.13" for d in machine.nvidia("lib")],
+    wheel_libs = machine.nvidia("lib")
+    # variable -> (where CMake looks itself, the fallbacks in order)
+    where = {
+        "CUDA_cuda_driver_LIBRARY": (
+            [lib / "stubs" / "libcuda.so", lib / "libcuda.so"],
+            _driver_libraries(),
+        ),
+        "CUDA_nvrtc_LIBRARY": (
+            [lib / "libnvrtc.so"],
+            [lib / "libnvrtc.so.13"] + [d / "libnvrtc.so.13" for d in wheel_libs],
+        ),
     }
+    cudart = [lib / "libcudart.so.13"] + [d / "libcudart.so.13" for d in wheel_libs]
+    for var in ("CUDA_CUDART_LIBRARY", "CUDA_cudart_LIBRARY"):  # FindCUDA, CUDAToolkit
+        where[var] = ([lib / "libcudart.so"], cudart)
     out, missing = {}, []
-    for var, paths in candidates.items():
-        if var in user_cmake_args():
+    for var, (own, fallbacks) in where.items():
+        if var in user_cmake_args() or any(c.is_file() for c in own):
             continue
-        hit = next((c for c in paths if c.is_file()), None)
-        if hit is not None and machine.cuda in hit.parents:
-            continue  # CMake finds it itself
+        hit = next((c for c in fallbacks if c.is_file()), None)
         if hit is None and only == "objects":
-            hit = standins / "link" / LINK_LIBRARIES[var]
+            hit = standins / "link" / Path(own[-1]).name
             _put(hit, b"")
         if hit is None:
-            missing.append(f"{LINK_LIBRARIES[var]} ({', '.join(map(str, paths))})")
+            missing.append(f"{own[-1].name} ({', '.join(map(str, own + fallbacks))})")
         else:
             out[var] = str(hit)
     if missing:
         raise ToolError(
-            f"linking {TARGET} needs " + "; ".join(missing) + ": none found"
+            f"linking {TARGET} needs " + "; ".join(missing) + ": none found (or give "
+            "the path in CMAKE_ARGS, -D<variable>=<path>)"
         )
     return out
 
