@@ -23,9 +23,10 @@ Nothing is fetched at configure time (FETCHCONTENT_FULLY_DISCONNECTED):
   the sdist's cmake/external_projects/*.cmake read or list, so configure and generate
   pass.
 - On a toolkit without them (CI's: nvcc and headers from NVIDIA's wheels), the cuBLAS
-  headers come from the nvidia-cublas wheel torch depends on, and for objects only the
-  two link-time libraries torch's CMake asks for (libcuda, libnvrtc) are stand-in paths:
-  no object is linked.
+  headers come from the nvidia-cublas wheel torch depends on, and the libraries torch's
+  CMake links every target against (libcuda, libnvrtc, libcudart) from the driver and
+  torch's wheels; for objects alone, where there are none (CI), stand-in paths: no
+  object is linked.
 
 `--pack FILE` writes those inputs (pristine sdist subset + CUTLASS subset, about 2 MB)
 for a host without network; `--source-pack FILE` builds from one. The build is
@@ -43,6 +44,7 @@ import json
 import os
 import platform
 import re
+import resource
 import shlex
 import shutil
 import subprocess
@@ -169,7 +171,7 @@ def cuda_toolkit() -> Path | None:
 
 
 _PYTHON_PROBE = """
-import importlib.util, json, sysconfig
+import importlib.util, json
 spec = importlib.util.find_spec("nvidia")
 torch = importlib.util.find_spec("torch")
 print(json.dumps({
@@ -387,7 +389,10 @@ def sources_from_pack(pack: Path, into: Path) -> Sources:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         with tarfile.open(pack) as tar:
-            tar.extractall(tmp, filter="data")
+            # Where available (3.11.4 on), the "data" filter refuses members that
+            # leave the folder, links out of it and devices.
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(tmp, **safe)
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
     manifest = json.loads((dest / PACK_MANIFEST).read_text())
@@ -752,17 +757,15 @@ def attribute_failure(command: str, source: str) -> str:
     error for each: the command again once per -gencode, each alone (output to a
     scratch file)."""
     codes = gencodes(command)
-    if not codes:
-        return f"{source}: the host compiler fails with {TARGET}'s flags"
-    failing = []
     argv = shlex.split(command)
+    failing = []
     with tempfile.TemporaryDirectory() as tmp:
+        if not codes:
+            first = _first_error(_only_gencode(argv, None, Path(tmp) / "probe.o"))
+            return f"{source}: the host compiler fails with {TARGET}'s flags ({first})"
         for code in codes:
-            one = _only_gencode(argv, code, Path(tmp) / "probe.o")
-            r = subprocess.run(one, capture_output=True, text=True)
-            if r.returncode != 0:
-                errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
-                first = errors[0].strip() if errors else r.stderr.strip()[-200:]
+            first = _first_error(_only_gencode(argv, code, Path(tmp) / "probe.o"))
+            if first is not None:
                 failing.append(f"{dotted_gencode(code)} ({first})")
     if not failing:
         together = ", ".join(map(dotted_gencode, codes))
@@ -770,12 +773,23 @@ def attribute_failure(command: str, source: str) -> str:
     return f"{source}: fails for arch " + "; ".join(failing)
 
 
-def _only_gencode(argv: list[str], code: str, out: Path) -> list[str]:
+def _first_error(argv: list[str]) -> str | None:
+    """Run a compile command: None when it succeeds, else its first error line."""
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if r.returncode == 0:
+        return None
+    errors = [ln.strip() for ln in r.stderr.splitlines() if "error" in ln]
+    return errors[0] if errors else r.stderr.strip()[-200:]
+
+
+def _only_gencode(argv: list[str], code: str | None, out: Path) -> list[str]:
+    """A compile command with only the -gencode for `code` (all kept for None),
+    writing to `out`, without a dependency file."""
     res, i = [], 0
     while i < len(argv):
         a = argv[i]
         if a == "-gencode" and i + 1 < len(argv):
-            if argv[i + 1] == f"arch=compute_{code},code=sm_{code}":
+            if code is None or argv[i + 1] == f"arch=compute_{code},code=sm_{code}":
                 res += [a, argv[i + 1]]
             i += 2
             continue
@@ -794,6 +808,13 @@ def _only_gencode(argv: list[str], code: str, out: Path) -> list[str]:
     return res
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (ninja and its compilers): a
+    figure that, unlike the wall time, does not depend on the machine's other load."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def build_objects(
     machine: Machine,
     build: Path,
@@ -805,6 +826,7 @@ def build_objects(
     """ninja on exactly these targets, keeping going past failures; every failure is
     named with its source file and the architecture it fails for."""
     t0 = time.monotonic()
+    cpu0 = _children_cpu()
     with open(log, "a") as out:
         proc = subprocess.Popen(
             [str(machine.ninja), "-C", str(build), f"-j{jobs}", "-k", "0", *objects],
@@ -819,7 +841,10 @@ def build_objects(
             if line.startswith(("[", "FAILED")):
                 print("  " + line.rstrip()[:160], flush=True)
         rc = proc.wait()
-    print(f"vllm-cmake: ninja finished in {time.monotonic() - t0:.0f}s (rc {rc})")
+    print(
+        f"vllm-cmake: ninja finished in {time.monotonic() - t0:.0f}s, "
+        f"{_children_cpu() - cpu0:.0f} CPU-s (rc {rc})"
+    )
     if rc == 0:
         return
     failed = sorted(
