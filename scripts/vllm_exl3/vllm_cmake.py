@@ -1183,6 +1183,7 @@ def run_build(args: argparse.Namespace, python: Path) -> int:
     work: Path = args.build_dir
     work.mkdir(parents=True, exist_ok=True)
     archs = [a.strip() for a in args.archs.replace(",", ";").split(";") if a.strip()]
+    _refuse_if_running(work)
     t0 = time.monotonic()
     _write_state(work, pid=os.getpid(), phase="prepare", rc=None, started=time.time())
     try:
@@ -1223,9 +1224,7 @@ def start_background(args: argparse.Namespace, argv: list[str]) -> int:
     logging to the build directory; --status follows it."""
     work: Path = args.build_dir
     work.mkdir(parents=True, exist_ok=True)
-    state = _read_state(work)
-    if state and state.get("rc") is None and _alive(state.get("pid")):
-        raise ToolError(f"a build is already running in {work} (pid {state['pid']})")
+    _refuse_if_running(work)
     (work / LOG_FILE).unlink(missing_ok=True)
     child = [a for a in argv if a != "--background"]
     with open(work / "background.log", "w") as log:
@@ -1240,6 +1239,16 @@ def start_background(args: argparse.Namespace, argv: list[str]) -> int:
     _write_state(work, pid=proc.pid, phase="starting", rc=None, started=time.time())
     print(f"vllm-cmake: started pid {proc.pid}; follow with --status ({work})")
     return 0
+
+
+def _refuse_if_running(work: Path) -> None:
+    """Two builds in one folder would run two ninjas on one tree."""
+    state = _read_state(work)
+    pid = state.get("pid") if state else None
+    if state and state.get("rc") is None and pid != os.getpid() and _alive(pid):
+        raise ToolError(
+            f"a build is running in {work} (pid {pid}): wait for --status to exit 0"
+        )
 
 
 def _read_state(work: Path) -> dict | None:

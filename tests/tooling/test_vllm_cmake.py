@@ -283,6 +283,17 @@ def test_status_tells_running_done_failed_and_stopped(tmp_path: Path) -> None:
         tmp_path / "r", pid=os.getpid(), phase="build", rc=None, started=now
     )
     assert running.returncode == vllm_cmake.STATUS_RUNNING, running.stdout
+    again = run_tool(
+        "build",
+        "--from-source",
+        "--only",
+        "objects",
+        "--python",
+        sys.executable,
+        "--build-dir",
+        tmp_path / "r",
+    )  # a second build into the same folder
+    assert again.returncode == 1 and "a build is running" in again.stderr, again.stderr
     done = _status(tmp_path / "d", pid=1, phase="done", rc=0, started=now)
     assert done.returncode == 0 and "done" in done.stdout
     failed = _status(tmp_path / "f", phase="failed", rc=1, error="boom", started=now)
