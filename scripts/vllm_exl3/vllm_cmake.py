@@ -1108,6 +1108,11 @@ def check_objects(
 # --- The whole target and its installation ------------------------------------
 
 
+# The start of exl3_linear's schema as exl3_ops.cpp registers it: in the library's data
+# whether or not its symbols are stripped.
+OP_SCHEMA = b"exl3_linear(Tensor x"
+
+
 def install_target(machine: Machine, build: Path, archs: list[str], work: Path) -> Path:
     """CMake's install of the target's component (as setup.py does) into
     work/install."""
@@ -1130,9 +1135,8 @@ def install_target(machine: Machine, build: Path, archs: list[str], work: Path) 
     lib = prefix / "vllm" / f"{TARGET}.abi3.so"
     if r.returncode != 0 or not lib.is_file():
         raise ToolError(f"cmake --install of {TARGET} failed: {r.stderr.strip()}")
-    nm = subprocess.run(["nm", str(lib)], capture_output=True, text=True).stdout
-    if "_ZN9vllm_exl311exl3_linear" not in nm:
-        raise ToolError(f"{lib} does not define vllm_exl3::exl3_linear")
+    if OP_SCHEMA not in lib.read_bytes():
+        raise ToolError(f"{lib} does not register _C::exl3_linear (no {OP_SCHEMA!r})")
     return lib
 
 
