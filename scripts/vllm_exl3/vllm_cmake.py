@@ -267,6 +267,8 @@ def _tool(name: str, minimum: tuple[int, ...], cache: Path, offline: bool) -> Pa
 
 
 def find_machine(python: Path, cache: Path, offline: bool) -> Machine:
+    # vLLM's CMake wants the interpreter's path (`--python python3` names a command).
+    python = Path(shutil.which(str(python)) or python).absolute()
     cuda = cuda_toolkit()
     if cuda is None:
         raise ToolError(
