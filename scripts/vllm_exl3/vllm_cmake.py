@@ -1280,17 +1280,18 @@ def status(work: Path) -> int:
     if state is None:
         print(f"vllm-cmake: no build in {work}")
         return 1
-    elapsed = time.time() - state.get("started", time.time())
+    phase, rc = state.get("phase"), state.get("rc")
+    end = time.time() if rc is None else state.get("updated", time.time())
+    elapsed = end - state.get("started", end)
     progress = ""
     log = work / LOG_FILE
     if log.is_file():
         steps = re.findall(r"^\[(\d+)/(\d+)\]", log.read_text(errors="replace"), re.M)
         if steps:
             progress = f", ninja step {steps[-1][0]}/{steps[-1][1]}"
-    phase, rc = state.get("phase"), state.get("rc")
     if rc is None and not _alive(state.get("pid")):
         phase, rc = "stopped (the process is gone: run the same command again)", 1
-    print(f"vllm-cmake: {phase}{progress}, {elapsed:.0f}s since start ({work})")
+    print(f"vllm-cmake: {phase}{progress}, {elapsed:.0f}s from its start ({work})")
     if state.get("error"):
         print(state["error"])
     if rc is None:
