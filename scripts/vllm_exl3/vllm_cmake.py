@@ -1191,7 +1191,9 @@ def run_build(args: argparse.Namespace, python: Path) -> int:
     archs = [a.strip() for a in args.archs.replace(",", ";").split(";") if a.strip()]
     _refuse_if_running(work)
     t0 = time.monotonic()
-    _write_state(work, pid=os.getpid(), phase="prepare", rc=None, started=time.time())
+    _write_state(
+        work, pid=os.getpid(), phase="prepare", rc=None, error=None, started=time.time()
+    )
     try:
         series = Series.load(args.series)
         machine = find_machine(python, args.cache_dir, args.offline)
@@ -1242,7 +1244,9 @@ def start_background(args: argparse.Namespace, argv: list[str]) -> int:
             start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
-    _write_state(work, pid=proc.pid, phase="starting", rc=None, started=time.time())
+    _write_state(
+        work, pid=proc.pid, phase="starting", rc=None, error=None, started=time.time()
+    )
     print(f"vllm-cmake: started pid {proc.pid}; follow with --status ({work})")
     return 0
 
