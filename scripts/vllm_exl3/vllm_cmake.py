@@ -28,8 +28,9 @@ Nothing is fetched at configure time (FETCHCONTENT_FULLY_DISCONNECTED):
   torch's wheels; for objects alone, where there are none (CI), stand-in paths: no
   object is linked.
 
-`--pack FILE` writes those inputs (pristine sdist subset + CUTLASS subset, about 2 MB)
-for a host without network; `--source-pack FILE` builds from one. The build is
+`--pack FILE` writes those inputs (the sdist's build files with the series applied, and
+CUTLASS: about 2 MB) for a host without network or git; `--source-pack FILE` builds from
+one, refusing a pack of another series. The build is
 incremental (unchanged files keep their timestamps) and resumable: `--background`
 detaches it, `--status` reports it, and running the same command again continues where
 a stopped one left off.
@@ -59,7 +60,7 @@ from pathlib import Path
 from . import ToolError
 from .apply import apply_onto
 from .fetch import ensure_pinned, ensure_sdist_tree, wheels_dir
-from .repo import SDIST_SHA256, VLLM_VERSION, Series
+from .repo import SDIST_SHA256, VLLM_VERSION, Series, git_label
 from .series import STATE_DIR, parse_patch
 
 TARGET = "_C_stable_libtorch"
@@ -349,26 +350,41 @@ def cutlass_version(root: Path) -> str:
 
 @dataclass(frozen=True)
 class Sources:
-    """The pristine inputs: an sdist tree (the whole one or a pack's subset) and
-    CUTLASS."""
+    """The inputs: the pristine sdist, or a pack's build files with the series already
+    applied (`patched`: the host needs no git to apply it), and CUTLASS."""
 
     sdist: Path
     cutlass: Path
+    patched: bool = False
 
 
 def sources_from_cache(cache: Path, offline: bool) -> Sources:
     return Sources(ensure_sdist_tree(cache, offline), cutlass_dir(cache, offline))
 
 
+def _patched_inputs(sources: Sources, series: Series, dest: Path) -> None:
+    """The build inputs with the series applied, into `dest` (a new folder)."""
+    if sources.patched:
+        shutil.copytree(sources.sdist, dest, symlinks=True)
+        return
+    _copy_inputs(sources.sdist, dest, patched_paths(series))
+    (dest / "vllm").mkdir(exist_ok=True)  # apply's check that this is a vLLM tree
+    apply_onto(dest, series)
+    shutil.rmtree(dest / STATE_DIR)  # the record describes this copy
+
+
 def write_pack(sources: Sources, series: Series, out: Path) -> Path:
-    """A tar.xz of the pristine build inputs and CUTLASS, for a host without network."""
+    """A tar.xz of the build inputs with this series applied, and CUTLASS, for a host
+    without network (or git); its manifest names the series it holds."""
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp)
-        _copy_inputs(sources.sdist, stage / "sdist", patched_paths(series))
+        _patched_inputs(sources, series, stage / "tree")
         shutil.copytree(sources.cutlass, stage / "cutlass")
         manifest = {
             "vllm": VLLM_VERSION,
             "sdist_sha256": SDIST_SHA256,
+            "series": series.fingerprint("sdist"),
+            "commit": git_label(series.root),
             "cutlass": cutlass_version(sources.cutlass),
             "cutlass_wheel": dataclasses.asdict(CUTLASS_WHEEL),
         }
@@ -376,14 +392,15 @@ def write_pack(sources: Sources, series: Series, out: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         part = out.with_name(out.name + ".part")
         with tarfile.open(part, "w:xz") as tar:
-            for name in (PACK_MANIFEST, "sdist", "cutlass"):
+            for name in (PACK_MANIFEST, "tree", "cutlass"):
                 tar.add(stage / name, arcname=name)
         part.replace(out)
     return out
 
 
-def sources_from_pack(pack: Path, into: Path) -> Sources:
-    """Unpack a --pack archive (once per archive content) and check its manifest."""
+def sources_from_pack(pack: Path, into: Path, series: Series) -> Sources:
+    """Unpack a --pack archive (once per archive content) and check that it holds the
+    pinned sdist with this checkout's series."""
     digest = hashlib.sha256(pack.read_bytes()).hexdigest()[:16]
     dest = into / f"pack-{digest}"
     if not (dest / PACK_MANIFEST).is_file():
@@ -403,7 +420,13 @@ def sources_from_pack(pack: Path, into: Path) -> Sources:
             f"{pack} was packed from another vLLM sdist ({manifest.get('vllm')}); "
             f"this series is for vLLM {VLLM_VERSION}: write a new pack with --pack"
         )
-    return Sources(dest / "sdist", dest / "cutlass")
+    if manifest.get("series") != series.fingerprint("sdist"):
+        raise ToolError(
+            f"{pack} holds the series of {manifest.get('commit') or 'another checkout'}"
+            f", not this checkout's ({git_label(series.root) or series.root}): write "
+            "a new pack with --pack from this commit"
+        )
+    return Sources(dest / "tree", dest / "cutlass", patched=True)
 
 
 def standin_files(tree: Path) -> dict[str, list[str]]:
@@ -468,10 +491,7 @@ def prepare_tree(sources: Sources, series: Series, work: Path) -> Path:
     """work/src: the build inputs with the series applied (incrementally updated)."""
     staging = work / "staging"
     shutil.rmtree(staging, ignore_errors=True)
-    _copy_inputs(sources.sdist, staging, patched_paths(series))
-    (staging / "vllm").mkdir(exist_ok=True)  # apply's check that this is a vLLM tree
-    apply_onto(staging, series)
-    shutil.rmtree(staging / STATE_DIR)  # the record describes the staging copy
+    _patched_inputs(sources, series, staging)
     tree = work / "src"
     written = sync_tree(staging, tree)
     shutil.rmtree(staging)
@@ -1198,7 +1218,8 @@ def run_build(args: argparse.Namespace, python: Path) -> int:
         series = Series.load(args.series)
         machine = find_machine(python, args.cache_dir, args.offline)
         if args.source_pack:
-            sources = sources_from_pack(args.source_pack, args.cache_dir / "packs")
+            packs = args.cache_dir / "packs"
+            sources = sources_from_pack(args.source_pack, packs, series)
         else:
             sources = sources_from_cache(args.cache_dir, args.offline)
         tree = prepare_tree(sources, series, work)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from minitree import run_tool
 from vllm_exl3 import vllm_cmake
-from vllm_exl3.repo import Series, default_cache_dir
+from vllm_exl3.repo import SDIST_SHA256, Series, default_cache_dir
 
 # --- The symbol rule ----------------------------------------------------------
 
@@ -221,7 +221,8 @@ def test_the_pack_gives_the_same_tree_and_a_second_sync_writes_nothing(
     series = Series.load()
     pack = vllm_cmake.write_pack(sources, series, tmp_path / "inputs.tar.xz")
     assert pack.stat().st_size < 4 * 2**20  # carried to the GPU host with the repo
-    packed = vllm_cmake.sources_from_pack(pack, tmp_path / "packs")
+    packed = vllm_cmake.sources_from_pack(pack, tmp_path / "packs", series)
+    assert packed.patched  # the host applies nothing (it may have no git)
     a = vllm_cmake.prepare_tree(sources, series, tmp_path / "a")
     b = vllm_cmake.prepare_tree(packed, series, tmp_path / "b")
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
@@ -236,16 +237,28 @@ def test_the_pack_gives_the_same_tree_and_a_second_sync_writes_nothing(
     assert vllm_cmake.cutlass_version(packed.cutlass) == vllm_cmake.CUTLASS_REVISION
 
 
-def test_a_pack_of_another_sdist_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "manifest,message",
+    [
+        ({"vllm": "0.34.0", "sdist_sha256": "0" * 64}, "another vLLM sdist"),
+        (
+            {"sdist_sha256": SDIST_SHA256, "series": "0" * 64, "commit": "abc12345"},
+            "holds the series of abc12345",
+        ),
+    ],
+)
+def test_a_pack_of_another_sdist_or_series_is_refused(
+    tmp_path: Path, manifest: dict, message: str
+) -> None:
     stage = tmp_path / "stage"
     stage.mkdir()
-    (stage / vllm_cmake.PACK_MANIFEST).write_text(
-        json.dumps({"vllm": "0.34.0", "sdist_sha256": "0" * 64})
-    )
+    (stage / vllm_cmake.PACK_MANIFEST).write_text(json.dumps(manifest))
     with tarfile.open(tmp_path / "old.tar.xz", "w:xz") as tar:
         tar.add(stage / vllm_cmake.PACK_MANIFEST, arcname=vllm_cmake.PACK_MANIFEST)
-    with pytest.raises(vllm_cmake.ToolError, match="another vLLM sdist"):
-        vllm_cmake.sources_from_pack(tmp_path / "old.tar.xz", tmp_path / "packs")
+    with pytest.raises(vllm_cmake.ToolError, match=message):
+        vllm_cmake.sources_from_pack(
+            tmp_path / "old.tar.xz", tmp_path / "packs", Series.load()
+        )
 
 
 # --- Installing the library, the background build's status --------------------
