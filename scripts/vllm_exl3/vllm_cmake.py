@@ -398,11 +398,13 @@ def write_pack(sources: Sources, series: Series, out: Path) -> Path:
     return out
 
 
-def sources_from_pack(pack: Path, into: Path, series: Series) -> Sources:
-    """Unpack a --pack archive (once per archive content) and check that it holds the
-    pinned sdist with this checkout's series."""
+def sources_from_pack(pack: Path, cache: Path, series: Series) -> Sources:
+    """Unpack a --pack archive (once per archive content, into cache/packs) and check
+    that it holds the pinned sdist with this checkout's series. Its CUTLASS goes where
+    the pinned wheel's would (one path for every pack: a new pack does not make CMake
+    configure, and ninja rebuild, from scratch)."""
     digest = hashlib.sha256(pack.read_bytes()).hexdigest()[:16]
-    dest = into / f"pack-{digest}"
+    dest = cache / "packs" / f"pack-{digest}"
     if not (dest / PACK_MANIFEST).is_file():
         tmp = dest.with_name(dest.name + ".part")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -426,7 +428,13 @@ def sources_from_pack(pack: Path, into: Path, series: Series) -> Sources:
             f", not this checkout's ({git_label(series.root) or series.root}): write "
             "a new pack with --pack from this commit"
         )
-    return Sources(dest / "tree", dest / "cutlass", patched=True)
+    cutlass = cache / f"cutlass-{CUTLASS_REVISION}"
+    if cutlass_version(dest / "cutlass") != CUTLASS_REVISION:
+        raise ToolError(f"{pack} holds CUTLASS {manifest.get('cutlass')}")
+    if not (cutlass / "include" / "cutlass" / "version.h").is_file():
+        shutil.rmtree(cutlass, ignore_errors=True)
+        shutil.copytree(dest / "cutlass", cutlass)
+    return Sources(dest / "tree", cutlass, patched=True)
 
 
 def standin_files(tree: Path) -> dict[str, list[str]]:
@@ -1218,8 +1226,7 @@ def run_build(args: argparse.Namespace, python: Path) -> int:
         series = Series.load(args.series)
         machine = find_machine(python, args.cache_dir, args.offline)
         if args.source_pack:
-            packs = args.cache_dir / "packs"
-            sources = sources_from_pack(args.source_pack, packs, series)
+            sources = sources_from_pack(args.source_pack, args.cache_dir, series)
         else:
             sources = sources_from_cache(args.cache_dir, args.offline)
         tree = prepare_tree(sources, series, work)

@@ -221,7 +221,7 @@ def test_the_pack_gives_the_same_tree_and_a_second_sync_writes_nothing(
     series = Series.load()
     pack = vllm_cmake.write_pack(sources, series, tmp_path / "inputs.tar.xz")
     assert pack.stat().st_size < 4 * 2**20  # carried to the GPU host with the repo
-    packed = vllm_cmake.sources_from_pack(pack, tmp_path / "packs", series)
+    packed = vllm_cmake.sources_from_pack(pack, tmp_path / "cache", series)
     assert packed.patched  # the host applies nothing (it may have no git)
     a = vllm_cmake.prepare_tree(sources, series, tmp_path / "a")
     b = vllm_cmake.prepare_tree(packed, series, tmp_path / "b")
@@ -257,7 +257,7 @@ def test_a_pack_of_another_sdist_or_series_is_refused(
         tar.add(stage / vllm_cmake.PACK_MANIFEST, arcname=vllm_cmake.PACK_MANIFEST)
     with pytest.raises(vllm_cmake.ToolError, match=message):
         vllm_cmake.sources_from_pack(
-            tmp_path / "old.tar.xz", tmp_path / "packs", Series.load()
+            tmp_path / "old.tar.xz", tmp_path / "cache", Series.load()
         )
 
 
