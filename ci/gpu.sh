@@ -10,9 +10,11 @@
 #   tests       pytest -m gpu overlay/tests (the kernel oracle and the GPU unit tests), less
 #               the two files that import vLLM's own test helpers (the harness step runs them)
 #   kernels     build the standalone extension for ARCH (default 9.0; VLLM_EXL3_EXT names one
-#               built beforehand), then the GPU kernel tests, two processes' plan logs (must
-#               match), compute-sanitizer on the oracle's, the MoE kernels' and the sparse-MLA
-#               decode's samples, and the plan tuner
+#               built beforehand; none where the installed vLLM's own _C_stable_libtorch
+#               registers the ops: `build --from-source --only target`), then the GPU kernel
+#               tests, two processes' plan logs (must match), compute-sanitizer on the
+#               oracle's, the MoE kernels' and the sparse-MLA decode's samples, and the plan
+#               tuner
 #   e2e         scripts/e2e/run_fixture_e2e.py (fixture perplexity, eager vs graphs, vllm serve)
 #   throughput  scripts/e2e/throughput.py (synthetic Qwen3-8B dimensions, EXL3 vs bf16)
 #   bench       scripts/bench/bench_linear.py --no-exl3 --bits 4 (the op against bf16)
@@ -52,7 +54,7 @@ steps=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR=${2:?--out needs a directory}; shift 2 ;;
-    -h|--help) sed -n '3,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '3,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *)
       if [[ " ${ALL_STEPS[*]} " != *" $1 "* ]]; then
         echo "gpu.sh: unknown step '$1' (steps: ${ALL_STEPS[*]})" >&2; exit 2
@@ -94,7 +96,13 @@ kernels_step() {
     if "$@" >"$out/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (rc $?, $out/$name.log)"; status=1; fi
     tail -3 "$out/$name.log"
   }
-  if [ -n "${VLLM_EXL3_EXT:-}" ] && [ -f "$VLLM_EXL3_EXT" ]; then
+  if "$PY" -c 'import sys, torch, vllm._C_stable_libtorch
+sys.exit(0 if hasattr(torch.ops._C, "exl3_linear") else 1)' 2>/dev/null; then
+    # `build --from-source --only target --install-into`: the ops are vLLM's own; a
+    # standalone extension would register them a second time.
+    echo "-- build: the installed vLLM's _C_stable_libtorch registers the ops; no extension"
+    unset VLLM_EXL3_EXT
+  elif [ -n "${VLLM_EXL3_EXT:-}" ] && [ -f "$VLLM_EXL3_EXT" ]; then
     echo "-- build: using $VLLM_EXL3_EXT"
   else
     part build bash -c "cd scripts && $PY -m vllm_exl3.kernels_build --arch ${ARCH:-9.0} --jobs $(nproc) --out ../build/exl3"
