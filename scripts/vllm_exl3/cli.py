@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = (
     "fetch",
     "apply",
     "patches",
+    "upstream",
     "build",
     "bundle",
     "inspect_ckpt",
@@ -33,6 +34,7 @@ _MODULE_OF = {
     "dev-tree": "patches",
     "export-patches": "patches",
     "inspect": "inspect_ckpt",
+    "series": "upstream",
 }
 
 

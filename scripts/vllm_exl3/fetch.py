@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import ToolError
-from .repo import SDIST_NAME, SDIST_SHA256, VLLM_VERSION, default_cache_dir
+from .repo import (
+    SDIST_NAME,
+    SDIST_SHA256,
+    SDISTS,
+    VLLM_VERSION,
+    default_cache_dir,
+    sdist_name,
+)
 
 # Written into an unpacked tree last; a tree without it is an interrupted unpack and is
 # redone.
@@ -75,7 +82,7 @@ def ensure_pinned(
     return path
 
 
-def _unpack(archive: Path, dest: Path) -> None:
+def _unpack(archive: Path, dest: Path, sha256: str) -> None:
     tmp = dest.with_name(dest.name + ".unpacking")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -96,17 +103,26 @@ def _unpack(archive: Path, dest: Path) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     top.rename(dest)
     tmp.rmdir()
-    (dest / _UNPACKED_MARKER).write_text(SDIST_SHA256 + "\n")
+    (dest / _UNPACKED_MARKER).write_text(sha256 + "\n")
 
 
-def ensure_sdist_tree(cache: Path, offline: bool = False) -> Path:
-    """The unpacked pristine sdist (shared: never modify it; copy it first)."""
-    tree = cache / "src" / f"vllm-{VLLM_VERSION}"
+def ensure_sdist_tree(
+    cache: Path, offline: bool = False, version: str = VLLM_VERSION
+) -> Path:
+    """The unpacked pristine sdist of a pinned vLLM `version` (SDISTS; default the
+    series' own). Shared: never modify it; copy it first."""
+    if version not in SDISTS:
+        raise ToolError(
+            f"vLLM {version} has no pinned sdist (pinned: {', '.join(SDISTS)}); add "
+            "its sha256 to SDISTS in scripts/vllm_exl3/repo.py"
+        )
+    sha256 = SDISTS[version]
+    tree = cache / "src" / f"vllm-{version}"
     marker = tree / _UNPACKED_MARKER
-    if marker.is_file() and marker.read_text().strip() == SDIST_SHA256:
+    if marker.is_file() and marker.read_text().strip() == sha256:
         return tree
-    archive = ensure_pinned(SDIST_NAME, SDIST_SHA256, cache / "sdist", offline)
-    _unpack(archive, tree)
+    archive = ensure_pinned(sdist_name(version), sha256, cache / "sdist", offline)
+    _unpack(archive, tree, sha256)
     return tree
 
 
@@ -127,7 +143,7 @@ def copy_sdist_tree(src: Path, dest: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    tree = ensure_sdist_tree(args.cache_dir, offline=args.offline)
+    tree = ensure_sdist_tree(args.cache_dir, offline=args.offline, version=args.version)
     print(tree)
     return 0
 
@@ -151,6 +167,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="cache directory (default: $VLLM_EXL3_CACHE or ~/.cache/vllm-exl3)",
     )
     p.add_argument("--offline", action="store_true", help="never touch the network")
+    p.add_argument(
+        "--version",
+        default=VLLM_VERSION,
+        choices=sorted(SDISTS),
+        help=f"which pinned vLLM release (default {VLLM_VERSION}, the series' own; "
+        "the upstream series is ported to the newer one)",
+    )
     p.set_defaults(func=run)
 
 

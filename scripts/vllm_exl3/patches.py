@@ -37,11 +37,15 @@ EXPORT_FLAGS = [
 ]
 
 
-def _git(tree: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _git(
+    tree: Path, *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """git in `tree`, with `env` added (an identity, a date, an index file)."""
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     # Personal and system git settings (diff.noprefix, format.signature, autocrlf...)
     # would change what format-patch writes; dev trees use git's defaults only.
-    env.update(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
+    env.update(GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1", **extra)
     r = subprocess.run(
         ["git", *_IDENTITY, *args], cwd=tree, env=env, capture_output=True, text=True
     )

@@ -29,6 +29,24 @@ VLLM_VERSION = "0.26.0"
 SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
 SDIST_SHA256 = "23e9fa19d7e20ce7dcc1c074d41503e2116d23f19e688f5d5ea91b741f958502"
 
+# The vLLM release the upstream series is ported to (`vllm-exl3 series`,
+# patches/0.34.0/).
+UPSTREAM_VERSION = "0.34.0"
+
+# Every vLLM source distribution the tool fetches: version -> sha256 (computed on the
+# downloaded file; the index publishes the same).
+SDISTS = {
+    VLLM_VERSION: SDIST_SHA256,
+    UPSTREAM_VERSION: (
+        "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113"
+    ),
+}
+
+
+def sdist_name(version: str) -> str:
+    return f"vllm-{version}.tar.gz"
+
+
 # Official release wheels, by machine (platform.machine()). The quick build starts from
 # these.
 WHEELS = {
