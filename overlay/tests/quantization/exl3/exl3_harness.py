@@ -47,18 +47,9 @@ DTYPE_NAMES = {
 
 
 @contextlib.contextmanager
-def gloo_world(
-    world_size: int,
-    rank: int,
-    init_file: str,
-    vllm_config: VllmConfig | None = None,
-    pipeline_size: int = 1,
-) -> Iterator[VllmConfig]:
-    """vLLM's distributed state on CPU (VllmConfig() alone fails without a GPU): the
-    world split into `pipeline_size` stages of world_size / pipeline_size
-    tensor-parallel ranks, under `vllm_config` (default: a CPU device config alone)."""
-    if vllm_config is None:
-        vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+def gloo_world(world_size: int, rank: int, init_file: str) -> Iterator[VllmConfig]:
+    """vLLM's distributed state on CPU (VllmConfig() alone fails without a GPU)."""
+    vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=world_size,
@@ -67,7 +58,7 @@ def gloo_world(
             distributed_init_method=f"file://{init_file}",
             backend="gloo",
         )
-        initialize_model_parallel(world_size // pipeline_size, pipeline_size)
+        initialize_model_parallel(world_size, 1)
         try:
             yield vllm_config
         finally:
