@@ -10,9 +10,11 @@
 #   tests       pytest -m gpu overlay/tests (the kernel oracle and the GPU unit tests), less
 #               the two files that import vLLM's own test helpers (the harness step runs them)
 #   kernels     build the standalone extension for ARCH (default 9.0; VLLM_EXL3_EXT names one
-#               built beforehand), then the GPU kernel tests, two processes' plan logs (must
-#               match), compute-sanitizer on the oracle's, the MoE kernels' and the sparse-MLA
-#               decode's samples, and the plan tuner
+#               built beforehand; none where the installed vLLM's own _C_stable_libtorch
+#               registers the ops: `build --from-source --only target`), then the GPU kernel
+#               tests, two processes' plan logs (must match), compute-sanitizer on the
+#               oracle's, the MoE kernels' and the sparse-MLA decode's samples, and the plan
+#               tuner
 #   e2e         scripts/e2e/run_fixture_e2e.py (fixture perplexity, eager vs graphs, vllm serve)
 #   throughput  scripts/e2e/throughput.py (synthetic Qwen3-8B dimensions, EXL3 vs bf16)
 #   bench       scripts/bench/bench_linear.py --no-exl3 --bits 4 (the op against bf16)
@@ -23,6 +25,9 @@
 #   moe         scripts/e2e/run_moe_e2e.py on the MoE fixture conversions staged in
 #               VLLM_EXL3_MOE_DIR by scripts/e2e/stage_fixtures.sh (perplexity, eager vs graphs)
 #   mtp         scripts/e2e/run_mtp_e2e.py, both MTP layouts (speculation against plain decoding)
+#   qwen35      scripts/e2e/run_qwen3_5_e2e.py --stages ppl mtp on the Qwen3.5 fixtures (perplexity
+#               against ExLlamaV3's, the stored MTP layer's speculation); the agreement, image
+#               and serve stages take longer than a step: run them with the script's --stages
 #   sparse      scripts/e2e/run_sparse_mla_e2e.py --resume (EXL3_MLA_SPARSE vs FLASHMLA_SPARSE;
 #               its runs stay in .e2e/sparse-mla, so repeating the step completes the table)
 #   harness     ci/test_vllm_harness.sh, GPU part included (vLLM's own harness on our test files;
@@ -42,13 +47,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-ALL_STEPS=(tests kernels e2e throughput bench moebench sparsebench moe mtp sparse harness serve soak)
+ALL_STEPS=(tests kernels e2e throughput bench moebench sparsebench moe mtp qwen35 sparse harness serve
+  soak)
 OUT_DIR=${OUT:-gpu-results}
 steps=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT_DIR=${2:?--out needs a directory}; shift 2 ;;
-    -h|--help) sed -n '3,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '3,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *)
       if [[ " ${ALL_STEPS[*]} " != *" $1 "* ]]; then
         echo "gpu.sh: unknown step '$1' (steps: ${ALL_STEPS[*]})" >&2; exit 2
@@ -90,7 +96,13 @@ kernels_step() {
     if "$@" >"$out/$name.log" 2>&1; then echo "   ok"; else echo "   FAILED (rc $?, $out/$name.log)"; status=1; fi
     tail -3 "$out/$name.log"
   }
-  if [ -n "${VLLM_EXL3_EXT:-}" ] && [ -f "$VLLM_EXL3_EXT" ]; then
+  if "$PY" -c 'import sys, torch, vllm._C_stable_libtorch
+sys.exit(0 if hasattr(torch.ops._C, "exl3_linear") else 1)' 2>/dev/null; then
+    # `build --from-source --only target --install-into`: the ops are vLLM's own; a
+    # standalone extension would register them a second time.
+    echo "-- build: the installed vLLM's _C_stable_libtorch registers the ops; no extension"
+    unset VLLM_EXL3_EXT
+  elif [ -n "${VLLM_EXL3_EXT:-}" ] && [ -f "$VLLM_EXL3_EXT" ]; then
     echo "-- build: using $VLLM_EXL3_EXT"
   else
     part build bash -c "cd scripts && $PY -m vllm_exl3.kernels_build --arch ${ARCH:-9.0} --jobs $(nproc) --out ../build/exl3"
@@ -155,6 +167,7 @@ VLLM_EXL3_MOE_DIR (scripts/e2e/stage_fixtures.sh)}" --out "$OUT_DIR/moe" --budge
       "$PY" scripts/e2e/run_mtp_e2e.py --out "$OUT_DIR/mtp" --budget-s $(( budget / 2 )) &&
         "$PY" scripts/e2e/run_mtp_e2e.py --layout qwen3-next --out "$OUT_DIR/mtp" \
           --budget-s $(( budget / 2 )) ;;
+    qwen35) "$PY" scripts/e2e/run_qwen3_5_e2e.py --out "$OUT_DIR/qwen3_5" --stages ppl mtp ;;
     sparse)
       "$PY" scripts/e2e/run_sparse_mla_e2e.py --out .e2e/sparse-mla --resume --budget-s "$budget"
       local rc=$?

@@ -26,9 +26,16 @@ site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . \
     --config-settings editable_mode=strict
 set +e
+# On a plain run (no pytest arguments, as CI calls it): our kernels compiled by vLLM's own
+# CMake as objects of its _C_stable_libtorch target and checked (flags, architectures, symbols;
+# its own script, so it also runs alone). Before the tests, so that their summary ends the log.
+cmake_rc=0
+if [ $# -eq 0 ]; then
+  bash ci/compile_in_vllm_target.sh
+  cmake_rc=$?
+fi
 # The tool's own tests (tests/), then vLLM's own harness on every test of vLLM's code paths
-# (overlay/tests/) on a plain run (no pytest arguments, as CI calls it). The harness is its
-# own script, so it also runs alone.
+# (overlay/tests/) on a plain run. The harness is its own script, so it also runs alone.
 "$PY" -m pytest -q -ra tests "$@"
 rc=$?
 if [ $# -eq 0 ]; then
@@ -37,6 +44,7 @@ if [ $# -eq 0 ]; then
   [ "$rc" -ne 0 ] || rc=$harness_rc
 fi
 set -e
+[ "$rc" -ne 0 ] || rc=$cmake_rc
 [ "$rc" -ne 0 ] || rc=$lint_rc
 # pytest's 5 means "no tests collected": that is a failure of this command, not a pass.
 exit $rc

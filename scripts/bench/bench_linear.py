@@ -1,7 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Cold benchmark of exl3_linear against ExLlamaV3 1.6.5's LinearEXL3 and bf16
-torch.matmul.
+"""Cold benchmark of exl3_linear against ExLlamaV3 1.6.5's LinearEXL3, bf16
+torch.matmul and vLLM's int4 Marlin GEMM (GPTQ 4-bit, group 128, as vLLM's
+MarlinLinearKernel calls it).
+
+The op runs with the plans vLLM's layer passes by default (plans.layer_plans: the
+device's table for the layer key, else the cost model); each row says which. Shapes are
+the benchmark's five or, with --models, every linear run of those models at --tp
+(model_shapes.py: fused shards as the loader lays them out).
 
 Method (design.md "Measuring", anchors-h200.md):
   * cold: each variant rotates through enough weight copies that one pass reads >=
@@ -24,6 +30,7 @@ ExLlamaV3 runs on the same tensors (fp16 activations, its own dispatch); which o
 paths ran is read from the profiler's kernel names once per (codebook, m).
 
     python scripts/bench/bench_linear.py --out DIR [--no-exl3] [--bits 4 6]
+    python scripts/bench/bench_linear.py --out DIR --no-exl3 --models qwen3-8b --tp 1
 
 With --interleaved: ours against bf16 torch.matmul at large m, timed in alternation. At
 m >= 1024 the H200 runs at its power cap (~690 of 700 W) and its SM clock drifts with
@@ -52,8 +59,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from vllm_exl3.bench import device_ceilings, exllamav3_anchor
-from vllm_exl3.testing.exl3_oracle import REPO, load_extension, random_layer
+from vllm_exl3.bench import device_ceilings, exllamav3_anchor, model_shapes
+from vllm_exl3.codec import plan_table
+from vllm_exl3.testing.exl3_oracle import REPO, exl3_op, load_extension, random_layer
 
 SHAPES = ((5120, 12288), (5120, 17408), (17408, 5120), (4096, 4096), (4096, 11008))
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -62,6 +70,14 @@ POOL_BYTES = 256 << 20
 MIN_COPIES = 2
 REPLAYS = 15
 CB_NAMES = {0: "3inst", 1: "mcg", 2: "mul1"}
+# The int4 path users pick instead: GPTQ 4-bit with groups of 128 rows (one bf16 scale
+# per group and column), symmetric (uint4b8), on vLLM's Marlin GEMM.
+MARLIN_BITS = 4
+MARLIN_GROUP = 128
+# Marlin's packing: int32 words per 16 k-rows and column (16 rows x 4 bits / 32).
+MARLIN_WORDS_PER_TILE_COLUMN = 16 * MARLIN_BITS // 32
+# Scales small enough that the random int4 weights give finite outputs.
+MARLIN_SCALE = 0.01
 MCG_MARKER = -877912083
 MUL1_MARKER = -2082680531
 
@@ -176,6 +192,89 @@ def bf16_times(gen: torch.Generator, k: int, n: int, ms: list[int]) -> dict[int,
     return out
 
 
+def marlin_times(
+    gen: torch.Generator, k: int, n: int, ms: list[int]
+) -> dict[int, float]:
+    """Cold time per m of vLLM's int4 Marlin GEMM on a [k][n] GPTQ weight (random
+    packed words: the kernel's time does not depend on the values), called as vLLM's
+    MarlinLinearKernel.apply_weights calls it (apply_gptq_marlin_linear, its workspace,
+    its atomic-add and fp32-reduce choices)."""
+    from vllm.model_executor.layers.quantization.utils import marlin_utils as mu
+    from vllm.scalar_type import scalar_types
+
+    dev = torch.device("cuda")
+    workspace = mu.marlin_make_workspace_new(dev)
+    empty = mu.marlin_make_empty_g_idx(dev)
+    weights = [
+        (
+            torch.randint(
+                -(2**31),
+                2**31 - 1,
+                (k // 16, n * MARLIN_WORDS_PER_TILE_COLUMN),
+                generator=gen,
+                device="cuda",
+                dtype=torch.int32,
+            ),
+            (
+                torch.rand(k // MARLIN_GROUP, n, generator=gen, device="cuda")
+                * MARLIN_SCALE
+            ).bfloat16(),
+        )
+        for _ in range(copies_for(k * n * MARLIN_BITS // 8))
+    ]
+    out = {}
+    for m in ms:
+        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        out[m], _ = graph_time_us(
+            [
+                lambda w=w, s=s, x=x: mu.apply_gptq_marlin_linear(
+                    x,
+                    w,
+                    s,
+                    empty,
+                    empty,
+                    empty,
+                    workspace,
+                    scalar_types.uint4b8,
+                    output_size_per_partition=n,
+                    input_size_per_partition=k,
+                    is_k_full=True,
+                )
+                for w, s in weights
+            ],
+            m,
+        )
+    del weights
+    torch.cuda.empty_cache()
+    return out
+
+
+def vllm_plans(
+    k: int, widths: Sequence[int], bits: float, cb: int
+) -> tuple[list[int], str]:
+    """The op's `plans` argument as vLLM's layer passes it for this run by default
+    (plans.layer_plans), and where it came from ("table" or "cost-model")."""
+    from vllm.model_executor.layers.quantization.exl3 import plans
+
+    key = plan_table.layer_key(k, sum(widths), bits, cb, len(widths), torch.bfloat16)
+    dev = torch.device("cuda")
+    return plans.layer_plans(key, dev), plans.table_entries(key, dev)[1]
+
+
+def bench_shapes(args: argparse.Namespace) -> list[tuple[int, tuple[int, ...], str]]:
+    """(k, shard widths, where it occurs) of every run to time."""
+    if not args.models:
+        out = []
+        for shape in args.shapes:
+            k, n = (int(v) for v in shape.split("x"))
+            out.append((k, (n,), "bench"))
+        return out
+    shapes, skipped = model_shapes.collect(model_shapes.resolve(args.models), args.tp)
+    for line in skipped:
+        print(f"skipped: {line}", flush=True)
+    return [(s.k, tuple(s.widths), "; ".join(s.sources[:3])) for s in shapes]
+
+
 def rebase_on_second_bf16(rows: list[dict], second: dict[int, float]) -> None:
     """bf16 is timed before a shape's configurations and again after them; the rows keep
     the faster of the two (the ratio against bf16 never gains from the GPU's clock
@@ -278,9 +377,12 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         "bits",
         "codebook",
         "m",
+        "shards",
+        "plans",
         "ours_us",
         "exllamav3_us",
         "bf16_us",
+        "marlin_us",
         "pct_sol",
         "exl3_path",
     ]
@@ -381,7 +483,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codebooks", type=int, nargs="+", default=[1, 0, 2])
     ap.add_argument("--m", type=int, nargs="+", default=list(M_VALUES))
     ap.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES])
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        help="time the linear runs of these models (model_shapes.py names, or all) "
+        "instead of --shapes",
+    )
+    ap.add_argument("--tp", type=int, nargs="+", default=[1])
     ap.add_argument("--no-exl3", action="store_true")
+    ap.add_argument("--no-marlin", action="store_true")
     ap.add_argument(
         "--exl3-state",
         type=Path,
@@ -467,11 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     rows, paths = [], {}
     args.out.mkdir(parents=True, exist_ok=True)
 
-    for shape in args.shapes:
-        k, n = (int(v) for v in shape.split("x"))
+    for k, widths, where in bench_shapes(args):
+        n = sum(widths)
+        shape = f"{k}x{n}" + (f"/{len(widths)}" if len(widths) > 1 else "")
         if time.monotonic() - t_start > args.budget_s:
             break
         bf16_us = bf16_times(gen, k, n, args.m)
+        marlin_us = None if args.no_marlin else marlin_times(gen, k, n, args.m)
         shape_rows = []
         for bits in args.bits:
             for cb in args.codebooks:
@@ -480,14 +593,28 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() - t_start > args.budget_s:
                     print("time budget reached, stopping", flush=True)
                     break
-                layers = cold_layers(gen, k, n, bits, cb)
+                layers = cold_layers(gen, k, n, bits, cb, widths)
+                plans_arg, plan_source = vllm_plans(k, widths, bits, cb)
                 exl3_lins = (
                     exl3_linears(exl3_cls, layers, k, n, cb) if exl3_cls else None
                 )
                 for m in args.m:
                     x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
                     ours, mode = graph_time_us(
-                        [lambda L=L, x=x: L.linear(x) for L in layers], m
+                        [
+                            lambda L=L, x=x, p=plans_arg: exl3_op(
+                                x,
+                                L.trellis,
+                                L.suh,
+                                L.svh,
+                                None,
+                                L.widths,
+                                L.codebook,
+                                p,
+                            )
+                            for L in layers
+                        ],
+                        m,
                     )
                     ex_us, ex_mode = None, None
                     if exl3_lins:
@@ -508,9 +635,13 @@ def main(argv: list[str] | None = None) -> int:
                         except Exception as e:  # noqa: BLE001
                             ex_mode = f"failed: {type(e).__name__}: {str(e)[:100]}"
                     sol = sol_us(k, n, m, bits, ceil, loops.get(f"{bits:g}:{cb}"))
+                    mar = marlin_us[m] if marlin_us else None
                     row = {
                         "k": k,
                         "n": n,
+                        "shards": len(widths),
+                        "where": where,
+                        "plans": plan_source,
                         "bits": bits,
                         "codebook": CB_NAMES[cb],
                         "m": m,
@@ -519,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
                         "bf16_us": round(bf16_us[m], 2),
                         "ratio_bf16": round(ours / bf16_us[m], 3),
                         "ratio_exl3": round(ours / ex_us, 3) if ex_us else None,
+                        "marlin_us": round(mar, 2) if mar else None,
+                        "ratio_marlin": round(ours / mar, 3) if mar else None,
                         "pct_sol": round(100 * sol / ours, 1),
                         "sol_us": round(sol, 2),
                         "copies": len(layers),
@@ -542,16 +675,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {args.out}/{stamp}.json/.csv ({time.monotonic() - t_start:.0f} s)")
     print(
         f"{'shape':>12} {'b':>3} {'cb':>5} {'m':>5} {'ours':>8} {'exl3':>8} "
-        f"{'bf16':>8} "
-        f"{'/bf16':>6} {'/exl3':>6} {'%SOL':>5}"
+        f"{'bf16':>8} {'marlin':>8} "
+        f"{'/bf16':>6} {'/exl3':>6} {'/marl':>6} {'%SOL':>5} plans"
     )
+    nan = float("nan")
     for r in rows:
-        if r["m"] in (1, 16, 64, 256, 1024, 4096):
+        if r["m"] in (1, 16, 32, 64, 256, 1024, 4096):
             print(
                 f"{r['k']}x{r['n']:>6} {r['bits']:>3g} {r['codebook']:>5} {r['m']:>5} "
-                f"{r['ours_us']:8.1f} {r['exllamav3_us'] or float('nan'):8.1f} "
-                f"{r['bf16_us']:8.1f} {r['ratio_bf16']:6.2f} "
-                f"{r['ratio_exl3'] or float('nan'):6.2f} {r['pct_sol']:5.0f}"
+                f"{r['ours_us']:8.1f} {r['exllamav3_us'] or nan:8.1f} "
+                f"{r['bf16_us']:8.1f} {r['marlin_us'] or nan:8.1f} "
+                f"{r['ratio_bf16']:6.2f} {r['ratio_exl3'] or nan:6.2f} "
+                f"{r['ratio_marlin'] or nan:6.2f} {r['pct_sol']:5.0f} {r['plans']}"
             )
     return 0
 

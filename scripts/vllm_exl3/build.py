@@ -36,7 +36,7 @@ from pathlib import Path
 
 import tomllib
 
-from . import ToolError
+from . import ToolError, vllm_cmake
 from .apply import apply_onto
 from .fetch import (
     Progress,
@@ -207,26 +207,11 @@ print(json.dumps(problems))
 """
 
 
-def _cuda_toolkit() -> Path | None:
-    candidates = []
-    if os.environ.get("CUDA_HOME"):
-        candidates.append(Path(os.environ["CUDA_HOME"]))
-    if nvcc := shutil.which("nvcc"):
-        candidates.append(Path(nvcc).resolve().parent.parent)
-    candidates.append(Path("/usr/local/cuda"))
-    for root in candidates:
-        if (root / "bin" / "nvcc").is_file() and (
-            root / "include" / "cuda_runtime.h"
-        ).is_file():
-            return root
-    return None
-
-
 def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
     """vLLM's own setup.py build of the patched sdist (CMake + nvcc of everything)."""
     src = ensure_sdist_tree(args.cache_dir, offline=args.offline)
     problems = []
-    cuda_home = _cuda_toolkit()
+    cuda_home = vllm_cmake.cuda_toolkit()
     if cuda_home is None:
         problems.append(
             "no CUDA 13 toolkit (bin/nvcc and include/cuda_runtime.h) at $CUDA_HOME, "
@@ -271,10 +256,17 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
     # Precompiled mode would replace _C_stable_libtorch, and with it our kernels.
     for var in ("VLLM_USE_PRECOMPILED", "VLLM_PRECOMPILED_WHEEL_LOCATION"):
         env.pop(var, None)
+    # CUTLASS at the sdist's pin from its pinned wheel (vllm_cmake), given to CMake
+    # through setup.py's CMAKE_ARGS; the seven other repositories are still fetched.
+    cutlass = vllm_cmake.cutlass_dir(args.cache_dir, args.offline)
+    vllm_cmake.check_cutlass_pin(tree, cutlass)
+    env["CMAKE_ARGS"] = " ".join(
+        [env.get("CMAKE_ARGS", ""), *vllm_cmake.cutlass_args(cutlass)]
+    ).strip()
     print(
-        f"build: vLLM's full build of {tree} (CMake fetches 8 repositories unless "
-        "their "
-        "*_SRC_DIR variables point at local copies; hours on a small machine)"
+        f"build: vLLM's full build of {tree} (CMake fetches 7 repositories unless "
+        "their *_SRC_DIR variables point at local copies; hours on a small machine; "
+        "--only target builds _C_stable_libtorch alone, offline)"
     )
     args.dist_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -302,8 +294,31 @@ def from_source(args: argparse.Namespace, series: Series, python: Path) -> int:
     return 0
 
 
+def _check_source_options(args: argparse.Namespace) -> None:
+    only = ("--background", "--install-into", "--source-pack")
+    given = [flag for flag in only if getattr(args, flag[2:].replace("-", "_"))]
+    if given and not args.only:
+        raise ToolError(f"{', '.join(given)} need(s) --from-source --only")
+    if args.only and not args.from_source:
+        raise ToolError("--only needs --from-source")
+    if args.install_into and args.only != "target":
+        raise ToolError("--install-into needs --only target (a built library)")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_source_options(args)
+    if args.status:
+        return vllm_cmake.status(args.build_dir)
     series = Series.load(args.series)
+    if args.pack:
+        sources = vllm_cmake.sources_from_cache(args.cache_dir, args.offline)
+        out = vllm_cmake.write_pack(sources, series, args.pack)
+        print(f"{out} ({out.stat().st_size / 2**20:.1f} MiB)")
+        return 0
+    if args.only:
+        if args.background:
+            return vllm_cmake.start_background(args, sys.argv)
+        return vllm_cmake.run_build(args, _venv_python(args))
     if args.from_source:
         return from_source(args, series, _venv_python(args))
     t0 = time.monotonic()
@@ -362,16 +377,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "<tag>.whl. --from-source: apply the series to the pinned sdist and run "
             "vLLM's own "
             "build (pip wheel --no-build-isolation) with our kernels in "
-            "_C_stable_libtorch; "
-            "needs the CUDA 13 toolkit, cmake>=3.26.1, ninja, setuptools-scm, "
-            "setuptools-rust "
-            "and torch 2.11.0 in --python's environment, network or the *_SRC_DIR "
-            "variables "
-            "(VLLM_CUTLASS_SRC_DIR, VLLM_FLASH_ATTN_SRC_DIR, FLASH_MLA_SRC_DIR, "
-            "DEEPGEMM_SRC_DIR, "
+            "_C_stable_libtorch; needs the CUDA 13 toolkit, cmake>=3.26.1, ninja, "
+            "setuptools-scm, setuptools-rust and torch 2.11.0 in --python's "
+            "environment, CUTLASS from its pinned wheel, network or the *_SRC_DIR "
+            "variables (VLLM_FLASH_ATTN_SRC_DIR, FLASH_MLA_SRC_DIR, DEEPGEMM_SRC_DIR, "
             "QUTLASS_SRC_DIR, TRITON_KERNELS_SRC_DIR, FMHA_SM100_SRC_DIR, "
-            "TML_FA4_SRC_DIR) for "
-            "the repositories its CMake fetches, and hours on a small machine."
+            "TML_FA4_SRC_DIR) for the other repositories its CMake fetches, and hours "
+            "on a small machine. --from-source --only objects|target: vLLM's CMake for "
+            "_C_stable_libtorch alone, offline (scripts/README.md)."
         ),
     )
     p.add_argument(
@@ -400,6 +413,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--from-source",
         action="store_true",
         help="vLLM's full build with our kernels in _C_stable_libtorch",
+    )
+    p.add_argument(
+        "--only",
+        choices=("objects", "target"),
+        help="with --from-source: vLLM's CMake, offline, for _C_stable_libtorch "
+        "alone: 'objects' compiles and checks our objects of it (the CI step), "
+        "'target' builds the whole library (a CUDA host)",
+    )
+    p.add_argument(
+        "--install-into",
+        type=Path,
+        metavar="SITE",
+        help="with --only target: replace SITE/vllm/_C_stable_libtorch.abi3.so (the "
+        "release one kept as .release) and move SITE/vllm/_exl3_C.abi3.so aside",
+    )
+    p.add_argument(
+        "--background",
+        action="store_true",
+        help="with --only: run detached (it outlives the shell); see --status",
+    )
+    p.add_argument(
+        "--status",
+        action="store_true",
+        help="report the --only build in --build-dir: exit 0 done, 1 failed or "
+        f"stopped, {vllm_cmake.STATUS_RUNNING} running",
+    )
+    p.add_argument(
+        "--build-dir",
+        type=Path,
+        default=ROOT / "build" / "vllm-cmake",
+        help="the --only build's folder (default build/vllm-cmake)",
+    )
+    p.add_argument(
+        "--pack",
+        type=Path,
+        metavar="FILE",
+        help="write the --only build's inputs (the pristine sdist's build files, "
+        "CUTLASS) to FILE (.tar.xz, about 2 MB) for a host without network; no build",
+    )
+    p.add_argument(
+        "--source-pack",
+        type=Path,
+        metavar="FILE",
+        help="with --only: build from a --pack FILE instead of the cache (offline)",
     )
     p.add_argument(
         "--wheel",

@@ -47,9 +47,11 @@ def wheels_dir(cache: Path) -> Path:
     return Path(env).expanduser() if env else cache / "wheels"
 
 
-def ensure_pinned(filename: str, sha256: str, dest_dir: Path, offline: bool) -> Path:
-    """The pinned file from the cache, downloading it when absent. A cached copy whose
-    hash differs is discarded and fetched again."""
+def ensure_pinned(
+    filename: str, sha256: str, dest_dir: Path, offline: bool, project: str = "vllm"
+) -> Path:
+    """The pinned file (of the index's `project`) from the cache, downloading it when
+    absent. A cached copy whose hash differs is discarded and fetched again."""
     path = dest_dir / filename
     if path.is_file():
         if sha256_file(path) == sha256:
@@ -70,7 +72,7 @@ def ensure_pinned(filename: str, sha256: str, dest_dir: Path, offline: bool) -> 
     if offline:
         raise ToolError(f"offline (--offline) and {cold}")
     try:
-        link = find_file("vllm", filename)
+        link = find_file(project, filename)
         print(f"fetch: {filename} from {link.index}")
         download(link, path, sha256)
     except IndexUnreachable as e:

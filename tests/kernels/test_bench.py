@@ -70,6 +70,21 @@ def test_the_ratio_to_bf16_uses_the_faster_of_the_two_bf16_timings():
     assert (rows[1]["bf16_first_us"], rows[1]["bf16_second_us"]) == (950.0, 900.0)
 
 
+def test_model_shapes_are_timed_as_the_loader_lays_them_out():
+    """--models times each distinct kernel run of the models (fused shards kept as
+    shards, so the plan key and the EXL3 call are vLLM's), --shapes the bench's own."""
+    ns = argparse.Namespace(models=["qwen3-8b"], tp=[1], shapes=None)
+    runs = bench_linear.bench_shapes(ns)
+    by_kn = {(k, sum(w)): w for k, w, _ in runs}
+    # Qwen3-8B: hidden 4096, 32 query heads and 8 KV heads of 128, MLP 12288.
+    assert by_kn[(4096, 4096 + 2 * 1024)] == (4096, 1024, 1024)
+    assert by_kn[(4096, 2 * 12288)] == (12288, 12288)
+    assert (12288, 4096) in by_kn
+    assert all(k % 128 == 0 and all(x % 128 == 0 for x in w) for k, w, _ in runs)
+    ns = argparse.Namespace(models=None, tp=[1], shapes=["4096x11008"])
+    assert bench_linear.bench_shapes(ns) == [(4096, (11008,), "bench")]
+
+
 def test_every_call_runs_eagerly_before_the_graph_is_captured(monkeypatch):
     """graph_time_us warms each closure, not a sample: state read on a weight set's
     first eager call (the MoE kernel class's bitrate table, one per layer copy) must

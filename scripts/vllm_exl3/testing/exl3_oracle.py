@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -93,19 +94,26 @@ def combos() -> list[tuple[float, int]]:
 
 
 def load_extension(path: str | None = None) -> str:
-    """Register torch.ops._C.exl3_* from the quick-build extension (or an installed
-    vLLM)."""
-    candidates = [
-        path,
-        os.environ.get("VLLM_EXL3_EXT"),
-        str(REPO / "build" / "exl3" / "_exl3_C.abi3.so"),
-    ]
-    for c in candidates:
+    """Register torch.ops._C.exl3_*, from the first of: an extension named by `path`
+    or $VLLM_EXL3_EXT; an installed vLLM's own `_C_stable_libtorch` built with the
+    kernels (`build --from-source`); the quick build's build/exl3/_exl3_C.abi3.so; an
+    installed vllm._exl3_C. Nothing is loaded when the ops are registered already (a
+    second library registering them would be refused)."""
+    if hasattr(torch.ops._C, "exl3_linear"):
+        return "torch.ops._C (already registered)"
+    for c in (path, os.environ.get("VLLM_EXL3_EXT")):
         if c and Path(c).is_file():
             torch.ops.load_library(c)
             return c
-    import importlib
-
+    # Without vLLM (or its library) here, the quick build's extension below.
+    with contextlib.suppress(ImportError, OSError):
+        importlib.import_module("vllm._C_stable_libtorch")
+    if hasattr(torch.ops._C, "exl3_linear"):
+        return "vllm._C_stable_libtorch"
+    quick = REPO / "build" / "exl3" / "_exl3_C.abi3.so"
+    if quick.is_file():
+        torch.ops.load_library(str(quick))
+        return str(quick)
     importlib.import_module("vllm._exl3_C")
     return "vllm._exl3_C"
 

@@ -10,5 +10,7 @@ FIXTURES = ROOT / "tests" / "fixtures"
 QWEN3_TINY = FIXTURES / "qwen3-tiny"
 MOE_FIXTURES = FIXTURES / "moe"
 TOKENIZER = QWEN3_TINY / "tokenizer"
+# Qwen3.5 and Qwen3.5-MoE in the multimodal layout, converted by ExLlamaV3 1.6.5.
+QWEN3_5 = FIXTURES / "qwen3_5"
 # The tool's launcher, for tests that run it as a user would.
 CLI = ROOT / "scripts" / "vllm-exl3"

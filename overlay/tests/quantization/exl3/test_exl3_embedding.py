@@ -550,3 +550,71 @@ def test_a_tied_head_is_refused_at_run_time(ckpt, world1):
     layer = _layer(ckpt)
     with pytest.raises(NotImplementedError, match="cannot serve as the output layer"):
         layer.quant_method.apply(layer, torch.zeros(1, HIDDEN))
+
+
+# qwen3-tiny converted by ExLlamaV3 1.6.5 itself with --embed_bits 4
+# (tests/fixtures/qwen3-tiny/exl3-4.0bpw-embed4): the format's ground truth. Its table
+# decodes to the trained bf16 table within 4-bit error (a wrong ring, group or sign
+# order decodes to noise, about sqrt(2) off), and vLLM looks up exactly those rows.
+# Relative Frobenius error of a 4-bit trellis table, with margin over the 0.066 measured
+# (every row 0.066-0.067); a misdecoded table is near 1.4.
+FIXTURE_EMBED_RTOL = 0.12
+FIXTURE_IDS = torch.tensor([0, 1, 5, 4095, 2048, 17, 17, 300, 4000, 1])
+
+
+@pytest.fixture(scope="module")
+def exllamav3_ckpt(tmp_path_factory):
+    from vllm_exl3.testing.fixtures import QWEN3_TINY, TOKENIZER
+
+    path = tmp_path_factory.mktemp("embed-fixture") / "ckpt"
+    shutil.copytree(QWEN3_TINY / "exl3-4.0bpw-embed4", path)
+    for f in TOKENIZER.iterdir():
+        shutil.copy(f, path / f.name)
+    return path
+
+
+def test_exllamav3_embedding_decodes_to_the_trained_table(exllamav3_ckpt):
+    from vllm_exl3.testing.fixtures import QWEN3_TINY
+
+    named = stored(exllamav3_ckpt)
+    hidden = json.loads((exllamav3_ckpt / "config.json").read_text())["hidden_size"]
+    trellis = named[f"{EMBED}.trellis"]
+    table = embedding_reference.decode_rows(
+        trellis, named[f"{EMBED}.signs"], torch.arange(trellis.shape[0]), hidden
+    )
+    original = load_file(str(QWEN3_TINY / "bf16" / "model.safetensors"))
+    original = original[f"{EMBED}.weight"].float()
+    assert table.shape == original.shape
+    err = ((table - original).norm() / original.norm()).item()
+    assert err < FIXTURE_EMBED_RTOL, err
+    # Row by row too: no row decodes to another row's values; the padding token's
+    # row, zero in training, stays near zero.
+    norms = original.norm(dim=1)
+    live = norms > 0
+    per_row = (table - original)[live].norm(dim=1) / norms[live]
+    assert per_row.max().item() < FIXTURE_EMBED_RTOL, per_row.max().item()
+    assert table[~live].abs().max().item() < FIXTURE_EMBED_RTOL * norms.mean().item()
+
+
+def test_exllamav3_embedding_checkpoint_runs_in_vllm(
+    exllamav3_ckpt, monkeypatch, world1
+):
+    from vllm.model_executor.layers.quantization.exl3.embedding import (
+        Exl3EmbeddingMethod,
+    )
+
+    from .test_exl3_model import vllm_logits
+
+    logits, model = vllm_logits(
+        exllamav3_ckpt, FIXTURE_IDS, monkeypatch, dtype="bfloat16"
+    )
+    embed = model.model.embed_tokens
+    assert isinstance(embed.quant_method, Exl3EmbeddingMethod)
+    named = stored(exllamav3_ckpt)
+    want = embedding_reference.decode_rows(
+        named[f"{EMBED}.trellis"], named[f"{EMBED}.signs"], FIXTURE_IDS, 256
+    )
+    with torch.no_grad():
+        got = model.model.embed_input_ids(FIXTURE_IDS)
+    assert torch.equal(got, want.to(torch.bfloat16))
+    assert torch.isfinite(logits).all() and logits.shape[0] == len(FIXTURE_IDS)

@@ -689,13 +689,16 @@ VLLM_FUSED = {
     "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
+    # The tower's attention: fused on disk, or split as ExLlamaV3 writes it.
+    "qkv": ("q_proj", "k_proj", "v_proj"),
 }
 MODEL_TOKENS = 7
 
 
-def checkpoint_modules(vllm_name: str) -> list[str]:
+def checkpoint_modules(vllm_name: str, named: dict) -> list[str]:
     """The checkpoint modules of a vLLM layer of the multimodal class (its name mapped
-    back through Qwen3-VL's prefix mapper, a fused layer split into its parts)."""
+    back through Qwen3-VL's prefix mapper, a fused layer split into its parts unless
+    the checkpoint stores it fused)."""
     for ckpt, vllm in VL_MAPPER_PREFIXES.items():
         if vllm_name.startswith(vllm):
             vllm_name = ckpt + vllm_name.removeprefix(vllm)
@@ -703,6 +706,8 @@ def checkpoint_modules(vllm_name: str) -> list[str]:
     if vllm_name == "language_model.lm_head":
         vllm_name = "lm_head"
     parent, _, leaf = vllm_name.rpartition(".")
+    if f"{vllm_name}.trellis" in named:
+        return [vllm_name]
     return [f"{parent}.{part}" for part in VLLM_FUSED.get(leaf, (leaf,))]
 
 
@@ -716,7 +721,7 @@ def check_model_linears(model, vllm_config, named: dict) -> set[str]:
         model, vllm_config, HIDDEN, torch.float16, 6, MODEL_TOKENS
     )
     for name, _, x, y in calls:
-        modules = ["lm_head"] if name == "lm_head" else checkpoint_modules(name)
+        modules = ["lm_head"] if name == "lm_head" else checkpoint_modules(name, named)
         w = torch.cat([dense(named, m).double()[: x.shape[1]] for m in modules], dim=1)
         expected = x.double() @ w
         if all(f"{m}.bias" in named for m in modules):
@@ -756,6 +761,30 @@ def exl3_modules(named: dict) -> set[str]:
     return {k.removesuffix(".trellis") for k in named if k.endswith(".trellis")}
 
 
+def load_qwen3_5(root, monkeypatch, moe: bool, language_model_only: bool):
+    """(model, vllm_config, passed_over): vLLM's real Qwen3.5 class through its loader,
+    every parameter written (the routed experts' are reported under the runner's name;
+    the EXL3 MoE method checks every expert tensor arrived; a checkpoint tensor with no
+    destination fails vLLM's loader by name)."""
+    from vllm.model_executor.models.qwen3_5 import (
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeForConditionalGeneration,
+    )
+
+    from .moe_model_run import load_model, record_unloaded
+
+    cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
+    unloaded = record_unloaded(monkeypatch, cls)
+    passed_over = record_passed_over(monkeypatch)
+    model, vllm_config = load_model(
+        root, monkeypatch, "float16", language_model_only=language_model_only
+    )
+    assert type(model) is cls
+    unloaded = {n for n in unloaded if ".routed_experts." not in n}
+    assert unloaded == set(), sorted(unloaded)
+    return model, vllm_config, passed_over
+
+
 @pytest.mark.parametrize(
     "moe, language_model_only",
     [(False, False), (True, False), (False, True)],
@@ -764,28 +793,14 @@ def exl3_modules(named: dict) -> set[str]:
 def test_qwen3_5_real_model_loads_the_exllamav3_checkpoint(
     moe, language_model_only, tmp_path, monkeypatch, world1
 ):
-    from vllm.model_executor.models.qwen3_5 import (
-        Qwen3_5ForConditionalGeneration,
-        Qwen3_5MoeForConditionalGeneration,
-    )
-
     from .moe_checkpoints import link_tokenizer
-    from .moe_model_run import check_moe_blocks, load_model, record_unloaded
+    from .moe_model_run import check_moe_blocks
 
     named = qwen3_5_checkpoint(tmp_path, moe=moe)
     link_tokenizer(tmp_path)
-    cls = Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration
-    unloaded = record_unloaded(monkeypatch, cls)
-    passed_over = record_passed_over(monkeypatch)
-    model, vllm_config = load_model(
-        tmp_path, monkeypatch, "float16", language_model_only=language_model_only
+    model, vllm_config, passed_over = load_qwen3_5(
+        tmp_path, monkeypatch, moe, language_model_only
     )
-    assert type(model) is cls
-    # Every parameter written (the routed experts' are reported under the runner's
-    # name; the EXL3 MoE method checks every expert tensor arrived); a checkpoint
-    # tensor with no destination fails vLLM's loader by name (the test below).
-    unloaded = {n for n in unloaded if ".routed_experts." not in n}
-    assert unloaded == set(), sorted(unloaded)
     # No tensor passed over either (with language_model_only the tower is a
     # StageMissingLayer, whose tensors vLLM drops before these checks).
     assert passed_over == set(), sorted(passed_over)
@@ -869,3 +884,94 @@ def test_qwen3_5_real_model_names_what_it_cannot_place(
     link_tokenizer(tmp_path)
     with pytest.raises((ValueError, Exl3LayoutError), match=message):
         load_model(tmp_path, monkeypatch, "float16")
+
+
+# The Qwen3.5 fixtures ExLlamaV3 1.6.5's converter wrote (tests/fixtures/qwen3_5: the
+# vision tower at 6 bits, the MTP layer at 4, head at 6), whole, through vLLM's loader
+# into the real classes: every parameter written, the checkpoint's only tensors left
+# over the MTP layer's (the draft model loads those), every EXL3 linear against the
+# reference decode of its modules, the MoE blocks against the oracle.
+
+
+def qwen3_5_fixture(root, kind: str) -> dict[str, torch.Tensor]:
+    import shutil
+
+    from safetensors.torch import load_file
+    from vllm_exl3.testing.fixtures import QWEN3_5
+
+    for src in (QWEN3_5 / f"{kind}-exl3-4.0bpw", QWEN3_5 / "tokenizer"):
+        for f in src.iterdir():
+            shutil.copy(f, root / f.name)
+    return load_file(str(root / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "kind, language_model_only",
+    [("dense", False), ("moe", False), ("moe", True)],
+    ids=["dense", "moe", "moe-language-model-only"],
+)
+def test_qwen3_5_fixture_written_by_exllamav3_loads_and_decodes(
+    kind, language_model_only, tmp_path, monkeypatch, world1
+):
+    from .moe_model_run import check_moe_blocks
+
+    named = qwen3_5_fixture(tmp_path, kind)
+    model, vllm_config, passed_over = load_qwen3_5(
+        tmp_path, monkeypatch, kind == "moe", language_model_only
+    )
+    mtp = {n for n in named if n.startswith("mtp.")}
+    assert mtp and {n for n in passed_over if not n.startswith("mtp.")} == set()
+    checked = check_model_linears(model, vllm_config, named)
+    wanted = {
+        m
+        for m in exl3_modules(named)
+        if ".experts." not in m
+        and not m.startswith("mtp.")
+        and not (language_model_only and m.startswith("model.visual."))
+    }
+    assert checked == wanted, sorted(checked ^ wanted)
+    if not language_model_only:
+        assert any(m.startswith("model.visual.") for m in checked)
+    if kind == "moe":
+        blocks = check_moe_blocks(
+            tmp_path,
+            model,
+            vllm_config,
+            checkpoint_name=lambda n: n.replace("language_model.model.", f"{VL_TEXT}."),
+        )
+        assert blocks == 4
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_qwen3_5_fixture_mtp_draft_loads_its_stored_layer(
+    kind, tmp_path, monkeypatch, world1
+):
+    """vLLM's Qwen3.5 MTP draft (speculative method "mtp" -> qwen3_5_mtp) builds from
+    the fixture's `mtp.*` layer as ExLlamaV3 stored it (EXL3 at its MTP bits): fc,
+    the decoder layer's linears (and, for the MoE model, its experts) EXL3, each EXL3
+    linear of the draft equal to the reference decode of its checkpoint module."""
+    from .moe_model_run import (
+        assert_linear_matches,
+        exl3_linear_calls,
+        load_target_and_draft,
+    )
+
+    named = qwen3_5_fixture(tmp_path, kind)
+    _, draft, vllm_config = load_target_and_draft(tmp_path, monkeypatch, "float16")
+    assert type(draft).__name__ == ("Qwen3_5MoeMTP" if kind == "moe" else "Qwen3_5MTP")
+    checked = set()
+    for name, _, x, y in exl3_linear_calls(
+        draft, vllm_config, HIDDEN, torch.float16, 6, MODEL_TOKENS
+    ):
+        if name == "lm_head":
+            continue
+        module = "mtp." + name.removeprefix("model.")
+        parent, _, leaf = module.rpartition(".")
+        modules = [f"{parent}.{p}" for p in VLLM_FUSED.get(leaf, (leaf,))]
+        w = torch.cat([dense(named, m).double()[: x.shape[1]] for m in modules], dim=1)
+        assert_linear_matches(y, x.double() @ w, name)
+        checked.update(modules)
+    wanted = {
+        m for m in exl3_modules(named) if m.startswith("mtp.") and ".experts." not in m
+    }
+    assert checked == wanted, sorted(checked ^ wanted)

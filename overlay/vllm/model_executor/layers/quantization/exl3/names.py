@@ -41,6 +41,10 @@ FUSED_SHARDS_FALLBACK: dict[str, tuple[str, ...]] = {
     "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
     "in_proj_ba": ("in_proj_b", "in_proj_a"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+    # The Qwen3-VL vision tower's attention: one `qkv` in HF checkpoints (its
+    # packed_modules_mapping maps it to itself), q_proj / k_proj / v_proj in
+    # ExLlamaV3's, which quantizes the three separately.
+    "qkv": ("q_proj", "k_proj", "v_proj"),
 }
 
 # A module key is mapped through the model's tensor-name mapper as this tensor name.
@@ -121,10 +125,14 @@ def shard_names(
     order.
 
     A fused layer (`...qkv_proj`) expands through the model's packed_modules_mapping,
-    else the built-in fallback table; any other layer is its own single shard.
+    else the built-in fallback table; any other layer is its own single shard. A
+    layer the mapping packs into itself (already fused on disk) expands through the
+    fallback table: the caller asks only after the fused module itself was not found.
     """
     parent, _, last = prefix.rpartition(".")
-    members = packed_modules_mapping.get(last) or FUSED_SHARDS_FALLBACK.get(last)
+    members = packed_modules_mapping.get(last)
+    if not members or list(members) == [last]:
+        members = FUSED_SHARDS_FALLBACK.get(last)
     if not members:
         return [prefix]
     return [f"{parent}.{m}" if parent else m for m in members]
