@@ -22,6 +22,7 @@ SUBCOMMAND_MODULES = (
     "patches",
     "build",
     "bundle",
+    "image",
     "inspect_ckpt",
     "dequantize",
 )

@@ -15,6 +15,7 @@ import email.parser
 import hashlib
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ VLLM_VERSION = "0.26.0"
 SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
 SDIST_SHA256 = "23e9fa19d7e20ce7dcc1c074d41503e2116d23f19e688f5d5ea91b741f958502"
 
-# Official release wheels, by machine (platform.machine()). The quick build starts from
+# Official release wheels, by machine (host_machine()). The quick build starts from
 # these.
 WHEELS = {
     "x86_64": (
@@ -43,6 +44,13 @@ WHEELS = {
         "52a4c3e55c2c80cc8793e52ccc244457ceade25b0ad7caa1c15e5002a95a1b2c",
     ),
 }
+
+
+def host_machine() -> str:
+    """This machine as the release wheels name it (platform.machine(), with the other
+    spellings of the same two machines mapped)."""
+    m = platform.machine()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m.lower(), m)
 
 
 # This repository's layout.
