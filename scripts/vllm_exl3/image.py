@@ -119,12 +119,13 @@ PYTHON = f"{VENV}/bin/python"
 # The venv's pip, pinned so two builds resolve alike (Debian's bundled pip is 23.0).
 PIP = "pip==26.3"
 LOCK = f"{VENV}/requirements-lock.txt"
-# Where a build command inside the root finds its scratch files, the pip cache (shared
-# by all builds: the same wheels serve both machines' pure-Python packages), the release
-# wheel and our wheel: folders here bind-mounted for one command, so nothing written
-# there stays in a layer.
+# Where a build command inside the root finds its scratch files, the wheelhouse (the
+# locked wheels, kept per machine in the cache: pip's own cache keeps nothing from an
+# index that sends no caching headers, and a second build should not download 4 GB
+# again), the release wheel and our wheel: folders here bind-mounted for one command,
+# so nothing written there stays in a layer.
 SCRATCH = "/run/vllm-exl3-build"
-PIP_CACHE = "/run/vllm-exl3-pip-cache"
+WHEELHOUSE = "/run/vllm-exl3-wheelhouse"
 RELEASE_WHEELS = "/run/vllm-exl3-release-wheels"
 DIST = "/run/vllm-exl3-dist"
 # What the smoke test adds to its own unpacking of the image (never to the image):
@@ -140,6 +141,8 @@ PATH_IN_ROOT = (
     f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 )
 PORT = 8000
+# Where the kernel registers its interpreters for other machines' programs.
+BINFMT_MISC = Path("/proc/sys/fs/binfmt_misc")
 
 
 def resolve_target(arch: str) -> ImageTarget:
@@ -226,7 +229,7 @@ def chroot_env(scratch: str, ca: bool, index_url: str | None) -> dict[str, str]:
         "HOME": "/root",
         "LANG": "C.UTF-8",
         "TMPDIR": f"{scratch}/tmp",
-        "PIP_CACHE_DIR": PIP_CACHE,
+        "PIP_NO_CACHE_DIR": "1",
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
         "PIP_NO_INPUT": "1",
         "PIP_PROGRESS_BAR": "off",
@@ -300,10 +303,9 @@ class Root:
     """A root file system under construction: run commands in it, and keep it free of
     the mount points and scratch files those commands need."""
 
-    def __init__(self, rootfs: Path, work: Path, cache: Path, index_url: str | None):
+    def __init__(self, rootfs: Path, work: Path, index_url: str | None):
         self.rootfs, self.work = rootfs, work
         self.scratch = work / "scratch"
-        self.pip_cache = cache / "images" / "pip-cache"
         self.ca = host_ca_bundle()
         self.index_url = index_url
 
@@ -314,13 +316,8 @@ class Root:
         extra_env: Mapping[str, str] | None = None,
         log: Path | None = None,
     ) -> None:
-        binds = {
-            SCRATCH: self.scratch,
-            PIP_CACHE: self.pip_cache,
-            **(extra_binds or {}),
-        }
+        binds = {SCRATCH: self.scratch, **(extra_binds or {})}
         (self.scratch / "tmp").mkdir(parents=True, exist_ok=True)
-        self.pip_cache.mkdir(parents=True, exist_ok=True)
         if self.ca:
             shutil.copyfile(self.ca, self.scratch / "ca.crt")
         created = []
@@ -451,6 +448,7 @@ def layout_record(layout: Path, tag: str) -> dict:
 def layout_files(layout: Path) -> Iterator[Path]:
     yield layout / "oci-layout"
     yield layout / "index.json"
+    yield layout / "blobs"
     yield from sorted((layout / "blobs").rglob("*"))
 
 
@@ -497,7 +495,7 @@ def preflight(target: ImageTarget, smoke_only: bool) -> list[str]:
         if shutil.which(tool) is None:
             problems.append(f"{tool} not found (Debian package {package})")
     if target.machine != host_machine():
-        entry = Path("/proc/sys/fs/binfmt_misc") / f"qemu-{target.machine}"
+        entry = BINFMT_MISC / f"qemu-{target.machine}"
         lines = entry.read_text().splitlines() if entry.is_file() else []
         flags = next((ln.split()[1] for ln in lines if ln.startswith("flags:")), "")
         if lines[:1] != ["enabled"] or "F" not in flags:
@@ -524,7 +522,6 @@ def run_smoke(
     layout: Path,
     tag: str,
     work: Path,
-    cache: Path,
     index_url: str | None,
     log: Path,
 ) -> dict:
@@ -541,7 +538,7 @@ def run_smoke(
             tree / "repo" / rel,
             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
         )
-    root = Root(bundle / "rootfs", work, cache, index_url)
+    root = Root(bundle / "rootfs", work, index_url)
     binds = {SMOKE: tree}
     log.write_text("")
     try:
@@ -605,7 +602,7 @@ def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> 
     umoci("new", "--image", ref)
     umoci("unpack", "--image", ref, str(bundle))
     rootfs = bundle / "rootfs"
-    root = Root(rootfs, work, args.cache_dir, args.index_url)
+    root = Root(rootfs, work, args.index_url)
 
     def repack(comment: str) -> None:
         root.clean()
@@ -663,8 +660,17 @@ def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> 
         f"# vLLM {VLLM_VERSION}'s dependencies for {target.machine}, as pip resolved "
         f"them from {release.name}\n" + "\n".join(lock) + "\n"
     )
+    wheelhouse = args.cache_dir / "images" / "wheelhouse" / target.machine
+    wheelhouse.mkdir(parents=True, exist_ok=True)
+    locked = ["--no-deps", "--require-hashes", "-r", LOCK]
     root.run(
-        [PYTHON, "-m", "pip", "install", "--no-deps", "--require-hashes", "-r", LOCK]
+        [PYTHON, "-m", "pip", "download", "--dest", WHEELHOUSE, *locked],
+        extra_binds={WHEELHOUSE: wheelhouse},
+    )
+    root.run(
+        [PYTHON, "-m", "pip", "install", "--no-index", "--find-links", WHEELHOUSE]
+        + locked,
+        extra_binds={WHEELHOUSE: wheelhouse},
     )
     steps["dependencies"] = time.monotonic() - t0
     record["dependencies"] = len(lock)
@@ -787,7 +793,6 @@ def run(args: argparse.Namespace) -> int:
             layout,
             tag,
             args.cache_dir / "images" / f"work-{target.name}",
-            args.cache_dir,
             args.index_url,
             log,
         )
