@@ -382,6 +382,39 @@ def _compile_commands(
     return jobs
 
 
+def _link_command(
+    tc: Toolchain, archs: list[str], objects: list[Path], target: Path
+) -> list[str]:
+    # nvcc links its own CUDA runtime unless the toolchain names the environment's.
+    cudart = ["-cudart", "shared" if tc.cudart_lib is None else "none"]
+    cudart_lib = (
+        [f"-L{tc.cudart_lib.parent}", f"-l:{tc.cudart_lib.name}"]
+        if tc.cudart_lib
+        else []
+    )
+    return [
+        tc.nvcc,
+        *(["-ccbin", tc.ccbin] if tc.ccbin else []),
+        "-shared",
+        *cudart,
+        *gencode_flags(archs),
+        "-o",
+        str(target),
+        *map(str, objects),
+        *cudart_lib,
+        f"-L{tc.torch_lib}",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-ltorch_cuda",
+        "-lc10",
+        f"-L{tc.cublas_lib.parent}",
+        f"-l:{tc.cublas_lib.name}",
+        # Installed as vllm/_exl3_C.abi3.so: torch and the CUDA wheels sit beside vllm/.
+        "-Xlinker",
+        "-rpath=$ORIGIN/../torch/lib:$ORIGIN/../nvidia/cu13/lib",
+    ]
+
+
 def _run(cmd: list[str], what: str) -> float:
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -429,35 +462,7 @@ def build_extension(
         return obj_dir
     objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, srcs)]
     target = out_dir / EXTENSION
-    # nvcc links its own CUDA runtime unless the toolchain names the environment's.
-    cudart = ["-cudart", "shared" if tc.cudart_lib is None else "none"]
-    cudart_lib = (
-        [f"-L{tc.cudart_lib.parent}", f"-l:{tc.cudart_lib.name}"]
-        if tc.cudart_lib
-        else []
-    )
-    link = [
-        tc.nvcc,
-        *(["-ccbin", tc.ccbin] if tc.ccbin else []),
-        "-shared",
-        *cudart,
-        *gencode_flags(archs),
-        "-o",
-        str(target),
-        *map(str, objects),
-        *cudart_lib,
-        f"-L{tc.torch_lib}",
-        "-ltorch",
-        "-ltorch_cpu",
-        "-ltorch_cuda",
-        "-lc10",
-        f"-L{tc.cublas_lib.parent}",
-        f"-l:{tc.cublas_lib.name}",
-        # Installed as vllm/_exl3_C.abi3.so: torch and the CUDA wheels sit beside vllm/.
-        "-Xlinker",
-        "-rpath=$ORIGIN/../torch/lib:$ORIGIN/../nvidia/cu13/lib",
-    ]
-    _run(link, "linking " + EXTENSION)
+    _run(_link_command(tc, archs, objects, target), "linking " + EXTENSION)
     return target
 
 

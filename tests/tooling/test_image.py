@@ -16,7 +16,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from vllm_exl3 import ToolError, image, image_smoke
+from vllm_exl3 import ToolError, image, image_smoke, kernels_build
 from vllm_exl3.cli import build_parser
 from vllm_exl3.kernels_build import (
     SOURCE_GLOBS,
@@ -391,3 +391,93 @@ def test_smoke_checks_what_our_sources_define():
     for module, function in image_smoke.OP_LOADERS.values():
         rel = Path("overlay", *module.split(".")).with_suffix(".py")
         assert f"def {function}(" in (ROOT / rel).read_text(), rel
+
+
+# The kernels' build against the image's root for its machine (kernels_build's
+# target_toolchain), on a stand-in root and toolkit: which compiler, headers and
+# libraries each command names.
+
+
+@pytest.fixture
+def stand_in_root(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    cuda = tmp_path / "cuda"
+    for header in ("cuda_runtime.h", "cublas_v2.h"):
+        (cuda / "include").mkdir(parents=True, exist_ok=True)
+        (cuda / "include" / header).touch()
+    monkeypatch.setenv("CUDA_HOME", str(cuda))
+    monkeypatch.setattr(kernels_build, "find_nvcc", lambda: str(cuda / "bin" / "nvcc"))
+    monkeypatch.setattr(kernels_build, "host_machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels_build.shutil, "which", lambda name: f"/usr/bin/{name}")
+    root = tmp_path / "rootfs"
+    site = root / "opt/vllm/lib/python3.11/site-packages"
+    (root / "usr/include/python3.11").mkdir(parents=True)
+    (site / "torch/include").mkdir(parents=True)
+    (site / "nvidia/cu13/lib").mkdir(parents=True)
+    for lib in (kernels_build.CUDART_SONAME, kernels_build.CUBLAS_SONAME):
+        (site / "nvidia/cu13/lib" / lib).touch()
+    return root, site
+
+
+def test_cross_build_uses_the_cross_compiler_and_the_roots_libraries(stand_in_root):
+    root, site = stand_in_root
+    tc = kernels_build.target_toolchain(root, site, "aarch64")
+    assert tc.cxx == tc.ccbin == "aarch64-linux-gnu-g++"
+    cuda = Path(kernels_build.os.environ["CUDA_HOME"])
+    assert tc.cuda_include == [str(cuda / "include"), str(cuda / "include/cccl")]
+    assert tc.torch_include == site / "torch/include"
+    assert tc.python_include == str(root / "usr/include/python3.11")
+    cu, cpp = Path("k.cu"), Path("ops.cpp")
+    (_, _, nvcc), (_, _, cxx) = kernels_build._compile_commands(
+        tc, ["121"], Path("/obj"), [cu, cpp]
+    )
+    assert nvcc[1:3] == ["-ccbin", "aarch64-linux-gnu-g++"]
+    assert "arch=compute_121,code=sm_121" in nvcc
+    assert cxx[0] == "aarch64-linux-gnu-g++"
+    i = cxx.index("-idirafter")
+    assert cxx[i + 1] == str(root / "usr/include")  # Debian's multiarch pyconfig.h
+    link = kernels_build._link_command(tc, ["121"], [Path("/obj/k.o")], Path("/x.so"))
+    assert link[1:3] == ["-ccbin", "aarch64-linux-gnu-g++"]
+    assert link[link.index("-cudart") + 1] == "none"
+    lib = site / "nvidia/cu13/lib"
+    assert link.index(f"-l:{kernels_build.CUDART_SONAME}") > link.index("/obj/k.o")
+    assert f"-L{lib}" in link and f"-l:{kernels_build.CUBLAS_SONAME}" in link
+
+
+def test_the_roots_own_machine_builds_with_this_machines_compiler(
+    stand_in_root, monkeypatch
+):
+    root, site = stand_in_root
+    monkeypatch.setenv("CXX", "g++-12")
+    tc = kernels_build.target_toolchain(root, site, "x86_64")
+    assert tc.cxx == tc.ccbin == "g++-12"
+
+
+def test_the_dev_build_links_nvccs_own_runtime():
+    tc = kernels_build.Toolchain(
+        nvcc="nvcc",
+        cxx="g++",
+        cuda_include=[],
+        torch_include=Path("/t/include"),
+        torch_lib=Path("/t/lib"),
+        python_include="/py",
+        cublas_lib=Path("/c/libcublas.so.13"),
+    )
+    link = kernels_build._link_command(tc, ["90"], [Path("a.o")], Path("x.so"))
+    assert link[:4] == ["nvcc", "-shared", "-cudart", "shared"]
+
+
+def test_a_missing_cross_compiler_names_the_debian_package(stand_in_root, monkeypatch):
+    root, site = stand_in_root
+    monkeypatch.setattr(kernels_build.shutil, "which", lambda name: None)
+    with pytest.raises(kernels_build.BuildError, match="g\\+\\+-aarch64-linux-gnu"):
+        kernels_build.target_toolchain(root, site, "aarch64")
+
+
+def test_a_root_without_torch_or_cuda_runtime_is_named(stand_in_root):
+    root, site = stand_in_root
+    (site / "nvidia/cu13/lib" / kernels_build.CUDART_SONAME).unlink()
+    (root / "usr/include/python3.11").rmdir()
+    with pytest.raises(kernels_build.BuildError) as e:
+        kernels_build.target_toolchain(root, site, "aarch64")
+    assert f"{kernels_build.CUDART_SONAME} is missing" in str(e.value)
+    assert "0 python3.* header folders" in str(e.value)
