@@ -114,6 +114,7 @@ BASE_PACKAGES = (
     "libc6-dev",
     "ca-certificates",
 )
+REPOSITORY = "vllm-exl3"
 VENV = "/opt/vllm"
 PYTHON = f"{VENV}/bin/python"
 # The venv's pip, pinned so two builds resolve alike (Debian's bundled pip is 23.0).
@@ -161,10 +162,11 @@ def resolve_target(arch: str) -> ImageTarget:
 
 
 def image_tag(target: ImageTarget, label: str) -> str:
-    """The tag in the layout's index: the wheel's version, then the GPU."""
-    return (
-        f"{VLLM_VERSION}-{BUILD_LABEL_PREFIX}.{label}-sm{normalize_arch(target.arch)}"
-    )
+    """The image's name and tag in the layout's index (its ref.name annotation): the
+    wheel's version, then the GPU. A name, not a bare tag, so that podman and skopeo
+    name the image they load from the archive by it."""
+    version = f"{VLLM_VERSION}-{BUILD_LABEL_PREFIX}.{label}"
+    return f"{REPOSITORY}:{version}-sm{normalize_arch(target.arch)}"
 
 
 def mmdebstrap_command(
@@ -468,6 +470,28 @@ def write_oci_archive(layout: Path, out: Path) -> None:
                 with open(path, "rb") as f:
                     tar.addfile(info, f)
     tmp.replace(out)
+
+
+def skopeo_verdict(inspect: Mapping, record: Mapping) -> str | None:
+    """What `skopeo inspect` of the image says differently from the record (digest,
+    architecture), or None when it agrees."""
+    os_name, _, arch = record["platform"].partition("/")
+    seen = (inspect.get("Digest"), inspect.get("Os"), inspect.get("Architecture"))
+    if seen != (record["digest"], os_name, arch):
+        return (
+            f"skopeo reads {seen}, the record says {(record['digest'], os_name, arch)}"
+        )
+    return None
+
+
+def skopeo_check(ref: str, record: Mapping) -> dict:
+    """Another reader of the layout: skopeo's view of `ref` against the record."""
+    r = subprocess.run(["skopeo", "inspect", ref], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ToolError(f"skopeo inspect {ref} failed: {r.stderr.strip()}")
+    if problem := skopeo_verdict(json.loads(r.stdout), record):
+        raise ToolError(f"{ref}: {problem}")
+    return {"ref": ref, "digest": record["digest"], "agrees": True}
 
 
 def tree_size(path: Path) -> int:
@@ -777,6 +801,10 @@ def run(args: argparse.Namespace) -> int:
         write_oci_archive(layout, archive)
         record["steps_s"]["archive"] = time.monotonic() - t0
         record["archive"] = str(archive)
+    if shutil.which("skopeo"):
+        refs = [f"oci:{layout}:{tag}"]
+        refs += [f"oci-archive:{record['archive']}"] if args.archive else []
+        record["skopeo"] = [skopeo_check(ref, record) for ref in refs]
     if not args.smoke_only:
         record["build_s"] = time.monotonic() - t_start
     record_path.write_text(json.dumps(record, indent=2) + "\n")

@@ -67,9 +67,10 @@ def test_every_image_has_a_release_wheel_and_a_tuned_architecture(target):
     assert normalize_arch(target.arch) in TARGET_ARCHS
 
 
-def test_tag_is_a_valid_oci_tag_naming_version_and_gpu():
-    tag = image.image_tag(image.resolve_target("12.1"), "0123abcd.dirty")
-    assert TAG_RE.fullmatch(tag), tag
+def test_tag_is_a_name_and_a_valid_tag_naming_version_and_gpu():
+    ref = image.image_tag(image.resolve_target("12.1"), "0123abcd.dirty")
+    name, _, tag = ref.partition(":")
+    assert name == "vllm-exl3" and TAG_RE.fullmatch(tag), ref
     assert tag == f"{VLLM_VERSION}-exl3.0123abcd.dirty-sm121"
 
 
@@ -243,6 +244,14 @@ def test_record_reads_digest_platform_layers_and_size_from_the_layout(tmp_path):
     )
     with pytest.raises(ToolError, match="0 manifests tagged 'other'"):
         image.layout_record(layout, "other")
+
+
+def test_skopeo_must_read_the_recorded_digest_and_platform():
+    record = {"digest": "sha256:aa", "platform": "linux/arm64"}
+    seen = {"Digest": "sha256:aa", "Os": "linux", "Architecture": "arm64"}
+    assert image.skopeo_verdict(seen, record) is None
+    assert "sha256:bb" in image.skopeo_verdict({**seen, "Digest": "sha256:bb"}, record)
+    assert "amd64" in image.skopeo_verdict({**seen, "Architecture": "amd64"}, record)
 
 
 def test_archive_holds_the_layout_owned_by_root(tmp_path):
