@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import ssl
@@ -305,9 +306,8 @@ class Root:
     """A root file system under construction: run commands in it, and keep it free of
     the mount points and scratch files those commands need."""
 
-    def __init__(self, rootfs: Path, work: Path, index_url: str | None):
-        self.rootfs, self.work = rootfs, work
-        self.scratch = work / "scratch"
+    def __init__(self, rootfs: Path, scratch: Path, index_url: str | None):
+        self.rootfs, self.scratch = rootfs, scratch
         self.ca = host_ca_bundle()
         self.index_url = index_url
 
@@ -317,7 +317,11 @@ class Root:
         extra_binds: Mapping[str, Path] | None = None,
         extra_env: Mapping[str, str] | None = None,
         log: Path | None = None,
-    ) -> None:
+        check: bool = True,
+    ) -> tuple[int, str]:
+        """Run `argv` in the root, its output shown (and appended to `log`); returns
+        the exit status and the output. A failure raises ToolError unless not
+        `check`."""
         binds = {SCRATCH: self.scratch, **(extra_binds or {})}
         (self.scratch / "tmp").mkdir(parents=True, exist_ok=True)
         if self.ca:
@@ -333,22 +337,22 @@ class Root:
                 created.append(point)
                 point = point.parent
             (self.rootfs / inside.lstrip("/")).mkdir(parents=True, exist_ok=True)
-        env = {**chroot_env(SCRATCH, self.ca is not None, self.index_url)}
+        env = chroot_env(SCRATCH, self.ca is not None, self.index_url)
         env.update(extra_env or {})
         cmd = chroot_command(self.rootfs, argv, env, binds)
         print(f"  [root] {shlex.join(argv)}", flush=True)
+        lines = []
         try:
-            if log is None:
-                r = subprocess.run(cmd)
-            else:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                lines.append(line)
+            returncode = proc.wait()
+            if log is not None:
                 with open(log, "a") as out:
-                    proc = subprocess.Popen(
-                        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                    )
-                    for line in proc.stdout:
-                        sys.stdout.write(line)
-                        out.write(line)
-                    r = subprocess.CompletedProcess(cmd, proc.wait())
+                    out.writelines(lines)
         finally:
             # Deepest first: a bind's mount point inside another created folder.
             for p in sorted(set(created), key=lambda p: len(p.parts), reverse=True):
@@ -356,15 +360,35 @@ class Root:
                     p.rmdir()
                 else:
                     p.unlink()
-        if r.returncode != 0:
+        if check and returncode != 0:
             raise ToolError(
-                f"inside {self.rootfs}: {shlex.join(argv)} failed (exit {r.returncode})"
+                f"inside {self.rootfs}: {shlex.join(argv)} failed (exit {returncode})"
             )
+        return returncode, "".join(lines)
 
     def clean(self) -> None:
         """What a command may leave that does not belong to the image."""
         shutil.rmtree(self.scratch, ignore_errors=True)
         shutil.rmtree(self.rootfs / "root" / ".cache", ignore_errors=True)
+
+
+# `pip check`'s line for an installed wheel whose WHEEL file names a tag no platform
+# has. NVIDIA's aarch64 wheels do (nvidia-cusparselt-cu13 0.8.0 says
+# `manylinux2014_sbsa`, though its file name says manylinux2014_aarch64, which is how
+# pip chose and installed it), so such a line is recorded, not an error.
+_UNSUPPORTED = re.compile(r"^(\S+) (\S+) is not supported on this platform$")
+
+
+def pip_check_verdict(output: str) -> tuple[list[str], list[str]]:
+    """(broken requirements, wheels whose recorded tag pip does not know) from the
+    output of `pip check`."""
+    broken, unsupported = [], []
+    for line in output.strip().splitlines():
+        if m := _UNSUPPORTED.match(line.strip()):
+            unsupported.append(f"{m.group(1)} {m.group(2)}")
+        elif line.strip() and line.strip() != "No broken requirements found.":
+            broken.append(line.strip())
+    return broken, unsupported
 
 
 def umoci(*args: str) -> None:
@@ -562,7 +586,7 @@ def run_smoke(
             tree / "repo" / rel,
             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
         )
-    root = Root(bundle / "rootfs", work, index_url)
+    root = Root(bundle / "rootfs", work / "scratch", index_url)
     binds = {SMOKE: tree}
     log.write_text("")
     try:
@@ -597,12 +621,13 @@ def run_smoke(
                 "TMPDIR": f"{SMOKE}/tmp",
             },
             log=log,
+            # A failed check exits 1 with the verdicts written; their absence fails.
+            check=False,
         )
-    except ToolError:
-        if not (tree / "result.json").is_file():
-            raise
     finally:
         root.clean()
+    if not (tree / "result.json").is_file():
+        raise ToolError(f"the smoke test wrote no verdicts ({log})")
     result = json.loads((tree / "result.json").read_text())
     remove_tree(bundle)
     remove_tree(tree)
@@ -626,7 +651,7 @@ def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> 
     umoci("new", "--image", ref)
     umoci("unpack", "--image", ref, str(bundle))
     rootfs = bundle / "rootfs"
-    root = Root(rootfs, work, args.index_url)
+    root = Root(rootfs, work / "scratch", args.index_url)
 
     def repack(comment: str) -> None:
         root.clean()
@@ -746,7 +771,11 @@ def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> 
         ],
         extra_binds={DIST: wheel.parent},
     )
-    root.run([PYTHON, "-m", "pip", "check"])
+    returncode, out = root.run([PYTHON, "-m", "pip", "check"], check=False)
+    broken, unsupported = pip_check_verdict(out)
+    if returncode != 0 and (broken or not unsupported):
+        raise ToolError(f"pip check in the image's venv: {'; '.join(broken) or out}")
+    record["pip_check"] = {"wheel_tags_pip_does_not_know": unsupported}
     steps["install"] = time.monotonic() - t0
     record["rootfs_size"] = tree_size(rootfs)
     version = f"{VLLM_VERSION}+{BUILD_LABEL_PREFIX}.{label}"

@@ -176,6 +176,17 @@ def test_chroot_environment_is_the_venv_the_index_and_the_ca_only(monkeypatch):
     assert not {"PIP_CERT", "PIP_INDEX_URL", "SSL_CERT_FILE"} & bare.keys()
 
 
+def test_pip_check_fails_on_requirements_and_records_unknown_wheel_tags():
+    assert image.pip_check_verdict("No broken requirements found.\n") == ([], [])
+    # NVIDIA's aarch64 wheel records the tag manylinux2014_sbsa (pip 26.3's words).
+    out = "nvidia-cusparselt-cu13 0.8.0 is not supported on this platform\n"
+    assert image.pip_check_verdict(out) == ([], ["nvidia-cusparselt-cu13 0.8.0"])
+    out += "torch 2.11.0 requires triton==3.6.0, which is not installed.\n"
+    broken, unsupported = image.pip_check_verdict(out)
+    assert broken == ["torch 2.11.0 requires triton==3.6.0, which is not installed."]
+    assert unsupported == ["nvidia-cusparselt-cu13 0.8.0"]
+
+
 def _options(args: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for a in args:
