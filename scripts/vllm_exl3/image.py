@@ -634,58 +634,29 @@ def run_smoke(
     return result
 
 
-def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> str:
-    """Layers, configuration and tag of the image in args.out_dir; returns the tag."""
-    series = Series.load(ROOT)
-    label = git_label(ROOT) or series.fingerprint("wheel")[:8]
-    tag = image_tag(target, label)
-    layout = args.out_dir / target.name
-    work = args.cache_dir / "images" / f"work-{target.name}"
-    bundle = work / "bundle"
-    steps = record["steps_s"]
-    remove_tree(layout)
-    remove_tree(bundle)
-    work.mkdir(parents=True, exist_ok=True)
-    ref = f"{layout}:{tag}"
-    umoci("init", "--layout", str(layout))
-    umoci("new", "--image", ref)
-    umoci("unpack", "--image", ref, str(bundle))
-    rootfs = bundle / "rootfs"
-    root = Root(rootfs, work / "scratch", args.index_url)
-
-    def repack(comment: str) -> None:
-        root.clean()
-        t0 = time.monotonic()
-        umoci(
-            "repack",
-            "--refresh-bundle",
-            f"--history.comment={comment}",
-            "--image",
-            ref,
-            str(bundle),
-        )
-        steps["repack"] = steps.get("repack", 0.0) + time.monotonic() - t0
-
-    t0 = time.monotonic()
+def base_layer(root: Root, target: ImageTarget, args: argparse.Namespace) -> str:
+    """Debian by mmdebstrap into the empty root; returns the layer's comment."""
     print(f"image: Debian {SUITE} for {target.debian_arch} (mmdebstrap)", flush=True)
-    cmd = mmdebstrap_command(target, rootfs, args.mirror, args.security_mirror)
+    cmd = mmdebstrap_command(target, root.rootfs, args.mirror, args.security_mirror)
     if subprocess.run(cmd).returncode != 0:
         raise ToolError(f"{shlex.join(cmd)} failed")
     # The container runtime provides these; mmdebstrap leaves this machine's.
     for name in ("etc/resolv.conf", "etc/hostname"):
-        (rootfs / name).unlink(missing_ok=True)
-    for node in (rootfs / "dev").iterdir():
+        (root.rootfs / name).unlink(missing_ok=True)
+    for node in (root.rootfs / "dev").iterdir():
         if node.is_dir() and not node.is_symlink():
             shutil.rmtree(node)
         else:
             node.unlink()
-    steps["base"] = time.monotonic() - t0
-    repack(f"Debian {SUITE} (mmdebstrap, minbase) + {' '.join(BASE_PACKAGES)}")
+    return f"Debian {SUITE} (mmdebstrap, minbase) + {' '.join(BASE_PACKAGES)}"
 
-    t0 = time.monotonic()
-    filename, sha = WHEELS[target.machine]
-    release = ensure_pinned(filename, sha, wheels_dir(args.cache_dir), offline=False)
-    release_binds = {RELEASE_WHEELS: release.parent}
+
+def dependency_layer(
+    root: Root, target: ImageTarget, release: Path, wheelhouse: Path, record: dict
+) -> str:
+    """The venv with everything the release wheel requires, resolved by pip inside the
+    root, locked with hashes, downloaded into the wheelhouse and installed from it;
+    returns the layer's comment."""
     root.run(["python3", "-m", "venv", VENV])
     root.run([PYTHON, "-m", "pip", "install", "--quiet", PIP])
     root.run(
@@ -701,15 +672,14 @@ def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> 
             f"{SCRATCH}/resolution.json",
             f"{RELEASE_WHEELS}/{release.name}",
         ],
-        extra_binds=release_binds,
+        extra_binds={RELEASE_WHEELS: release.parent},
     )
     report = json.loads((root.scratch / "resolution.json").read_text())
     lock = lock_lines(report)
-    (rootfs / LOCK.lstrip("/")).write_text(
+    (root.rootfs / LOCK.lstrip("/")).write_text(
         f"# vLLM {VLLM_VERSION}'s dependencies for {target.machine}, as pip resolved "
         f"them from {release.name}\n" + "\n".join(lock) + "\n"
     )
-    wheelhouse = args.cache_dir / "images" / "wheelhouse" / target.machine
     wheelhouse.mkdir(parents=True, exist_ok=True)
     locked = ["--no-deps", "--require-hashes", "-r", LOCK]
     root.run(
@@ -721,44 +691,35 @@ def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> 
         + locked,
         extra_binds={WHEELHOUSE: wheelhouse},
     )
-    steps["dependencies"] = time.monotonic() - t0
     record["dependencies"] = len(lock)
-    repack(
+    return (
         f"venv {VENV}: vLLM {VLLM_VERSION}'s dependencies, {len(lock)} distributions "
         f"({LOCK})"
     )
 
-    t0 = time.monotonic()
-    site = next((rootfs / VENV.lstrip("/") / "lib").glob("python3.*/site-packages"))
+
+def build_kernels(root: Root, target: ImageTarget, out: Path, jobs: int) -> Path:
+    """Our extension for the image's GPU, compiled here against the root's venv (for
+    another machine with its cross compiler); returns the library."""
+    site = next(
+        (root.rootfs / VENV.lstrip("/") / "lib").glob("python3.*/site-packages")
+    )
     try:
-        toolchain = target_toolchain(rootfs, site, target.machine)
+        toolchain = target_toolchain(root.rootfs, site, target.machine)
         print(
             f"image: compiling the kernels for sm_{target.sm} with {toolchain.nvcc} "
             f"(host compiler {toolchain.cxx}) against {site}",
             flush=True,
         )
-        kernels = build_extension(
-            args.cache_dir / "images" / "kernels" / target.machine,
-            [target.arch],
-            args.jobs,
-            verbose=True,
-            toolchain=toolchain,
+        return build_extension(
+            out, [target.arch], jobs, verbose=True, toolchain=toolchain
         )
     except BuildError as e:
         raise ToolError(f"the kernel build failed: {e}") from e
-    steps["kernels"] = time.monotonic() - t0
-    record["kernels"] = {
-        "built_on": host_machine(),
-        "nvcc": toolchain.nvcc,
-        "host_compiler": toolchain.cxx,
-        "cross": target.machine != host_machine(),
-    }
 
-    t0 = time.monotonic()
-    wheel = quick_build(release, series, work / "dist", work, kernels, label)
-    steps["wheel"] = time.monotonic() - t0
-    record["wheel"] = wheel.name
-    t0 = time.monotonic()
+
+def wheel_layer(root: Root, wheel: Path, record: dict) -> None:
+    """Our wheel over the release's dependencies, then pip's consistency check."""
     root.run(
         [
             PYTHON,
@@ -776,9 +737,75 @@ def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> 
     if returncode != 0 and (broken or not unsupported):
         raise ToolError(f"pip check in the image's venv: {'; '.join(broken) or out}")
     record["pip_check"] = {"wheel_tags_pip_does_not_know": unsupported}
-    steps["install"] = time.monotonic() - t0
-    record["rootfs_size"] = tree_size(rootfs)
+
+
+def build_image(args: argparse.Namespace, target: ImageTarget, record: dict) -> str:
+    """Layers, configuration and tag of the image in args.out_dir; returns the tag."""
+    series = Series.load(ROOT)
+    label = git_label(ROOT) or series.fingerprint("wheel")[:8]
     version = f"{VLLM_VERSION}+{BUILD_LABEL_PREFIX}.{label}"
+    tag = image_tag(target, label)
+    layout = args.out_dir / target.name
+    images = args.cache_dir / "images"
+    work = images / f"work-{target.name}"
+    bundle = work / "bundle"
+    steps = record["steps_s"]
+    remove_tree(layout)
+    remove_tree(bundle)
+    work.mkdir(parents=True, exist_ok=True)
+    ref = f"{layout}:{tag}"
+    umoci("init", "--layout", str(layout))
+    umoci("new", "--image", ref)
+    umoci("unpack", "--image", ref, str(bundle))
+    root = Root(bundle / "rootfs", work / "scratch", args.index_url)
+
+    def step(name: str, fn, *fn_args):
+        t0 = time.monotonic()
+        result = fn(*fn_args)
+        steps[name] = steps.get(name, 0.0) + time.monotonic() - t0
+        return result
+
+    def repack(comment: str) -> None:
+        root.clean()
+        step(
+            "repack",
+            umoci,
+            "repack",
+            "--refresh-bundle",
+            f"--history.comment={comment}",
+            "--image",
+            ref,
+            str(bundle),
+        )
+
+    repack(step("base", base_layer, root, target, args))
+    filename, sha = WHEELS[target.machine]
+    release = ensure_pinned(filename, sha, wheels_dir(args.cache_dir), offline=False)
+    wheelhouse = images / "wheelhouse" / target.machine
+    repack(
+        step(
+            "dependencies", dependency_layer, root, target, release, wheelhouse, record
+        )
+    )
+    kernels = step(
+        "kernels",
+        build_kernels,
+        root,
+        target,
+        images / "kernels" / target.machine,
+        args.jobs,
+    )
+    record["kernels"] = {
+        "built_on": host_machine(),
+        "host_compiler": host_compiler(target.machine),
+        "cross": target.machine != host_machine(),
+    }
+    wheel = step(
+        "wheel", quick_build, release, series, work / "dist", work, kernels, label
+    )
+    record["wheel"] = wheel.name
+    step("install", wheel_layer, root, wheel, record)
+    record["rootfs_size"] = tree_size(root.rootfs)
     repack(f"vLLM {version} with the EXL3 kernels for sm_{target.sm}")
 
     umoci(
