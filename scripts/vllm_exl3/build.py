@@ -21,7 +21,6 @@ import importlib.util
 import io
 import json
 import os
-import platform
 import re
 import shutil
 import stat
@@ -54,6 +53,7 @@ from .repo import (
     default_cache_dir,
     default_venv,
     git_label,
+    host_machine,
 )
 from .series import STATE_DIR
 
@@ -82,11 +82,6 @@ except Exception as e:
     sys.exit(1)
 print(json.dumps(str(path)))
 """
-
-
-def _machine() -> str:
-    m = platform.machine()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m.lower(), m)
 
 
 def _archs(spec: str) -> list[str]:
@@ -325,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     if args.wheel:
         wheel = args.wheel
     else:
-        machine = _machine()
+        machine = host_machine()
         if machine not in WHEELS:
             raise ToolError(
                 f"no pinned vLLM wheel for {machine}; known: {', '.join(WHEELS)}"

@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES = (
     "upstream",
     "build",
     "bundle",
+    "image",
     "inspect_ckpt",
     "dequantize",
 )

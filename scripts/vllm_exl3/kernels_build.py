@@ -15,6 +15,13 @@ build compiles the same sources into vLLM's `_C_stable_libtorch` instead (a CMak
 source-list patch).
 
     python -m vllm_exl3.kernels_build --out build/exl3 --arch 9.0 --jobs 16
+
+`target_toolchain` builds the same extension for another environment: the venv of a
+root file system (a serving image's), for its machine. There nvcc's host compiler is
+that machine's g++ (Debian's cross compiler for another machine), and torch, the CUDA
+runtime and cuBLAS are the root's own. The device code does not depend on the host
+machine: an object compiled for sm_121 on x86_64 against the aarch64 root holds the same
+cubin as one compiled by the aarch64 nvcc inside that root (docker/README.md).
 """
 
 from __future__ import annotations
@@ -23,15 +30,17 @@ import argparse
 import concurrent.futures
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .repo import kernel_generator
+from .repo import host_machine, kernel_generator
 
 REPO = Path(__file__).resolve().parents[2]
 # Where vLLM's stable-ABI extension keeps its sources; ours are laid out as there.
@@ -140,6 +149,13 @@ class Toolchain:
     torch_lib: Path
     python_include: str
     cublas_lib: Path
+    # Building for another environment (target_toolchain): nvcc's host compiler, the
+    # CUDA runtime linked (nvcc's own is for this machine), and include directories the
+    # C++ compiler searches after its own (the root's /usr/include, for the
+    # machine-specific header Debian's Python.h includes).
+    ccbin: str | None = None
+    cudart_lib: Path | None = None
+    include_after: tuple[str, ...] = ()
 
 
 def _nvidia_dir(sub: str) -> Path | None:
@@ -152,14 +168,46 @@ def _nvidia_dir(sub: str) -> Path | None:
     return None
 
 
-def find_toolchain() -> Toolchain:
+# Debian's cross compilers are named after the GNU triplet of their machine.
+CROSS_CXX = "{machine}-linux-gnu-g++"
+# The CUDA runtime's and cuBLAS's libraries in their CUDA 13 wheels (nvidia/cu13/lib).
+CUDART_SONAME = "libcudart.so.13"
+CUBLAS_SONAME = "libcublas.so.13"
+
+
+def find_nvcc() -> str:
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).exists():
         raise BuildError("nvcc not found on PATH (CUDA 13 toolkit needed)")
-    # nvcc may be a wrapper script outside the toolkit (/usr/local/bin/nvcc here).
+    return nvcc
+
+
+def host_compiler(machine: str) -> str:
+    """nvcc's host compiler for code that runs on `machine`: this machine's g++ ($CXX)
+    for its own, Debian's cross compiler for another."""
+    if machine == host_machine():
+        return os.environ.get("CXX", "g++")
+    cxx = CROSS_CXX.format(machine=machine)
+    if shutil.which(cxx) is None:
+        raise BuildError(
+            f"{cxx} not found: the host compiler for {machine} (Debian: apt-get "
+            f"install g++-{machine.replace('_', '-')}-linux-gnu)"
+        )
+    return cxx
+
+
+def _cuda_home(nvcc: str) -> Path:
+    """The toolkit of `nvcc`, which may be a wrapper script outside it
+    (/usr/local/bin/nvcc here)."""
     cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     if not (cuda_home / "include" / "cuda_runtime.h").exists():
         cuda_home = Path(nvcc).resolve().parent.parent
+    return cuda_home
+
+
+def find_toolchain() -> Toolchain:
+    nvcc = find_nvcc()
+    cuda_home = _cuda_home(nvcc)
     cuda_include = [str(cuda_home / "include")]
     wheel_include = _nvidia_dir("include")
     if not (cuda_home / "include" / "cublas_v2.h").exists():
@@ -171,7 +219,7 @@ def find_toolchain() -> Toolchain:
     candidates = [cuda_home / "lib64" / "libcublas.so"]
     wheel_lib = _nvidia_dir("lib")
     if wheel_lib:
-        candidates.append(wheel_lib / "libcublas.so.13")
+        candidates.append(wheel_lib / CUBLAS_SONAME)
     cublas = next((c for c in candidates if c.exists()), None)
     if cublas is None:
         raise BuildError(
@@ -189,6 +237,53 @@ def find_toolchain() -> Toolchain:
         torch_lib=torch_dir / "lib",
         python_include=sysconfig.get_paths()["include"],
         cublas_lib=cublas,
+    )
+
+
+def target_toolchain(root: Path, site: Path, machine: str) -> Toolchain:
+    """Build against the Python environment `site` (site-packages) of the root file
+    system `root` for `machine` (x86_64, aarch64) with this machine's nvcc.
+
+    nvcc's host compiler is this machine's g++ for its own machine and Debian's cross
+    compiler otherwise. CUDA's headers are the toolkit's own (its CCCL folder named
+    explicitly: nvcc adds it only for its own machine's target tree); torch, the CUDA
+    runtime and cuBLAS are the root's, and Python's headers are the root's
+    (python3-dev)."""
+    nvcc = find_nvcc()
+    cxx = host_compiler(machine)
+    cuda_home = _cuda_home(nvcc)
+    cuda_include = [str(cuda_home / "include"), str(cuda_home / "include" / "cccl")]
+    nvidia = site / "nvidia" / "cu13"
+    if not (cuda_home / "include" / "cublas_v2.h").exists():
+        cuda_include.append(str(nvidia / "include"))
+    pythons = sorted((root / "usr" / "include").glob("python3.*"))
+    problems = [
+        f"{p} is missing"
+        for p in (
+            site / "torch" / "include",
+            nvidia / "lib" / CUDART_SONAME,
+            nvidia / "lib" / CUBLAS_SONAME,
+        )
+        if not p.exists()
+    ]
+    if len(pythons) != 1:
+        problems.append(
+            f"{root}/usr/include holds {len(pythons)} python3.* header folders, "
+            "not one (python3-dev)"
+        )
+    if problems:
+        raise BuildError(f"cannot build against {site}: " + "; ".join(problems))
+    return Toolchain(
+        nvcc=nvcc,
+        cxx=cxx,
+        cuda_include=cuda_include,
+        torch_include=site / "torch" / "include",
+        torch_lib=site / "torch" / "lib",
+        python_include=str(pythons[0]),
+        cublas_lib=nvidia / "lib" / CUBLAS_SONAME,
+        ccbin=cxx,
+        cudart_lib=nvidia / "lib" / CUDART_SONAME,
+        include_after=(str(root / "usr" / "include"),),
     )
 
 
@@ -213,6 +308,25 @@ def sources(out_dir: Path, with_standalone: bool = True) -> list[Path]:
     return sorted(checked_in + generated, key=lambda p: p.name)
 
 
+# A registration block of our sources, `STABLE_TORCH_LIBRARY_FRAGMENT(_C, m) { ... }`,
+# and one `.def("schema")` in it (the schema may be split into adjacent literals).
+_FRAGMENT = re.compile(
+    r"STABLE_TORCH_LIBRARY_FRAGMENT\(_C,\s*\w+\)\s*\{(.*?)\n\}", re.S
+)
+_DEF = re.compile(r"\.def\(\s*((?:\"[^\"]*\"\s*)+)\)")
+
+
+def op_schemas(files: Iterable[Path]) -> dict[str, str]:
+    """name -> schema of every op the given sources define in `_C`."""
+    schemas = {}
+    for src in sorted(files):
+        for block in _FRAGMENT.findall(src.read_text()):
+            for literals in _DEF.findall(block):
+                schema = "".join(re.findall(r"\"([^\"]*)\"", literals))
+                schemas[schema.split("(", 1)[0]] = schema
+    return schemas
+
+
 def _stale(obj: Path, src: Path) -> bool:
     if not obj.exists():
         return True
@@ -235,11 +349,14 @@ def _compile_commands(
     tc: Toolchain, archs: list[str], obj_dir: Path, srcs: list[Path]
 ) -> list[tuple[Path, Path, list[str]]]:
     jobs = []
+    ccbin = ["-ccbin", tc.ccbin] if tc.ccbin else []
+    after = [f for d in tc.include_after for f in ("-idirafter", d)]
     for src in srcs:
         obj = obj_dir / (src.name + ".o")
         if src.suffix == ".cu":
             cmd = [
                 tc.nvcc,
+                *ccbin,
                 *NVCC_FLAGS,
                 *gencode_flags(archs),
                 *DEFINES,
@@ -255,6 +372,7 @@ def _compile_commands(
                 *CXX_FLAGS,
                 *DEFINES,
                 *_includes(tc),
+                *after,
                 "-c",
                 str(src),
                 "-o",
@@ -262,6 +380,39 @@ def _compile_commands(
             ]
         jobs.append((src, obj, cmd))
     return jobs
+
+
+def _link_command(
+    tc: Toolchain, archs: list[str], objects: list[Path], target: Path
+) -> list[str]:
+    # nvcc links its own CUDA runtime unless the toolchain names the environment's.
+    cudart = ["-cudart", "shared" if tc.cudart_lib is None else "none"]
+    cudart_lib = (
+        [f"-L{tc.cudart_lib.parent}", f"-l:{tc.cudart_lib.name}"]
+        if tc.cudart_lib
+        else []
+    )
+    return [
+        tc.nvcc,
+        *(["-ccbin", tc.ccbin] if tc.ccbin else []),
+        "-shared",
+        *cudart,
+        *gencode_flags(archs),
+        "-o",
+        str(target),
+        *map(str, objects),
+        *cudart_lib,
+        f"-L{tc.torch_lib}",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-ltorch_cuda",
+        "-lc10",
+        f"-L{tc.cublas_lib.parent}",
+        f"-l:{tc.cublas_lib.name}",
+        # Installed as vllm/_exl3_C.abi3.so: torch and the CUDA wheels sit beside vllm/.
+        "-Xlinker",
+        "-rpath=$ORIGIN/../torch/lib:$ORIGIN/../nvidia/cu13/lib",
+    ]
 
 
 def _run(cmd: list[str], what: str) -> float:
@@ -278,14 +429,16 @@ def build_extension(
     jobs: int,
     compile_only: bool = False,
     verbose: bool = False,
+    toolchain: Toolchain | None = None,
 ) -> Path:
     """Build `_exl3_C.abi3.so` into out_dir (returned), or only its objects if
     compile_only (then the object directory is returned). Unchanged objects are reused.
+    `toolchain`: another environment's (target_toolchain); default this Python's.
     """
     archs = sorted({normalize_arch(a) for a in archs}, key=int)
     if not archs:
         raise BuildError("no CUDA architecture given")
-    tc = find_toolchain()
+    tc = toolchain or find_toolchain()
     out_dir = Path(out_dir).resolve()
     obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
     obj_dir.mkdir(parents=True, exist_ok=True)
@@ -309,27 +462,7 @@ def build_extension(
         return obj_dir
     objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, srcs)]
     target = out_dir / EXTENSION
-    link = [
-        tc.nvcc,
-        "-shared",
-        "-cudart",
-        "shared",
-        *gencode_flags(archs),
-        "-o",
-        str(target),
-        *map(str, objects),
-        f"-L{tc.torch_lib}",
-        "-ltorch",
-        "-ltorch_cpu",
-        "-ltorch_cuda",
-        "-lc10",
-        f"-L{tc.cublas_lib.parent}",
-        f"-l:{tc.cublas_lib.name}",
-        # Installed as vllm/_exl3_C.abi3.so: torch and the CUDA wheels sit beside vllm/.
-        "-Xlinker",
-        "-rpath=$ORIGIN/../torch/lib:$ORIGIN/../nvidia/cu13/lib",
-    ]
-    _run(link, "linking " + EXTENSION)
+    _run(_link_command(tc, archs, objects, target), "linking " + EXTENSION)
     return target
 
 

@@ -15,6 +15,7 @@ import email.parser
 import hashlib
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ def sdist_name(version: str) -> str:
     return f"vllm-{version}.tar.gz"
 
 
-# Official release wheels, by machine (platform.machine()). The quick build starts from
+# Official release wheels, by machine (host_machine()). The quick build starts from
 # these.
 WHEELS = {
     "x86_64": (
@@ -61,6 +62,13 @@ WHEELS = {
         "52a4c3e55c2c80cc8793e52ccc244457ceade25b0ad7caa1c15e5002a95a1b2c",
     ),
 }
+
+
+def host_machine() -> str:
+    """This machine as the release wheels name it (platform.machine(), with the other
+    spellings of the same two machines mapped)."""
+    m = platform.machine()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m.lower(), m)
 
 
 # This repository's layout.

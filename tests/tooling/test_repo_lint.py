@@ -38,6 +38,8 @@ DOCS = [
     ROOT / "scripts" / "e2e" / "README.md",
     ROOT / "patches" / "README.md",
     ROOT / "overlay" / "docs" / "features" / "quantization" / "exl3.md",
+    ROOT / "overlay" / "docs" / "features" / "quantization" / "exl3_dgx_spark.md",
+    ROOT / "docker" / "README.md",
     ROOT / "overlay" / "docs" / "design" / "exl3_format.md",
     ROOT / "overlay" / "docs" / "design" / "exl3_kernels.md",
 ]
