@@ -12,6 +12,7 @@ Run `pytest tests/kernels/quantization/test_exl3_ops.py`.
 """
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,6 @@ from vllm.model_executor.layers.quantization.exl3 import ops, plans, reference
 from vllm.model_executor.layers.quantization.exl3.format import TILE, Codebook
 from vllm.model_executor.layers.quantization.exl3.layout import trellis_words
 from vllm.platforms import current_platform
-from vllm_exl3.kernels_build import op_schemas as source_op_schemas
 
 OPS_SOURCES = Path(__file__).parents[3] / "csrc/libtorch_stable/quantization/exl3"
 # (bits per weight, codebook): every codebook, low and high rates, a fractional one
@@ -83,7 +83,16 @@ def _reconstruct_cpu(trellis, codebook):
 
 def op_schemas() -> dict[str, str]:
     """name -> schema of every op the EXL3 sources define in `_C`."""
-    return source_op_schemas(OPS_SOURCES.glob("*.c*"))
+    schemas = {}
+    for src in sorted(OPS_SOURCES.glob("*.c*")):
+        text = src.read_text()
+        for block in re.findall(
+            r"STABLE_TORCH_LIBRARY_FRAGMENT\(_C,\s*\w+\)\s*\{(.*?)\n\}", text, re.S
+        ):
+            for literals in re.findall(r"\.def\(\s*((?:\"[^\"]*\"\s*)+)\)", block):
+                schema = "".join(re.findall(r"\"([^\"]*)\"", literals))
+                schemas[schema.split("(", 1)[0]] = schema
+    return schemas
 
 
 @pytest.fixture(scope="module")
