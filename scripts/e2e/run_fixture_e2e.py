@@ -11,6 +11,8 @@ TP=1 (default), per checkpoint, vLLM with its defaults (torch.compile + CUDA gra
     logprobs of the first windows, and the sampled tokens of greedy continuations over
     their common prefix), measured for EXL3 and bf16 alike;
   - `vllm serve` answering one OpenAI completions request.
+Default checkpoints: the dense record's three; `--checkpoints exl3-4.0bpw-embed4` adds
+the conversion with an EXL3 token embedding (perplexity only, against its own record).
 --tp 2 (two GPUs): perplexity and greedy continuations at TP=2 vs TP=1 (TP=1 from
 --baseline, a JSON this script wrote earlier, or computed here first).
 
@@ -49,9 +51,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 FIXTURES = REPO / "tests" / "fixtures" / "qwen3-tiny"
-RECORDED = FIXTURES / "ppl_exllamav3_dense.json"
+# ExLlamaV3's perplexities: the dense record's three checkpoints, and the conversion with
+# a quantized token embedding (--embed_bits 4), recorded when it was made.
+RECORDED = (
+    FIXTURES / "ppl_exllamav3_dense.json",
+    FIXTURES / "ppl_exllamav3_embed4.json",
+)
 CHECKPOINTS = ("exl3-4.0bpw", "bf16", "exl3-3.0bpw-mcg")
-EXL3 = ("exl3-4.0bpw", "exl3-3.0bpw-mcg")
+EXL3 = ("exl3-4.0bpw", "exl3-3.0bpw-mcg", "exl3-4.0bpw-embed4")
 REFERENCE = "bf16"  # the unquantized model every EXL3 agreement is judged against
 # Issue 4's acceptance limits.
 PPL_TOLERANCE = 0.003  # EXL3 perplexity within 0.3% of ExLlamaV3's recorded value
@@ -108,8 +115,7 @@ class Deadline:
 
 
 def recorded_perplexities() -> dict[str, dict]:
-    runs = json.loads(RECORDED.read_text())
-    return {r["label"]: r for r in runs}
+    return {r["label"]: r for f in RECORDED for r in json.loads(f.read_text())}
 
 
 def validation_windows() -> list[list[int]]:
@@ -762,10 +768,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.checkpoints = [c for c in args.checkpoints.split(",") if c]
     args.eager_for = {c for c in args.eager_for.split(",") if c}
-    unknown = set(args.checkpoints) - set(CHECKPOINTS)
+    unknown = set(args.checkpoints) - {*CHECKPOINTS, *EXL3}
     if unknown:
         ap.error(
-            f"unknown checkpoints {sorted(unknown)}; known: {', '.join(CHECKPOINTS)}"
+            f"unknown checkpoints {sorted(unknown)}; known: "
+            f"{', '.join(dict.fromkeys((*CHECKPOINTS, *EXL3)))}"
         )
     for k, v in HOST_ENV.items():
         os.environ.setdefault(k, v)

@@ -66,6 +66,18 @@ def test_validation_windows_match_the_recorded_runs():
     assert sum(len(w) - 1 for w in windows) == recorded["exl3-4.0bpw"]["scored_tokens"]
 
 
+def test_the_quantized_embedding_conversion_is_judged_against_its_record(tmp_path):
+    recorded = fx.recorded_perplexities()
+    assert "exl3-4.0bpw-embed4" in fx.EXL3
+    assert recorded["exl3-4.0bpw-embed4"]["ppl"] == pytest.approx(6.6176, abs=1e-4)
+    assert (
+        recorded["exl3-4.0bpw-embed4"]["scored_tokens"]
+        == recorded["exl3-4.0bpw"]["scored_tokens"]
+    )
+    d = fx.assemble_checkpoint("exl3-4.0bpw-embed4", tmp_path)
+    assert (d / "model.safetensors").is_file() and (d / "tokenizer.json").is_file()
+
+
 def test_assembled_checkpoint_is_complete(tmp_path):
     d = fx.assemble_checkpoint("exl3-4.0bpw", tmp_path)
     names = {p.name for p in d.iterdir()}
