@@ -18,8 +18,9 @@ not kept in the tree):
     measure on the text-only prompt (the tower adds no more disagreement than the
     language model alone);
   - MTP: speculative decoding with the stored MTP layer (`{"method": "mtp"}`, which vLLM
-    0.26 maps to qwen3_5_mtp) against plain decoding, greedy: the matched fraction, the
-    drafts accepted, output tokens/s of both;
+    0.26 maps to qwen3_5_mtp) against plain decoding, greedy, for EXL3 and the reference:
+    the matched fraction (EXL3's judged against the reference's), the drafts accepted,
+    output tokens/s of both;
   - `vllm serve` answering with and without `--language-model-only`.
 Where flashinfer is not installed (the offline bundle), every engine asks for vLLM's
 Triton gated-delta-net prefill (`gdn_prefill_backend`), as run_mtp_e2e.py does.
@@ -59,8 +60,10 @@ IMAGE_SIDE = 64
 IMAGE_TEXT = "describe this image in python:\ndef f(x):\n    return"
 MTP_PROMPTS = 16
 MTP_TOKENS = 64
-# EXL3's greedy output with MTP speculation may differ from its plain output only where
-# batch composition changes the rounding; allowed share, as in the DeepSeek MTP record.
+# Greedy output with MTP speculation differs from plain decoding where the verify
+# batches' shapes change the rounding of a near tie; the twin (the same weights through
+# vLLM's bf16 kernels) shows how much. EXL3's matched fraction may trail the twin's by
+# this much, as in the DeepSeek MTP record (run_mtp_e2e.py).
 MTP_SLACK = 0.1
 SPECULATIVE = {"method": "mtp", "num_speculative_tokens": 1}
 
@@ -151,7 +154,7 @@ def run_model(kind: str, args, windows, result: dict) -> None:
     stages = set(args.stages)
     exl3 = assemble(kind, args.work)
     twin = None
-    if stages & {"agreement", "image"}:
+    if stages & {"agreement", "image", "mtp"}:
         twin = fx.attempt(
             errors, f"{kind}:dequantize", dequantized_twin, exl3, args.work
         )
@@ -184,9 +187,13 @@ def run_model(kind: str, args, windows, result: dict) -> None:
                 image[name] = fx.attempt(
                     errors, f"{kind}:{name}-image", image_run, path, args
                 )
-    mtp = None
+    mtp: dict = {}
     if "mtp" in stages:
-        mtp = fx.attempt(errors, f"{kind}:mtp", mtp_run, exl3, windows)
+        for name, path in (("exl3", exl3), ("twin", twin)):
+            if path is not None:
+                mtp[name] = fx.attempt(
+                    errors, f"{kind}:{name}-mtp", mtp_run, path, windows
+                )
     serve = {}
     if "serve" in stages:
         for extra in ((), ("--language-model-only",)):
@@ -244,7 +251,9 @@ def mtp_run(model_dir: Path, windows) -> dict:
             extra["speculative_config"] = dict(spec)
         llm = fx.make_llm(model_dir, eager=False, tp=1, engine_args=extra)
         try:
-            llm.generate([{"prompt_token_ids": batch[0]}], params, use_tqdm=False)
+            # The whole batch once first: speculation's verify steps reach shapes (and
+            # Triton autotuning keys) a single prompt does not.
+            llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
             t0 = time.monotonic()
             res = llm.generate(
                 [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False
@@ -258,6 +267,24 @@ def mtp_run(model_dir: Path, windows) -> dict:
         finally:
             fx.free_llm(llm)
     return out
+
+
+def mtp_summary(res: dict) -> dict:
+    """Speculative vs plain greedy: the matched fraction (mean share of each
+    continuation before its first divergence), the drafts, output tokens/s."""
+    m = res["mtp"]["metrics"]
+    drafts = m.get("spec_decode_num_draft_tokens") or 0
+    accepted = m.get("spec_decode_num_accepted_tokens") or 0
+    return {
+        "matched": continuation_agreement(
+            res["plain"]["tokens"], res["mtp"]["tokens"]
+        )["matched_fraction"],
+        "draft_tokens": drafts,
+        "accepted": accepted,
+        "acceptance": accepted / drafts if drafts else None,
+        "plain_tokens_per_s": res["plain"]["tokens_per_s"],
+        "mtp_tokens_per_s": res["mtp"]["tokens_per_s"],
+    }
 
 
 def mean_abs_diff(a: list[float], b: list[float]) -> float:
@@ -311,27 +338,18 @@ def judge(kind: str, rec: dict, runs: dict, image: dict, mtp, serve: dict) -> di
             limit,
             ok and e["image_tokens"] > 0,
         )
-    if mtp:
-        frac = continuation_agreement(mtp["plain"]["tokens"], mtp["mtp"]["tokens"])[
-            "matched_fraction"
-        ]
-        m = mtp["mtp"]["metrics"]
-        drafts = m.get("spec_decode_num_draft_tokens") or 0
-        accepted = m.get("spec_decode_num_accepted_tokens") or 0
-        out["mtp"] = {
-            "matched": frac,
-            "draft_tokens": drafts,
-            "accepted": accepted,
-            "acceptance": accepted / drafts if drafts else None,
-            "plain_tokens_per_s": mtp["plain"]["tokens_per_s"],
-            "mtp_tokens_per_s": mtp["mtp"]["tokens_per_s"],
-        }
+    summary = {name: mtp_summary(res) for name, res in mtp.items() if res}
+    if summary:
+        out["mtp"] = summary
+    if "exl3" in summary and "twin" in summary:
+        mine = summary["exl3"]["matched"]
+        limit = summary["twin"]["matched"] - MTP_SLACK
         fx.check(
             checks,
-            "MTP greedy = plain",
-            frac,
-            1 - MTP_SLACK,
-            frac >= 1 - MTP_SLACK and drafts > 0,
+            "MTP greedy = plain, vs the twin's",
+            mine,
+            limit,
+            mine >= limit and summary["exl3"]["draft_tokens"] > 0,
         )
     for tag, res in serve.items():
         fx.check(
