@@ -51,8 +51,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 FIXTURES = REPO / "tests" / "fixtures" / "qwen3-tiny"
-# ExLlamaV3's perplexities: the dense record's three checkpoints, and the conversion with
-# a quantized token embedding (--embed_bits 4), recorded when it was made.
+# ExLlamaV3's perplexities: the dense record's three checkpoints, and the conversion
+# with a quantized token embedding (--embed_bits 4), recorded when it was made.
 RECORDED = (
     FIXTURES / "ppl_exllamav3_dense.json",
     FIXTURES / "ppl_exllamav3_embed4.json",

@@ -17,10 +17,10 @@ not kept in the tree):
     image against the reference's, their mean |difference| within a factor of the same
     measure on the text-only prompt (the tower adds no more disagreement than the
     language model alone);
-  - MTP: speculative decoding with the stored MTP layer (`{"method": "mtp"}`, which vLLM
-    0.26 maps to qwen3_5_mtp) against plain decoding, greedy, for EXL3 and the reference:
-    the matched fraction (EXL3's judged against the reference's), the drafts accepted,
-    output tokens/s of both;
+  - MTP: speculative decoding with the stored MTP layer (`{"method": "mtp"}`, which
+    vLLM 0.26 maps to qwen3_5_mtp) against plain decoding, greedy, for EXL3 and the
+    reference: the matched fraction (EXL3's judged against the reference's), the drafts
+    accepted, output tokens/s of both;
   - `vllm serve` answering with and without `--language-model-only`.
 Where flashinfer is not installed (the offline bundle), every engine asks for vLLM's
 Triton gated-delta-net prefill (`gdn_prefill_backend`), as run_mtp_e2e.py does.
@@ -253,7 +253,9 @@ def mtp_run(model_dir: Path, windows) -> dict:
         try:
             # The whole batch once first: speculation's verify steps reach shapes (and
             # Triton autotuning keys) a single prompt does not.
-            llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+            llm.generate(
+                [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False
+            )
             t0 = time.monotonic()
             res = llm.generate(
                 [{"prompt_token_ids": p} for p in batch], params, use_tqdm=False
@@ -276,9 +278,9 @@ def mtp_summary(res: dict) -> dict:
     drafts = m.get("spec_decode_num_draft_tokens") or 0
     accepted = m.get("spec_decode_num_accepted_tokens") or 0
     return {
-        "matched": continuation_agreement(
-            res["plain"]["tokens"], res["mtp"]["tokens"]
-        )["matched_fraction"],
+        "matched": continuation_agreement(res["plain"]["tokens"], res["mtp"]["tokens"])[
+            "matched_fraction"
+        ],
         "draft_tokens": drafts,
         "accepted": accepted,
         "acceptance": accepted / drafts if drafts else None,
