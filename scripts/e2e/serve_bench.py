@@ -370,7 +370,7 @@ def nan_get(row: dict, key: str) -> float:
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'preset':14s} {'variant':7s} {'conc':>4s} {'prompts':>7s} "
+        f"{'preset':14s} {'variant':9s} {'conc':>4s} {'prompts':>7s} "
         f"{'out tok/s':>9s} {'TPOT mean':>9s} {'TPOT med':>8s} {'TTFT mean':>9s} "
         f"{'TTFT med':>9s} {'done':>5s} {'failed':>6s} {'KV conc':>7s}"
     )
@@ -380,7 +380,7 @@ def format_table(rows: list[dict]) -> str:
         rows, key=lambda r: (r["preset"], order.get(r["variant"], 99), r["concurrency"])
     ):
         lines.append(
-            f"{r['preset']:14s} {r['variant']:7s} {r['concurrency']:4d} "
+            f"{r['preset']:14s} {r['variant']:9s} {r['concurrency']:4d} "
             f"{r['num_prompts']:7d} {nan_get(r, 'output_throughput'):9.1f} "
             f"{nan_get(r, 'mean_tpot_ms'):9.2f} {nan_get(r, 'median_tpot_ms'):8.2f} "
             f"{nan_get(r, 'mean_ttft_ms'):9.1f} {nan_get(r, 'median_ttft_ms'):9.1f} "
