@@ -33,8 +33,10 @@
 #   harness     ci/test_vllm_harness.sh, GPU part included (vLLM's own harness on our test files;
 #               needs VLLM_EXL3_HARNESS_PACK, the pack `ci/test_vllm_harness.sh --pack` wrote)
 #   serve       scripts/e2e/serve_bench.py --resume: `vllm serve` + `vllm bench serve`, 8k in /
-#               1k out, EXL3 vs GPTQ int4 vs FP8 vs bf16 at concurrency 1-64, both presets; its
-#               rows stay in .e2e/serve, so repeating the step completes the table
+#               1k out, EXL3 vs GPTQ int4 vs FP8 vs bf16 at concurrency 1-64, both presets, and
+#               the same load on ExLlamaV3's own generator when EXL3_ANCHOR_STATE names a
+#               finished exllamav3_anchor.py build; its rows stay in .e2e/serve, so repeating
+#               the step completes the table
 #   soak        scripts/e2e/serve_bench.py --soak: ten minutes of the EXL3 MoE server under
 #               cancelling clients, started detached (it outlives the step); repeat the step
 #               to collect its verdicts (remove .e2e/serve-soak to soak again)
@@ -178,8 +180,10 @@ VLLM_EXL3_MOE_DIR (scripts/e2e/stage_fixtures.sh)}" --out "$OUT_DIR/moe" --budge
     harness) PYTHONUNBUFFERED=1 PYTHON=$PY bash ci/test_vllm_harness.sh -v --durations=20 \
                -o faulthandler_timeout=300 ;;
     serve)
+      local anchor=()
+      [ -n "${EXL3_ANCHOR_STATE:-}" ] && anchor=(--exl3-state "$EXL3_ANCHOR_STATE")
       "$PY" scripts/e2e/serve_bench.py --out .e2e/serve --resume .e2e/serve/serve_bench.json \
-        --budget-s "$budget"
+        --budget-s "$budget" ${anchor[@]+"${anchor[@]}"}
       local rc=$?
       cp -r .e2e/serve "$OUT_DIR/"
       return $rc ;;

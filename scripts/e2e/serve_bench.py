@@ -6,7 +6,9 @@ bundle) is installed: `vllm serve` + `vllm bench serve`, 8k tokens in / 1k out, 
 caching off, a distinct seed per run, concurrency 1, 4, 16, 64, at Qwen3-8B and
 Qwen3-30B-A3B dimensions: EXL3 4 bpw (the synthetic checkpoint of throughput.py, real
 dims, random trellis codes) against GPTQ int4 g128 (Marlin), vLLM's dynamic FP8
-(`--quantization fp8` on the bf16 model) and bf16, all three on load_format dummy.
+(`--quantization fp8` on the bf16 model) and bf16, all three on load_format dummy; and
+`exllamav3`: the same load on ExLlamaV3 1.6.5's own generator with the EXL3 checkpoint
+(exllamav3_serve.py, one child process per row; with --exl3-state or in --variants).
 
 One server at a time, each in its own process group on a free port of 127.0.0.1,
 stopped with SIGTERM to the group (SIGKILL after a bounded wait). `--budget-s` stops
@@ -62,7 +64,10 @@ from vllm_exl3.e2e.throughput import (
 from vllm_exl3.repo import ROOT as REPO
 from vllm_exl3.testing.fixtures import TOKENIZER
 
-VARIANTS = ("exl3", "gptq", "fp8", "bf16")
+# The vLLM servers (the default matrix), then ExLlamaV3's own generator on the EXL3
+# checkpoint (exllamav3_serve.py): a row of its own, run where ExLlamaV3 is built.
+VLLM_VARIANTS = ("exl3", "gptq", "fp8", "bf16")
+VARIANTS = (*VLLM_VARIANTS, "exllamav3")
 CONCURRENCY = (1, 4, 16, 64)
 INPUT_LEN = 8192
 OUTPUT_LEN = 1024
@@ -170,6 +175,8 @@ def variants(exl3: Path, work: Path, names: list[str]) -> list[Variant]:
         # vLLM's dynamic FP8: bf16 weights quantized per tensor at load, fp8 GEMMs.
         "fp8": Variant("fp8", bf16, True, ("--quantization", "fp8")),
         "bf16": Variant("bf16", bf16, True),
+        # Not a server: exllamav3_serve.py loads the EXL3 checkpoint with ExLlamaV3.
+        "exllamav3": Variant("exllamav3", exl3, False),
     }
     return [table[n] for n in names]
 
@@ -363,7 +370,7 @@ def nan_get(row: dict, key: str) -> float:
 
 def format_table(rows: list[dict]) -> str:
     head = (
-        f"{'preset':14s} {'variant':7s} {'conc':>4s} {'prompts':>7s} "
+        f"{'preset':14s} {'variant':9s} {'conc':>4s} {'prompts':>7s} "
         f"{'out tok/s':>9s} {'TPOT mean':>9s} {'TPOT med':>8s} {'TTFT mean':>9s} "
         f"{'TTFT med':>9s} {'done':>5s} {'failed':>6s} {'KV conc':>7s}"
     )
@@ -373,7 +380,7 @@ def format_table(rows: list[dict]) -> str:
         rows, key=lambda r: (r["preset"], order.get(r["variant"], 99), r["concurrency"])
     ):
         lines.append(
-            f"{r['preset']:14s} {r['variant']:7s} {r['concurrency']:4d} "
+            f"{r['preset']:14s} {r['variant']:9s} {r['concurrency']:4d} "
             f"{r['num_prompts']:7d} {nan_get(r, 'output_throughput'):9.1f} "
             f"{nan_get(r, 'mean_tpot_ms'):9.2f} {nan_get(r, 'median_tpot_ms'):8.2f} "
             f"{nan_get(r, 'mean_ttft_ms'):9.1f} {nan_get(r, 'median_ttft_ms'):9.1f} "
@@ -385,13 +392,20 @@ def format_table(rows: list[dict]) -> str:
         if v != "exl3":
             continue
         ratios = []
-        for other in ("gptq", "fp8", "bf16"):
+        for other in ("gptq", "fp8", "bf16", "exllamav3"):
             o = by.get((p, other, c))
             if o and o.get("output_throughput"):
                 x = by[(p, v, c)]["output_throughput"] / o["output_throughput"]
                 ratios.append(f"/{other} x{x:.2f}")
         if ratios:
             lines.append(f"exl3 {p} c={c}: output tok/s " + ", ".join(ratios))
+    # What a row's numbers do not say: an ExLlamaV3 cache holding fewer requests than
+    # the concurrency, or none (the row then measured nothing).
+    for key in sorted(by):
+        r = by[key]
+        for what in ("not_run", "note"):
+            if r.get(what):
+                lines.append(f"{key[1]} {key[0]} c={key[2]}: {what}: {r[what]}")
     return "\n".join(lines)
 
 
@@ -586,6 +600,9 @@ def run_matrix(args: argparse.Namespace) -> int:
             conc = [c for p, name, c in mine if name == v.name]
             if not conc:
                 continue
+            if v.name == "exllamav3":
+                run_exllamav3(preset, v, conc, memory, budget, rows, record, args)
+                continue
             first = estimate_row_s(rows, preset, conc[0])
             if budget.left() < estimate_start_s(rows, preset) + first + STOP_MARGIN_S:
                 record["skipped"] += [f"{preset} {v.name} c={c} (budget)" for c in conc]
@@ -639,6 +656,48 @@ def run_matrix(args: argparse.Namespace) -> int:
     for r in failed:
         print(f"  FAILED REQUESTS {row_key(r)}: {r['failed']}")
     return 0 if not (record["skipped"] or record["errors"] or failed) else 1
+
+
+def run_exllamav3(
+    preset: str,
+    v: Variant,
+    conc: list[int],
+    memory: float,
+    budget: Budget,
+    rows: list[dict],
+    record: dict,
+    args: argparse.Namespace,
+) -> None:
+    """The `exllamav3` rows of one preset: each a child process that loads the EXL3
+    checkpoint with ExLlamaV3 (exllamav3_serve.py), warms up and measures, so each pays
+    its own start. Rows are added to `rows` and saved as they come."""
+    # Imported here: exllamav3_serve builds on this module's definition of the load.
+    from vllm_exl3.e2e import exllamav3_serve
+
+    for c in conc:
+        start = max(
+            (
+                r["server_ready_s"]
+                for r in rows
+                if r["preset"] == preset
+                and r["variant"] == v.name
+                and "server_ready_s" in r
+            ),
+            default=exllamav3_serve.EST_START_S,
+        )
+        left = budget.left() - STOP_MARGIN_S
+        if left < start + estimate_row_s(rows, preset, c):
+            record["skipped"].append(f"{preset} {v.name} c={c} (budget)")
+            continue
+        row = exllamav3_serve.measure_in_child(
+            preset, c, v.model_dir, memory, left, args
+        )
+        if "error" in row:
+            record["errors"].append(row["error"])
+            record["skipped"].append(f"{preset} {v.name} c={c} (error)")
+        else:
+            rows.append(row)
+        save(args.out, record)
 
 
 def run_row(
@@ -1102,7 +1161,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(PRESETS),
         help="repeatable; default both",
     )
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help=f"some of {','.join(VARIANTS)}; default {','.join(VLLM_VARIANTS)}, and "
+        "exllamav3 with --exl3-state",
+    )
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     ap.add_argument(
         "--gpu-memory-utilization",
@@ -1119,6 +1183,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{MIN_PROMPTS} (fewer: a KV-limited row, e.g. bf16 Qwen3-30B-A3B on an "
         "80 GB card, fits a call)",
     )
+    ap.add_argument(
+        "--exl3-state",
+        type=Path,
+        default=None,
+        help="folder of scripts/bench/exllamav3_anchor.py's background build of "
+        "ExLlamaV3 1.6.5 (site/, torch_ext/) for the exllamav3 rows; without it they "
+        "use an installed exllamav3",
+    )
+    ap.add_argument("--exl3-wait-s", type=float, default=300)
+    ap.add_argument("--exl3-import-timeout-s", type=float, default=120)
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument(
         "--resume",
@@ -1136,6 +1210,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--collect", action="store_true", help="a detached soak's verdicts")
     args = ap.parse_args(argv)
     args.presets = args.presets or list(PRESETS)
+    if args.variants is None:
+        args.variants = ",".join(
+            VLLM_VARIANTS + (("exllamav3",) if args.exl3_state else ())
+        )
     args.variants = [v for v in args.variants.split(",") if v]
     if not args.variants or set(args.variants) - set(VARIANTS):
         ap.error(f"--variants takes some of {','.join(VARIANTS)}, got {args.variants}")

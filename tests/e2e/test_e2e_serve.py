@@ -46,7 +46,7 @@ def _flag(cmd: list[str], name: str) -> str:
 
 def test_serve_command_of_every_variant(exl3_dir):
     work = exl3_dir.parent
-    vs = {v.name: v for v in sb.variants(exl3_dir, work, list(sb.VARIANTS))}
+    vs = {v.name: v for v in sb.variants(exl3_dir, work, list(sb.VLLM_VARIANTS))}
     assert list(vs) == ["exl3", "gptq", "fp8", "bf16"]
     for name, v in vs.items():
         cmd = sb.serve_command(v, 8123, 0.5)
@@ -74,7 +74,8 @@ def test_bench_command_and_distinct_seeds(tmp_path):
         for variant in sb.VARIANTS:
             for c in sb.CONCURRENCY:
                 seeds[(preset, variant, c)] = sb.row_seed(preset, variant, c)
-    assert len(set(seeds.values())) == len(seeds) == 2 * 4 * 4
+    # Two presets, four vLLM variants and ExLlamaV3's generator, four concurrencies.
+    assert len(set(seeds.values())) == len(seeds) == 2 * 5 * 4
     cmd = sb.bench_command(8123, 16, 1007, tmp_path, "r.json")
     assert cmd[: len(sb.vllm_cli()) + 2] == [*sb.vllm_cli(), "bench", "serve"]
     assert _flag(cmd, "--dataset-name") == "random"
@@ -114,7 +115,7 @@ def test_flags_exist_in_vllm_0_26(exl3_dir, tmp_path):
         (VLLM_SDIST / f).read_text()
         for f in ("vllm/engine/arg_utils.py", "vllm/entrypoints/openai/cli_args.py")
     )
-    for v in sb.variants(exl3_dir, exl3_dir.parent, list(sb.VARIANTS)):
+    for v in sb.variants(exl3_dir, exl3_dir.parent, list(sb.VLLM_VARIANTS)):
         for flag in (a for a in sb.serve_command(v, 1, 0.5) if a.startswith("--")):
             field = flag.removeprefix("--no-").removeprefix("--").replace("-", "_")
             assert f'"{flag}"' in engine_src or f"{field}:" in engine_src, flag
