@@ -395,15 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=float, default=4.0)
     ap.add_argument("--codebook", type=int, default=1, help="0 3INST, 1 MCG, 2 MUL1")
     ap.add_argument("--deterministic", action="store_true")
-    ap.add_argument(
-        "--exl3-state",
-        type=Path,
-        default=None,
-        help="folder of exllamav3_anchor.py's background build (site/, torch_ext/); "
-        "without it ExLlamaV3 is used only if plainly importable",
-    )
-    ap.add_argument("--exl3-wait-s", type=float, default=300)
-    ap.add_argument("--exl3-import-timeout-s", type=float, default=120)
+    exllamav3_anchor.add_state_arguments(ap, "its MoE anchor")
     ap.add_argument(
         "--exllamav3-work",
         type=Path,

@@ -167,6 +167,21 @@ def load_linear_class(state: Path, wait_s: float, import_timeout_s: float):
     return LinearEXL3
 
 
+def add_state_arguments(ap: argparse.ArgumentParser, use: str) -> None:
+    """--exl3-state and its waits, for a script that measures ExLlamaV3 (`use`: what
+    the build serves there)."""
+    ap.add_argument(
+        "--exl3-state",
+        type=Path,
+        default=None,
+        help="folder of scripts/bench/exllamav3_anchor.py's background build of "
+        f"ExLlamaV3 1.6.5 (site/, torch_ext/) for {use}; without it an installed "
+        "exllamav3 is used",
+    )
+    ap.add_argument("--exl3-wait-s", type=float, default=300)
+    ap.add_argument("--exl3-import-timeout-s", type=float, default=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("action", choices=("build", "wait"))

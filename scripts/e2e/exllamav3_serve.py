@@ -624,15 +624,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--reserve-gib", type=float, default=RESERVE_GIB)
     ap.add_argument("--result", type=Path, required=True, help="the row's JSON")
-    ap.add_argument(
-        "--exl3-state",
-        type=Path,
-        default=None,
-        help="folder of exllamav3_anchor.py's background build (site/, torch_ext/); "
-        "without it ExLlamaV3 is used only if plainly importable",
-    )
-    ap.add_argument("--exl3-wait-s", type=float, default=300)
-    ap.add_argument("--exl3-import-timeout-s", type=float, default=120)
+    exllamav3_anchor.add_state_arguments(ap, "its generator")
     args = ap.parse_args(argv)
     if args.concurrency < 1:
         ap.error("--concurrency must be at least 1")

@@ -51,6 +51,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_exl3.bench import exllamav3_anchor
 from vllm_exl3.e2e.run_fixture_e2e import free_port
 from vllm_exl3.e2e.throughput import (
     GPU_MEMORY_UTILIZATION,
@@ -1183,16 +1184,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{MIN_PROMPTS} (fewer: a KV-limited row, e.g. bf16 Qwen3-30B-A3B on an "
         "80 GB card, fits a call)",
     )
-    ap.add_argument(
-        "--exl3-state",
-        type=Path,
-        default=None,
-        help="folder of scripts/bench/exllamav3_anchor.py's background build of "
-        "ExLlamaV3 1.6.5 (site/, torch_ext/) for the exllamav3 rows; without it they "
-        "use an installed exllamav3",
-    )
-    ap.add_argument("--exl3-wait-s", type=float, default=300)
-    ap.add_argument("--exl3-import-timeout-s", type=float, default=120)
+    exllamav3_anchor.add_state_arguments(ap, "the exllamav3 rows")
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument(
         "--resume",

@@ -586,22 +586,3 @@ def test_child_cut_at_the_budget_is_stopped(tmp_path):
     text = log.read_text()
     assert "started" in text and 'File "<string>", line 5' in text
     assert ex.run_child([sys.executable, "-c", "pass"], {}, log, timeout=30) == 0
-
-
-@pytest.mark.parametrize(
-    "how",
-    [["scripts/e2e/exllamav3_serve.py"], ["-m", "vllm_exl3.e2e.exllamav3_serve"]],
-    ids=["script", "module"],
-)
-def test_help(how):
-    from vllm_exl3.repo import ROOT
-
-    r = sb.subprocess.run(
-        [sys.executable, *how, "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "--exl3-state" in r.stdout and "--concurrency" in r.stdout

@@ -37,16 +37,32 @@ from vllm_exl3.testing.synthetic_checkpoint import load_config
 E2E = REPO / "scripts" / "e2e"
 
 
-@pytest.mark.parametrize("script", ["run_fixture_e2e.py", "throughput.py"])
-def test_help(script):
+# Each script's flags that its --help must list, run as a file and as a module.
+HELP_FLAGS = {
+    "run_fixture_e2e": ("--checkpoints", "--budget-s"),
+    "throughput": ("--preset", "--models"),
+    "serve_bench": ("--soak", "--resume", "--exl3-state"),
+    "exllamav3_serve": ("--exl3-state", "--concurrency"),
+}
+
+
+@pytest.mark.parametrize("form", ["script", "module"])
+@pytest.mark.parametrize("name", sorted(HELP_FLAGS))
+def test_help(name, form):
+    how = (
+        [str(E2E / f"{name}.py")]
+        if form == "script"
+        else ["-m", f"vllm_exl3.e2e.{name}"]
+    )
     r = subprocess.run(
-        [sys.executable, str(E2E / script), "--help"],
+        [sys.executable, *how, "--help"],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=REPO,
     )
     assert r.returncode == 0, r.stderr
-    assert "usage:" in r.stdout
+    assert all(flag in r.stdout for flag in HELP_FLAGS[name]), r.stdout
 
 
 def test_unknown_checkpoint_is_refused():

@@ -550,25 +550,6 @@ def test_soak_client_against_a_fake_server(fake, monkeypatch):
     assert all(o.input_len >= 12 for o in outcomes if o.status == "ok")
 
 
-@pytest.mark.parametrize(
-    "how",
-    [["scripts/e2e/serve_bench.py"], ["-m", "vllm_exl3.e2e.serve_bench"]],
-    ids=["script", "module"],
-)
-def test_help(how):
-    from vllm_exl3.repo import ROOT
-
-    r = sb.subprocess.run(
-        [sys.executable, *how, "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "--soak" in r.stdout and "--resume" in r.stdout
-
-
 def _soak_args(out: Path, budget: float = 0) -> Namespace:
     return Namespace(out=out, budget_s=budget)
 
