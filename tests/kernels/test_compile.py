@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,17 @@ from vllm_exl3 import kernels_build, repo
 from vllm_exl3.codec import exl3_format
 
 ARCHS = [kernels_build.dotted(a) for a in kernels_build.TARGET_ARCHS]
+# The ops the extension registers (torch.ops._C.exl3_*).
+EXL3_OPS = (
+    "exl3_embedding",
+    "exl3_linear",
+    "exl3_moe",
+    "exl3_moe_reconstruct",
+    "exl3_plan",
+    "exl3_reconstruct",
+    "exl3_sparse_mla_decode",
+    "exl3_time_plans",
+)
 # Built, never run and not tuned for (README).
 UNTUNED_ARCHS = sorted(
     set(kernels_build.BUILT_ARCHS) - set(kernels_build.TARGET_ARCHS), key=int
@@ -69,6 +81,34 @@ def test_all_sources_compile_for_every_arch() -> None:
         obj = obj_dir / f"{src.name}.o"
         assert obj.is_file() and obj.stat().st_size > 0, obj
         assert not kernels_build._stale(obj, src), f"{obj} is older than the sources"
+
+
+@pytest.mark.slow
+def test_every_op_refuses_bad_input_through_the_stable_abi() -> None:
+    """The objects above linked into the quick build's extension: each op's CUDA kernel,
+    called on CPU tensors, raises an error naming the op back through the stable ABI's
+    boxing (vllm_exl3.testing.error_path); a process that dies fails (a refusal path
+    that crashes was seen once in a library built otherwise)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not available")
+    lib = kernels_build.build_extension(
+        kernels_build.DEFAULT_OUT, ARCHS, jobs=os.cpu_count() or 1
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_exl3.testing.error_path",
+            str(lib),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
+    assert len(lines) == len(EXL3_OPS), r.stdout
+    assert all(" must be a CUDA tensor" in line for line in lines), r.stdout
 
 
 def test_one_generated_unit_per_rate_of_the_format(tmp_path: Path) -> None:

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Every EXL3 op's refusal path, without a GPU: each op's CUDA kernel is called through
+the dispatcher (`redispatch` to the CUDA key) with CPU tensors, so its first input
+check fails and the error crosses the stable ABI's boxing back into Python, as a bad
+input on a GPU does. An op must raise a RuntimeError that names it (or, where it reads
+no device memory, return); a crash of the process is the failure this finds.
+
+    python -m vllm_exl3.testing.error_path [LIBRARY]
+
+LIBRARY: an extension with the ops (the quick build's _exl3_C.abi3.so, or a vLLM
+_C_stable_libtorch built with them); without it, the installed vLLM's
+_C_stable_libtorch. Prints one line per op; exit status 0 when every op refused or
+returned, 1 when one raised something else, and the signal's when the process died.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+
+OP_PREFIX = "_C::exl3"
+
+
+def placeholder(arg: torch.Argument):
+    """A value of the argument's type that no EXL3 kernel accepts as its input: CPU
+    tensors, small integers."""
+    kind = arg.type
+    if isinstance(kind, torch.OptionalType):
+        return None
+    if isinstance(kind, torch.TensorType):
+        return torch.zeros(2, 256, dtype=torch.float16)
+    if isinstance(kind, torch.ListType) and isinstance(
+        kind.getElementType(), torch.IntType
+    ):
+        return [1]
+    for cls, value in (
+        (torch.IntType, 1),
+        (torch.FloatType, 1.0),
+        (torch.BoolType, False),
+    ):
+        if isinstance(kind, cls):
+            return value
+    if str(kind) == "ScalarType":
+        return torch.float16
+    raise TypeError(f"no placeholder for {arg.name}: {kind}")
+
+
+def op_names() -> list[str]:
+    return sorted(
+        n.split("::")[1]
+        for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith(OP_PREFIX)
+    )
+
+
+def refuse(name: str) -> tuple[bool, str]:
+    """(whether the op behaved, what happened) for one call of its CUDA kernel on CPU
+    tensors."""
+    op = getattr(torch.ops._C, name).default
+    args = [placeholder(a) for a in op._schema.arguments]
+    cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    try:
+        op.redispatch(cuda, *args)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0]
+        return name in first, f"raised: {first}"
+    except Exception as e:  # noqa: BLE001 - reported: anything else is wrong
+        return False, f"raised {type(e).__name__}: {e}"
+    return True, "returned"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:
+        torch.ops.load_library(argv[0])
+    else:
+        importlib.import_module("vllm._C_stable_libtorch")
+    names = op_names()
+    if not names:
+        print("error_path: no EXL3 op registered", flush=True)
+        return 1
+    ok = True
+    for name in names:
+        good, what = refuse(name)
+        ok &= good
+        print(f"{'ok  ' if good else 'FAIL'} {name}: {what}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
