@@ -9,6 +9,9 @@ this repository's tool, overlay, csrc/ and fixture checkpoint and the test's own
 - registration: vLLM lists the exl3 method, every EXL3 op loader finds its op in
   `vllm/_exl3_C.abi3.so`, and each registered op's schema is the one our sources define;
 - device code: cuobjdump lists ELF images of the image's GPU only in that extension;
+- refusals: every EXL3 op in that extension, given CPU tensors, raises its named error
+  through the stable ABI (vllm_exl3.testing.error_path, in a child process: a crash
+  fails the check, not the smoke test);
 - fixture: the 4.0 bpw fixture loads through vLLM's loader on the CPU reference path
   and its logits match transformers running the weights the reference codec decodes:
   overlay/tests/quantization/exl3/test_exl3_model.py's own test, run by pytest;
@@ -245,6 +248,19 @@ def check_device_code(cuobjdump: Path, sm: str) -> tuple[bool, str]:
     return ok, f"{spec.origin}: {detail}"
 
 
+def check_refusals() -> tuple[bool, str]:
+    spec = importlib.util.find_spec(f"vllm.{EXTENSION.split('.')[0]}")
+    if spec is None or not spec.origin:
+        return False, f"vllm/{EXTENSION} is not in the image"
+    rc, out = _run(
+        [sys.executable, "-m", "vllm_exl3.testing.error_path", spec.origin], cwd=ROOT
+    )
+    refused = sum(line.startswith("ok ") for line in out.splitlines())
+    if rc != 0:
+        return False, f"exit {rc} after {refused} op(s) refused as they should"
+    return True, f"{refused} ops raise their named errors on CPU tensors"
+
+
 def check_fixture() -> tuple[bool, str]:
     rc, out = _run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", FIXTURE_TEST],
@@ -274,6 +290,7 @@ def run_checks(arch: str, cuobjdump: Path) -> list[Check]:
         ("import", check_import),
         ("registration", check_registration),
         ("device-code", lambda: check_device_code(cuobjdump, sm)),
+        ("refusals", check_refusals),
         ("fixture-logits", check_fixture),
         ("serve-help", check_serve_help),
     ]

@@ -501,3 +501,29 @@ def test_a_root_without_torch_or_cuda_runtime_is_named(stand_in_root):
         kernels_build.target_toolchain(root, site, "aarch64")
     assert f"{kernels_build.CUDART_SONAME} is missing" in str(e.value)
     assert "0 python3.* header folders" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "rc, out, ok, detail",
+    [
+        (0, "ok   exl3_linear: raised\nok   exl3_moe: raised\n", True, "2 ops raise"),
+        (-11, "ok   exl3_embedding: raised\n", False, "exit -11 after 1 op(s)"),
+        (1, "FAIL exl3_plan: returned\n", False, "exit 1 after 0 op(s)"),
+    ],
+)
+def test_refusal_check_fails_when_an_op_crashes_or_misnames(
+    monkeypatch, rc, out, ok, detail
+):
+    class Spec:
+        origin = "/opt/vllm/lib/python3.11/site-packages/vllm/_exl3_C.abi3.so"
+
+    monkeypatch.setattr(image_smoke.importlib.util, "find_spec", lambda name: Spec)
+    calls = []
+    monkeypatch.setattr(
+        image_smoke,
+        "_run",
+        lambda cmd, cwd=None, env=None: calls.append(cmd) or (rc, out),
+    )
+    got_ok, got = image_smoke.check_refusals()
+    assert got_ok is ok and detail in got
+    assert calls[0][-2:] == ["vllm_exl3.testing.error_path", Spec.origin]
