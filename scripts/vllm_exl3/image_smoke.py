@@ -237,23 +237,29 @@ def check_registration() -> tuple[bool, str]:
     return ok, f"exl3 method listed; {', '.join(OP_LOADERS)} load; {detail}"
 
 
-def check_device_code(cuobjdump: Path, sm: str) -> tuple[bool, str]:
+def _extension() -> str | None:
+    """Where the image's vllm/_exl3_C.abi3.so is, or None."""
     spec = importlib.util.find_spec(f"vllm.{EXTENSION.split('.')[0]}")
-    if spec is None or not spec.origin:
+    return spec.origin if spec is not None else None
+
+
+def check_device_code(cuobjdump: Path, sm: str) -> tuple[bool, str]:
+    lib = _extension()
+    if not lib:
         return False, f"vllm/{EXTENSION} is not in the image"
-    rc, out = _run([str(cuobjdump), "--list-elf", spec.origin])
+    rc, out = _run([str(cuobjdump), "--list-elf", lib])
     if rc != 0:
         return False, f"cuobjdump exit {rc}"
     ok, detail = device_code_verdict(out, sm)
-    return ok, f"{spec.origin}: {detail}"
+    return ok, f"{lib}: {detail}"
 
 
 def check_refusals() -> tuple[bool, str]:
-    spec = importlib.util.find_spec(f"vllm.{EXTENSION.split('.')[0]}")
-    if spec is None or not spec.origin:
+    lib = _extension()
+    if not lib:
         return False, f"vllm/{EXTENSION} is not in the image"
     rc, out = _run(
-        [sys.executable, "-m", "vllm_exl3.testing.error_path", spec.origin], cwd=ROOT
+        [sys.executable, "-m", "vllm_exl3.testing.error_path", lib], cwd=ROOT
     )
     refused = sum(line.startswith("ok ") for line in out.splitlines())
     if rc != 0:
