@@ -47,9 +47,18 @@ DTYPE_NAMES = {
 
 
 @contextlib.contextmanager
-def gloo_world(world_size: int, rank: int, init_file: str) -> Iterator[VllmConfig]:
-    """vLLM's distributed state on CPU (VllmConfig() alone fails without a GPU)."""
-    vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+def gloo_world(
+    world_size: int,
+    rank: int,
+    init_file: str,
+    vllm_config: VllmConfig | None = None,
+) -> Iterator[VllmConfig]:
+    """A gloo world on the CPU, vLLM's distributed state for `world_size` ranks under
+    `vllm_config` (default: a CPU device config alone; VllmConfig() fails without a
+    GPU), split into that config's pipeline stages of tensor-parallel ranks."""
+    if vllm_config is None:
+        vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    pipeline_size = vllm_config.parallel_config.pipeline_parallel_size
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=world_size,
@@ -58,7 +67,7 @@ def gloo_world(world_size: int, rank: int, init_file: str) -> Iterator[VllmConfi
             distributed_init_method=f"file://{init_file}",
             backend="gloo",
         )
-        initialize_model_parallel(world_size, 1)
+        initialize_model_parallel(world_size // pipeline_size, pipeline_size)
         try:
             yield vllm_config
         finally:

@@ -931,17 +931,9 @@ EXPERTS = "model.layers.0.mlp.experts"
 def ep_world(rank: int, init_file: str):
     """A gloo world of 2 whose MoE layers split experts (EP) instead of expert widths
     (TP)."""
-    from vllm.config import (
-        DeviceConfig,
-        ParallelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.distributed import (
-        cleanup_dist_env_and_memory,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
+
+    from .exl3_harness import gloo_world
 
     vllm_config = VllmConfig(
         device_config=DeviceConfig(device="cpu"),
@@ -949,19 +941,8 @@ def ep_world(rank: int, init_file: str):
             tensor_parallel_size=WORLD, enable_expert_parallel=True
         ),
     )
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=WORLD,
-            rank=rank,
-            local_rank=rank,
-            distributed_init_method=f"file://{init_file}",
-            backend="gloo",
-        )
-        initialize_model_parallel(WORLD, 1)
-        try:
-            yield vllm_config
-        finally:
-            cleanup_dist_env_and_memory()
+    with gloo_world(WORLD, rank, init_file, vllm_config) as config:
+        yield config
 
 
 def _rank_main(rank: int, tmp: str, synthetic: str, fixture: str) -> None:

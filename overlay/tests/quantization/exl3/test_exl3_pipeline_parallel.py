@@ -29,24 +29,13 @@ STAGE_OUT = "stage{rank}.pt"
 
 def _stage_main(rank: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
     # Runs in a spawned process: imports vLLM there.
-    from vllm.config import (
-        DeviceConfig,
-        ModelConfig,
-        ParallelConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.distributed import (
-        get_pp_group,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+    from vllm.distributed import get_pp_group
     from vllm.model_executor.model_loader import base_loader, get_model_loader
     from vllm.model_executor.models.utils import PPMissingLayer
     from vllm.platforms import current_platform
 
-    from .exl3_harness import CPU_ATTENTION_BACKEND, CausalSdpa
+    from .exl3_harness import CPU_ATTENTION_BACKEND, CausalSdpa, gloo_world
 
     out = Path(out_dir)
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -61,47 +50,36 @@ def _stage_main(rank: int, init_file: str, ckpt_dir: str, out_dir: str) -> None:
             device_config=DeviceConfig("cpu"),
             parallel_config=ParallelConfig(pipeline_parallel_size=WORLD),
         )
-        with set_current_vllm_config(vllm_config):
-            init_distributed_environment(
-                world_size=WORLD,
-                rank=rank,
-                local_rank=rank,
-                distributed_init_method=f"file://{init_file}",
-                backend="gloo",
+        with gloo_world(WORLD, rank, init_file, vllm_config):
+            pp = get_pp_group()
+            assert (pp.rank_in_group, pp.world_size) == (rank, WORLD)
+            # vLLM's own load path; every parameter's loader counted as soon as
+            # the model is built, before any weight arrives.
+            loads: dict[str, int] = {}
+            built: set[str] = set()
+            build = base_loader.initialize_model
+
+            def counting_build(*args, **kwargs):
+                model = build(*args, **kwargs)
+                for name, param in model.named_parameters():
+                    loader = getattr(param, "weight_loader", None)
+                    if loader is None:
+                        continue
+                    built.add(name)
+
+                    def counted(*a, _name=name, _loader=loader, **k):
+                        loads[_name] = loads.get(_name, 0) + 1
+                        return _loader(*a, **k)
+
+                    param.weight_loader = counted
+                return model
+
+            monkeypatch.setattr(base_loader, "initialize_model", counting_build)
+            model = get_model_loader(vllm_config.load_config).load_model(
+                vllm_config=vllm_config, model_config=model_config
             )
-            initialize_model_parallel(1, WORLD)
-            try:
-                pp = get_pp_group()
-                assert (pp.rank_in_group, pp.world_size) == (rank, WORLD)
-                # vLLM's own load path; every parameter's loader counted as soon as
-                # the model is built, before any weight arrives.
-                loads: dict[str, int] = {}
-                built: set[str] = set()
-                build = base_loader.initialize_model
-
-                def counting_build(*args, **kwargs):
-                    model = build(*args, **kwargs)
-                    for name, param in model.named_parameters():
-                        loader = getattr(param, "weight_loader", None)
-                        if loader is None:
-                            continue
-                        built.add(name)
-
-                        def counted(*a, _name=name, _loader=loader, **k):
-                            loads[_name] = loads.get(_name, 0) + 1
-                            return _loader(*a, **k)
-
-                        param.weight_loader = counted
-                    return model
-
-                monkeypatch.setattr(base_loader, "initialize_model", counting_build)
-                model = get_model_loader(vllm_config.load_config).load_model(
-                    vllm_config=vllm_config, model_config=model_config
-                )
-                _check_stage(rank, model, loads, built, PPMissingLayer)
-                _run_stage(rank, model, vllm_config, out, CausalSdpa)
-            finally:
-                cleanup_dist_env_and_memory()
+            _check_stage(rank, model, loads, built, PPMissingLayer)
+            _run_stage(rank, model, vllm_config, out, CausalSdpa)
 
 
 def _check_stage(
