@@ -19,9 +19,23 @@ constexpr int kBlockN = 128;  // columns per GEMM block
 // A k-split shorter than this many stages leaves the cp.async pipeline no
 // steady state.
 constexpr int kMinChunksPerSplit = 2;
-// Accumulators that fit in half the L2 never reach HBM, so their traffic is
-// this much cheaper.
-constexpr double kL2Discount = 4.0;
+// split_model's rules, from the H100 table's measured best plans (1,046 layer
+// keys x 14 buckets; scripts/bench/README.md, "Default plans against the
+// tuner's best"). From kMinWaveSplitM rows the split that fills one wave of
+// resident blocks without starting a second, slots / tiles rounded down: the
+// table's split on 47-63 % of the keys at 32-64 rows and 95-100 % from 128
+// (keys on the model's tier and a classic grid), where the rounded-up split
+// under the traffic cap matched 20-47 % at 32-256 rows. Below it the largest
+// split up to slots / tiles rounded up that divides k's stages evenly (the
+// longest block sets the time; 90 % of the table's splits there divide them):
+// 40-50 % of the keys, 30-41 % before.
+// A block of at least this many rows keeps its SM busy alone: once a split-1
+// grid has a block on more than kSplitOneSmNum / kSplitOneSmDen of the SMs,
+// splitting only stacks blocks (the table at 128 rows, BM 128: split 3 or
+// stream-k at 68-80 tiles, split 1 or stream-k on 56 of 58 keys at 96-128).
+constexpr int kOneBlockFillsSmRows = 128;
+constexpr int kSplitOneSmNum = 2;
+constexpr int kSplitOneSmDen = 3;
 // Reconstruct + cuBLAS from buckets of this many rows on. The mma.sync tiers'
 // best (BM 128) is level with it at 512 rows and behind from 1024; the wgmma
 // engine still wins at 1024 and is level at 4096 (design notes, "large m").
@@ -47,11 +61,10 @@ constexpr int kMinReconstructTuneM = 64;
 // rows): past that, reconstruct + cuBLAS won every shape measured;
 constexpr int kMaxTunedRowBlocks = 16;
 // from this many rows on, also the k-splits that just fill one, two or three
-// waves of resident blocks (the split model aims at one block per slot and
-// lands past a wave boundary or short of it where tiles are few); below it the
-// splits that divide the k chunks evenly, from the model's split /
-// kEvenSplitReach up to twice it (fewer, equal blocks: the longest block sets
-// the time).
+// waves of resident blocks (the split model takes one, or split 1 where a
+// tier's blocks fill the SMs alone); below it the splits that divide the k
+// chunks evenly, from the model's split / kEvenSplitReach up to twice it
+// (fewer, equal blocks: the longest block sets the time).
 constexpr int kMinWaveSplitM = 17;
 constexpr int kEvenSplitReach = 4;
 constexpr int kWaveSplitWaves = 3;
@@ -152,22 +165,35 @@ bool spreads_anything(const Problem& pr, int mt, bool wgmma, int splits) {
          slots - sms;  // at most one block fewer per SM than it holds
 }
 
-// Enough k-splits to give every SM its resident blocks, unless the fp32 partial
-// sums would cost more than a fraction of the weight traffic.
+// The k-splits of a classic grid: one wave of the resident blocks (the rules
+// above), partial sums past half the L2 capped at pol.traffic of the weight
+// bytes (it binds on no key of the table below 2048 rows). Sums within half
+// the L2 are not capped: the table's best splits there move up to 43 times the
+// weight bytes in partial sums.
 int split_model(const Problem& pr, int mt, const Policy& pol, bool wgmma) {
   const DeviceInfo di = device_info(pr.device);
   const auto [tiles, slots] = grid_fill(pr, mt, wgmma);
   if (tiles >= slots) return 1;
-  int s = ceil_div(slots, tiles);
-  s = std::min(s, max_splits(pr));
+  if (kRowsPerTier * mt >= kOneBlockFillsSmRows &&
+      tiles * kSplitOneSmDen > static_cast<int64_t>(di.sms) * kSplitOneSmNum)
+    return 1;
+  int s;
+  if (pr.m < kMinWaveSplitM) {
+    const int chunks = pr.k / kStageK;
+    s = std::min(ceil_div(slots, tiles), max_splits(pr));
+    while (chunks % s != 0) --s;
+  } else {
+    s = static_cast<int>(std::min<int64_t>(slots / tiles, max_splits(pr)));
+  }
   const double acc_bytes = static_cast<double>(pr.m) * pr.n * sizeof(float);
-  const double weight_bytes = static_cast<double>(pr.k) * pr.n * pr.k2 / 16.0;
-  const double frac =
-      pol.traffic * (acc_bytes <= di.l2_bytes / 2.0 ? kL2Discount : 1.0);
-  // Each split reads and writes its partial sums once (a reduction is a
-  // read-modify-write).
-  const int cap = static_cast<int>(frac * weight_bytes / (2.0 * acc_bytes));
-  return std::max(1, std::min(s, cap));
+  if (acc_bytes > di.l2_bytes / 2.0) {
+    const double weight_bytes = static_cast<double>(pr.k) * pr.n * pr.k2 / 16.0;
+    // Each split reads and writes its partial sums once (a reduction is a
+    // read-modify-write).
+    s = std::min(
+        s, static_cast<int>(pol.traffic * weight_bytes / (2.0 * acc_bytes)));
+  }
+  return std::max(1, s);
 }
 
 // Stream-k work units (output tiles x k chunks) of pr at tier mt.
