@@ -496,7 +496,12 @@ std::vector<Plan> plan_candidates(const Problem& pr, const Policy& pol) {
       splits = {std::min(pol.splits, max_splits(pr))};
     } else {
       const int s = split_model(pr, mt, pol, wg);
-      splits = {s, std::max(1, s / 2), std::min(max_splits(pr), s * 2)};
+      // The model's split and its neighbours. A third and two thirds keep the
+      // splits the checked-in tables hold in the set (they were tuned around
+      // the model's earlier, larger splits): all of the H100 table's from 128
+      // rows, 81-98 % below.
+      splits = {s, std::max(1, s / 3), std::max(1, s / 2),
+                std::max(1, 2 * s / 3), std::min(max_splits(pr), s * 2)};
       if (pr.m >= kMinWaveSplitM) {
         const auto [tiles, slots] = grid_fill(pr, mt, wg);
         for (int64_t w = 1; w <= kWaveSplitWaves; ++w) {
