@@ -185,6 +185,56 @@ def _linked_package(venv: Path, tree: Path, base_rev: str, dest: Path) -> Path:
     return dest
 
 
+# Run in the environment: the installed vllm/ against its wheel's RECORD. A file the
+# RECORD does not list, or one whose hash differs, means the package was edited in
+# place, and a set's tests would then see code of sets after it.
+_PRISTINE_PROBE = r"""
+import base64, hashlib, importlib.metadata as md, pathlib
+dist = md.distribution("vllm")
+listed, bad = set(), []
+for f in dist.files or []:
+    if not str(f).startswith("vllm/"):
+        continue
+    listed.add(str(f))
+    if f.hash is None:
+        continue
+    path = pathlib.Path(f.locate())
+    data = path.read_bytes() if path.is_file() else b""
+    digest = base64.urlsafe_b64encode(hashlib.new(f.hash.mode, data).digest())
+    if digest.rstrip(b"=").decode() != f.hash.value.rstrip("="):
+        bad.append("modified:" + str(f))
+root = pathlib.Path(dist.locate_file("vllm"))
+for path in root.rglob("*"):
+    rel = "vllm/" + path.relative_to(root).as_posix()
+    if path.is_file() and "__pycache__" not in rel and rel not in listed:
+        bad.append("unlisted:" + rel)
+print("\n".join(bad))
+"""
+
+
+def check_pristine(venv: Path) -> None:
+    """Refuses an environment whose installed vLLM differs from its wheel."""
+    r = _run(
+        [str(venv / "bin" / "python"), "-c", _PRISTINE_PROBE],
+        venv,
+        capture_output=True,
+    )
+    if r.returncode:
+        raise ToolError(f"{venv}: cannot read its vllm package:\n{r.stderr[-2000:]}")
+    bad = r.stdout.split()
+    if bad:
+        shown = "\n  ".join(bad[:10])
+        more = f"\n  ... and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise ToolError(
+            f"{venv}: the installed vllm package differs from its wheel in "
+            f"{len(bad)} file(s) (modified: a hash other than its RECORD's; "
+            "unlisted: not in its RECORD), so a set's tests could see code of later "
+            "sets:\n"
+            f"  {shown}{more}\nreinstall it (pip install --no-deps --force-reinstall "
+            "the release wheel) and remove the files the wheel does not list"
+        )
+
+
 def _test(venv: Path, tree: Path, base_rev: str, report: SetReport, work: Path):
     report.tests = [
         p
@@ -232,6 +282,8 @@ def _test(venv: Path, tree: Path, base_rev: str, report: SetReport, work: Path):
 def run_checks(us: UpstreamSeries, args: argparse.Namespace, base: Path) -> int:
     venv = upstream_env()
     cache = Path(args.cache_dir or default_cache_dir())
+    if args.test:
+        check_pristine(venv)
     reports = []
     with tempfile.TemporaryDirectory(prefix="vllm-exl3-series-ci-") as tmp:
         work = Path(tmp)

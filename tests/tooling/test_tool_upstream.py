@@ -7,8 +7,12 @@ dev tree's adaptations exported and rebuilt, and the real series on the pinned v
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,7 @@ from vllm_exl3.upstream import (
     read_dev_tree,
     write_series,
 )
+from vllm_exl3.upstream_checks import check_pristine
 
 MAP = """
 base = "0.34.0"
@@ -228,3 +233,41 @@ def test_real_series_applies_on_the_pristine_release(tmp_path, upstream_sdist):
         assert (out / c.label / "PR.md").is_file()
     assert r.stdout.count(" applies") == len(us.concerns), r.stdout
     assert "FAILS" not in r.stdout
+
+
+def _fake_env(root: Path) -> tuple[Path, Path]:
+    """A "venv" whose python sees one installed vllm distribution with a RECORD."""
+    site = root / "site"
+    (site / "vllm").mkdir(parents=True)
+    files = {"vllm/__init__.py": b"", "vllm/envs.py": b"A = 1\n"}
+    record = []
+    for rel, data in files.items():
+        (site / rel).write_bytes(data)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest())
+        record.append(f"{rel},sha256={digest.rstrip(b'=').decode()},{len(data)}")
+    info = site / "vllm-0.34.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.34.0\n"
+    )
+    record.append("vllm-0.34.0.dist-info/RECORD,,")
+    (info / "RECORD").write_text("\n".join(record) + "\n")
+    python = root / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    os.chmod(python, 0o755)
+    return root / "venv", site
+
+
+def test_series_tests_refuse_an_environment_edited_in_place(tmp_path):
+    venv, site = _fake_env(tmp_path)
+    check_pristine(venv)  # as installed
+    (site / "vllm" / "envs.py").write_text("A = 2\n")
+    (site / "vllm" / "exl3.py").write_text("")
+    (site / "vllm" / "__pycache__").mkdir()
+    (site / "vllm" / "__pycache__" / "envs.cpython-311.pyc").write_bytes(b"")
+    with pytest.raises(ToolError) as e:
+        check_pristine(venv)
+    assert "in 2 file(s)" in str(e.value)
+    assert "modified:vllm/envs.py" in str(e.value)
+    assert "unlisted:vllm/exl3.py" in str(e.value)
