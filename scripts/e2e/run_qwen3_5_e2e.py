@@ -147,11 +147,19 @@ def after_image(ids: list[int], logprobs: list[float], end_id: int) -> list[floa
 STAGES = ("ppl", "agreement", "image", "mtp", "serve")
 
 
-def run_model(kind: str, args, windows, result: dict) -> None:
+def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None:
     """The stages of --stages for one model; each engine's failure is recorded and the
-    rest still run."""
+    rest still run. After each stage the measurements so far go to
+    result["measured"][kind] and `save` writes them, so a run cut by a time limit keeps
+    the stages it finished."""
     errors = result["errors"]
     stages = set(args.stages)
+    measured = result.setdefault("measured", {}).setdefault(kind, {})
+
+    def stage_done(name: str, value) -> None:
+        measured[name] = value
+        save()
+
     exl3 = assemble(kind, args.work)
     twin = None
     if stages & {"agreement", "image", "mtp"}:
@@ -180,6 +188,8 @@ def run_model(kind: str, args, windows, result: dict) -> None:
             full_ppl=(name == "exl3" and not eager and "ppl" in stages),
             engine_args=engine_args(),
         )
+    if runs:
+        stage_done("runs", runs)
     image: dict = {}
     if "image" in stages:
         for name, path in (("exl3", exl3), ("twin", twin)):
@@ -187,6 +197,7 @@ def run_model(kind: str, args, windows, result: dict) -> None:
                 image[name] = fx.attempt(
                     errors, f"{kind}:{name}-image", image_run, path, args
                 )
+        stage_done("image", image)
     mtp: dict = {}
     if "mtp" in stages:
         for name, path in (("exl3", exl3), ("twin", twin)):
@@ -194,6 +205,7 @@ def run_model(kind: str, args, windows, result: dict) -> None:
                 mtp[name] = fx.attempt(
                     errors, f"{kind}:{name}-mtp", mtp_run, path, windows
                 )
+        stage_done("mtp", mtp)
     serve = {}
     if "serve" in stages:
         for extra in ((), ("--language-model-only",)):
@@ -208,6 +220,7 @@ def run_model(kind: str, args, windows, result: dict) -> None:
                 args.work,
                 extra_args=(*extra, *serve_args()),
             )
+        stage_done("serve", serve)
     result["models"][kind] = judge(kind, recorded(kind), runs, image, mtp, serve)
 
 
@@ -386,14 +399,17 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     windows = fx.validation_windows()
     result: dict = {"environment": fx.environment(), "models": {}, "errors": {}}
+    path = args.out / f"qwen3_5_e2e-{'-'.join(args.stages)}.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(result, indent=1, default=str))
+
     for kind in args.kinds:
         try:
-            run_model(kind, args, windows, result)
+            run_model(kind, args, windows, result, save)
         except Exception:  # noqa: BLE001 - recorded; the other model still runs
             result["errors"][kind] = traceback.format_exc()
-        (args.out / f"qwen3_5_e2e-{'-'.join(args.stages)}.json").write_text(
-            json.dumps(result, indent=1, default=str)
-        )
+        save()
     ok = not result["errors"]
     for kind, res in result["models"].items():
         for c in res["checks"]:

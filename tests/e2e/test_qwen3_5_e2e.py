@@ -208,3 +208,28 @@ def test_only_the_asked_stages_start_engines(stages, engines, monkeypatch, tmp_p
     q.run_model("dense", args, [], result)
     assert started == engines
     assert not result["errors"]
+
+
+class _Cut(BaseException):
+    """What a time limit does to the run: nothing below catches it."""
+
+
+def test_a_run_cut_mid_model_keeps_the_stages_it_finished(monkeypatch, tmp_path):
+    monkeypatch.setattr(q, "dequantized_twin", lambda src, work: src)
+    monkeypatch.setattr(q, "image_run", lambda path, args: {"after_image": 0.01})
+
+    def mtp_run(path, windows):
+        raise _Cut
+
+    monkeypatch.setattr(q, "mtp_run", mtp_run)
+    saved = []
+    result = {"errors": {}, "models": {}}
+    args = q.argparse.Namespace(stages=["image", "mtp", "serve"], work=tmp_path)
+    with pytest.raises(_Cut):
+        q.run_model(
+            "dense", args, [], result, lambda: saved.append(q.json.dumps(result))
+        )
+    assert saved, "nothing was written before the cut"
+    last = q.json.loads(saved[-1])
+    assert last["measured"]["dense"]["image"]["exl3"] == {"after_image": 0.01}
+    assert "mtp" not in last["measured"]["dense"]
