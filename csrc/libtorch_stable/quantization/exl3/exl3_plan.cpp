@@ -41,12 +41,27 @@ constexpr int kSplitOneSmDen = 3;
 // engine still wins at 1024 and is level at 4096 (design notes, "large m").
 constexpr int kReconstructM = 1024;
 constexpr int kReconstructMWgmma = 2048;
+// Where wgmma runs, reconstruct + cuBLAS already from kFillReconstructM rows
+// when the wgmma tier's split-1 grid fills its waves of resident blocks less
+// than kReconstructMaxFill (a short last wave, or fewer tiles than SMs) and k
+// is longer than kFusedShortK: cuBLAS's grid fills the card where the fused
+// one idles SMs, and a split-k or stream-k grid pays partial sums. The H100
+// table at 1024 rows: reconstruct on 475 of the 488 keys under that fill with
+// k > 512, the fused GEMM on 479 of the 515 at or above it and on 29 of the 30
+// under-filled keys with k <= 512 (its BM 64-128 tiers); the model's path
+// matches the table's on 94 % of the 1,046 keys (50 % with the fused GEMM
+// throughout). At 512 rows the table reconstructs mostly on grids of at most
+// 48 tiles (207 of 229 keys), which no held-out layer has; not modelled.
+constexpr int kFillReconstructM = 1024;
+constexpr double kReconstructMaxFill = 0.8;
+constexpr int kFusedShortK = 512;
 // The original-basis reconstruct from this many rows on: its two-sided Hadamard
 // costs a fixed k*n pass, the rotated path's transforms grow with m*(k+n). At
 // the 2048-row bucket it beat the rotated path on 10 of 11 held-out layers, by
 // 1.13-1.56x, cold (scripts/bench/README.md, "Default plans against the
-// tuner's best").
-constexpr int kOriginalBasisM = 2048;
+// tuner's best"); the tuner picked it over the rotated path on all 520 keys of
+// the H100 table that reconstruct at 1024 rows.
+constexpr int kOriginalBasisM = 1024;
 // The wgmma engine's smallest tier is 64 tokens; the cost model uses it from
 // that bucket on, and the timer from this many rows (a 33..64-row call pads at
 // most half the tile).
@@ -219,6 +234,14 @@ bool wgmma_available(const Problem& pr, const Policy& pol) {
          device_info(pr.device).wgmma == 1;
 }
 
+// The fill rule of kFillReconstructM (the bucket's wgmma tier, split 1).
+bool underfilled_reconstructs(const Problem& pr) {
+  if (pr.m < kFillReconstructM || pr.k <= kFusedShortK) return false;
+  const auto [tiles, slots] = grid_fill(pr, wgmma_tier_for_m(pr.m), true);
+  const int64_t waves = ceil_div(tiles, slots);
+  return tiles < kReconstructMaxFill * static_cast<double>(waves * slots);
+}
+
 Path default_basis(const Problem& pr) {
   return pr.m >= kOriginalBasisM ? Path::kReconOriginal : Path::kReconRotated;
 }
@@ -232,7 +255,8 @@ Plan cost_model(const Problem& pr, const Policy& pol) {
     const int64_t threshold = pol.reconstruct_m >= 0 ? pol.reconstruct_m
                               : wg_avail             ? kReconstructMWgmma
                                                      : kReconstructM;
-    if (threshold > 0 && pr.m >= threshold) {
+    if ((threshold > 0 && pr.m >= threshold) ||
+        (pol.reconstruct_m < 0 && wg_avail && underfilled_reconstructs(pr))) {
       p.path =
           pol.basis >= 0 ? static_cast<Path>(pol.basis) : default_basis(pr);
       return p;
