@@ -9,13 +9,15 @@ its slice.
 Dense fixture, TP=2 against TP=1 (this process, the ordinary TP=1 model):
 * with the default encoder mode the load fails closed, naming the vision tower's
   attention output projection (128 input features, 64 per rank: half a Hadamard
-  block), and so does `--language-model-only`: vLLM 0.26 still builds the skipped tower
-  (on the meta device, through the quant method). `--mm-encoder-tp-mode data` is what
-  the user guide says to add;
-* with `mm_encoder_tp_mode="data"` (whole model, and language-model-only): every
-  parameter of each rank written, no checkpoint tensor passed over but the MTP layer's
-  (the draft model loads those); the language model split (in_proj_qkvz, qkv_proj,
-  gate_up_proj at half width), the tower's EXL3 linears whole on each rank;
+  block); `--mm-encoder-tp-mode data` is what the user guide says to add;
+* `--language-model-only` loads in either encoder mode: vLLM builds the skipped tower
+  on the meta device only to drop it, and its linears take the unquantized method
+  (config.building_a_dropped_tower), so no EXL3 layout is planned for them;
+* with `mm_encoder_tp_mode="data"` (whole model, and language-model-only), and
+  language-model-only in the default mode: every parameter of each rank written, no
+  checkpoint tensor passed over but the MTP layer's (the draft model loads those); the
+  language model split (in_proj_qkvz, qkv_proj, gate_up_proj at half width), the
+  tower's EXL3 linears whole on each rank;
 * the language model run on 128 tokens of the fixture text: final hidden states and
   logits equal TP=1's within 8 fp16 ulps, perplexity within 1e-3, on both ranks; the
   language-model-only model's logits equal the whole model's on the same rank;
@@ -293,13 +295,12 @@ def _dense_rank_main(rank: int, tmp: str) -> None:
     out = {}
     with gloo_world(WORLD, rank, f"{tmp}/init"):
         # The default encoder mode splits the tower over the TP group: refused by
-        # name, with or without --language-model-only.
-        for kwargs in ({}, {"language_model_only": True}):
-            with (
-                pytest.MonkeyPatch.context() as monkeypatch,
-                pytest.raises(Exl3LayoutError, match=_refused_at_64(TOWER_PROJ, rank)),
-            ):
-                load(root, monkeypatch, **kwargs)
+        # name.
+        with (
+            pytest.MonkeyPatch.context() as monkeypatch,
+            pytest.raises(Exl3LayoutError, match=_refused_at_64(TOWER_PROJ, rank)),
+        ):
+            load(root, monkeypatch)
 
         with pytest.MonkeyPatch.context() as monkeypatch:
             model, vllm_config, unloaded, passed_over = load(
@@ -323,14 +324,18 @@ def _dense_rank_main(rank: int, tmp: str) -> None:
             out["hidden"], out["logits"] = run_language_model(model, vllm_config, ids)
             out["tower"] = tower_embeddings(model, vllm_config)
 
-        with pytest.MonkeyPatch.context() as monkeypatch:
-            model, vllm_config, unloaded, passed_over = load(
-                root, monkeypatch, language_model_only=True, mm_encoder_tp_mode="data"
-            )
-            _check_ledger(model, unloaded, passed_over, tower=False)
-            _, logits = run_language_model(model, vllm_config, ids)
-            # The same weights on the same rank, the same operations.
-            assert torch.equal(logits, out["logits"])
+        # Without the tower, the encoder mode does not matter: the skipped tower is
+        # never planned as EXL3.
+        for mode in ("data", None):
+            extra = {"mm_encoder_tp_mode": mode} if mode else {}
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                model, vllm_config, unloaded, passed_over = load(
+                    root, monkeypatch, language_model_only=True, **extra
+                )
+                _check_ledger(model, unloaded, passed_over, tower=False)
+                _, logits = run_language_model(model, vllm_config, ids)
+                # The same weights on the same rank, the same operations.
+                assert torch.equal(logits, out["logits"])
     torch.save(out, f"{tmp}/rank{rank}.pt")
 
 

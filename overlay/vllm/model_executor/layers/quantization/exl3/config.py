@@ -20,9 +20,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from vllm.config import get_current_vllm_config_or_none
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-from vllm.model_executor.layers.linear import LinearBase
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import (
     QuantizationConfig,
     QuantizeMethodBase,
@@ -130,6 +131,23 @@ def describe_checkpoint(
     for warning in declared_disagreements(None, {"tensor_storage": storage}, specs):
         logger.warning("EXL3 checkpoint %s: %s", source, warning)
     return specs, embeddings
+
+
+def building_a_dropped_tower() -> bool:
+    """Whether the layer being built is part of a multimodal tower that vLLM builds only
+    to drop (every modality's limit 0, e.g. --language-model-only: the model's
+    _mark_tower_model builds it on the meta device and puts a StageMissingLayer in its
+    place). None of its weights is loaded or run, so it takes vLLM's unquantized method:
+    an EXL3 layout would be planned, and could be refused (a row-parallel width that
+    does not split on 128 columns at this TP size), for a layer that never exists."""
+    if torch.get_default_device().type != "meta":
+        return False
+    config = get_current_vllm_config_or_none()
+    return (
+        config is not None
+        and config.model_config is not None
+        and config.model_config.multimodal_config is not None
+    )
 
 
 class Exl3Config(QuantizationConfig):
@@ -282,6 +300,8 @@ class Exl3Config(QuantizationConfig):
                 "speculative_config method 'mtp'"
             )
         if isinstance(layer, LinearBase):
+            if building_a_dropped_tower():
+                return UnquantizedLinearMethod()
             specs = self.linear_specs(prefix, len(layer.output_partition_sizes))
             if specs is None:
                 # The format keeps unquantized linears 128-padded too; this is vLLM's
