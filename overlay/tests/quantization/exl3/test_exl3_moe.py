@@ -101,6 +101,7 @@ def build_moe(
         prefix, None
     )
     cfg = json.loads((ckpt / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal checkpoints (Qwen3.5) nest it
     experts = cfg.get("n_routed_experts") or cfg["num_experts"]
     config = config_for(ckpt) if config is None else config
     moe = FusedMoE(

@@ -388,40 +388,9 @@ def build_experts(root: Path, expect_all_loaded: bool = True):
     """vLLM's FusedMoE for the fixture's first MoE layer (8 experts of 128, top-2,
     renormalised), fp32, loaded from its checkpoint tensors; under expert parallelism a
     rank loads only its experts. Routing by softmax top-k (vLLM's ops are CUDA-only)."""
-    from safetensors.torch import load_file
-    from vllm.config import get_current_vllm_config
-    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from .test_exl3_moe import build_moe
 
-    from .exl3_harness import config_for
-    from .moe_oracle import softmax_topk
-
-    cfg = json.loads((root / "config.json").read_text())["text_config"]
-    # Layers register by name in the world's config; the test builds this one twice.
-    get_current_vllm_config().compilation_config.static_forward_context.pop(
-        EXPERTS, None
-    )
-    moe = FusedMoE(
-        num_experts=cfg["num_experts"],
-        top_k=cfg["num_experts_per_tok"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["moe_intermediate_size"],
-        params_dtype=torch.float32,
-        renormalize=cfg["norm_topk_prob"],
-        quant_config=config_for(root),
-        prefix=EXPERTS,
-        custom_routing_function=softmax_topk,
-    )
-    named = load_file(str(root / "model.safetensors"))
-    weights = [
-        (k[len(EXPERTS) + 1 :], v)
-        for k, v in named.items()
-        if k.startswith(EXPERTS + ".")
-    ]
-    loaded = list(moe.load_weights(iter(weights)))
-    if expect_all_loaded:
-        assert len(loaded) == len(weights), (len(loaded), len(weights))
-    moe.routed_experts.quant_method.process_weights_after_loading(moe.routed_experts)
-    return moe, named, weights, loaded
+    return build_moe(root, EXPERTS, expect_all_loaded=expect_all_loaded)
 
 
 def _moe_rank_main(rank: int, tmp: str) -> None:
@@ -465,10 +434,11 @@ def _moe_rank_main(rank: int, tmp: str) -> None:
                 mm_encoder_tp_mode="data",
             )
 
-        moe, named, weights, loaded = build_experts(root, expect_all_loaded=False)
+        moe, named, loaded = build_experts(root, expect_all_loaded=False)
         method = moe.routed_experts.quant_method
         local = set(method._local.values())
-        assert len(local) == 4 and 2 * len(loaded) == len(weights), (
+        stored = [k for k in named if k.startswith(EXPERTS + ".")]
+        assert len(local) == 4 and 2 * len(loaded) == len(stored), (
             len(local),
             len(loaded),
         )
