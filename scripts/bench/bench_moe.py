@@ -94,6 +94,7 @@ def exl3_variant(
     force_splits=None,
     force_wgmma=None,
     force_pairs=None,
+    force_block=None,
 ):
     """The kernel class with its choices fixed as asked (moe_plans.Exl3MoEOverrides).
 
@@ -110,7 +111,8 @@ def exl3_variant(
     rule's (moe_plans.pairs_layout): False is vLLM's alignment at every size, so the
     rows exl3 and exl3_aligned measure the pairs layout where the rule takes it; True
     is the pairs layout at every size (row exl3_pairs), which places the rule's
-    limit."""
+    limit. force_block: the aligned layout's row block instead of the block-size
+    rule's (moe_plans.block_size; rows exl3_blockB)."""
     from vllm.model_executor.layers.quantization.exl3.moe_kernels import (
         CudaExl3MoEKernel,
         Exl3MoEWeights,
@@ -134,7 +136,9 @@ def exl3_variant(
     else:
         path = Exl3MoEPath.PAIRS if force_pairs else Exl3MoEPath.ALIGNED
     kernel = CudaExl3MoEKernel(
-        Exl3MoEOverrides(path=path, splits=force_splits, wgmma=force_wgmma)
+        Exl3MoEOverrides(
+            path=path, splits=force_splits, wgmma=force_wgmma, block=force_block
+        )
     )
     weights = [
         Exl3MoEWeights(*lay.tensors(), num_experts=e, hidden=h, width=i)
@@ -452,6 +456,16 @@ def main(argv: list[str] | None = None) -> int:
         "k's 64-deep stages, to place the split rule",
     )
     ap.add_argument(
+        "--block-sweep",
+        nargs="*",
+        type=int,
+        default=[],
+        metavar="B",
+        help="also rows exl3_blockB: the aligned layout with B-row blocks at every "
+        "size (where the rule takes the pairs layout too), to place the block-size "
+        "rule",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="after each timing, print every kernel's GPU time per call (an eager "
@@ -516,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
                     functools.partial(exl3, force_splits=(sp.gate_up, sp.down)),
                 )
                 for sp in args.split_sweep
+            ]
+            variants += [
+                (
+                    f"exl3_block{b}",
+                    functools.partial(exl3, force_pairs=False, force_block=b),
+                )
+                for b in args.block_sweep
             ]
             if not args.no_reconstruct:
                 variants.append(
@@ -595,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
         deterministic=args.deterministic,
         # exl3_split<label>: the (gate_up, down) k-splits forced at the decode tiers.
         split_sweep={sp.label: [sp.gate_up, sp.down] for sp in args.split_sweep},
+        # exl3_block<B>: the aligned layout's row block forced.
+        block_sweep=args.block_sweep,
         pool_bytes=POOL_BYTES,
         timing="CUDA-graph replay median / calls per pass",
         exllamav3=(
@@ -610,9 +633,10 @@ def main(argv: list[str] | None = None) -> int:
         "| shape | tokens | exl3 us | exl3 aligned us | exl3 pairs us | exl3 mma us | "
         "exl3 unsplit us | exl3 reconstruct us | bf16 us | marlin us | exllamav3 us | "
         "exl3/bf16 | best exl3/bf16 |"
-        + "".join(f" split {sp.label} us |" for sp in args.split_sweep),
+        + "".join(f" split {sp.label} us |" for sp in args.split_sweep)
+        + "".join(f" block {b} us |" for b in args.block_sweep),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        + "---:|" * len(args.split_sweep),
+        + "---:|" * (len(args.split_sweep) + len(args.block_sweep)),
     ]
     for name in args.shapes:
         for m in args.tokens:
@@ -644,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
                 + "".join(
                     f" {fmt(f'exl3_split{sp.label}')} |" for sp in args.split_sweep
                 )
+                + "".join(f" {fmt(f'exl3_block{b}')} |" for b in args.block_sweep)
             )
     table = "\n".join(lines)
     (args.out / f"bench_moe_{stamp}.md").write_text(table + "\n")

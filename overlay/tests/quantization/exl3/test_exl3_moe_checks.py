@@ -669,6 +669,28 @@ def test_pairs_choice_of_the_kernel_class(monkeypatch, h200_on_cpu) -> None:
     assert path(kernel, 2) is pairs and path(kernel, 3) is aligned
 
 
+def test_block_override_of_the_kernel_class(h200_on_cpu) -> None:
+    """Exl3MoEOverrides.block fixes the aligned layout's row block (the benchmark's
+    exl3_blockB rows); the pairs layout keeps its 16-row blocks; a block the grouped
+    GEMM does not have is refused by name."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_kernels as mk
+    from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        Exl3MoEOverrides,
+        Exl3MoEPath,
+    )
+
+    ruled = glm_call(mk.CudaExl3MoEKernel(), 256)
+    assert ruled.path is Exl3MoEPath.ALIGNED and ruled.block == 16
+    for b in BLOCK_SIZES:
+        forced = glm_call(mk.CudaExl3MoEKernel(Exl3MoEOverrides(block=b)), 256)
+        assert (forced.path, forced.block) == (Exl3MoEPath.ALIGNED, b)
+    pairs = Exl3MoEOverrides(path=Exl3MoEPath.PAIRS, block=64)
+    assert glm_call(mk.CudaExl3MoEKernel(pairs), 2).block == 16
+    with pytest.raises(ValueError, match="block = 48: not a row block"):
+        Exl3MoEOverrides(block=48)
+
+
 def test_split_rule_counts_the_pairs_blocks() -> None:
     """With the pairs layout the split rule counts one working block per local routed
     pair: the aligned estimate's where every pair reaches its own expert (one token),

@@ -103,6 +103,15 @@ class Exl3MoEOverrides:
     # True: Hopper's wgmma for the grouped GEMMs (an error where the op cannot run
     # it); False: mma.sync.
     wgmma: bool | None = None
+    # The aligned layout's row block (one of BLOCK_SIZES) instead of block_size's.
+    block: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block is not None and self.block not in BLOCK_SIZES:
+            raise ValueError(
+                f"Exl3MoEOverrides.block = {self.block}: not a row block of the "
+                f"grouped GEMM ({', '.join(map(str, BLOCK_SIZES))})"
+            )
 
 
 NO_OVERRIDES = Exl3MoEOverrides()
@@ -382,11 +391,12 @@ def select_moe_call(
     if path is Exl3MoEPath.RECONSTRUCT:
         return Exl3MoECall(path, 0, (1, 1), WGMMA_AUTO)
     pairs = path is Exl3MoEPath.PAIRS
-    block = (
-        PAIRS_BLOCK_SIZE
-        if pairs
-        else block_size(shape.tokens, shape.top_k, shape.global_experts)
-    )
+    if pairs:
+        block = PAIRS_BLOCK_SIZE
+    elif overrides.block is not None:
+        block = overrides.block
+    else:
+        block = block_size(shape.tokens, shape.top_k, shape.global_experts)
     splits = call_splits(
         shape,
         block,
