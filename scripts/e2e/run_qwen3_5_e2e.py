@@ -150,14 +150,20 @@ STAGES = ("ppl", "agreement", "image", "mtp", "serve")
 def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None:
     """The stages of --stages for one model; each engine's failure is recorded and the
     rest still run. After each stage the measurements so far go to
-    result["measured"][kind] and `save` writes them, so a run cut by a time limit keeps
-    the stages it finished."""
+    result["measured"][kind], their verdicts to result["models"][kind], and `save`
+    writes both, so a run cut by a time limit keeps the stages it finished, judged."""
     errors = result["errors"]
     stages = set(args.stages)
     measured = result.setdefault("measured", {}).setdefault(kind, {})
 
+    runs: dict = {}
+    image: dict = {}
+    mtp: dict = {}
+    serve: dict = {}
+
     def stage_done(name: str, value) -> None:
         measured[name] = value
+        result["models"][kind] = judge(kind, recorded(kind), runs, image, mtp, serve)
         save()
 
     exl3 = assemble(kind, args.work)
@@ -166,7 +172,6 @@ def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None
         twin = fx.attempt(
             errors, f"{kind}:dequantize", dequantized_twin, exl3, args.work
         )
-    runs: dict = {}
     plan = []
     if stages & {"ppl", "agreement"}:
         plan.append(("exl3", exl3, False))
@@ -188,9 +193,8 @@ def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None
             full_ppl=(name == "exl3" and not eager and "ppl" in stages),
             engine_args=engine_args(),
         )
-    if runs:
+    if plan:
         stage_done("runs", runs)
-    image: dict = {}
     if "image" in stages:
         for name, path in (("exl3", exl3), ("twin", twin)):
             if path is not None:
@@ -198,7 +202,6 @@ def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None
                     errors, f"{kind}:{name}-image", image_run, path, args
                 )
         stage_done("image", image)
-    mtp: dict = {}
     if "mtp" in stages:
         for name, path in (("exl3", exl3), ("twin", twin)):
             if path is not None:
@@ -206,7 +209,6 @@ def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None
                     errors, f"{kind}:{name}-mtp", mtp_run, path, windows
                 )
         stage_done("mtp", mtp)
-    serve = {}
     if "serve" in stages:
         for extra in ((), ("--language-model-only",)):
             tag = "language-model-only" if extra else "multimodal"
@@ -221,7 +223,6 @@ def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None
                 extra_args=(*extra, *serve_args()),
             )
         stage_done("serve", serve)
-    result["models"][kind] = judge(kind, recorded(kind), runs, image, mtp, serve)
 
 
 def serve_args() -> tuple[str, ...]:

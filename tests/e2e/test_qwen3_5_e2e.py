@@ -215,8 +215,18 @@ class _Cut(BaseException):
 
 
 def test_a_run_cut_mid_model_keeps_the_stages_it_finished(monkeypatch, tmp_path):
-    monkeypatch.setattr(q, "dequantized_twin", lambda src, work: src)
-    monkeypatch.setattr(q, "image_run", lambda path, args: {"after_image": 0.01})
+    twin = tmp_path / "twin"
+    monkeypatch.setattr(q, "dequantized_twin", lambda src, work: twin)
+
+    def image_run(path, args):
+        shift = 0.0 if path == twin else 0.01
+        return {
+            "image_tokens": 4,
+            "after_image": [-1.0 + shift, -2.0],
+            "text_only": [-1.0, -2.0 + shift],
+        }
+
+    monkeypatch.setattr(q, "image_run", image_run)
 
     def mtp_run(path, windows):
         raise _Cut
@@ -231,5 +241,10 @@ def test_a_run_cut_mid_model_keeps_the_stages_it_finished(monkeypatch, tmp_path)
         )
     assert saved, "nothing was written before the cut"
     last = q.json.loads(saved[-1])
-    assert last["measured"]["dense"]["image"]["exl3"] == {"after_image": 0.01}
+    assert last["measured"]["dense"]["image"]["exl3"]["after_image"] == [-0.99, -2.0]
     assert "mtp" not in last["measured"]["dense"]
+    # The finished stage is judged before the cut, not only at the model's end.
+    checks = last["models"]["dense"]["checks"]
+    assert [(c["check"], c["pass"]) for c in checks] == [
+        ("image: EXL3 vs dequantized tower", True)
+    ]
