@@ -184,6 +184,66 @@ def continuation_agreement(
     }
 
 
+# Speculative vs plain greedy decoding. Speculation verifies each draft with the target
+# model, so its output is plain greedy decoding's but for rounding: verify steps run
+# other batch shapes (other kernels, other summation orders) than plain decode steps,
+# and where plain's top two tokens nearly tie, that rounding may pick the runner-up.
+
+# Top logprobs a plain run keeps per generated token: its own and the runner-up.
+TIE_LOGPROBS = 2
+# The widest gap (nats) between plain's top two at which a speculative run may take the
+# runner-up. Batch shapes alone move a token's logprob by up to about a quarter of a nat
+# on the fixtures (their eager-vs-graphs records); a flip moves two tokens' apart.
+TIE_NATS = 0.5
+
+
+def top_logprobs(positions: Sequence[Mapping[int, Any]]) -> list[list[list]]:
+    """vLLM's per-position logprob dicts (token id -> Logprob) as [[token, logprob],
+    ...] per position, best first (JSON-friendly)."""
+    return [
+        sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda e: -e[1])
+        for pos in positions
+    ]
+
+
+def divergence_gaps(
+    plain: Sequence[Sequence[int]],
+    plain_top: Sequence[Sequence[Sequence]],
+    spec: Sequence[Sequence[int]],
+) -> list[float | None]:
+    """For each continuation speculation left: plain's logprob gap, at the first
+    divergence, between its own token and the speculative one; None where the
+    speculative token is not among plain's kept top tokens there."""
+    if not (len(plain) == len(plain_top) == len(spec)):
+        raise ValueError(
+            f"{len(plain)} plain, {len(plain_top)} top-logprob and {len(spec)} "
+            "speculative continuations (need one each per request)"
+        )
+    gaps: list[float | None] = []
+    for p, top, s in zip(plain, plain_top, spec):
+        i = common_prefix(p, s)
+        if i >= min(len(p), len(s)):
+            continue
+        if len(top) != len(p):
+            raise ValueError(
+                f"{len(top)} top-logprob positions for a {len(p)}-token continuation"
+            )
+        kept = {int(t): float(lp) for t, lp in top[i]}
+        gaps.append(kept[p[i]] - kept[s[i]] if s[i] in kept and p[i] in kept else None)
+    return gaps
+
+
+def tie_verdict(gaps: Sequence[float | None]) -> dict:
+    """Whether every divergence in `gaps` is a near tie of plain's top two."""
+    widest = max((math.inf if g is None else g for g in gaps), default=0.0)
+    return {
+        "diverged": len(gaps),
+        "gaps": list(gaps),
+        "widest_gap": widest,
+        "pass": widest <= TIE_NATS,
+    }
+
+
 # Between two measured runs in one process.
 
 

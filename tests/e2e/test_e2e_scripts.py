@@ -21,15 +21,19 @@ import pytest
 from vllm_exl3.e2e import run_fixture_e2e as fx
 from vllm_exl3.e2e import throughput as th
 from vllm_exl3.e2e.measures import (
+    TIE_NATS,
     WINDOW,
     common_prefix,
     continuation_agreement,
     decode_logprob_agreement,
+    divergence_gaps,
     logprob_agreement,
     next_token_logprobs,
     perplexity,
     relative_difference,
     split_windows,
+    tie_verdict,
+    top_logprobs,
 )
 from vllm_exl3.repo import ROOT as REPO
 from vllm_exl3.testing.synthetic_checkpoint import load_config
@@ -553,3 +557,40 @@ def test_continuation_agreement():
     assert common_prefix([1, 2], [1, 2, 3]) == 2
     with pytest.raises(ValueError):
         continuation_agreement([], [])
+
+
+@dataclass
+class _Logprob:
+    logprob: float
+
+
+def test_speculation_may_leave_plain_greedy_only_at_a_near_tie():
+    # vLLM's per-position dicts, in no order, become [token, logprob] pairs best first.
+    top = top_logprobs([{7: _Logprob(-2.0), 3: _Logprob(-0.1)}, {5: _Logprob(-0.3)}])
+    assert top == [[[3, -0.1], [7, -2.0]], [[5, -0.3]]]
+    plain = [[1, 2, 3], [1, 2, 3], [4, 5, 6]]
+    kept = [
+        [[[1, -0.1], [8, -3.0]], [[2, -0.6], [9, -0.8]], [[3, -0.1], [0, -4.0]]],
+        [[[1, -0.1], [8, -3.0]], [[2, -0.1], [9, -2.1]], [[3, -0.1], [0, -4.0]]],
+        [[[4, -0.1], [8, -3.0]], [[5, -0.1], [9, -2.1]], [[6, -0.1], [0, -4.0]]],
+    ]
+    # The first diverges where plain's top two were 0.2 nats apart, the second where
+    # they were 2 apart, the third not at all.
+    gaps = divergence_gaps(plain, kept, [[1, 9, 9], [1, 9, 9], [4, 5, 6]])
+    assert gaps == [pytest.approx(0.2), pytest.approx(2.0)]
+    assert tie_verdict(gaps[:1])["pass"] and not tie_verdict(gaps)["pass"]
+    assert tie_verdict(gaps)["widest_gap"] == pytest.approx(2.0)
+    assert 0.2 < TIE_NATS < 2.0
+    # A speculative token plain did not even rank second is no tie.
+    assert divergence_gaps(plain[:1], kept[:1], [[1, 7, 7]]) == [None]
+    assert tie_verdict([None])["widest_gap"] == math.inf
+    assert tie_verdict([]) == {
+        "diverged": 0,
+        "gaps": [],
+        "widest_gap": 0.0,
+        "pass": True,
+    }
+    with pytest.raises(ValueError, match="one each per request"):
+        divergence_gaps(plain, kept[:2], plain)
+    with pytest.raises(ValueError, match="top-logprob positions"):
+        divergence_gaps(plain[:1], [kept[0][:2]], [[1, 2, 9]])

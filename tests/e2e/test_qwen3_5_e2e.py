@@ -91,11 +91,20 @@ def _image(after: float, text: float, image_tokens: int = 4) -> dict:
     }
 
 
-def _spec(same: bool, drafts: int = 100) -> dict:
+def _spec(same: bool, drafts: int = 100, gap: float = 2.0, runner_up: int = 9) -> dict:
+    """Speculative and plain runs; where speculation diverges it takes token 9, and
+    plain's runner-up at every position is `runner_up`, `gap` nats below its own."""
     plain = [[1, 2, 3, 4]] * 4
     spec = plain if same else [[1, 9, 9, 9]] * 4
+    top = [[[[t, -0.5], [runner_up, -0.5 - gap]] for t in seq] for seq in plain]
     return {
-        "plain": {"tokens": plain, "tokens_per_s": 100.0, "metrics": {}},
+        "plain": {
+            "tokens": plain,
+            "tie_tokens": plain,
+            "top": top,
+            "tokens_per_s": 100.0,
+            "metrics": {},
+        },
         "mtp": {
             "tokens": spec,
             "tokens_per_s": 150.0,
@@ -107,9 +116,9 @@ def _spec(same: bool, drafts: int = 100) -> dict:
     }
 
 
-def _mtp(same: bool, drafts: int = 100, twin_same: bool = True) -> dict:
+def _mtp(same: bool, drafts: int = 100, **exl3) -> dict:
     """EXL3's and the twin's speculative-vs-plain runs."""
-    return {"exl3": _spec(same, drafts), "twin": _spec(twin_same)}
+    return {"exl3": _spec(same, drafts, **exl3), "twin": _spec(True)}
 
 
 SERVE = {"multimodal": {"text": "x"}, "language-model-only": {"text": "y"}}
@@ -140,7 +149,7 @@ def test_each_check_fails_on_its_fault():
         "eager vs defaults, prompt",
         "eager vs defaults, decode",
         "image: EXL3 vs dequantized tower",
-        "MTP greedy = plain, vs the twin's",
+        "MTP greedy = plain but at near ties",
         "serve (multimodal)",
     }
 
@@ -159,14 +168,24 @@ def test_an_image_that_became_no_image_tokens_fails():
     ]
 
 
-def test_speculation_is_judged_against_the_twins_divergence():
-    # Both diverge after one of four tokens (matched 0.25): a near tie the bf16 kernels
-    # also split; EXL3 diverging where the twin does not fails.
-    same = q.judge("moe", q.recorded("moe"), {}, {}, _mtp(False, twin_same=False), {})
-    worse = q.judge("moe", q.recorded("moe"), {}, {}, _mtp(False), {})
-    assert [c["pass"] for c in same["checks"]] == [True]
-    assert same["mtp"]["twin"]["matched"] == 0.25
-    assert [c["pass"] for c in worse["checks"]] == [False]
+def test_speculation_may_leave_plain_only_at_near_ties():
+    # Every continuation diverges after one of four tokens (matched 0.25): a pass where
+    # plain's top two were 0.1 nats apart there, a fail at 2 nats, or where the
+    # speculative token is not plain's runner-up at all, or with no runner-ups kept.
+    def verdict(mtp):
+        out = q.judge("moe", q.recorded("moe"), {}, {}, mtp, {})
+        return [c["pass"] for c in out["checks"]], out
+
+    tie, out = verdict(_mtp(False, gap=0.1))
+    assert tie == [True]
+    assert out["mtp"]["exl3"]["matched"] == 0.25
+    assert out["mtp"]["exl3"]["divergences"]["diverged"] == 4
+    assert out["mtp"]["exl3"]["divergences"]["widest_gap"] == pytest.approx(0.1)
+    assert verdict(_mtp(False, gap=2.0))[0] == [False]
+    assert verdict(_mtp(False, gap=0.1, runner_up=7))[0] == [False]
+    blind = _mtp(False, gap=0.1)
+    del blind["exl3"]["plain"]["top"]
+    assert verdict(blind)[0] == [False]
 
 
 def test_speculation_that_drafted_nothing_fails():
