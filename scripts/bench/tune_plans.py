@@ -40,6 +40,13 @@ bucket) and writes plan_gap.json to --out. The acceptance "default within 10 % o
 best" is every ratio <= 1.10 (exit status 1 otherwise).
 
     python -m vllm_exl3.bench.tune_plans --check-gap --bits 4 --codebooks 2 [--tp 1]
+
+--codebook-transfer (with --check-gap, on tabled shapes): also time at each point the
+table's plans of the same layer at the other codebooks, which is what a table keyed
+without the codebook would run, and count how many stay within 10 % of the best.
+
+    python -m vllm_exl3.bench.tune_plans --check-gap --codebook-transfer \
+        --models qwen3-8b --bits 4 --codebooks 0 1 2
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -315,6 +322,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--gap-candidates", type=int, default=GAP_CANDIDATES)
     ap.add_argument("--gap-buckets", nargs="+", type=int, default=list(GAP_BUCKETS))
+    ap.add_argument(
+        "--codebook-transfer",
+        action="store_true",
+        help="with --check-gap: also time the table's plans of each other codebook",
+    )
     ap.add_argument("--ext")
     args = ap.parse_args(argv)
     args.dtype = args.dtype or ["bfloat16"]
@@ -324,6 +336,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--tp sizes must be positive, got {args.tp}")
     if args.max_tokens < 1:
         ap.error(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.codebook_transfer and not args.check_gap:
+        ap.error("--codebook-transfer is a measurement of --check-gap")
     if args.gap_candidates < 1:
         ap.error(f"--gap-candidates must be at least 1, got {args.gap_candidates}")
     bad = [m for m in args.gap_buckets if m < 1 or m & (m - 1)]
@@ -497,6 +511,25 @@ def cold_us(
     return us
 
 
+def other_codebook_plans(
+    job: Job,
+    dtype: str,
+    header: list[int],
+    table: dict[str, list[list[int]]],
+    allowed: Callable[[list[int], list[int]], bool],
+) -> dict[int, list[int]]:
+    """Per other codebook the table holds this layer at, the op's `plans` argument built
+    from those entries as plans.layer_plans builds it from the layer's own (`allowed`:
+    its plans.entry_allowed): the plans a table keyed without the codebook would run."""
+    out = {}
+    for other in sorted(CODEBOOK_NAMES):
+        entries = table.get(replace(job, codebook=other).key(dtype))
+        if other != job.codebook and entries:
+            kept = [e for e in entries if allowed(e, header)]
+            out[other] = [*header, *(v for e in kept for v in e)]
+    return out
+
+
 def gap_point(
     args: argparse.Namespace, job: Job, dtype: str, pool: list, m: int, gen
 ) -> dict:
@@ -544,7 +577,17 @@ def gap_point(
     default_us = cold_us(pool, x, default, ws)
     header = default[: ops.PLAN_HEADER_LEN]
     cand_us = [cold_us(pool, x, header + [m, *c[1:]], ws) for c in cands]
-    best_us = min([default_us, *cand_us])
+    transfer_us = (
+        {
+            CODEBOOK_NAMES[cb]: cold_us(pool, x, flat, ws)
+            for cb, flat in other_codebook_plans(
+                job, dtype, header, plans.device_table(device), plans.entry_allowed
+            ).items()
+        }
+        if args.codebook_transfer
+        else {}
+    )
+    best_us = min([default_us, *cand_us, *transfer_us.values()])
     pick = warm[0] if warm else None
     # The timer's own pick is cands[0] unless it is the default plan.
     pick_us = default_us if pick is None or pick[1:] == entry[1:] else cand_us[0]
@@ -561,7 +604,38 @@ def gap_point(
         "ratio_to_pick": round(default_us / pick_us, 3),
         "candidates": len(warm),
         "sources": job.sources,
+        **(
+            {
+                "codebook": CODEBOOK_NAMES[job.codebook],
+                "transfer_us": {c: round(us, 2) for c, us in transfer_us.items()},
+                "transfer_ratio": {
+                    c: round(us / best_us, 3) for c, us in transfer_us.items()
+                },
+            }
+            if args.codebook_transfer
+            else {}
+        ),
     }
+
+
+def transfer_summary(rows: list[dict]) -> list[str]:
+    """--codebook-transfer's lines: per (table codebook -> layer codebook), how many
+    points its plans run within GAP_LIMIT of the best, beside the layer's own table
+    plans (the default) on the same points."""
+    pairs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in rows:
+        for other, ratio in r.get("transfer_ratio", {}).items():
+            pairs.setdefault((other, r["codebook"]), []).append((ratio, r["ratio"]))
+    lines = []
+    for (other, mine), got in sorted(pairs.items()):
+        within = sum(1 for t, _ in got if t <= GAP_LIMIT)
+        own = sum(1 for _, d in got if d <= GAP_LIMIT)
+        lines.append(
+            f"  {other} plans on {mine} layers: {within} of {len(got)} points within "
+            f"{GAP_LIMIT:.2f}x of the best (the layer's own: {own}), worst "
+            f"x{max(t for t, _ in got):.3f}"
+        )
+    return lines
 
 
 def check_gap(args: argparse.Namespace) -> int:
@@ -620,6 +694,9 @@ def check_gap(args: argparse.Namespace) -> int:
             f"  over: {r['key']} m={r['m']}: x{r['ratio']:.3f} (default {r['default']}"
             f", {r['default_source']})"
         )
+    transfer = transfer_summary(rows)
+    if transfer:
+        print("codebook transfer:", *transfer, sep="\n", flush=True)
     return 0 if not over else 1
 
 

@@ -7,6 +7,7 @@ work, and a long run split over calls (time budget, then --merge)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -245,3 +246,56 @@ def test_check_gap_defaults_to_the_held_out_layers():
     # Chosen shapes instead: the models asked for.
     chosen = tp.gap_jobs(tp.parse_args(["--check-gap", "--models", "qwen3-8b"]))
     assert all(any(s.startswith("qwen3-8b tp=1") for s in j.sources) for j in chosen)
+
+
+def test_codebook_transfer_runs_the_other_codebooks_table_plans():
+    with pytest.raises(SystemExit):
+        tp.parse_args(["--codebook-transfer"])  # a measurement of --check-gap only
+    args = tp.parse_args(
+        ["--check-gap", "--codebook-transfer", "--models", "qwen3-8b", "--bits", "4"]
+    )
+    job = tp.gap_jobs(args)[0]
+    assert job.codebook == tp.MUL1
+    split = [16, 0, 16, 4, 0, 0, 1, 0]
+    whole = [64, 0, 64, 1, 1, 0, 1, 0]
+    mcg = replace(job, codebook=1).key("bfloat16")
+    table = {mcg: [split, whole], job.key("bfloat16"): [whole]}
+    header = [1, 0, 0, 0]
+
+    def every(entry, header):
+        return True
+
+    # Only mcg is tabled besides mul1 (the layer's own is no transfer); its entries
+    # follow the header as layer_plans lays them out.
+    got = tp.other_codebook_plans(job, "bfloat16", header, table, every)
+    assert got == {1: [*header, *split, *whole]}
+
+    # Entries the header's mode does not allow are left out, as layer_plans does.
+    def one_pass(entry, header):
+        return entry[3] == 1
+
+    assert tp.other_codebook_plans(job, "bfloat16", header, table, one_pass) == {
+        1: [*header, *whole]
+    }
+    assert tp.other_codebook_plans(job, "float16", header, table, every) == {}
+
+
+def test_codebook_transfer_summary_counts_points_within_the_limit():
+    rows = [
+        {
+            "codebook": "mul1",
+            "ratio": 1.0,
+            "transfer_ratio": {"mcg": 1.02, "3inst": 1.3},
+        },
+        {"codebook": "mul1", "ratio": 1.2, "transfer_ratio": {"mcg": 1.08}},
+        {"codebook": "mcg", "ratio": 1.0, "transfer_ratio": {"mul1": 1.0}},
+        {"codebook": "mcg", "ratio": 1.0},  # a point without --codebook-transfer
+    ]
+    assert tp.transfer_summary(rows) == [
+        "  3inst plans on mul1 layers: 0 of 1 points within 1.10x of the best "
+        "(the layer's own: 1), worst x1.300",
+        "  mcg plans on mul1 layers: 2 of 2 points within 1.10x of the best "
+        "(the layer's own: 1), worst x1.080",
+        "  mul1 plans on mcg layers: 1 of 1 points within 1.10x of the best "
+        "(the layer's own: 1), worst x1.000",
+    ]
