@@ -182,6 +182,23 @@ def find_nvcc() -> str:
     return nvcc
 
 
+def find_cuobjdump() -> Path:
+    """cuobjdump: the toolkit's, PATH's, or the nvidia-cuda-cuobjdump wheel's (any 13.x
+    reads sm_90 and sm_12x code)."""
+    candidates = [_cuda_home(find_nvcc()) / "bin" / "cuobjdump"]
+    if found := shutil.which("cuobjdump"):
+        candidates.append(Path(found))
+    if wheel := _nvidia_dir("bin"):
+        candidates.append(wheel / "cuobjdump")
+    hit = next((c for c in candidates if c.is_file()), None)
+    if hit is None:
+        raise BuildError(
+            "cuobjdump not found (the toolkit's bin/, PATH, or pip install "
+            "nvidia-cuda-cuobjdump)"
+        )
+    return hit
+
+
 def host_compiler(machine: str) -> str:
     """nvcc's host compiler for code that runs on `machine`: this machine's g++ ($CXX)
     for its own, Debian's cross compiler for another."""
@@ -421,6 +438,26 @@ def _run(cmd: list[str], what: str) -> float:
     if proc.returncode != 0:
         raise BuildError(f"{what} failed:\n{' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
     return time.monotonic() - t0
+
+
+def compile_units(
+    out_dir: Path, archs: list[str], names: list[str], jobs: int
+) -> list[Path]:
+    """Only the named translation units (generated or checked in), compiled for `archs`
+    with the build's own commands into out_dir; their objects."""
+    archs = sorted({normalize_arch(a) for a in archs}, key=int)
+    tc = find_toolchain()
+    out_dir = Path(out_dir).resolve()
+    obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    by_name = {s.name: s for s in sources(out_dir, with_standalone=False)}
+    missing = sorted(set(names) - set(by_name))
+    if missing:
+        raise BuildError(f"no translation unit named {', '.join(missing)}")
+    work = _compile_commands(tc, archs, obj_dir, [by_name[n] for n in names])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(lambda w: _run(w[2], f"compiling {w[0].name}"), work))
+    return [o for _, o, _ in work]
 
 
 def build_extension(

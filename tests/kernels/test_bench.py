@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from vllm_exl3.bench import bench_linear, bench_moe, exllamav3_anchor
 
-# 4-bit MCG k loop at BM = 16 (sass_loop_h200_76c291d_2026-11-30.json) and that run's
-# ceilings.
+# The 4-bit MCG k loop at BM = 16 as sass_loop.py counts it, and an H200's measured
+# ceilings (device_ceilings.py).
 LOOP = {
     "per_stage": 198.75,
     "per_weight": 6.2109375,
