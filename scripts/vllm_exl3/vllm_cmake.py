@@ -23,7 +23,8 @@ Nothing is fetched at configure time (FETCHCONTENT_FULLY_DISCONNECTED):
   the sdist's cmake/external_projects/*.cmake read or list, so configure and generate
   pass.
 - On a toolkit without them (CI's: nvcc and headers from NVIDIA's wheels), the cuBLAS
-  headers come from the nvidia-cublas wheel torch depends on, and the libraries torch's
+  headers (and for the whole target cuRAND's) come from the wheels torch depends on
+  (LIBRARY_HEADERS), and the libraries torch's
   CMake links every target against (libcuda, libnvrtc, libcudart) from the driver and
   torch's wheels; for objects alone, where there are none (CI), stand-in paths: no
   object is linked.
@@ -585,21 +586,34 @@ def _link_libraries(machine: Machine, only: str, standins: Path) -> dict[str, st
     return out
 
 
-def _cublas_headers(machine: Machine, standins: Path) -> Path | None:
-    """A directory with cuBLAS's headers when the toolkit lacks them (vLLM's own
-    torch_utils.h and our exl3_ops.cpp include cublas_v2.h)."""
-    if (machine.cuda / "include" / "cublas_v2.h").is_file():
-        return None
-    for inc in machine.nvidia("include"):
-        if (inc / "cublas_v2.h").is_file():
-            dest = standins / "cublas-include"
-            for h in inc.glob("cublas*.h"):
-                _put(dest / h.name, h.read_bytes())
-            return dest
-    raise ToolError(
-        f"cublas_v2.h is neither in {machine.cuda}/include nor in torch's "
-        "nvidia-cublas wheel"
-    )
+# The CUDA math libraries' headers vLLM's sources include, each with the header that
+# marks it and the wheel torch's dependencies bring it in: cublas_v2.h (vLLM's
+# torch_utils.h, our exl3_ops.cpp) and curand_kernel.h (CUTLASS's tensor_fill.h, which
+# the W4A8 grouped GEMMs of the whole target include).
+LIBRARY_HEADERS = (
+    ("cublas_v2.h", "cublas*.h", "nvidia-cublas", ("objects", "target")),
+    ("curand_kernel.h", "curand*.h", "nvidia-curand", ("target",)),
+)
+
+
+def _library_headers(machine: Machine, standins: Path, only: str) -> Path | None:
+    """A directory with the math libraries' headers the toolkit lacks (a toolkit
+    assembled from NVIDIA's wheels has none), copied from torch's CUDA wheels."""
+    dest = standins / "library-include"
+    copied = False
+    for marker, pattern, wheel, needed_by in LIBRARY_HEADERS:
+        if only not in needed_by or (machine.cuda / "include" / marker).is_file():
+            continue
+        found = [d for d in machine.nvidia("include") if (d / marker).is_file()]
+        if not found:
+            raise ToolError(
+                f"{marker} is neither in {machine.cuda}/include nor in torch's "
+                f"{wheel} wheel"
+            )
+        for h in found[0].glob(pattern):
+            _put(dest / h.name, h.read_bytes())
+        copied = True
+    return dest if copied else None
 
 
 def check_cutlass_pin(tree: Path, cutlass: Path) -> None:
@@ -659,7 +673,7 @@ def cmake_args(
         f"-D{var}={path}"
         for var, path in _link_libraries(machine, only, standins).items()
     ]
-    if (headers := _cublas_headers(machine, standins)) is not None:
+    if (headers := _library_headers(machine, standins, only)) is not None:
         args += [
             f"-DCMAKE_{lang}_STANDARD_INCLUDE_DIRECTORIES={headers}"
             for lang in ("CXX", "CUDA")

@@ -261,6 +261,41 @@ def test_a_pack_of_another_sdist_or_series_is_refused(
         )
 
 
+# --- The math libraries' headers a wheel-assembled toolkit lacks ---------------
+
+
+def _machine(tmp_path: Path, toolkit: list[str], wheels: list[str]):
+    cuda, nvidia = tmp_path / "cuda", tmp_path / "site/nvidia"
+    for root, names in ((cuda / "include", toolkit), (nvidia / "cu13/include", wheels)):
+        root.mkdir(parents=True)
+        for name in names:
+            (root / name).write_text(name)
+    return vllm_cmake.Machine(
+        Path("python"), cuda, Path("cmake"), Path("ninja"), (nvidia,)
+    )
+
+
+def test_library_headers_come_from_the_wheels_where_the_toolkit_lacks_them(
+    tmp_path: Path,
+) -> None:
+    wheels = ["cublas_v2.h", "cublas_api.h", "curand_kernel.h", "curand.h", "other.h"]
+    machine = _machine(tmp_path, ["cuda_runtime.h"], wheels)
+    standins = tmp_path / "standins"
+    # Our objects need cuBLAS only; the whole target also CUTLASS's curand_kernel.h.
+    got = vllm_cmake._library_headers(machine, standins, "objects")
+    assert sorted(p.name for p in got.iterdir()) == ["cublas_api.h", "cublas_v2.h"]
+    got = vllm_cmake._library_headers(machine, standins, "target")
+    assert sorted(p.name for p in got.iterdir()) == sorted(wheels[:4])
+    # A toolkit that has them all needs no stand-in.
+    full = _machine(tmp_path / "full", ["cublas_v2.h", "curand_kernel.h"], [])
+    assert vllm_cmake._library_headers(full, tmp_path / "s2", "target") is None
+    # Missing everywhere: named, with the wheel that brings it.
+    bare = _machine(tmp_path / "bare", ["cublas_v2.h"], [])
+    assert vllm_cmake._library_headers(bare, tmp_path / "s3", "objects") is None
+    with pytest.raises(vllm_cmake.ToolError, match="curand_kernel.h.*nvidia-curand"):
+        vllm_cmake._library_headers(bare, tmp_path / "s3", "target")
+
+
 # --- Installing the library, the background build's status --------------------
 
 
