@@ -9,9 +9,10 @@ this repository's tool, overlay, csrc/ and fixture checkpoint and the test's own
 - registration: vLLM lists the exl3 method, every EXL3 op loader finds its op in
   `vllm/_exl3_C.abi3.so`, and each registered op's schema is the one our sources define;
 - device code: cuobjdump lists ELF images of the image's GPU only in that extension;
-- refusals: every EXL3 op in that extension, given CPU tensors, raises its named error
-  through the stable ABI (vllm_exl3.testing.error_path, in a child process: a crash
-  fails the check, not the smoke test);
+- refusals: every EXL3 op in that extension, given CPU tensors and fake CUDA tensors
+  (past its device checks), raises its named error through the stable ABI
+  (vllm_exl3.testing.error_path, in a child process: a crash fails the check, not the
+  smoke test);
 - fixture: the 4.0 bpw fixture loads through vLLM's loader on the CPU reference path
   and its logits match transformers running the weights the reference codec decodes:
   overlay/tests/quantization/exl3/test_exl3_model.py's own test, run by pytest;
@@ -263,8 +264,11 @@ def check_refusals() -> tuple[bool, str]:
     )
     refused = sum(line.startswith("ok ") for line in out.splitlines())
     if rc != 0:
-        return False, f"exit {rc} after {refused} op(s) refused as they should"
-    return True, f"{refused} ops raise their named errors on CPU tensors"
+        return False, f"exit {rc} after {refused} call(s) refused as they should"
+    return True, (
+        f"{refused // 2} ops raise their named errors on CPU tensors and on fake "
+        "CUDA tensors"
+    )
 
 
 def check_fixture() -> tuple[bool, str]:

@@ -86,9 +86,10 @@ def test_all_sources_compile_for_every_arch() -> None:
 @pytest.mark.slow
 def test_every_op_refuses_bad_input_through_the_stable_abi() -> None:
     """The objects above linked into the quick build's extension: each op's CUDA kernel,
-    called on CPU tensors, raises an error naming the op back through the stable ABI's
-    boxing (vllm_exl3.testing.error_path); a process that dies fails (a refusal path
-    that crashes was seen once in a library built otherwise)."""
+    called on CPU tensors, and on fake CUDA tensors that pass its device checks, raises
+    an error naming the op back through the stable ABI's boxing
+    (vllm_exl3.testing.error_path); a process that dies fails (a refusal path that
+    crashes was seen once in a library built otherwise)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not available")
     lib = kernels_build.build_extension(
@@ -107,8 +108,12 @@ def test_every_op_refuses_bad_input_through_the_stable_abi() -> None:
     )
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
-    assert len(lines) == len(EXL3_OPS), r.stdout
-    assert all(" must be a CUDA tensor" in line for line in lines), r.stdout
+    cpu = [line for line in lines if "(CPU tensors)" in line]
+    fake = [line for line in lines if "(fake CUDA tensors)" in line]
+    assert len(cpu) == len(fake) == len(EXL3_OPS) == len(lines) / 2, r.stdout
+    assert all(" must be a CUDA tensor" in line for line in cpu), r.stdout
+    # Past the device checks: refused by a later rule, still by name.
+    assert not any("CUDA tensor" in line for line in fake), r.stdout
 
 
 def test_one_generated_unit_per_rate_of_the_format(tmp_path: Path) -> None:

@@ -506,9 +506,26 @@ def test_a_root_without_torch_or_cuda_runtime_is_named(stand_in_root):
 @pytest.mark.parametrize(
     "rc, out, ok, detail",
     [
-        (0, "ok   exl3_linear: raised\nok   exl3_moe: raised\n", True, "2 ops raise"),
-        (-11, "ok   exl3_embedding: raised\n", False, "exit -11 after 1 op(s)"),
-        (1, "FAIL exl3_plan: returned\n", False, "exit 1 after 0 op(s)"),
+        (
+            0,
+            "ok   exl3_linear (CPU tensors): raised\nok   exl3_moe (CPU tensors): "
+            "raised\nok   exl3_linear (fake CUDA tensors): raised\nok   exl3_moe (fake "
+            "CUDA tensors): raised\n",
+            True,
+            "2 ops raise",
+        ),
+        (
+            -11,
+            "ok   exl3_embedding (CPU tensors): raised\n",
+            False,
+            "exit -11 after 1 call(s)",
+        ),
+        (
+            1,
+            "FAIL exl3_plan (CPU tensors): returned\n",
+            False,
+            "exit 1 after 0 call(s)",
+        ),
     ],
 )
 def test_refusal_check_fails_when_an_op_crashes_or_misnames(

@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Every EXL3 op's refusal path, without a GPU: each op's CUDA kernel is called through
-the dispatcher (`redispatch` to the CUDA key) with CPU tensors, so its first input
-check fails and the error crosses the stable ABI's boxing back into Python, as a bad
-input on a GPU does. An op must raise a RuntimeError that names it (or, where it reads
-no device memory, return); a crash of the process is the failure this finds.
+the dispatcher (`redispatch` to the CUDA key) with inputs it refuses, so the error
+crosses the stable ABI's boxing back into Python, as a bad input on a GPU does. Twice
+per op: with CPU tensors, which its first check refuses, and with fake CUDA tensors
+(torch's FakeTensor: the device, shape and dtype of a CUDA tensor, no memory), which
+pass the device checks and are refused by a later rule (a dimension or a dtype), so the
+error leaves from deeper inside the op, with its earlier checks' temporaries alive. An
+op must raise a RuntimeError that names it (or, where it reads no device memory,
+return); a crash of the process is the failure this finds.
 
     python -m vllm_exl3.testing.error_path [LIBRARY]
 
@@ -56,11 +60,25 @@ def op_names() -> list[str]:
     )
 
 
-def refuse(name: str) -> tuple[bool, str]:
+def fake_cuda_args(op) -> list:
+    """The placeholders, each tensor a fake CUDA tensor of its shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return [
+            torch.empty_like(v, device="cuda") if isinstance(v, torch.Tensor) else v
+            for v in map(placeholder, op._schema.arguments)
+        ]
+
+
+def refuse(name: str, fake_cuda: bool = False) -> tuple[bool, str]:
     """(whether the op behaved, what happened) for one call of its CUDA kernel on CPU
-    tensors."""
+    tensors, or on fake CUDA tensors."""
     op = getattr(torch.ops._C, name).default
-    args = [placeholder(a) for a in op._schema.arguments]
+    if fake_cuda:
+        args = fake_cuda_args(op)
+    else:
+        args = [placeholder(a) for a in op._schema.arguments]
     cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
     try:
         op.redispatch(cuda, *args)
@@ -83,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error_path: no EXL3 op registered", flush=True)
         return 1
     ok = True
-    for name in names:
-        good, what = refuse(name)
-        ok &= good
-        print(f"{'ok  ' if good else 'FAIL'} {name}: {what}", flush=True)
+    for fake_cuda in (False, True):
+        inputs = "fake CUDA tensors" if fake_cuda else "CPU tensors"
+        for name in names:
+            good, what = refuse(name, fake_cuda)
+            ok &= good
+            print(f"{'ok  ' if good else 'FAIL'} {name} ({inputs}): {what}", flush=True)
     return 0 if ok else 1
 
 
