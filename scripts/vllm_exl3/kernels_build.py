@@ -182,19 +182,20 @@ def find_nvcc() -> str:
     return nvcc
 
 
-def find_cuobjdump() -> Path:
-    """cuobjdump: the toolkit's, PATH's, or the nvidia-cuda-cuobjdump wheel's (any 13.x
-    reads sm_90 and sm_12x code)."""
-    candidates = [_cuda_home(find_nvcc()) / "bin" / "cuobjdump"]
+def find_cuobjdump(dirs: list[Path] | None = None) -> Path:
+    """cuobjdump from `dirs` (default: nvcc's toolkit's bin/ and the
+    nvidia-cuda-cuobjdump wheel's), else PATH; any 13.x reads sm_90 and sm_12x code."""
+    if dirs is None:
+        dirs = [_cuda_home(find_nvcc()) / "bin"]
+        dirs += [w] if (w := _nvidia_dir("bin")) else []
+    candidates = [d / "cuobjdump" for d in dirs]
     if found := shutil.which("cuobjdump"):
         candidates.append(Path(found))
-    if wheel := _nvidia_dir("bin"):
-        candidates.append(wheel / "cuobjdump")
     hit = next((c for c in candidates if c.is_file()), None)
     if hit is None:
         raise BuildError(
-            "cuobjdump not found (the toolkit's bin/, PATH, or pip install "
-            "nvidia-cuda-cuobjdump)"
+            "cuobjdump not found (the toolkit's bin/, the nvidia-cuda-cuobjdump "
+            "wheel, PATH)"
         )
     return hit
 

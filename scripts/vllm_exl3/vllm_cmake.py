@@ -959,17 +959,15 @@ def cubin_archs(cuobjdump: Path, obj: Path) -> list[str]:
 
 
 def find_cuobjdump(machine: Machine) -> Path:
-    candidates = [machine.cuda / "bin" / "cuobjdump"]
-    candidates += [d / "cuobjdump" for d in machine.nvidia("bin")]
-    if found := shutil.which("cuobjdump"):
-        candidates.append(Path(found))
-    hit = next((c for c in candidates if c.is_file()), None)
-    if hit is None:
+    from .kernels_build import BuildError
+    from .kernels_build import find_cuobjdump as find
+
+    try:
+        return find([machine.cuda / "bin", *machine.nvidia("bin")])
+    except BuildError as e:
         raise ToolError(
-            "cuobjdump not found (toolkit bin/, the nvidia-cuda-cuobjdump wheel, "
-            "PATH): the built objects' architectures cannot be checked"
-        )
-    return hit
+            f"{e}: the built objects' architectures cannot be checked"
+        ) from e
 
 
 # Symbols. Everything our objects define with global (or weak, or unique) binding must
