@@ -262,12 +262,14 @@ def check_refusals() -> tuple[bool, str]:
     rc, out = _run(
         [sys.executable, "-m", "vllm_exl3.testing.error_path", lib], cwd=ROOT
     )
-    refused = sum(line.startswith("ok ") for line in out.splitlines())
+    oks = [line for line in out.splitlines() if line.startswith("ok ")]
     if rc != 0:
-        return False, f"exit {rc} after {refused} call(s) refused as they should"
+        return False, f"exit {rc} after {len(oks)} check(s) passed"
+    ops = sum("(CPU tensors)" in line for line in oks)
+    rules = next((line.split(": ", 1)[1] for line in oks if " rules " in line), "")
     return True, (
-        f"{refused // 2} ops raise their named errors on CPU tensors and on fake "
-        "CUDA tensors"
+        f"{ops} ops raise their named errors on CPU tensors and on fake CUDA tensors"
+        + (f"; exl3_linear: {rules}" if rules else "")
     )
 
 

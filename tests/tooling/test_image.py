@@ -510,21 +510,23 @@ def test_a_root_without_torch_or_cuda_runtime_is_named(stand_in_root):
             0,
             "ok   exl3_linear (CPU tensors): raised\nok   exl3_moe (CPU tensors): "
             "raised\nok   exl3_linear (fake CUDA tensors): raised\nok   exl3_moe (fake "
-            "CUDA tensors): raised\n",
+            "CUDA tensors): raised\nok   exl3_linear rules (fake CUDA tensors): 15 of "
+            "15 bad inputs refused by name\n",
             True,
-            "2 ops raise",
+            "2 ops raise their named errors on CPU tensors and on fake CUDA tensors; "
+            "exl3_linear: 15 of 15 bad inputs refused by name",
         ),
         (
             -11,
             "ok   exl3_embedding (CPU tensors): raised\n",
             False,
-            "exit -11 after 1 call(s)",
+            "exit -11 after 1 check(s)",
         ),
         (
             1,
             "FAIL exl3_plan (CPU tensors): returned\n",
             False,
-            "exit 1 after 0 call(s)",
+            "exit 1 after 0 check(s)",
         ),
     ],
 )

@@ -8,7 +8,9 @@ per op: with CPU tensors, which its first check refuses, and with fake CUDA tens
 pass the device checks and are refused by a later rule (a dimension or a dtype), so the
 error leaves from deeper inside the op, with its earlier checks' temporaries alive. An
 op must raise a RuntimeError that names it (or, where it reads no device memory,
-return); a crash of the process is the failure this finds.
+return); a crash of the process is the failure this finds. Then exl3_linear's rules
+one by one on fake CUDA tensors: the GPU oracle's bad-input cases
+(exl3_oracle.check_errors), each of which must raise naming its tensor and rule.
 
     python -m vllm_exl3.testing.error_path [LIBRARY]
 
@@ -107,6 +109,19 @@ def main(argv: list[str] | None = None) -> int:
             good, what = refuse(name, fake_cuda)
             ok &= good
             print(f"{'ok  ' if good else 'FAIL'} {name} ({inputs}): {what}", flush=True)
+    if "exl3_linear" in names:
+        from .exl3_oracle import Report, check_errors, fake_cuda
+
+        rep = Report()
+        with fake_cuda():
+            check_errors(rep)
+        ok &= not rep.failures and bool(rep.rows)
+        good = len(rep.rows) - len(rep.failures)
+        print(
+            f"{'ok  ' if not rep.failures else 'FAIL'} exl3_linear rules (fake CUDA "
+            f"tensors): {good} of {len(rep.rows)} bad inputs refused by name",
+            flush=True,
+        )
     return 0 if ok else 1
 
 

@@ -188,6 +188,27 @@ def workspace(floats: int) -> torch.Tensor:
     return _WORKSPACE[0]
 
 
+# Set inside fake_cuda().
+_FAKE: list[bool] = []
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[None]:
+    """The block's tensors made with device="cuda" are fake (torch's FakeTensor: a
+    CUDA tensor's device, shape and dtype, no memory, no GPU), and exl3_op calls the
+    op's CUDA kernel directly with them, so its input checks run on a CPU host. Only
+    refusals can be checked so (check_errors): a call the checks accept would go on to
+    launch its kernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _FAKE.append(True)
+    try:
+        with FakeTensorMode():
+            yield
+    finally:
+        _FAKE.pop()
+
+
 def exl3_op(
     x: torch.Tensor,
     trellis: torch.Tensor,
@@ -201,6 +222,13 @@ def exl3_op(
     """torch.ops._C.exl3_linear under the current knobs, with a workspace for any
     split.
     """
+    if _FAKE:
+        # No device to ask for the process's plan settings or a stream to capture.
+        cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+        ws = torch.empty(max(1, x.shape[0] * trellis.shape[1] * 16), device="cuda")
+        return torch.ops._C.exl3_linear.default.redispatch(
+            cuda, x, trellis, suh, svh, bias, widths, codebook, plans or FREE_HEADER, ws
+        )
     ws = workspace(x.shape[0] * trellis.shape[1] * 16 if x.is_cuda else 0)
     if plans is None:
         plans = _PLANS[-1] if _PLANS else default_header()
