@@ -24,7 +24,7 @@ measure of a decode change that needs no GPU. Two sources:
 FILE: anything cuobjdump reads (the quick build's `_exl3_C.abi3.so` or its objects,
 the objects `build --from-source --only objects` leaves under build/vllm-cmake). With
 --compile the per-rate units are generated and compiled here with the quick build's
-own flags for one architecture (about 20 s of nvcc per rate on two cores). --kernels,
+own flags for one architecture (about 20 s of nvcc per rate). --kernels,
 --bits, --codebooks, --mt pick the rows. JSON keys: `bits:codebook` for the dense
 mma.sync kernel at BM = 16 (what `bench_linear.py --sass-json` reads), then
 `:mt<MT>`, `:wgmma`, `:sk` where they differ; MoE rows start with `moe:` and end with
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import subprocess
 import sys
@@ -199,7 +200,7 @@ def compile_rates(k2s: list[int], arch: str, work: Path) -> list[Path]:
     """The per-rate units of `k2s`, generated and compiled for `arch` with the quick
     build's flags; their objects."""
     return kernels_build.compile_units(
-        work, [arch], [f"exl3_rate_k{k2}.cu" for k2 in k2s], jobs=2
+        work, [arch], [f"exl3_rate_k{k2}.cu" for k2 in k2s], jobs=os.cpu_count() or 1
     )
 
 

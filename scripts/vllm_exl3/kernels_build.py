@@ -441,16 +441,25 @@ def _run(cmd: list[str], what: str) -> float:
     return time.monotonic() - t0
 
 
+def _object_dir(out_dir: Path, archs: list[str]) -> tuple[list[str], Path, Path]:
+    """The architectures normalized, out_dir resolved, and the folder (made) their
+    objects go to."""
+    archs = sorted({normalize_arch(a) for a in archs}, key=int)
+    if not archs:
+        raise BuildError("no CUDA architecture given")
+    out_dir = Path(out_dir).resolve()
+    obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    return archs, out_dir, obj_dir
+
+
 def compile_units(
     out_dir: Path, archs: list[str], names: list[str], jobs: int
 ) -> list[Path]:
     """Only the named translation units (generated or checked in), compiled for `archs`
     with the build's own commands into out_dir; their objects."""
-    archs = sorted({normalize_arch(a) for a in archs}, key=int)
+    archs, out_dir, obj_dir = _object_dir(out_dir, archs)
     tc = find_toolchain()
-    out_dir = Path(out_dir).resolve()
-    obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
-    obj_dir.mkdir(parents=True, exist_ok=True)
     by_name = {s.name: s for s in sources(out_dir, with_standalone=False)}
     missing = sorted(set(names) - set(by_name))
     if missing:
@@ -473,13 +482,8 @@ def build_extension(
     compile_only (then the object directory is returned). Unchanged objects are reused.
     `toolchain`: another environment's (target_toolchain); default this Python's.
     """
-    archs = sorted({normalize_arch(a) for a in archs}, key=int)
-    if not archs:
-        raise BuildError("no CUDA architecture given")
+    archs, out_dir, obj_dir = _object_dir(out_dir, archs)
     tc = toolchain or find_toolchain()
-    out_dir = Path(out_dir).resolve()
-    obj_dir = out_dir / "obj" / ("sm" + "_".join(archs))
-    obj_dir.mkdir(parents=True, exist_ok=True)
     srcs = sources(out_dir, with_standalone=not compile_only)
     work = [
         (s, o, c)
