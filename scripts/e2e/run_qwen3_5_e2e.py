@@ -170,7 +170,10 @@ def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None
 
     exl3 = assemble(kind, args.work)
     twin = None
-    if stages & {"agreement", "image", "mtp"}:
+    # The MTP verdict needs no twin (each divergence is judged by plain's own top two):
+    # without the agreement and image stages it is only reported, at two engines' cost.
+    mtp_twin = getattr(args, "mtp_twin", True)
+    if stages & {"agreement", "image"} or ("mtp" in stages and mtp_twin):
         twin = fx.attempt(
             errors, f"{kind}:dequantize", dequantized_twin, exl3, args.work
         )
@@ -206,7 +209,7 @@ def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None
         stage_done("image", image)
     if "mtp" in stages:
         for name, path in (("exl3", exl3), ("twin", twin)):
-            if path is not None:
+            if path is not None and (name == "exl3" or mtp_twin):
                 mtp[name] = fx.attempt(
                     errors, f"{kind}:{name}-mtp", mtp_run, path, windows
                 )
@@ -413,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         default=list(STAGES),
         help="which checks to run (each model's engines start per stage; all of them "
         "take longer than one 10-minute call: split them, or run in the background)",
+    )
+    ap.add_argument(
+        "--mtp-twin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the mtp stage also runs the dequantized twin (reported beside EXL3; "
+        "the verdict does not need it)",
     )
     args = ap.parse_args(argv)
     for key, value in fx.HOST_ENV.items():

@@ -229,6 +229,20 @@ def test_only_the_asked_stages_start_engines(stages, engines, monkeypatch, tmp_p
     assert not result["errors"]
 
 
+def test_mtp_without_its_twin_starts_only_exl3(monkeypatch, tmp_path):
+    started = []
+    monkeypatch.setattr(
+        q, "dequantized_twin", lambda src, work: started.append("twin") or src
+    )
+    monkeypatch.setattr(
+        q, "mtp_run", lambda path, windows: started.append(path.name) or None
+    )
+    args = q.argparse.Namespace(stages=["mtp"], work=tmp_path, mtp_twin=False)
+    result = {"errors": {}, "models": {}}
+    q.run_model("dense", args, [], result)
+    assert started == [q.assemble("dense", tmp_path).name]
+
+
 class _Cut(BaseException):
     """What a time limit does to the run: nothing below catches it."""
 
