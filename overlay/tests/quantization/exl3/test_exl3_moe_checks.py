@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -441,16 +443,51 @@ def test_rate_table_checks_name_the_entry() -> None:
 
 
 def test_block_size_rule() -> None:
+    """The aligned layout's row block at the H200's measured decisions (bench_moe.py
+    --block-sweep): 16 rows per block up to 8 routed rows per expert, 32 at 16, 64 at 32;
+    the largest tier for large batches."""
     from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
     from vllm.model_executor.layers.quantization.exl3.moe_plans import block_size
 
     rule = block_size
     assert rule(1, 8, 128) == BLOCK_SIZES[0]  # decode: a 16-row block per routed pair
-    assert rule(256, 8, 128) == 16
-    assert rule(257, 8, 128) == 32
-    assert rule(1024, 8, 128) == 64
+    assert rule(64, 8, 128) == 16  # 4 rows per expert
+    assert rule(256, 8, 256) == 16  # DeepSeek-V3, 8 rows per expert
+    assert rule(256, 8, 128) == 32  # Qwen3-30B-A3B, GLM-4.5-Air: 16 rows per expert
+    assert rule(1024, 8, 256) == 64  # DeepSeek-V3, 32 rows per expert
+    # Where the tiers meet for top-8 of 128 experts: 11.5, 26.6 and 60 rows per expert.
+    assert [rule(t, 8, 128) for t in (184, 185, 425, 426, 958, 959)] == [
+        16,
+        32,
+        32,
+        64,
+        64,
+        128,
+    ]
     assert rule(4096, 8, 128) == BLOCK_SIZES[-1]
     assert rule(8192, 2, 16) == BLOCK_SIZES[-1]
+    assert rule(3, 4, 4) == 16  # every token routed to every expert: 3 rows each
+
+
+def test_expected_blocks_per_expert_is_the_binomial_expectation() -> None:
+    """E[ceil(R / b)] against the sum over the whole binomial pmf (exact integers)."""
+    from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
+    from vllm.model_executor.layers.quantization.exl3.moe_plans import (
+        expected_blocks_per_expert,
+    )
+
+    for tokens, top_k, experts in ((40, 2, 8), (300, 8, 128), (700, 8, 256), (5, 4, 4)):
+        p = Fraction(min(top_k, experts), experts)
+        pmf = [
+            math.comb(tokens, r) * p**r * (1 - p) ** (tokens - r)
+            for r in range(tokens + 1)
+        ]
+        want = [
+            float(sum(w * -(-r // b) for r, w in enumerate(pmf))) for b in BLOCK_SIZES
+        ]
+        got = expected_blocks_per_expert(tokens, top_k, experts)
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (tokens, top_k, experts)
+    assert expected_blocks_per_expert(0, 8, 128) == (0.0,) * len(BLOCK_SIZES)
 
 
 def test_reconstruct_op_schema_matches_the_fake_and_wrapper() -> None:
@@ -681,7 +718,7 @@ def test_block_override_of_the_kernel_class(h200_on_cpu) -> None:
     )
 
     ruled = glm_call(mk.CudaExl3MoEKernel(), 256)
-    assert ruled.path is Exl3MoEPath.ALIGNED and ruled.block == 16
+    assert ruled.path is Exl3MoEPath.ALIGNED and ruled.block == 32
     for b in BLOCK_SIZES:
         forced = glm_call(mk.CudaExl3MoEKernel(Exl3MoEOverrides(block=b)), 256)
         assert (forced.path, forced.block) == (Exl3MoEPath.ALIGNED, b)

@@ -7,8 +7,8 @@ Paths (`Exl3MoEPath`), by routed rows per expert (tokens x top-k / global expert
 
 * PAIRS, up to `pairs_max_pairs_per_expert`: every routed pair its own 16-row block of
   the grouped GEMM, laid out by the op itself (no alignment launches);
-* ALIGNED, between: vLLM's `moe_align_block_size`, then the grouped GEMM in blocks of
-  the smallest tier holding an expert's average row count (`block_size`);
+* ALIGNED, between: vLLM's `moe_align_block_size`, then the grouped GEMM in row blocks
+  of the tier that decodes the least under uniform routing (`block_size`);
 * RECONSTRUCT, from `reconstruct_min_rows_per_expert` (when the layer's experts fit
   the reconstruct scratch): every local expert reconstructed to the activation dtype,
   then vLLM's own fused MoE.
@@ -23,6 +23,7 @@ fix a choice through `Exl3MoEOverrides`, which vLLM's layers never set.
 """
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -166,14 +167,64 @@ def reconstructs(
     )
 
 
+# Instructions the grouped GEMM's k loop issues per decoded weight at each row block,
+# relative to the 16-row block's: the mma.sync kernels' SASS (sass_loop.py, sm_90a,
+# 4 bits: MCG 6.15 / 6.59 / 7.40 / 9.34, MUL1 5.73 / 6.10 / 6.91 / 8.85, so within 3 %
+# of one ratio). They include the MMAs and activation loads of the block's padded rows.
+# Hopper's wgmma issues fewer for the 64- and 128-row blocks (6.89 at MCG); the rule
+# keeps the mma.sync costs there, which leans it towards smaller blocks.
+BLOCK_DECODE_COST = {16: 1.00, 32: 1.07, 64: 1.20, 128: 1.52}
+# The expected block counts sum R's distribution up to this many standard deviations
+# above its mean; the mass beyond is below 1e-30.
+BLOCK_TAIL_SIGMAS = 12
+
+
+@functools.lru_cache(maxsize=1024)
+def expected_blocks_per_expert(
+    tokens: int, top_k: int, global_experts: int
+) -> tuple[float, ...]:
+    """E[ceil(R / b)] for each b of BLOCK_SIZES, R the rows one expert gets when the
+    `tokens` x top-k routes (a token's top-k experts distinct) fall uniformly on the
+    experts: R ~ Binomial(tokens, top-k / experts). Summed as the P(R > j b) over
+    j >= 0; cached, since every MoE layer of a step asks for the same token count."""
+    p = min(top_k, global_experts) / max(global_experts, 1)
+    if tokens <= 0:
+        return tuple(0.0 for _ in BLOCK_SIZES)
+    if p >= 1.0:
+        return tuple(float(math.ceil(tokens / b)) for b in BLOCK_SIZES)
+    mean, sd = tokens * p, math.sqrt(tokens * p * (1.0 - p))
+    top = min(tokens, math.ceil(mean + BLOCK_TAIL_SIGMAS * sd) + 1)
+    log_p, log_q, lg_n = math.log(p), math.log1p(-p), math.lgamma(tokens + 1)
+    above = []  # above[r] = P(R > r)
+    cdf = 0.0
+    for r in range(top + 1):
+        cdf += math.exp(
+            lg_n
+            - math.lgamma(r + 1)
+            - math.lgamma(tokens - r + 1)
+            + r * log_p
+            + (tokens - r) * log_q
+        )
+        above.append(max(0.0, 1.0 - cdf))
+    return tuple(sum(above[0 : top + 1 : b]) for b in BLOCK_SIZES)
+
+
 def block_size(tokens: int, top_k: int, global_experts: int) -> int:
-    """The aligned layout's row block: the smallest tier holding an expert's average
-    row count. A block decodes its expert's trellis columns once for all its rows, and
-    decoding (not the padded rows' MMAs) bounds the GEMM at these row counts, so fewer,
-    fuller blocks win as soon as experts see more than 16 rows; at decode sizes 16-row
-    blocks waste the fewest rows."""
-    rows = tokens * top_k / max(global_experts, 1)
-    return next((b for b in BLOCK_SIZES if b >= rows), BLOCK_SIZES[-1])
+    """The aligned layout's row block: the tier with the fewest expected decoded-weight
+    instructions per expert. A block decodes its expert's trellis columns once for all
+    its rows, and decoding bounds the GEMM at these row counts, so the cost of a tier is
+    its expected blocks per expert (uniform routing) times its instructions per decoded
+    weight (BLOCK_DECODE_COST); ties go to the smaller block. An expert whose rows just
+    exceed a block pays for two, so the rule moves up a tier once that is likely enough:
+    at 16 rows per expert on average it takes 32-row blocks, at 32 the 64-row ones. The
+    H200 measured that (bench_moe.py --block-sweep, scripts/bench/README.md): 32-row
+    blocks 10-11 % faster than 16-row ones at 16 rows per expert on three layer shapes,
+    64-row blocks 17 % faster than 32-row ones at 32 (DeepSeek-V3, 1,024 tokens), 16-row
+    blocks fastest at 8 rows and below."""
+    expected = expected_blocks_per_expert(tokens, top_k, global_experts)
+    costs = [e * BLOCK_DECODE_COST[b] for b, e in zip(BLOCK_SIZES, expected)]
+    best = min(costs)
+    return next(b for b, c in zip(BLOCK_SIZES, costs) if c <= best * (1 + 1e-12))
 
 
 def wgmma_mode(overrides: Exl3MoEOverrides, batch_invariant: bool) -> int:
@@ -359,7 +410,7 @@ def select_moe_path(
 
     Batch invariance keeps the PAIRS rule: a row's sums do not depend on the layout.
     Both run each routed row in a 16-row mma.sync block (batch invariance keeps wgmma
-    off, and the block-size rule gives 16 rows up to 16 rows per expert), whose rows
+    off, and the block-size rule gives 16 rows at a few rows per expert), whose rows
     are independent and whose k loop and epilogue are the row's own; the combine sums
     a token's top-k in the same order either way."""
     if overrides.path is not None:
