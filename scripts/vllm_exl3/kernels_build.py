@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cxx_runtime import library_problem
 from .repo import host_machine, kernel_generator
 
 REPO = Path(__file__).resolve().parents[2]
@@ -505,6 +506,9 @@ def build_extension(
     objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, srcs)]
     target = out_dir / EXTENSION
     _run(_link_command(tc, archs, objects, target), "linking " + EXTENSION)
+    problem = library_problem(target, tc.ccbin or tc.cxx)
+    if problem:
+        raise BuildError(problem)
     return target
 
 

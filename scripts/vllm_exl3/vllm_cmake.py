@@ -60,6 +60,7 @@ from pathlib import Path
 
 from . import ToolError
 from .apply import apply_onto
+from .cxx_runtime import library_problem, link_compiler, static_libstdcxx_problem
 from .fetch import ensure_pinned, ensure_sdist_tree, wheels_dir
 from .repo import SDIST_SHA256, VLLM_VERSION, Series, git_label
 from .series import STATE_DIR, parse_patch
@@ -1179,6 +1180,9 @@ def install_target(machine: Machine, build: Path, archs: list[str], work: Path) 
         raise ToolError(f"cmake --install of {TARGET} failed: {r.stderr.strip()}")
     if OP_SCHEMA not in lib.read_bytes():
         raise ToolError(f"{lib} does not register _C::exl3_linear (no {OP_SCHEMA!r})")
+    problem = library_problem(lib, link_compiler())
+    if problem:
+        raise ToolError(problem)
     return lib
 
 
@@ -1236,6 +1240,11 @@ def run_build(args: argparse.Namespace, python: Path) -> int:
     )
     try:
         series = Series.load(args.series)
+        if args.only == "target":
+            # Before an hour of compiling, not after: the link would take libstdc++.a.
+            problem = static_libstdcxx_problem(link_compiler())
+            if problem:
+                raise ToolError(problem)
         machine = find_machine(python, args.cache_dir, args.offline)
         if args.source_pack:
             sources = sources_from_pack(args.source_pack, args.cache_dir, series)
