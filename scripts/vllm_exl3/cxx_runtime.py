@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """One C++ runtime per process: a library we link must take libstdc++ from the shared
-`libstdc++.so.6` that torch and Python's extensions already loaded, never a static copy.
+`libstdc++.so.6` that torch and Python's extensions already loaded, never a static
+copy.
 
-A static libstdc++ inside the library brings its own `std::locale::id` counters and facet
-ids. The first `std::ostream` that formats a number with the process's locale then looks
-up a facet by the copy's id and calls a function of another facet: a refused input whose
-error message holds a number crashed the process (a GPU host whose compiler wrapper
-found only `libstdc++.a`; scripts/README.md). The build tools check the compiler before a
-build (`static_libstdcxx_problem`) and every linked library after it
+A static libstdc++ inside the library brings its own `std::locale::id` counters and
+facet ids. The first `std::ostream` that formats a number with the process's locale
+then looks up a facet by the copy's id and calls a function of another facet: a refused
+input whose error message holds a number crashed the process (a GPU host whose compiler
+wrapper found only `libstdc++.a`; scripts/README.md). The build tools check the
+compiler before a build (`static_libstdcxx_problem`) and every linked library after it
 (`library_problem`)."""
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ def needed_libraries(path: Path) -> list[str]:
         raise ValueError(f"{path}: dynamic section without a string table")
     # DT_STRTAB is an address: the file offset is that of the loaded segment holding it.
     base = next(
-        (off + strtab - vaddr for vaddr, off, size in loads if vaddr <= strtab < vaddr + size),
+        (
+            off + strtab - vaddr
+            for vaddr, off, size in loads
+            if vaddr <= strtab < vaddr + size
+        ),
         None,
     )
     if base is None:
@@ -100,9 +105,9 @@ def link_compiler() -> str:
 
 
 def static_libstdcxx_problem(compiler: str) -> str | None:
-    """Why `compiler` would link libstdc++ statically into a shared library, or None: it
-    finds no `libstdc++.so` (`-print-file-name` then echoes the bare name), so `-lstdc++`
-    takes `libstdc++.a`."""
+    """Why `compiler` would link libstdc++ statically into a shared library, or None:
+    it finds no `libstdc++.so` (`-print-file-name` then echoes the bare name), so
+    `-lstdc++` takes `libstdc++.a`."""
     exe = shutil.which(compiler)
     if exe is None:
         return f"the C++ compiler {compiler!r} is not on PATH"

@@ -444,7 +444,7 @@ def test_rate_table_checks_name_the_entry() -> None:
 
 def test_block_size_rule() -> None:
     """The aligned layout's row block at the H200's measured decisions (bench_moe.py
-    --block-sweep): 16 rows per block up to 8 routed rows per expert, 32 at 16, 64 at 32;
+    --block-sweep): 16-row blocks up to 8 routed rows per expert, 32 at 16, 64 at 32;
     the largest tier for large batches."""
     from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
     from vllm.model_executor.layers.quantization.exl3.moe_plans import block_size
