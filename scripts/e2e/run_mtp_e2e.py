@@ -23,9 +23,9 @@ continuations without and with MTP speculation
 (`speculative_config={"method": "mtp", "num_speculative_tokens": 1}`); the measure is
 how closely the speculative output agrees with the plain output of the same model.
 Pass, for each model: speculation drafted tokens, and wherever a speculative
-continuation leaves the plain one, plain's two leading tokens nearly tied there (the
-speculative token its runner-up, within measures.TIE_NATS): the only divergence
-rounding can explain. The bf16 twin's agreement is reported beside EXL3's; the verdict
+continuation leaves the plain one, the speculative token was among plain's top tokens
+there and within measures.TIE_NATS of plain's own: the only divergence rounding can
+explain. The bf16 twin's agreement is reported beside EXL3's; the verdict
 does not need it.
 
 Random weights make drafts mostly rejected; that does not matter, the measure is the

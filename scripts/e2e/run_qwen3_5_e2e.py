@@ -170,8 +170,9 @@ def run_model(kind: str, args, windows, result: dict, save=lambda: None) -> None
 
     exl3 = assemble(kind, args.work)
     twin = None
-    # The MTP verdict needs no twin (each divergence is judged by plain's own top two):
-    # without the agreement and image stages it is only reported, at two engines' cost.
+    # The MTP verdict needs no twin (each divergence is judged by plain's own top
+    # tokens): without the agreement and image stages it is only reported, at two
+    # engines' cost.
     mtp_twin = getattr(args, "mtp_twin", True)
     if stages & {"agreement", "image"} or ("mtp" in stages and mtp_twin):
         twin = fx.attempt(
@@ -264,8 +265,8 @@ def mtp_run(model_dir: Path, windows) -> dict:
         max_tokens=MTP_TOKENS, temperature=0.0, ignore_eos=True, detokenize=False
     )
     params = SamplingParams(**greedy)
-    # The untimed first pass of the plain engine keeps each token's runner-up, so that
-    # the timed passes run as users run them.
+    # The untimed first pass of the plain engine keeps each token's nearest rivals, so
+    # that the timed passes run as users run them.
     with_top = SamplingParams(**greedy, logprobs=TIE_LOGPROBS)
     out = {}
     for name, spec in (("plain", None), ("mtp", SPECULATIVE)):
@@ -302,7 +303,7 @@ def mtp_run(model_dir: Path, windows) -> dict:
 def mtp_summary(res: dict) -> dict:
     """Speculative vs plain greedy: the matched fraction (mean share of each
     continuation before its first divergence), plain's top-two gaps where they diverge
-    (against the plain pass that kept its runner-ups), the drafts, output tokens/s."""
+    (against the plain pass that kept its top tokens), the drafts, output tokens/s."""
     m = res["mtp"]["metrics"]
     drafts = m.get("spec_decode_num_draft_tokens") or 0
     accepted = m.get("spec_decode_num_accepted_tokens") or 0
