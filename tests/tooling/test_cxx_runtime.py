@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,31 @@ def test_a_static_libstdcxx_is_refused_by_name(tmp_path: Path) -> None:
     assert problem is not None
     assert str(lib) in problem and "/opt/gcc/bin/g++" in problem
     assert "statically" in problem and "std::locale" in problem
+
+
+@needs_gxx
+def test_what_the_check_prevents(tmp_path: Path) -> None:
+    """Why a static libstdc++ is refused: in a process where torch has loaded the shared
+    one, the static copy's stream drops the number of "rows 12345" (the GPU host's
+    whole-target library crashed there instead); the shared one formats it."""
+    libs = {
+        "static": link(tmp_path, "static.so", "-static-libstdc++"),
+        "shared": link(tmp_path, "shared.so"),
+    }
+    probe = (
+        "import ctypes, sys, torch\n"
+        "print(ctypes.CDLL(sys.argv[1]).message_length(12345))"
+    )
+    got = {
+        name: subprocess.run(
+            [sys.executable, "-c", probe, str(lib)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for name, lib in libs.items()
+    }
+    assert got == {"static": str(len("rows ")), "shared": str(len("rows 12345"))}
 
 
 def test_not_an_elf_file_is_refused(tmp_path: Path) -> None:
