@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_exl3 import kernels_build, repo
+from vllm_exl3 import cxx_runtime, kernels_build, repo
 from vllm_exl3.codec import exl3_format
 
 ARCHS = [kernels_build.dotted(a) for a in kernels_build.TARGET_ARCHS]
@@ -118,6 +118,47 @@ def test_every_op_refuses_bad_input_through_the_stable_abi() -> None:
     assert all(" must be a CUDA tensor" in line for line in cpu), r.stdout
     # Past the device checks: refused by a later rule, still by name.
     assert not any(" must be a CUDA tensor" in line for line in fake), r.stdout
+
+
+@pytest.mark.slow
+def test_a_static_libstdcxx_is_caught_at_link_and_by_error_path(tmp_path: Path) -> None:
+    """The same objects linked with a static libstdc++ (what the GPU host's compiler
+    wrapper did to the whole-target library): the build's check refuses the library, and
+    error_path, run on it anyway, fails every op, since each refusal is cut at its first
+    number (the line of its check) and names no rule."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not available")
+    kernels_build.build_extension(
+        kernels_build.DEFAULT_OUT, ARCHS, jobs=os.cpu_count() or 1
+    )
+    tc = kernels_build.find_toolchain()
+    archs, out_dir, obj_dir = kernels_build._object_dir(
+        kernels_build.DEFAULT_OUT, ARCHS
+    )
+    objects = [
+        o
+        for _, o, _ in kernels_build._compile_commands(
+            tc, archs, obj_dir, kernels_build.sources(out_dir)
+        )
+    ]
+    lib = tmp_path / kernels_build.EXTENSION
+    cmd = kernels_build._link_command(tc, archs, objects, lib)
+    cmd[cmd.index("-shared") + 1 : cmd.index("-shared") + 1] = [
+        "-Xcompiler",
+        "-static-libstdc++",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True)
+    assert cxx_runtime.library_problem(lib, tc.cxx) is not None
+    r = subprocess.run(
+        [sys.executable, "-m", "vllm_exl3.testing.error_path", str(lib)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr[-3000:]
+    calls = [line for line in r.stdout.splitlines() if "tensors):" in line]
+    assert len(calls) == 2 * len(EXL3_OPS) + 1, r.stdout
+    assert all(line.startswith("FAIL") for line in calls), r.stdout
 
 
 def test_one_generated_unit_per_rate_of_the_format(tmp_path: Path) -> None:

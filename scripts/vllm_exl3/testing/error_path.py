@@ -7,8 +7,9 @@ per op: with CPU tensors, which its first check refuses, and with fake CUDA tens
 (torch's FakeTensor: the device, shape and dtype of a CUDA tensor, no memory), which
 pass the device checks and are refused by a later rule (a dimension or a dtype), so the
 error leaves from deeper inside the op, with its earlier checks' temporaries alive. An
-op must raise a RuntimeError that names it (or, where it reads no device memory,
-return); a crash of the process is the failure this finds. Then exl3_linear's rules
+op must raise a RuntimeError that names it and its rule after the file and line (or,
+where it reads no device memory, return); a crash of the process, or a message cut at
+its first number, is the failure this finds. Then exl3_linear's rules
 one by one on fake CUDA tensors: the GPU oracle's bad-input cases
 (exl3_oracle.check_errors), each of which must raise naming its tensor and rule.
 
@@ -23,11 +24,22 @@ returned, 1 when one raised something else, and the signal's when the process di
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import torch
 
 OP_PREFIX = "_C::exl3"
+# A refusal's first line as the ops' checks write it: where (file:line), then the rule,
+# e.g. "check_tensor, .../exl3_tensor_checks.h:51, exl3_plan: trellis must have 3
+# dimensions, got [2, 256]". A message cut at its first number (a second C++ runtime in
+# the process, cxx_runtime.py) has the op's name but no rule.
+LOCATED_RULE = re.compile(r"\.(?:cpp|cu|cuh|h):\d+, \S")
+
+
+def names_its_rule(name: str, first_line: str) -> bool:
+    """Whether a refusal's first line names the op and carries a located rule."""
+    return name in first_line and LOCATED_RULE.search(first_line) is not None
 
 
 def placeholder(arg: torch.Argument):
@@ -86,7 +98,7 @@ def refuse(name: str, fake_cuda: bool = False) -> tuple[bool, str]:
         op.redispatch(cuda, *args)
     except RuntimeError as e:
         first = str(e).splitlines()[0]
-        return name in first, f"raised: {first}"
+        return names_its_rule(name, first), f"raised: {first}"
     except Exception as e:  # noqa: BLE001 - reported: anything else is wrong
         return False, f"raised {type(e).__name__}: {e}"
     return True, "returned"
