@@ -506,7 +506,9 @@ def build_extension(
     objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, srcs)]
     target = out_dir / EXTENSION
     _run(_link_command(tc, archs, objects, target), "linking " + EXTENSION)
-    problem = library_problem(target, tc.ccbin or tc.cxx)
+    problem = library_problem(
+        target, tc.ccbin or "nvcc's default host compiler (the g++ on PATH)"
+    )
     if problem:
         raise BuildError(problem)
     return target
