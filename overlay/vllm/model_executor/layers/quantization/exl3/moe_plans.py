@@ -175,7 +175,7 @@ def reconstructs(
 # keeps the mma.sync costs there, which leans it towards smaller blocks.
 BLOCK_DECODE_COST = {16: 1.00, 32: 1.07, 64: 1.20, 128: 1.52}
 # The expected block counts sum R's distribution up to this many standard deviations
-# above its mean; the mass beyond is below 1e-30.
+# above its mean (and one row); the terms left out are below the sum's own rounding.
 BLOCK_TAIL_SIGMAS = 12
 
 
@@ -223,8 +223,7 @@ def block_size(tokens: int, top_k: int, global_experts: int) -> int:
     blocks fastest at 8 rows and below."""
     expected = expected_blocks_per_expert(tokens, top_k, global_experts)
     costs = [e * BLOCK_DECODE_COST[b] for b, e in zip(BLOCK_SIZES, expected)]
-    best = min(costs)
-    return next(b for b, c in zip(BLOCK_SIZES, costs) if c <= best * (1 + 1e-12))
+    return min(zip(costs, BLOCK_SIZES))[1]
 
 
 def wgmma_mode(overrides: Exl3MoEOverrides, batch_invariant: bool) -> int:
