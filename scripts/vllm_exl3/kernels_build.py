@@ -504,8 +504,24 @@ def build_extension(
     if compile_only:
         return obj_dir
     objects = [o for _, o, _ in _compile_commands(tc, archs, obj_dir, srcs)]
-    target = out_dir / EXTENSION
-    _run(_link_command(tc, archs, objects, target), "linking " + EXTENSION)
+    return link_extension(tc, archs, objects, out_dir / EXTENSION)
+
+
+def link_extension(
+    tc: Toolchain,
+    archs: list[str],
+    objects: list[Path],
+    target: Path,
+    host_link_flags: tuple[str, ...] = (),
+) -> Path:
+    """Link `objects` into `target` and check that it takes the shared C++ runtime
+    (cxx_runtime.py): a BuildError otherwise, the library left in place.
+    `host_link_flags` go to nvcc's host compiler."""
+    cmd = _link_command(tc, archs, objects, target)
+    at = cmd.index("-shared") + 1
+    for flag in reversed(host_link_flags):
+        cmd[at:at] = ["-Xcompiler", flag]
+    _run(cmd, "linking " + target.name)
     problem = library_problem(
         target, tc.ccbin or "nvcc's default host compiler (the g++ on PATH)"
     )
