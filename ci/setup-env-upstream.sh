@@ -28,6 +28,10 @@ CACHE=${VLLM_EXL3_CACHE:-$HOME/.cache/vllm-exl3}
 WHEELS=${VLLM_EXL3_WHEELS:-$CACHE/wheels}
 stamp=$(sha256sum "$here/setup-env-upstream.sh" | cut -c1-16)
 VENV=${VLLM_EXL3_UPSTREAM_VENV:-$CACHE/venv-$VLLM-$stamp}
+NAME=setup-env-upstream
+P="$VENV/bin/pip"
+# shellcheck source=ci/env-lib.sh
+source "$here/env-lib.sh"
 
 case "${1:-}" in
   --path) echo "$VENV"; exit 0 ;;
@@ -35,41 +39,16 @@ case "${1:-}" in
   *) echo "setup-env-upstream: unknown argument $1 (--path)" >&2; exit 2 ;;
 esac
 
-# vLLM's mypy hook checks for the oldest Python it supports, 3.11; torch 2.14.0 and vLLM 0.34.0
-# publish wheels for it.
-PY=${VLLM_EXL3_PYTHON:-}
-if [ -z "$PY" ]; then
-  for candidate in python3.11 python3.12 python3.13; do
-    if command -v "$candidate" >/dev/null; then PY=$candidate; break; fi
-  done
-fi
-[ -n "$PY" ] || { echo "setup-env-upstream: no python3.11-3.13 found (set VLLM_EXL3_PYTHON)" >&2; exit 1; }
-
-marker="$VENV/.exl3-env-$stamp"
-[ -f "$marker" ] && { echo "setup-env-upstream: reusing $VENV"; exit 0; }
-mkdir -p "$(dirname "$VENV")" "$WHEELS"
-exec 9>"$VENV.lock"
-flock 9
-[ -f "$marker" ] && { echo "setup-env-upstream: reusing $VENV"; exit 0; }
+PY=$(env_python)
+env_reuse_or_lock "$VENV/.exl3-env-$stamp"
 
 pyver=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 rm -rf "$VENV"
 t0=$(date +%s)
 $PY -m venv "$VENV"
-P="$VENV/bin/pip"
 "$P" install -q --upgrade "pip>=24"
-torch_whl=$(ls "$WHEELS"/torch-$TORCH-$pyver-*.whl 2>/dev/null | head -1 || true)
-if [ -z "$torch_whl" ]; then
-  echo "setup-env-upstream: downloading torch $TORCH ($pyver, ~555 MB)"
-  "$P" download -q --no-deps torch==$TORCH -d "$WHEELS"
-  torch_whl=$(ls "$WHEELS"/torch-$TORCH-$pyver-*.whl | head -1)
-fi
-vllm_whl=$(ls "$WHEELS"/vllm-$VLLM-*.whl 2>/dev/null | head -1 || true)
-if [ -z "$vllm_whl" ]; then
-  echo "setup-env-upstream: downloading vllm $VLLM wheel (~240 MB)"
-  "$P" download -q --no-deps vllm==$VLLM -d "$WHEELS"
-  vllm_whl=$(ls "$WHEELS"/vllm-$VLLM-*.whl | head -1)
-fi
+torch_whl=$(release_wheel torch $TORCH "torch-$TORCH-$pyver-*.whl" "$pyver, ~555 MB")
+vllm_whl=$(release_wheel vllm $VLLM "vllm-$VLLM-*.whl" "~240 MB")
 # What vllm.config / layers / fused_moe / distributed / the quant registry and vLLM's tests'
 # conftest import, within vLLM 0.34.0's declared ranges (transformers <5.23). Installed with pip's
 # resolver before torch and vLLM, so it never sees their deliberately missing dependencies.
@@ -109,5 +88,5 @@ if command -v npm >/dev/null; then
 else
   echo "setup-env-upstream: no npm; the markdownlint-cli2 hook will report it was not run"
 fi
-touch "$marker"
+touch "$VENV/.exl3-env-$stamp"
 echo "setup-env-upstream: ready in $(( $(date +%s) - t0 ))s at $VENV"

@@ -19,6 +19,10 @@ CACHE=${VLLM_EXL3_CACHE:-$HOME/.cache/vllm-exl3}
 WHEELS=${VLLM_EXL3_WHEELS:-$CACHE/wheels}
 stamp=$(sha256sum "$here/setup-env.sh" | cut -c1-16)
 VENV=${VLLM_EXL3_VENV:-$CACHE/venv-$stamp}
+NAME=setup-env
+P="$VENV/bin/pip"
+# shellcheck source=ci/env-lib.sh
+source "$here/env-lib.sh"
 
 case "${1:-}" in
   --path) echo "$VENV"; exit 0 ;;
@@ -34,40 +38,16 @@ case "${1:-}" in
 esac
 
 # torch 2.11.0 and vLLM 0.26.0 publish wheels for CPython 3.10-3.13; the tool needs 3.11+.
-PY=${VLLM_EXL3_PYTHON:-}
-if [ -z "$PY" ]; then
-  for candidate in python3.11 python3.12 python3.13; do
-    if command -v "$candidate" >/dev/null; then PY=$candidate; break; fi
-  done
-fi
-[ -n "$PY" ] || { echo "setup-env: no python3.11-3.13 found (set VLLM_EXL3_PYTHON)" >&2; exit 1; }
-
-marker="$VENV/.exl3-env-$stamp"
-[ -f "$marker" ] && { echo "setup-env: reusing $VENV"; exit 0; }
-# One builder per environment: a second command waits here and then finds the marker.
-mkdir -p "$(dirname "$VENV")" "$WHEELS"
-exec 9>"$VENV.lock"
-flock 9
-[ -f "$marker" ] && { echo "setup-env: reusing $VENV"; exit 0; }
+PY=$(env_python)
+env_reuse_or_lock "$VENV/.exl3-env-$stamp"
 
 pyver=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
 rm -rf "$VENV"
 t0=$(date +%s)
 $PY -m venv "$VENV"
-P="$VENV/bin/pip"
 "$P" install -q --upgrade "pip>=24"
-torch_whl=$(ls "$WHEELS"/torch-2.11.0-$pyver-*.whl 2>/dev/null | head -1 || true)
-if [ -z "$torch_whl" ]; then
-  echo "setup-env: downloading torch 2.11.0 ($pyver, ~530 MB)"
-  "$P" download -q --no-deps torch==2.11.0 -d "$WHEELS"
-  torch_whl=$(ls "$WHEELS"/torch-2.11.0-$pyver-*.whl | head -1)
-fi
-vllm_whl=$(ls "$WHEELS"/vllm-0.26.0-*.whl 2>/dev/null | head -1 || true)
-if [ -z "$vllm_whl" ]; then
-  echo "setup-env: downloading vllm 0.26.0 wheel (~300 MB)"
-  "$P" download -q --no-deps vllm==0.26.0 -d "$WHEELS"
-  vllm_whl=$(ls "$WHEELS"/vllm-0.26.0-*.whl | head -1)
-fi
+torch_whl=$(release_wheel torch 2.11.0 "torch-2.11.0-$pyver-*.whl" "$pyver, ~530 MB")
+vllm_whl=$(release_wheel vllm 0.26.0 "vllm-0.26.0-*.whl" "~300 MB")
 # What vllm.config / layers / fused_moe / distributed / the quant registry import, plus the
 # tools our tests and scripts use. Installed with pip's resolver BEFORE torch and vLLM, so that
 # the resolver never sees their (deliberately) missing dependencies and reports no conflict.
@@ -96,5 +76,5 @@ fi
 # The Python lint test (tests/tooling/test_repo_lint.py): scripts the CPU suite cannot run (the
 # GPU benchmarks) still get their names checked.
 "$P" install -q --no-deps pyflakes==4.1.0
-touch "$marker"
+touch "$VENV/.exl3-env-$stamp"
 echo "setup-env: ready in $(( $(date +%s) - t0 ))s at $VENV"
