@@ -717,6 +717,11 @@ def print_table(result: dict) -> None:
                 else serve.get("error", "")
             )
         )
+    print_verdicts(result)
+
+
+def print_verdicts(result: dict) -> None:
+    """The checks, skipped stages and errors of an e2e result, one line each."""
     for c in result["checks"]:
         print(
             f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['value']:.6g} "
@@ -726,6 +731,15 @@ def print_table(result: dict) -> None:
         print(f"  SKIPPED {s}")
     for stage, tb in result["errors"].items():
         print(f"  ERROR {stage}: {tb.strip().splitlines()[-1]}")
+
+
+def all_passed(result: dict) -> bool:
+    """Every check passed and no stage was skipped or failed."""
+    return (
+        all(c["pass"] for c in result["checks"])
+        and not result["skipped"]
+        and not result["errors"]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -806,12 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.work / name).write_text(text)
     print_table(result)
     log(f"wrote {args.out / name} ({result['seconds']} s)")
-    ok = (
-        all(c["pass"] for c in result["checks"])
-        and not result["skipped"]
-        and not result["errors"]
-    )
-    return 0 if ok else 1
+    return 0 if all_passed(result) else 1
 
 
 if __name__ == "__main__":

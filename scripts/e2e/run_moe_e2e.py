@@ -570,12 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.work / name).write_text(text)
     print_table(result)
     fx.log(f"wrote {args.out / name} ({result['seconds']} s)")
-    ok = (
-        all(c["pass"] for c in result["checks"])
-        and not result["skipped"]
-        and not result["errors"]
-    )
-    return 0 if ok else 1
+    return 0 if fx.all_passed(result) else 1
 
 
 if __name__ == "__main__":

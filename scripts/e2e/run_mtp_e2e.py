@@ -333,15 +333,7 @@ def print_table(result: dict) -> None:
             f"drafts {m.get('spec_decode_num_drafts')}, accepted "
             f"{m.get('spec_decode_num_accepted_tokens')}"
         )
-    for c in result["checks"]:
-        print(
-            f"  {'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['value']:.6g} "
-            f"(limit {c['limit']:.6g})"
-        )
-    for s in result["skipped"]:
-        print(f"  SKIPPED {s}")
-    for stage, tb in result["errors"].items():
-        print(f"  ERROR {stage}: {tb.strip().splitlines()[-1]}")
+    fx.print_verdicts(result)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -431,12 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(text)
     print_table(result)
     fx.log(f"wrote {path} ({result['seconds']} s)")
-    ok = (
-        all(c["pass"] for c in result["checks"])
-        and not result["skipped"]
-        and not result["errors"]
-        and len(result["summary"]) == len(args.models)
-    )
+    ok = fx.all_passed(result) and len(result["summary"]) == len(args.models)
     return 0 if ok else 1
 
 
