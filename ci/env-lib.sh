@@ -5,8 +5,8 @@
 # messages), VENV, WHEELS and P (the venv's pip, for release_wheel). An environment's path is keyed
 # by its own script's hash alone: these steps decide how it is built, not what it holds.
 
-# $VLLM_EXL3_PYTHON, else the first of python3.11-3.13 on PATH (the oldest Python both vLLM
-# releases and their mypy hook support is 3.11).
+# $VLLM_EXL3_PYTHON, else the first of python3.11-3.13 on PATH: 3.11 is the oldest the tool
+# takes and the one vLLM 0.34's mypy hook checks for; both torch releases publish wheels to 3.13.
 env_python() {
   local py=${VLLM_EXL3_PYTHON:-} candidate
   if [ -z "$py" ]; then
