@@ -302,6 +302,9 @@ def _check_source_options(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_source_options(args)
+    # CMake runs in the prepared tree, so the stand-in paths handed to it must not be
+    # relative to the caller's directory.
+    args.build_dir = args.build_dir.resolve()
     if args.status:
         return vllm_cmake.status(args.build_dir)
     series = Series.load(args.series)

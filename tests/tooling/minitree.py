@@ -28,13 +28,14 @@ GIT_ENV = {
 
 
 def run_tool(
-    *args: str | Path, env: dict[str, str] | None = None
+    *args: str | Path, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(TOOL), *map(str, args)],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
+        cwd=cwd,
     )
 
 

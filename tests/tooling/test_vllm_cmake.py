@@ -352,6 +352,20 @@ def test_status_tells_running_done_failed_and_stopped(tmp_path: Path) -> None:
     assert stopped.returncode == 1 and "run the same command again" in stopped.stdout
 
 
+def test_a_relative_build_dir_is_taken_from_the_callers_directory(
+    tmp_path: Path,
+) -> None:
+    # CMake configures inside the prepared tree: a relative folder handed on as given
+    # pointed the stand-ins below that tree (DEEPGEMM_SRC_DIR is not a directory).
+    work = tmp_path / "rel"
+    work.mkdir()
+    (work / vllm_cmake.STATE_FILE).write_text(
+        json.dumps(dict(pid=1, phase="done", rc=0, started=time.time()))
+    )
+    r = run_tool("build", "--status", "--build-dir", "rel", cwd=tmp_path)
+    assert r.returncode == 0 and f"({work})" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
