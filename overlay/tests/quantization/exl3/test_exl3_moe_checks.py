@@ -658,6 +658,21 @@ def test_split_rule_at_the_bench_shapes() -> None:
         assert mk.moe_splits(1, 8, 128, 128, 2048, 768, block, (8, 8), dev) == (1, 1)
 
 
+def test_block_rule_at_the_bench_shapes() -> None:
+    """moe_plans.block_size at the rows per expert the H200 sweeps measured (uniform
+    routing, bench_moe.py --block-sweep): 16-row blocks at 8 rows per expert, 32 at 16,
+    64 at 32 and at 64, 128 at 128; never a smaller block for more rows."""
+    from vllm.model_executor.layers.quantization.exl3 import moe_plans as mk
+
+    want = {8: 16, 16: 32, 32: 64, 64: 64, 128: 128}
+    for name, (_, _, e, top_k) in BENCH_SHAPES.items():
+        for rows, block in want.items():
+            tokens = rows * e // top_k
+            assert mk.block_size(tokens, top_k, e) == block, (name, rows)
+        picks = [mk.block_size(t, top_k, e) for t in range(1, 400 * e // top_k, 7)]
+        assert picks == sorted(picks), name
+
+
 def test_pairs_rule() -> None:
     """moe_plans.pairs_layout: up to an eighth of a routed pair per (global) expert,
     where a uniform routing reaches nearly as many experts as it has pairs (the excess

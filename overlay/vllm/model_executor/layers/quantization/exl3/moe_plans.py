@@ -172,8 +172,13 @@ def reconstructs(
 # 4 bits: MCG 6.15 / 6.59 / 7.40 / 9.34, MUL1 5.73 / 6.10 / 6.91 / 8.85, so within 3 %
 # of one ratio). They include the MMAs and activation loads of the block's padded rows.
 # Hopper's wgmma issues fewer for the 64- and 128-row blocks (6.89 at MCG); the rule
-# keeps the mma.sync costs there, which leans it towards smaller blocks.
-BLOCK_DECODE_COST = {16: 1.00, 32: 1.07, 64: 1.20, 128: 1.52}
+# keeps the mma.sync costs there, which leans it towards smaller blocks. The 128-row
+# tier's count (1.52) is raised to 1.78 by measurement (H200, bench_moe.py
+# --block-sweep 64 128): at 64 rows per expert 64-row blocks were 3-6 % faster on three
+# of the four bench layers, at 128 rows 128-row blocks 3-8 % faster on three. 1.78 puts
+# the switch at 64.4 rows and stays below 1.80, from which the rule would fall back to
+# 64-row blocks near 140 rows (two 128-row blocks against three 64-row ones).
+BLOCK_DECODE_COST = {16: 1.00, 32: 1.07, 64: 1.20, 128: 1.78}
 # The expected block counts sum R's distribution up to this many standard deviations
 # above its mean (and one row); the terms left out are below the sum's own rounding.
 BLOCK_TAIL_SIGMAS = 12
@@ -216,11 +221,12 @@ def block_size(tokens: int, top_k: int, global_experts: int) -> int:
     its expected blocks per expert (uniform routing) times its instructions per decoded
     weight (BLOCK_DECODE_COST); ties go to the smaller block. An expert whose rows just
     exceed a block pays for two, so the rule moves up a tier once that is likely enough:
-    at 16 rows per expert on average it takes 32-row blocks, at 32 the 64-row ones. The
-    H200 measured that (bench_moe.py --block-sweep, scripts/bench/README.md): 32-row
-    blocks 10-11 % faster than 16-row ones at 16 rows per expert on three layer shapes,
-    64-row blocks 17 % faster than 32-row ones at 32 (DeepSeek-V3, 1,024 tokens), 16-row
-    blocks fastest at 8 rows and below."""
+    at 16 rows per expert on average it takes 32-row blocks, at 32 the 64-row ones, above
+    64.4 the 128-row ones. The H200 measured that (bench_moe.py --block-sweep,
+    scripts/bench/README.md): 32-row blocks 10-11 % faster than 16-row ones at 16 rows
+    per expert on three layer shapes, 64-row blocks 17 % faster than 32-row ones at 32
+    (DeepSeek-V3, 1,024 tokens), 16-row blocks fastest at 8 rows and below, 64-row ones
+    at 64 rows and 128-row ones at 128 on three of four layers each."""
     expected = expected_blocks_per_expert(tokens, top_k, global_experts)
     costs = [e * BLOCK_DECODE_COST[b] for b, e in zip(BLOCK_SIZES, expected)]
     return min(zip(costs, BLOCK_SIZES))[1]
