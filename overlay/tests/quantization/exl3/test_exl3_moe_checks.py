@@ -444,8 +444,9 @@ def test_rate_table_checks_name_the_entry() -> None:
 
 def test_block_size_rule() -> None:
     """The aligned layout's row block at the H200's measured decisions (bench_moe.py
-    --block-sweep): 16-row blocks up to 8 routed rows per expert, 32 at 16, 64 at 32;
-    the largest tier for large batches."""
+    --block-sweep): 16-row blocks up to 8 routed rows per expert, 32 at 16, 64 at 32
+    and 64, 128 at 128; the largest tier for large batches; never a smaller block for
+    more rows."""
     from vllm.model_executor.layers.quantization.exl3.moe_ops import BLOCK_SIZES
     from vllm.model_executor.layers.quantization.exl3.moe_plans import block_size
 
@@ -455,8 +456,11 @@ def test_block_size_rule() -> None:
     assert rule(256, 8, 256) == 16  # DeepSeek-V3, 8 rows per expert
     assert rule(256, 8, 128) == 32  # Qwen3-30B-A3B, GLM-4.5-Air: 16 rows per expert
     assert rule(1024, 8, 256) == 64  # DeepSeek-V3, 32 rows per expert
-    # Where the tiers meet for top-8 of 128 experts: 11.5, 26.6 and 60 rows per expert.
-    assert [rule(t, 8, 128) for t in (184, 185, 425, 426, 958, 959)] == [
+    assert rule(1024, 8, 128) == 64  # 64 rows per expert
+    assert rule(2048, 8, 128) == 128  # 128 rows per expert
+    assert rule(2048, 8, 256) == 64 and rule(4096, 8, 256) == 128  # DeepSeek-V3
+    # Where the tiers meet for top-8 of 128 experts: 11.5, 26.6, 64.4 rows per expert.
+    assert [rule(t, 8, 128) for t in (184, 185, 425, 426, 1029, 1030)] == [
         16,
         32,
         32,
@@ -464,6 +468,9 @@ def test_block_size_rule() -> None:
         64,
         128,
     ]
+    for e, top_k in ((128, 8), (256, 8), (16, 4)):
+        picks = [rule(t, top_k, e) for t in range(1, 400 * e // top_k, 7)]
+        assert picks == sorted(picks), (e, top_k)
     assert rule(4096, 8, 128) == BLOCK_SIZES[-1]
     assert rule(8192, 2, 16) == BLOCK_SIZES[-1]
     assert rule(3, 4, 4) == 16  # every token routed to every expert: 3 rows each
@@ -656,21 +663,6 @@ def test_split_rule_at_the_bench_shapes() -> None:
     # The large-batch tiers have no split-k.
     for block in (64, 128):
         assert mk.moe_splits(1, 8, 128, 128, 2048, 768, block, (8, 8), dev) == (1, 1)
-
-
-def test_block_rule_at_the_bench_shapes() -> None:
-    """moe_plans.block_size at the rows per expert the H200 sweeps measured (uniform
-    routing, bench_moe.py --block-sweep): 16-row blocks at 8 rows per expert, 32 at 16,
-    64 at 32 and at 64, 128 at 128; never a smaller block for more rows."""
-    from vllm.model_executor.layers.quantization.exl3 import moe_plans as mk
-
-    want = {8: 16, 16: 32, 32: 64, 64: 64, 128: 128}
-    for name, (_, _, e, top_k) in BENCH_SHAPES.items():
-        for rows, block in want.items():
-            tokens = rows * e // top_k
-            assert mk.block_size(tokens, top_k, e) == block, (name, rows)
-        picks = [mk.block_size(t, top_k, e) for t in range(1, 400 * e // top_k, 7)]
-        assert picks == sorted(picks), name
 
 
 def test_pairs_rule() -> None:

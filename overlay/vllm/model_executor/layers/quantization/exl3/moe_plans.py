@@ -221,8 +221,8 @@ def block_size(tokens: int, top_k: int, global_experts: int) -> int:
     its expected blocks per expert (uniform routing) times its instructions per decoded
     weight (BLOCK_DECODE_COST); ties go to the smaller block. An expert whose rows just
     exceed a block pays for two, so the rule moves up a tier once that is likely enough:
-    at 16 rows per expert on average it takes 32-row blocks, at 32 the 64-row ones, above
-    64.4 the 128-row ones. The H200 measured that (bench_moe.py --block-sweep,
+    at 16 rows per expert on average it takes 32-row blocks, at 32 the 64-row ones,
+    above 64.4 the 128-row ones. The H200 measured that (bench_moe.py --block-sweep,
     scripts/bench/README.md): 32-row blocks 10-11 % faster than 16-row ones at 16 rows
     per expert on three layer shapes, 64-row blocks 17 % faster than 32-row ones at 32
     (DeepSeek-V3, 1,024 tokens), 16-row blocks fastest at 8 rows and below, 64-row ones
