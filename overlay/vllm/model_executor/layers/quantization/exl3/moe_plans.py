@@ -174,10 +174,10 @@ def reconstructs(
 # Hopper's wgmma issues fewer for the 64- and 128-row blocks (6.89 at MCG); the rule
 # keeps the mma.sync costs there, which leans it towards smaller blocks. The 128-row
 # tier's count (1.52) is raised to 1.78 by measurement (H200, bench_moe.py
-# --block-sweep 64 128): at 64 rows per expert 64-row blocks were 3-6 % faster on three
-# of the four bench layers, at 128 rows 128-row blocks 3-8 % faster on three. 1.78 puts
-# the switch at 64.4 rows and stays below 1.80, from which the rule would fall back to
-# 64-row blocks near 140 rows (two 128-row blocks against three 64-row ones).
+# --block-sweep 64 128): at 64 rows per expert 64-row blocks were 2.5-6.3 % faster on
+# three of the four bench layers, at 128 rows 128-row blocks 3.4-8.5 % faster on three.
+# 1.78 puts the switch at 64.4 rows and stays below 1.80, from which the rule would fall
+# back to 64-row blocks near 140 rows (two 128-row blocks against three 64-row ones).
 BLOCK_DECODE_COST = {16: 1.00, 32: 1.07, 64: 1.20, 128: 1.78}
 # The expected block counts sum R's distribution up to this many standard deviations
 # above its mean (and one row); the terms left out are below the sum's own rounding.
