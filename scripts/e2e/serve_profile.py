@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Where a decode step of `vllm serve` goes, per variant: serve_bench.py's server and
+load (8k in / 1k out, its synthetic checkpoints and dummy variants), one wave of
+`--concurrency` prompts through `vllm bench serve --profile`, and vLLM's own torch
+profiler (`--profiler-config`) recording a window of engine iterations after the wave's
+prefills. The trace is summarized per variant: the decode-only iterations (vLLM's
+`execute_context_0(0)_generation_N(N)` annotations) with the wall time from one to the
+next, the GPU kernels by total time per decode iteration, the CUDA runtime calls and
+the host ops by self time. Side by side, the variants show whether a slower decode step
+is kernel time or host time (a synchronization shows as a long runtime call).
+
+    python3 scripts/e2e/serve_profile.py --preset qwen3-30b-a3b --variants exl3,gptq \
+        --concurrency 16 --out OUT
+
+Writes serve_profile.json and, per variant, vLLM's trace under OUT/profiles/. The
+timings of a profiled wave are not serving results (the profiler slows the steps it
+records); serve_bench.py measures those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from vllm_exl3.e2e import serve_bench as sb
+from vllm_exl3.e2e.run_fixture_e2e import free_port
+from vllm_exl3.e2e.throughput import (
+    GPU_MEMORY_UTILIZATION,
+    PRESETS,
+    checkpoint_dir,
+    ensure_checkpoint,
+)
+
+RESULT_NAME = "serve_profile.json"
+# vLLM 0.26's `vllm serve` schedules at most this many tokens per iteration on these
+# GPUs (its log: "Chunked prefill is enabled with max_num_batched_tokens=8192"), so a
+# wave of C 8k prompts takes about C prefill iterations before decoding alone.
+PREFILL_TOKENS_PER_ITERATION = 8192
+# Iterations skipped after the wave's prefills (the first decode steps share the batch
+# with the last prefill chunks) and iterations recorded: enough decode steps for stable
+# medians, few enough that the trace stays tens of MB.
+PROFILE_MARGIN_ITERATIONS = 16
+PROFILE_ITERATIONS = 48
+# Names kept per part of the summary: the heads of these lists hold nearly all the time.
+TOP = 15
+# Trace categories of torch's Chrome-trace export.
+KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_CAT = "cuda_runtime"
+HOST_CATS = ("cpu_op", "python_function", "user_annotation", "cuda_runtime")
+STEP_PREFIX = "execute_context_"
+TRACE_POLL_S = 2.0
+
+
+def profile_window(concurrency: int) -> tuple[int, int]:
+    """(iterations to skip, iterations to record) for one wave at `concurrency`."""
+    prefill = concurrency * math.ceil(sb.INPUT_LEN / PREFILL_TOKENS_PER_ITERATION)
+    return prefill + PROFILE_MARGIN_ITERATIONS, PROFILE_ITERATIONS
+
+
+def profiler_config(trace_dir: Path, concurrency: int) -> str:
+    delay, iterations = profile_window(concurrency)
+    return json.dumps(
+        {
+            "profiler": "torch",
+            "torch_profiler_dir": str(trace_dir.resolve()),
+            "delay_iterations": delay,
+            "max_iterations": iterations,
+            # Stacks multiply the trace's size; the op names are what is summarized.
+            "torch_profiler_with_stack": False,
+            # The API server's own trace covers the whole wave, not the window.
+            "ignore_frontend": True,
+        }
+    )
+
+
+def decode_step(name: str) -> int | None:
+    """The sequence count of a decode-only iteration's annotation, else None."""
+    if not name.startswith(STEP_PREFIX + "0(0)_generation_"):
+        return None
+    count = name.rsplit("_", 1)[1].split("(", 1)[0]
+    return int(count) if count.isdigit() else None
+
+
+def self_times(events: list[dict]) -> dict[str, float]:
+    """Self time (µs) per name of host events: each event's duration less that of the
+    events nested directly inside it on the same thread."""
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    totals: dict[str, float] = defaultdict(float)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        own = [float(e["dur"]) for e in evs]
+        stack: list[tuple[float, int]] = []  # (end, index) of the open events
+        for i, e in enumerate(evs):
+            while stack and e["ts"] >= stack[-1][0]:
+                stack.pop()
+            if stack:
+                own[stack[-1][1]] -= e["dur"]
+            stack.append((e["ts"] + e["dur"], i))
+        for e, t in zip(evs, own):
+            totals[e["name"]] += max(t, 0.0)
+    return dict(totals)
+
+
+def summarize(trace: dict) -> dict:
+    """The window's decode iterations, kernels, runtime calls and host ops."""
+    events = [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and "dur" in e and "ts" in e
+    ]
+    steps = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") == "user_annotation" and e["name"].startswith("execute_")
+        ),
+        key=lambda e: e["ts"],
+    )
+    decode = [e for e in steps if decode_step(e["name"]) is not None]
+    if not decode:
+        raise ValueError(
+            "serve_profile: the trace holds no decode-only iteration "
+            f"({STEP_PREFIX}0(0)_generation_N(N)); the window missed the decode phase"
+        )
+    starts = [e["ts"] for e in steps]
+    gaps = sorted(
+        b - a
+        for a, b, e in zip(starts, starts[1:], steps)
+        if decode_step(e["name"]) is not None
+    )
+    span = (decode[0]["ts"], decode[-1]["ts"] + decode[-1]["dur"])
+    inside = [e for e in events if span[0] <= e["ts"] < span[1]]
+
+    def top(pairs: dict[str, float]) -> list[dict]:
+        ranked = sorted(pairs.items(), key=lambda kv: -kv[1])[:TOP]
+        return [
+            {"name": n, "us_per_step": round(t / len(decode), 1)} for n, t in ranked
+        ]
+
+    kernels: dict[str, float] = defaultdict(float)
+    runtime: dict[str, float] = defaultdict(float)
+    for e in inside:
+        if e.get("cat") in KERNEL_CATS:
+            kernels[e["name"]] += e["dur"]
+        elif e.get("cat") == RUNTIME_CAT:
+            runtime[e["name"]] += e["dur"]
+    host = self_times([e for e in inside if e.get("cat") in HOST_CATS])
+    return {
+        "decode_steps": len(decode),
+        "sequences": sorted({decode_step(e["name"]) for e in decode}),
+        "step_wall_us_median": round(gaps[len(gaps) // 2], 1) if gaps else None,
+        "step_host_us_median": round(
+            sorted(e["dur"] for e in decode)[len(decode) // 2], 1
+        ),
+        "kernel_us_per_step": round(sum(kernels.values()) / len(decode), 1),
+        "kernels": top(kernels),
+        "runtime": top(runtime),
+        "host_self": top(host),
+    }
+
+
+def read_trace(path: Path) -> dict:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def wait_for_trace(trace_dir: Path, timeout: float) -> Path:
+    """The worker's trace once its size stops changing (vLLM writes it when the
+    window's last iteration ends or at /stop_profile)."""
+    end, last = time.monotonic() + timeout, None
+    while time.monotonic() < end:
+        found = sorted(trace_dir.rglob("*.pt.trace.json*"))
+        sizes = [f.stat().st_size for f in found]
+        if found and sizes == last:
+            return found[-1]
+        last = sizes
+        time.sleep(TRACE_POLL_S)
+    raise TimeoutError(
+        f"serve_profile: no complete trace in {trace_dir} after {timeout:.0f} s"
+    )
+
+
+def profile_variant(
+    preset: str, v: sb.Variant, c: int, memory: float, budget: sb.Budget, out: Path
+) -> dict:
+    trace_dir = out / "profiles" / f"{preset}-{v.name}-c{c}"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmd = sb.serve_command(v, port, memory) + [
+        "--profiler-config",
+        profiler_config(trace_dir, c),
+    ]
+    logs, results = out / "logs", out / "bench_results"
+    logs.mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
+    server = sb.Server(
+        cmd, port, logs / f"serve-{preset}-{v.name}.log", sb.server_env()
+    )
+    sb.log(f"{preset} {v.name}: starting {' '.join(cmd)}")
+    with server:
+        ready = server.wait_ready(
+            min(sb.SERVER_READY_TIMEOUT_S, budget.left() - sb.STOP_MARGIN_S)
+        )
+        name = f"profile-{preset}-{v.name}-c{c}.json"
+        bench = sb.bench_command(
+            port,
+            c,
+            sb.row_seed(preset, v.name, c),
+            results,
+            name,
+            waves=1,
+        ) + ["--profile"]
+        with open(logs / name.replace(".json", ".log"), "w") as logf:
+            rc = subprocess.run(
+                bench,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                timeout=max(budget.left() - sb.STOP_MARGIN_S, 1),
+            ).returncode
+        if rc != 0:
+            raise RuntimeError(f"{preset} {v.name}: vllm bench serve exited with {rc}")
+        trace = wait_for_trace(trace_dir, max(budget.left() - sb.STOP_MARGIN_S, 1))
+    summary = summarize(read_trace(trace))
+    return {
+        "preset": preset,
+        "variant": v.name,
+        "concurrency": c,
+        "server_ready_s": round(ready, 1),
+        "trace": str(trace),
+        **summary,
+    }
+
+
+def format_summary(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        lines.append(
+            f"{r['preset']} {r['variant']} c={r['concurrency']}: {r['decode_steps']} "
+            f"decode steps of {r['sequences']} sequences, wall "
+            f"{r['step_wall_us_median'] / 1e3:.2f} ms, host "
+            f"{r['step_host_us_median'] / 1e3:.2f} ms, kernels "
+            f"{r['kernel_us_per_step'] / 1e3:.2f} ms per step"
+        )
+        for part in ("kernels", "runtime", "host_self"):
+            for item in r[part][:6]:
+                lines.append(
+                    f"    {part:9s} {item['us_per_step']:9.1f} us  {item['name'][:90]}"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", sb.REPO / ".e2e" / "profile")),
+    )
+    ap.add_argument("--work", type=Path, default=Path("/tmp/vx/throughput"))
+    ap.add_argument("--preset", default="qwen3-30b-a3b", choices=list(PRESETS))
+    ap.add_argument("--variants", default="exl3,gptq")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--budget-s", type=float, default=540)
+    args = ap.parse_args(argv)
+    names = [n for n in args.variants.split(",") if n]
+    if not names or set(names) - set(sb.VLLM_VARIANTS):
+        ap.error(f"--variants takes some of {','.join(sb.VLLM_VARIANTS)}, got {names}")
+    if args.concurrency < 1:
+        ap.error(f"--concurrency must be at least 1, got {args.concurrency}")
+    budget = sb.Budget(args.budget_s)
+    exl3 = ensure_checkpoint(
+        checkpoint_dir(args.work, args.preset, None, sb.EXL3_BITS, sb.EXL3_CODEBOOK),
+        args.preset,
+        None,
+        sb.EXL3_BITS,
+        sb.EXL3_CODEBOOK,
+    )
+    memory = args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION[args.preset]
+    record: dict = {"host": sb.host_facts(), "rows": [], "errors": []}
+    for v in sb.variants(exl3, args.work, names):
+        try:
+            record["rows"].append(
+                profile_variant(
+                    args.preset, v, args.concurrency, memory, budget, args.out
+                )
+            )
+        except (RuntimeError, TimeoutError, ValueError, subprocess.TimeoutExpired) as e:
+            record["errors"].append(f"{args.preset} {v.name}: {e}")
+            sb.log(f"{args.preset} {v.name}: {str(e).splitlines()[0]}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / RESULT_NAME).write_text(json.dumps(record, indent=1))
+    print(format_summary(record["rows"]))
+    return 1 if record["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
