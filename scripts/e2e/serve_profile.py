@@ -9,7 +9,10 @@ prefills. The trace is summarized per variant: the decode-only iterations (vLLM'
 `execute_context_0(0)_generation_N(N)` annotations) with the wall time from one to the
 next, the GPU kernels by total time per decode iteration, the CUDA runtime calls and
 the host ops by self time. Side by side, the variants show whether a slower decode step
-is kernel time or host time (a synchronization shows as a long runtime call).
+is kernel time or host time (a synchronization shows as a long runtime call). The
+servers run with `VLLM_GPU_SYNC_CHECK=warn` (vLLM's check around each step's model and
+sampler calls after warm-up): the code locations of the host-device synchronizations it
+reports in the server's log are listed per variant.
 
     python3 scripts/e2e/serve_profile.py --preset qwen3-30b-a3b --variants exl3,gptq \
         --concurrency 16 --out OUT
@@ -26,6 +29,7 @@ import gzip
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -59,6 +63,17 @@ RUNTIME_CAT = "cuda_runtime"
 HOST_CATS = ("cpu_op", "python_function", "user_annotation", "cuda_runtime")
 STEP_PREFIX = "execute_context_"
 TRACE_POLL_S = 2.0
+# What torch's sync debug mode (`warn`) prints for a synchronizing CUDA call, after the
+# Python location that made it.
+SYNC_WARNING = re.compile(
+    r"(\S+\.py:\d+): UserWarning: called a synchronizing CUDA operation"
+)
+
+
+def sync_locations(log_text: str) -> list[str]:
+    """The distinct code locations of the synchronizations a server's log reports, in
+    order of first appearance."""
+    return list(dict.fromkeys(SYNC_WARNING.findall(log_text)))
 
 
 def profile_window(concurrency: int) -> tuple[int, int]:
@@ -206,9 +221,8 @@ def profile_variant(
     logs, results = out / "logs", out / "bench_results"
     logs.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
-    server = sb.Server(
-        cmd, port, logs / f"serve-{preset}-{v.name}.log", sb.server_env()
-    )
+    env = sb.server_env() | {"VLLM_GPU_SYNC_CHECK": "warn"}
+    server = sb.Server(cmd, port, logs / f"serve-{preset}-{v.name}.log", env)
     sb.log(f"{preset} {v.name}: starting {' '.join(cmd)}")
     with server:
         ready = server.wait_ready(
@@ -234,12 +248,14 @@ def profile_variant(
             raise RuntimeError(f"{preset} {v.name}: vllm bench serve exited with {rc}")
         trace = wait_for_trace(trace_dir, max(budget.left() - sb.STOP_MARGIN_S, 1))
     summary = summarize(read_trace(trace))
+    syncs = sync_locations(server.logfile.read_text(errors="replace"))
     return {
         "preset": preset,
         "variant": v.name,
         "concurrency": c,
         "server_ready_s": round(ready, 1),
         "trace": str(trace),
+        "gpu_syncs": syncs,
         **summary,
     }
 
@@ -254,6 +270,8 @@ def format_summary(rows: list[dict]) -> str:
             f"{r['step_host_us_median'] / 1e3:.2f} ms, kernels "
             f"{r['kernel_us_per_step'] / 1e3:.2f} ms per step"
         )
+        for loc in r["gpu_syncs"]:
+            lines.append(f"    sync      {loc}")
         for part in ("kernels", "runtime", "host_self"):
             for item in r[part][:6]:
                 lines.append(

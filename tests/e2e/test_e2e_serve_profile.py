@@ -37,9 +37,31 @@ def test_settings_and_names_exist_in_vllm_0_26():
         assert re.search(rf"^\s+{key}:", fields, re.M), key
     assert '"--profile"' in (VLLM_SDIST / "vllm/benchmarks/serve.py").read_text()
     assert "profiler_config:" in (VLLM_SDIST / "vllm/engine/arg_utils.py").read_text()
+    assert '"VLLM_GPU_SYNC_CHECK"' in (VLLM_SDIST / "vllm/envs.py").read_text()
     # The annotation a decode-only iteration gets (gpu_worker.py, simple form).
     worker = (VLLM_SDIST / "vllm/v1/worker/gpu_worker.py").read_text()
     assert '"execute_context_"' in worker and '"_generation_"' in worker
+
+
+SYNC_AT = "/site/vllm/model_executor/layers/quantization/exl3/moe.py:448"
+SYNC_LOG = (
+    "(EngineCore pid=7) INFO 12-07 08:18:39 [core.py:340] init engine\n"
+    f"(EngineCore pid=7) {SYNC_AT}: UserWarning: called a synchronizing CUDA "
+    "operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:190.)\n"
+    "(EngineCore pid=7)   offset, _ = self.w2_meta_cpu[local].tolist()\n"
+    f"(EngineCore pid=7) {SYNC_AT}: UserWarning: called a synchronizing CUDA "
+    "operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:190.)\n"
+    "(EngineCore pid=7) /site/vllm/v1/worker/gpu_model_runner.py:3001: UserWarning: "
+    "called a synchronizing CUDA operation\n"
+)
+
+
+def test_sync_locations_in_a_server_log():
+    assert sp.sync_locations(SYNC_LOG) == [
+        SYNC_AT,
+        "/site/vllm/v1/worker/gpu_model_runner.py:3001",
+    ]
+    assert sp.sync_locations("no warnings here") == []
 
 
 def test_decode_step_names():
@@ -135,9 +157,11 @@ def test_reads_the_written_trace(tmp_path):
 
 def test_format_summary_names_each_part():
     row = {"preset": "qwen3-30b-a3b", "variant": "exl3", "concurrency": 16}
+    row["gpu_syncs"] = [SYNC_AT]
     text = sp.format_summary([row | sp.summarize(synthetic_trace())])
     assert "exl3 c=16: 8 decode steps" in text and "wall 20.00 ms" in text
     assert "cudaStreamSynchronize" in text and "moe_gemm" in text
+    assert f"sync      {SYNC_AT}" in text
 
 
 def test_main_profiles_each_variant(tmp_path, monkeypatch):
@@ -156,7 +180,9 @@ def test_main_profiles_each_variant(tmp_path, monkeypatch):
 
     class FakeServer:
         def __init__(self, cmd, port, logfile, env=None):
-            self.cmd = cmd
+            assert env["VLLM_GPU_SYNC_CHECK"] == "warn"
+            self.cmd, self.logfile = cmd, logfile
+            logfile.write_text(SYNC_LOG if not servers else "")
             servers.append(self)
 
         def __enter__(self):
