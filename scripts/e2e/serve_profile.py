@@ -263,10 +263,11 @@ def profile_variant(
 def format_summary(rows: list[dict]) -> str:
     lines = []
     for r in rows:
+        wall = r["step_wall_us_median"]
         lines.append(
             f"{r['preset']} {r['variant']} c={r['concurrency']}: {r['decode_steps']} "
             f"decode steps of {r['sequences']} sequences, wall "
-            f"{r['step_wall_us_median'] / 1e3:.2f} ms, host "
+            f"{'n/a' if wall is None else f'{wall / 1e3:.2f}'} ms, host "
             f"{r['step_host_us_median'] / 1e3:.2f} ms, kernels "
             f"{r['kernel_us_per_step'] / 1e3:.2f} ms per step"
         )

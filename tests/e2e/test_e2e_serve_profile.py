@@ -162,6 +162,9 @@ def test_format_summary_names_each_part():
     assert "exl3 c=16: 8 decode steps" in text and "wall 20.00 ms" in text
     assert "cudaStreamSynchronize" in text and "moe_gemm" in text
     assert f"sync      {SYNC_AT}" in text
+    one = row | sp.summarize(synthetic_trace(steps=1))
+    assert one["step_wall_us_median"] is None  # no next iteration to time it by
+    assert "wall n/a ms" in sp.format_summary([one])
 
 
 def test_main_profiles_each_variant(tmp_path, monkeypatch):
