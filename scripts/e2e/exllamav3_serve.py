@@ -6,9 +6,9 @@ concurrency) per process, the `exllamav3` variant of serve_bench.py.
 
 The synthetic EXL3 checkpoint the `exl3` variant serves (throughput.py's, in ExLlamaV3's
 own on-disk layout) loaded by ExLlamaV3's Config / Model / Cache and driven by its
-Generator, one Job per request: max(2 C, 4) prompts of 8192 random token ids inside the
-fixtures' 4096-entry tokenizer (as `vllm bench serve --dataset-name random` draws
-them), 1024 output tokens each, greedy (serve_bench's `--temperature 0`), no stop
+Generator, one Job per request: max(2 C, 4) prompts of 8192 random token ids of the
+model's vocabulary (which the vLLM rows' tokenizer, serve_bench.model_tokenizer, covers
+whole), 1024 output tokens each, greedy (serve_bench's `--temperature 0`), no stop
 condition (its `--ignore-eos`), a distinct seed per row. At most C jobs are in the
 generator at once: a new one is enqueued as one finishes, as `vllm bench serve
 --max-concurrency C` sends requests. Per request: TTFT (enqueue to the first token
@@ -60,7 +60,6 @@ from pathlib import Path
 from vllm_exl3.bench import exllamav3_anchor
 from vllm_exl3.e2e import serve_bench as sb
 from vllm_exl3.e2e.throughput import GPU_MEMORY_UTILIZATION, PRESETS
-from vllm_exl3.testing.fixtures import TOKENIZER
 
 VARIANT = "exllamav3"
 # ExLlamaV3's fixed cache page (exllamav3/constants.py PAGE_SIZE): cache sizes are
@@ -207,8 +206,8 @@ class Request:
 def prompts(
     seed: int | str, count: int, length: int, ids: Sequence[int]
 ) -> list[list[int]]:
-    """`count` prompts of `length` ids drawn uniformly from `ids` (the tokenizer's
-    ordinary tokens, as vLLM's random dataset draws them)."""
+    """`count` prompts of `length` ids drawn uniformly from `ids` (the model's
+    vocabulary, which vLLM's random dataset draws from through the rows' tokenizer)."""
     rng = random.Random(seed)
     return [rng.choices(ids, k=length) for _ in range(count)]
 
@@ -418,7 +417,7 @@ def measure(args: argparse.Namespace) -> dict:
             identifier=i,
         )
 
-    ids = sb.prompt_token_ids(TOKENIZER)
+    ids = range(cfg["vocab_size"])
     warm = prompts(f"warm-up {args.seed}", args.concurrency, WARMUP_INPUT, ids)
     warmed, _ = drive(
         generator,

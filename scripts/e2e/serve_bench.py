@@ -25,10 +25,13 @@ running and no KV cache left in use. `--detach` starts the soak in a session of 
 and returns (it outlives the call that started it); a later `--soak --collect` waits
 for its verdicts. Writes serve_soak.json.
 
-The model directories hold no tokenizer: both sides use the fixtures' 4096-entry
-tokenizer (tests/fixtures/qwen3-tiny/tokenizer). Prompts are token ids inside it;
-sampled ids above it (random weights, a 151936-entry vocabulary) decode to no text but
-are counted from the server's usage report, so throughput and TPOT count every token.
+The model directories hold no tokenizer: the servers and `vllm bench serve` share one
+written beside the checkpoints (model_tokenizer), one word per id of the model's whole
+vocabulary, so every id the random weights sample decodes to text in one step, as with
+a real model's tokenizer. (A tokenizer smaller than the vocabulary makes most sampled ids
+decode to nothing, and the API server's incremental detokenizer then decodes the
+request's whole undecoded tail again at every step: its CPU, not the engine, paces the
+streams at high concurrency; scripts/e2e/README.md has the measurement.)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,7 +67,7 @@ from vllm_exl3.e2e.throughput import (
     gptq_dir,
 )
 from vllm_exl3.repo import ROOT as REPO
-from vllm_exl3.testing.fixtures import TOKENIZER
+from vllm_exl3.testing.fixtures import TOKENIZER as FIXTURE_TOKENIZER
 
 # The vLLM servers (the default matrix), then ExLlamaV3's own generator on the EXL3
 # checkpoint (exllamav3_serve.py): a row of its own, run where ExLlamaV3 is built.
@@ -109,6 +113,14 @@ HEALTH_POLL_S = 1.0
 # Seconds kept back at the end of the budget for stopping the server and writing.
 STOP_MARGIN_S = SERVER_STOP_TIMEOUT_S + 5
 SERVED_NAME = "model"
+# Qwen3's vocabulary (config.json's vocab_size), both presets'.
+QWEN3_VOCAB = 151936
+# model_tokenizer's word for an id.
+TOKENIZER_WORD = "t{}"
+# What serve_bench.json says of the tokenizer its rows were measured with; --resume keeps
+# only rows measured with this one (rows of the fixtures' smaller tokenizer were paced
+# by the API server's detokenizer, see the module docstring).
+TOKENIZER_KIND = "model vocabulary, one word per id"
 RESULT_NAME = "serve_bench.json"
 SOAK_RESULT_NAME = "serve_soak.json"
 
@@ -182,9 +194,75 @@ def variants(exl3: Path, work: Path, names: list[str]) -> list[Variant]:
     return [table[n] for n in names]
 
 
-def serve_command(
-    v: Variant, port: int, memory: float, tokenizer: Path = TOKENIZER
-) -> list[str]:
+def model_tokenizer(work: Path, model_dir: Path) -> Path:
+    """The tokenizer of `model_dir`'s runs, written once under `work`: a word-level
+    vocabulary of TOKENIZER_WORD.format(id) for every id of config.json's vocab_size,
+    split on whitespace (every id decodes alone, and a decoded prompt encodes back to
+    the same ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    out = work / f"tokenizer-{size}"
+    if (out / "tokenizer_config.json").exists():
+        return out
+    vocab = {TOKENIZER_WORD.format(i): i for i in range(size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    staging = out.with_name(out.name + f".tmp{os.getpid()}")
+    staging.mkdir(parents=True, exist_ok=True)
+    tok.save(str(staging / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": MAX_MODEL_LEN,
+        "clean_up_tokenization_spaces": False,
+    }
+    (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    try:
+        staging.rename(out)
+    except OSError:  # another process wrote it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def detokenizer_ms(tokenizer: Path, sampled: list[int], seed: int = 0) -> float:
+    """Milliseconds the API server's incremental detokenizer (tokenizers' DecodeStream,
+    primed with an INPUT_LEN-id prompt as vLLM primes it) spends on one request's
+    `sampled` ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    prompt = random.Random(seed).choices(prompt_token_ids(tokenizer), k=INPUT_LEN)
+    stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+    t0 = time.perf_counter()
+    for i in sampled:
+        stream.step(tok, i)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def detokenizer_cost(work: Path) -> str:
+    """detokenizer_ms of the fixtures' tokenizer and of model_tokenizer's for a Qwen3
+    vocabulary, on OUTPUT_LEN ids drawn uniformly from it and on one id repeated (greedy
+    decoding of random weights often settles on one id)."""
+    model = work / "vocab-only"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"vocab_size": QWEN3_VOCAB}))
+    uniform = random.Random(1).choices(range(QWEN3_VOCAB), k=OUTPUT_LEN)
+    repeated = [QWEN3_VOCAB - 1] * OUTPUT_LEN
+    lines = [f"detokenizer, ms per request of {OUTPUT_LEN} ids after {INPUT_LEN}:"]
+    for name, tok in (
+        ("fixtures' tokenizer", FIXTURE_TOKENIZER),
+        ("model_tokenizer", model_tokenizer(work, model)),
+    ):
+        size = len(prompt_token_ids(tok))
+        lines.append(
+            f"  {name} ({size} ids): uniform {detokenizer_ms(tok, uniform):.1f}, "
+            f"one id repeated {detokenizer_ms(tok, repeated):.1f}"
+        )
+    return "\n".join(lines)
+
+
+def serve_command(v: Variant, port: int, memory: float, tokenizer: Path) -> list[str]:
     cmd = [
         *vllm_cli(),
         "serve",
@@ -235,7 +313,7 @@ def bench_command(
     seed: int,
     result_dir: Path,
     filename: str,
-    tokenizer: Path = TOKENIZER,
+    tokenizer: Path,
     waves: int = PROMPT_WAVES,
 ) -> list[str]:
     return [
@@ -312,10 +390,15 @@ def row_key(row: dict) -> tuple[str, str, int]:
 
 
 def load_rows(path: Path | None) -> list[dict]:
-    """The rows of an earlier serve_bench.json (none when there is no file yet)."""
+    """The rows of an earlier serve_bench.json: none when there is no file yet or its
+    rows were measured with another tokenizer than TOKENIZER_KIND."""
     if path is None or not path.exists():
         return []
-    return list(json.loads(path.read_text()).get("rows", []))
+    earlier = json.loads(path.read_text())
+    if earlier.get("tokenizer") != TOKENIZER_KIND:
+        log(f"{path}: measured with another tokenizer; its rows are measured again")
+        return []
+    return list(earlier.get("rows", []))
 
 
 def pending(
@@ -577,6 +660,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         "output_len": OUTPUT_LEN,
         "max_model_len": MAX_MODEL_LEN,
         "exl3": {"bits": EXL3_BITS, "codebook": EXL3_CODEBOOK},
+        "tokenizer": TOKENIZER_KIND,
         "host": host_facts(),
         "rows": rows,
         "errors": [],
@@ -597,6 +681,7 @@ def run_matrix(args: argparse.Namespace) -> int:
             EXL3_CODEBOOK,
         )
         memory = args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION[preset]
+        tokenizer = model_tokenizer(args.work, exl3)
         for v in variants(exl3, args.work, args.variants):
             conc = [c for p, name, c in mine if name == v.name]
             if not conc:
@@ -610,7 +695,7 @@ def run_matrix(args: argparse.Namespace) -> int:
                 continue
             port = free_port()
             server = Server(
-                serve_command(v, port, memory),
+                serve_command(v, port, memory, tokenizer),
                 port,
                 args.out / "logs" / f"serve-{preset}-{v.name}.log",
                 env=server_env(),
@@ -636,7 +721,9 @@ def run_matrix(args: argparse.Namespace) -> int:
                     if left < estimate_row_s(rows, preset, c):
                         record["skipped"].append(f"{preset} {v.name} c={c} (budget)")
                         continue
-                    row = run_row(preset, v.name, c, port, bench_dir, left, args)
+                    row = run_row(
+                        preset, v.name, c, port, tokenizer, bench_dir, left, args
+                    )
                     if "error" in row:
                         record["errors"].append(row["error"])
                         record["skipped"].append(f"{preset} {v.name} c={c} (error)")
@@ -706,6 +793,7 @@ def run_row(
     variant: str,
     c: int,
     port: int,
+    tokenizer: Path,
     bench_dir: Path,
     timeout: float,
     args: argparse.Namespace,
@@ -714,7 +802,9 @@ def run_row(
     name = result_filename(preset, variant, c)
     bench_dir.mkdir(parents=True, exist_ok=True)
     (bench_dir / name).unlink(missing_ok=True)
-    cmd = bench_command(port, c, seed, bench_dir, name, waves=args.prompt_waves)
+    cmd = bench_command(
+        port, c, seed, bench_dir, name, tokenizer, waves=args.prompt_waves
+    )
     logfile = args.out / "logs" / name.replace(".json", ".log")
     n = num_prompts(c, args.prompt_waves)
     log(f"{preset} {variant} c={c}: {n} prompts, seed {seed}")
@@ -965,12 +1055,14 @@ async def soak_request(
     return out
 
 
-async def soak_client(base: str, seconds: float, seed: int) -> list[Outcome]:
-    """SOAK_CONCURRENCY workers sending mixed requests until `seconds` pass (then the
-    ones in flight finish), at most SOAK_MAX_REQUESTS in all."""
+async def soak_client(
+    base: str, seconds: float, seed: int, ids: list[int]
+) -> list[Outcome]:
+    """SOAK_CONCURRENCY workers sending mixed requests of prompt ids drawn from `ids`
+    until `seconds` pass (then the ones in flight finish), at most SOAK_MAX_REQUESTS in
+    all."""
     import aiohttp
 
-    ids = prompt_token_ids(TOKENIZER)
     outcomes: list[Outcome] = []
     end = time.monotonic() + seconds
     rng = random.Random(seed)
@@ -988,11 +1080,11 @@ async def soak_client(base: str, seconds: float, seed: int) -> list[Outcome]:
     return outcomes
 
 
-def final_probe(base: str) -> bool:
+def final_probe(base: str, ids: list[int]) -> bool:
     body = json.dumps(
         {
             "model": SERVED_NAME,
-            "prompt": prompt_token_ids(TOKENIZER)[:16],
+            "prompt": ids[:16],
             "max_tokens": FINAL_PROBE_TOKENS,
             "ignore_eos": True,
         }
@@ -1025,8 +1117,10 @@ def run_soak(args: argparse.Namespace) -> int:
     memory = args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION[SOAK_PRESET]
     port = free_port()
     (v,) = variants(exl3, args.work, ["exl3"])
+    tokenizer = model_tokenizer(args.work, exl3)
+    ids = prompt_token_ids(tokenizer)
     server = Server(
-        serve_command(v, port, memory),
+        serve_command(v, port, memory, tokenizer),
         port,
         out / "logs" / "serve-soak.log",
         server_env(),
@@ -1045,12 +1139,12 @@ def run_soak(args: argparse.Namespace) -> int:
         sampler = MemorySampler(server)
         sampler.start()
         t0 = time.monotonic()
-        outcomes = asyncio.run(soak_client(server.base, args.soak_s, args.seed))
+        outcomes = asyncio.run(soak_client(server.base, args.soak_s, args.seed, ids))
         duration = time.monotonic() - t0
         sampler.halt.set()
         sampler.join()
         health = server.healthy()
-        probe = final_probe(server.base)
+        probe = final_probe(server.base, ids)
         status, text = http_get(server.base + "/metrics", timeout=10)
         metrics = (
             parse_metrics(
@@ -1195,6 +1289,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--write-only", action="store_true", help="write the checkpoints and exit"
     )
+    ap.add_argument(
+        "--detokenizer-cost",
+        action="store_true",
+        help="time the API server's detokenizer on random ids with the fixtures' "
+        "tokenizer and with model_tokenizer's (CPU only) and exit",
+    )
     ap.add_argument("--soak", action="store_true")
     ap.add_argument("--soak-s", type=float, default=SOAK_S)
     ap.add_argument("--seed", type=int, default=0, help="the soak client's seed")
@@ -1212,6 +1312,9 @@ def main(argv: list[str] | None = None) -> int:
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if set(args.concurrency) - set(CONCURRENCY):
         ap.error(f"--concurrency takes some of {CONCURRENCY}, got {args.concurrency}")
+    if args.detokenizer_cost:
+        print(detokenizer_cost(args.work))
+        return 0
     if args.write_only:
         for p in {SOAK_PRESET} if args.soak else args.presets:
             ensure_checkpoint(

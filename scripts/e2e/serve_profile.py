@@ -209,12 +209,18 @@ def wait_for_trace(trace_dir: Path, timeout: float) -> Path:
 
 
 def profile_variant(
-    preset: str, v: sb.Variant, c: int, memory: float, budget: sb.Budget, out: Path
+    preset: str,
+    v: sb.Variant,
+    c: int,
+    memory: float,
+    tokenizer: Path,
+    budget: sb.Budget,
+    out: Path,
 ) -> dict:
     trace_dir = out / "profiles" / f"{preset}-{v.name}-c{c}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    cmd = sb.serve_command(v, port, memory) + [
+    cmd = sb.serve_command(v, port, memory, tokenizer) + [
         "--profiler-config",
         profiler_config(trace_dir, c),
     ]
@@ -235,6 +241,7 @@ def profile_variant(
             sb.row_seed(preset, v.name, c),
             results,
             name,
+            tokenizer,
             waves=1,
         ) + ["--profile"]
         with open(logs / name.replace(".json", ".log"), "w") as logf:
@@ -309,12 +316,19 @@ def main(argv: list[str] | None = None) -> int:
         sb.EXL3_CODEBOOK,
     )
     memory = args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION[args.preset]
+    tokenizer = sb.model_tokenizer(args.work, exl3)
     record: dict = {"host": sb.host_facts(), "rows": [], "errors": []}
     for v in sb.variants(exl3, args.work, names):
         try:
             record["rows"].append(
                 profile_variant(
-                    args.preset, v, args.concurrency, memory, budget, args.out
+                    args.preset,
+                    v,
+                    args.concurrency,
+                    memory,
+                    tokenizer,
+                    budget,
+                    args.out,
                 )
             )
         except (RuntimeError, TimeoutError, ValueError, subprocess.TimeoutExpired) as e:

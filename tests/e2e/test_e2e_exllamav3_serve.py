@@ -411,11 +411,12 @@ class Job:
 class Generator:
     def __init__(self, model, cache, tokenizer, max_batch_size):
         assert tokenizer.actual_vocab_size == model.config.cfg["vocab_size"]
+        self.vocab = model.config.cfg["vocab_size"]
         self.limit = min(max_batch_size, cache.max_num_tokens // 9472)
         self.pending, self.active, self.closed = [], [], False
 
     def enqueue(self, job):
-        assert int(job.ids.max()) < 4096, "prompt ids inside the fixture tokenizer"
+        assert int(job.ids.max()) < self.vocab, "prompt ids inside the vocabulary"
         job.made = 0
         self.pending.append(job)
 

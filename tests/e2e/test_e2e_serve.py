@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import sys
@@ -48,22 +49,23 @@ def test_serve_command_of_every_variant(exl3_dir):
     work = exl3_dir.parent
     vs = {v.name: v for v in sb.variants(exl3_dir, work, list(sb.VLLM_VARIANTS))}
     assert list(vs) == ["exl3", "gptq", "fp8", "bf16"]
+    tok = work / "tokenizer-151936"
     for name, v in vs.items():
-        cmd = sb.serve_command(v, 8123, 0.5)
+        cmd = sb.serve_command(v, 8123, 0.5, tok)
         assert cmd[: len(sb.vllm_cli()) + 1] == [*sb.vllm_cli(), "serve"]
         assert "--no-enable-prefix-caching" in cmd
         assert _flag(cmd, "--host") == "127.0.0.1" and _flag(cmd, "--port") == "8123"
         assert int(_flag(cmd, "--max-model-len")) >= 8192 + 1024
         assert _flag(cmd, "--gpu-memory-utilization") == "0.5"
-        assert _flag(cmd, "--tokenizer") == str(TOKENIZER)
+        assert _flag(cmd, "--tokenizer") == str(tok)
         assert int(_flag(cmd, "--max-num-seqs")) >= 64
         assert ("--load-format" in cmd) == (name != "exl3"), name
         assert ("--quantization" in cmd) == (name == "fp8"), name
         cfg = json.loads((Path(_flag(cmd, "serve")) / "config.json").read_text())
         method = cfg.get("quantization_config", {}).get("quant_method")
         assert method == {"exl3": "exl3", "gptq": "gptq"}.get(name), (name, method)
-    assert _flag(sb.serve_command(vs["fp8"], 1, 0.5), "--quantization") == "fp8"
-    assert _flag(sb.serve_command(vs["gptq"], 1, 0.5), "--load-format") == "dummy"
+    assert _flag(sb.serve_command(vs["fp8"], 1, 0.5, tok), "--quantization") == "fp8"
+    assert _flag(sb.serve_command(vs["gptq"], 1, 0.5, tok), "--load-format") == "dummy"
     # fp8 is the bf16 dummy quantized at load.
     assert vs["fp8"].model_dir == vs["bf16"].model_dir
 
@@ -76,7 +78,8 @@ def test_bench_command_and_distinct_seeds(tmp_path):
                 seeds[(preset, variant, c)] = sb.row_seed(preset, variant, c)
     # Two presets, four vLLM variants and ExLlamaV3's generator, four concurrencies.
     assert len(set(seeds.values())) == len(seeds) == 2 * 5 * 4
-    cmd = sb.bench_command(8123, 16, 1007, tmp_path, "r.json")
+    cmd = sb.bench_command(8123, 16, 1007, tmp_path, "r.json", tmp_path / "tok")
+    assert _flag(cmd, "--tokenizer") == str(tmp_path / "tok")
     assert cmd[: len(sb.vllm_cli()) + 2] == [*sb.vllm_cli(), "bench", "serve"]
     assert _flag(cmd, "--dataset-name") == "random"
     assert _flag(cmd, "--random-input-len") == "8192"
@@ -90,7 +93,7 @@ def test_bench_command_and_distinct_seeds(tmp_path):
     assert _flag(cmd, "--result-filename") == "r.json"
     assert [sb.num_prompts(c) for c in sb.CONCURRENCY] == [4, 8, 32, 128]
     assert [sb.num_prompts(c, 4) for c in sb.CONCURRENCY] == [4, 16, 64, 256]
-    longer = sb.bench_command(8123, 64, 1, tmp_path, "r.json", waves=4)
+    longer = sb.bench_command(8123, 64, 1, tmp_path, "r.json", tmp_path, waves=4)
     assert _flag(longer, "--num-prompts") == "256"
 
 
@@ -107,7 +110,9 @@ def test_flags_exist_in_vllm_0_26(exl3_dir, tmp_path):
         "vllm/benchmarks/serve.py", "vllm/benchmarks/datasets/datasets.py"
     )
     for flag in (
-        a for a in sb.bench_command(1, 4, 1, tmp_path, "r.json") if a.startswith("--")
+        a
+        for a in sb.bench_command(1, 4, 1, tmp_path, "r.json", tmp_path)
+        if a.startswith("--")
     ):
         assert flag in bench, flag
     # Engine flags are generated from EngineArgs' fields (booleans get --no-...).
@@ -116,7 +121,8 @@ def test_flags_exist_in_vllm_0_26(exl3_dir, tmp_path):
         for f in ("vllm/engine/arg_utils.py", "vllm/entrypoints/openai/cli_args.py")
     )
     for v in sb.variants(exl3_dir, exl3_dir.parent, list(sb.VLLM_VARIANTS)):
-        for flag in (a for a in sb.serve_command(v, 1, 0.5) if a.startswith("--")):
+        cmd = sb.serve_command(v, 1, 0.5, tmp_path)
+        for flag in (a for a in cmd if a.startswith("--")):
             field = flag.removeprefix("--no-").removeprefix("--").replace("-", "_")
             assert f'"{flag}"' in engine_src or f"{field}:" in engine_src, flag
 
@@ -200,17 +206,54 @@ def test_prompt_ids_stay_in_the_tokenizer():
     assert ids and not special & set(ids) and max(ids) < len(tok["model"]["vocab"])
 
 
+def test_model_tokenizer_decodes_every_sampled_id(exl3_dir):
+    """The servers' and the client's tokenizer names every id of the model's
+    vocabulary: each decodes alone to its own text in one step of the API server's
+    incremental detokenizer (tokenizers' DecodeStream), and a decoded prompt encodes
+    back to the same ids. The fixtures' tokenizer, 4096 entries, decodes an id above
+    it to nothing, so the stream keeps the id and decodes it again at every later
+    step."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    path = sb.model_tokenizer(exl3_dir.parent, exl3_dir)
+    assert path == exl3_dir.parent / "tokenizer-151936"
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["model_max_length"] >= sb.MAX_MODEL_LEN
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert tok.get_vocab_size() == CONFIG["vocab_size"]
+    assert sb.prompt_token_ids(path) == list(range(CONFIG["vocab_size"]))
+    vocab = range(CONFIG["vocab_size"])
+    prompt = random.Random(7).choices(vocab, k=8192)
+    assert tok.encode(tok.decode(prompt), add_special_tokens=False).ids == prompt
+    stream = DecodeStream(ids=prompt[:64], skip_special_tokens=True)
+    texts = [stream.step(tok, i) for i in vocab]
+    assert texts == [" " + sb.TOKENIZER_WORD.format(i) for i in vocab]
+    small = Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+    stream = DecodeStream(ids=[5, 6], skip_special_tokens=True)
+    assert [stream.step(small, i) for i in (100000, 100001)] == [None, None]
+    # Written once: a second call keeps the files.
+    stamp = (path / "tokenizer.json").stat().st_mtime_ns
+    assert sb.model_tokenizer(exl3_dir.parent, exl3_dir) == path
+    assert (path / "tokenizer.json").stat().st_mtime_ns == stamp
+    assert not list(exl3_dir.parent.glob("tokenizer-*.tmp*"))
+
+
 def test_resume_skips_measured_rows(tmp_path):
     done = [
         {"preset": "qwen3-8b", "variant": "exl3", "concurrency": 1},
         {"preset": "qwen3-8b", "variant": "gptq", "concurrency": 64},
     ]
     path = tmp_path / "serve_bench.json"
-    path.write_text(json.dumps({"rows": done}))
+    path.write_text(json.dumps({"tokenizer": sb.TOKENIZER_KIND, "rows": done}))
     rows = sb.load_rows(path)
     todo = sb.pending(rows, ["qwen3-8b"], ["exl3", "gptq"], [1, 64])
     assert todo == [("qwen3-8b", "exl3", 64), ("qwen3-8b", "gptq", 1)]
     assert sb.load_rows(tmp_path / "absent.json") == []
+    # Rows of another tokenizer (the fixtures', before model_tokenizer) are not kept.
+    path.write_text(json.dumps({"rows": done}))
+    assert sb.load_rows(path) == []
 
 
 FAKE_SERVER = textwrap.dedent(
@@ -352,9 +395,11 @@ def test_server_that_exits_or_never_answers(fake):
     assert time.monotonic() - t0 < 10
 
 
-def _write_result_cmd(port, c, seed, result_dir, filename, **kw):
+def _write_result_cmd(port, c, seed, result_dir, filename, tokenizer, **kw):
     """Stands in for `vllm bench serve`: writes a recorded-shape result whose
-    throughput encodes the seed, so each row is traceable to its command."""
+    throughput encodes the seed, so each row is traceable to its command. The client
+    gets the servers' tokenizer, the model's."""
+    assert Path(tokenizer).name == "tokenizer-151936"
     data = recorded_result(max_concurrency=c, output_throughput=float(seed))
     code = f"import json, sys; open(sys.argv[1], 'w').write(json.dumps({data!r}))"
     return [sys.executable, "-c", code, str(Path(result_dir) / filename)]
@@ -370,11 +415,17 @@ def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypa
     monkeypatch.setattr(
         sb,
         "serve_command",
-        lambda v, port, memory: [sys.executable, str(script), str(port), "ok"],
+        lambda v, port, memory, tokenizer: [
+            sys.executable,
+            str(script),
+            str(port),
+            "ok",
+        ],
     )
     monkeypatch.setattr(sb, "bench_command", _write_result_cmd)
     monkeypatch.setattr(sb, "host_facts", lambda: {})
     earlier = {
+        "tokenizer": sb.TOKENIZER_KIND,
         "rows": [
             {
                 "preset": "qwen3-8b",
@@ -385,7 +436,7 @@ def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypa
                 "failed": 0,
                 "output_throughput": 7.0,
             }
-        ]
+        ],
     }
     resume = tmp_path / "earlier.json"
     resume.write_text(json.dumps(earlier))
@@ -463,7 +514,7 @@ def test_estimates_come_from_measured_rows(exl3_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sb, "host_facts", lambda: {})
     monkeypatch.setattr(sb, "Server", None)  # must not start one
     resume = tmp_path / "earlier.json"
-    resume.write_text(json.dumps({"rows": rows}))
+    resume.write_text(json.dumps({"tokenizer": sb.TOKENIZER_KIND, "rows": rows}))
     budget = sb.EST_SERVER_START_S + sb.EST_ROW_S[64] + sb.STOP_MARGIN_S + 20
     args = Namespace(
         out=tmp_path / "out",
@@ -539,9 +590,10 @@ def test_soak_client_against_a_fake_server(fake, monkeypatch):
     with server:
         server.wait_ready(timeout=30)
         t0 = time.monotonic()
-        outcomes = sb.asyncio.run(sb.soak_client(server.base, 2.0, seed=1))
+        ids = sb.prompt_token_ids(TOKENIZER)
+        outcomes = sb.asyncio.run(sb.soak_client(server.base, 2.0, 1, ids))
         assert time.monotonic() - t0 < 10
-        assert sb.final_probe(server.base)
+        assert sb.final_probe(server.base, ids)
     statuses = {s: sum(o.status == s for o in outcomes) for s in ("ok", "cancelled")}
     assert statuses["ok"] > 5 and statuses["cancelled"] > 2, statuses
     failed = [o for o in outcomes if o.status == "failed"]

@@ -201,6 +201,10 @@ def test_main_profiles_each_variant(tmp_path, monkeypatch):
         assert "--profile" in cmd and cmd[cmd.index("--max-concurrency") + 1] == "16"
         assert cmd[cmd.index("--num-prompts") + 1] == "16"  # one wave
         server = servers[-1].cmd
+        # Server and client share the model's tokenizer (serve_bench.model_tokenizer).
+        tok = cmd[cmd.index("--tokenizer") + 1]
+        assert tok == server[server.index("--tokenizer") + 1]
+        assert Path(tok).name.startswith("tokenizer-")
         cfg = json.loads(server[server.index("--profiler-config") + 1])
         trace = Path(cfg["torch_profiler_dir"]) / "rank0.1.pt.trace.json.gz"
         with gzip.open(trace, "wt") as f:
