@@ -28,8 +28,8 @@ for its verdicts. Writes serve_soak.json.
 The model directories hold no tokenizer: the servers and `vllm bench serve` share one
 written beside the checkpoints (model_tokenizer), one word per id of the model's whole
 vocabulary, so every id the random weights sample decodes to text in one step, as with
-a real model's tokenizer. (A tokenizer smaller than the vocabulary makes most sampled ids
-decode to nothing, and the API server's incremental detokenizer then decodes the
+a real model's tokenizer. (A tokenizer smaller than the vocabulary makes most sampled
+ids decode to nothing, and the API server's incremental detokenizer then decodes the
 request's whole undecoded tail again at every step: its CPU, not the engine, paces the
 streams at high concurrency; scripts/e2e/README.md has the measurement.)
 """
@@ -117,9 +117,9 @@ SERVED_NAME = "model"
 QWEN3_VOCAB = 151936
 # model_tokenizer's word for an id.
 TOKENIZER_WORD = "t{}"
-# What serve_bench.json says of the tokenizer its rows were measured with; --resume keeps
-# only rows measured with this one (rows of the fixtures' smaller tokenizer were paced
-# by the API server's detokenizer, see the module docstring).
+# What serve_bench.json says of the tokenizer its rows were measured with; --resume
+# keeps only rows measured with this one (rows of the fixtures' smaller tokenizer were
+# paced by the API server's detokenizer, see the module docstring).
 TOKENIZER_KIND = "model vocabulary, one word per id"
 RESULT_NAME = "serve_bench.json"
 SOAK_RESULT_NAME = "serve_soak.json"

@@ -17,9 +17,12 @@ reports in the server's log are listed per variant.
     python3 scripts/e2e/serve_profile.py --preset qwen3-30b-a3b --variants exl3,gptq \
         --concurrency 16 --out OUT
 
-Writes serve_profile.json and, per variant, vLLM's trace under OUT/profiles/. The
-timings of a profiled wave are not serving results (the profiler slows the steps it
-records); serve_bench.py measures those.
+Writes serve_profile.json and, per variant, vLLM's trace under OUT/profiles/; `--trace
+FILE` (one per variant, in --variants' order) summarizes traces written earlier, on any
+machine. Beside the totals: the median time of a decoder layer (attention start to the
+next) and of the variant's MoE block (MOE_SPANS). The timings of a profiled wave are not
+serving results (the profiler slows the steps it records); serve_bench.py measures
+those.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -62,6 +66,18 @@ KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CAT = "cuda_runtime"
 HOST_CATS = ("cpu_op", "python_function", "user_annotation", "cuda_runtime")
 STEP_PREFIX = "execute_context_"
+# A decoder layer's attention kernel (FlashAttention 3, vLLM's default on Hopper, or
+# FlashAttention 2's): one launch per layer and decode step, so the median gap between
+# consecutive starts is one layer's time.
+LAYER_KERNELS = ("FlashAttnFwdSm90", "flash_fwd_splitkv_kernel", "flash_fwd_kernel")
+# Each variant's MoE block after the router's top-k and vLLM's block alignment (which
+# every variant shares): the first kernel's start to the last one's end. EXL3: the
+# routed rows' input transform to the combine; GPTQ: Marlin MoE's gate/up GEMM to
+# vLLM's moe_sum.
+MOE_SPANS = {
+    "exl3": ("exl3_moe_input_transform", "exl3_moe_finish_sum"),
+    "gptq": ("marlin_moe_wna16", "moe_sum"),
+}
 TRACE_POLL_S = 2.0
 # What torch's sync debug mode (`warn`) prints for a synchronizing CUDA call, after the
 # Python location that made it.
@@ -128,8 +144,37 @@ def self_times(events: list[dict]) -> dict[str, float]:
     return dict(totals)
 
 
-def summarize(trace: dict) -> dict:
-    """The window's decode iterations, kernels, runtime calls and host ops."""
+def layer_us_median(kernels: list[dict]) -> float | None:
+    """The median gap between consecutive starts of the first of LAYER_KERNELS found
+    (kernels in start order)."""
+    for pattern in LAYER_KERNELS:
+        starts = [e["ts"] for e in kernels if pattern in e["name"]]
+        if len(starts) > 1:
+            return round(
+                statistics.median(b - a for a, b in zip(starts, starts[1:])), 1
+            )
+    return None
+
+
+def moe_us_median(kernels: list[dict], variant: str | None) -> float | None:
+    """The median span of the variant's MoE block (MOE_SPANS) over the kernels in start
+    order: a start kernel to the next end kernel."""
+    if variant not in MOE_SPANS:
+        return None
+    first, last = MOE_SPANS[variant]
+    spans, start = [], None
+    for e in kernels:
+        if start is None and first in e["name"]:
+            start = e["ts"]
+        elif start is not None and last in e["name"]:
+            spans.append(e["ts"] + e["dur"] - start)
+            start = None
+    return round(statistics.median(spans), 1) if spans else None
+
+
+def summarize(trace: dict, variant: str | None = None) -> dict:
+    """The window's decode iterations, kernels, runtime calls and host ops; the median
+    layer and MoE block times (the latter for a variant of MOE_SPANS)."""
     events = [
         e
         for e in trace.get("traceEvents", [])
@@ -164,6 +209,9 @@ def summarize(trace: dict) -> dict:
             {"name": n, "us_per_step": round(t / len(decode), 1)} for n, t in ranked
         ]
 
+    in_order = sorted(
+        (e for e in inside if e.get("cat") in KERNEL_CATS), key=lambda e: e["ts"]
+    )
     kernels: dict[str, float] = defaultdict(float)
     runtime: dict[str, float] = defaultdict(float)
     for e in inside:
@@ -180,6 +228,8 @@ def summarize(trace: dict) -> dict:
             sorted(e["dur"] for e in decode)[len(decode) // 2], 1
         ),
         "kernel_us_per_step": round(sum(kernels.values()) / len(decode), 1),
+        "layer_us_median": layer_us_median(in_order),
+        "moe_us_median": moe_us_median(in_order, variant),
         "kernels": top(kernels),
         "runtime": top(runtime),
         "host_self": top(host),
@@ -254,7 +304,7 @@ def profile_variant(
         if rc != 0:
             raise RuntimeError(f"{preset} {v.name}: vllm bench serve exited with {rc}")
         trace = wait_for_trace(trace_dir, max(budget.left() - sb.STOP_MARGIN_S, 1))
-    summary = summarize(read_trace(trace))
+    summary = summarize(read_trace(trace), v.name)
     syncs = sync_locations(server.logfile.read_text(errors="replace"))
     return {
         "preset": preset,
@@ -267,6 +317,10 @@ def profile_variant(
     }
 
 
+def _us(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1f} us"
+
+
 def format_summary(rows: list[dict]) -> str:
     lines = []
     for r in rows:
@@ -276,7 +330,8 @@ def format_summary(rows: list[dict]) -> str:
             f"decode steps of {r['sequences']} sequences, wall "
             f"{'n/a' if wall is None else f'{wall / 1e3:.2f}'} ms, host "
             f"{r['step_host_us_median'] / 1e3:.2f} ms, kernels "
-            f"{r['kernel_us_per_step'] / 1e3:.2f} ms per step"
+            f"{r['kernel_us_per_step'] / 1e3:.2f} ms per step; a layer "
+            f"{_us(r['layer_us_median'])}, its MoE block {_us(r['moe_us_median'])}"
         )
         for loc in r["gpu_syncs"]:
             lines.append(f"    sync      {loc}")
@@ -301,8 +356,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        action="append",
+        default=[],
+        help="summarize this trace (of the first of --variants, the next trace of the "
+        "next) and start nothing: no GPU needed; repeatable",
+    )
     args = ap.parse_args(argv)
     names = [n for n in args.variants.split(",") if n]
+    if args.trace:
+        if len(args.trace) > len(names):
+            ap.error(f"{len(args.trace)} traces but {len(names)} --variants")
+        rows = [
+            {"preset": args.preset, "variant": v, "concurrency": args.concurrency}
+            | {"trace": str(t), "gpu_syncs": []}
+            | summarize(read_trace(t), v)
+            for t, v in zip(args.trace, names)
+        ]
+        print(format_summary(rows))
+        return 0
     if not names or set(names) - set(sb.VLLM_VARIANTS):
         ap.error(f"--variants takes some of {','.join(sb.VLLM_VARIANTS)}, got {names}")
     if args.concurrency < 1:

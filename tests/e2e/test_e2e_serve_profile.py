@@ -136,6 +136,38 @@ def test_summary_of_a_trace(tmp_path):
     assert "ProfilerStep#1" not in host and MIXED not in host
 
 
+def test_layer_and_moe_block_times():
+    """A layer is the gap between attention launches; the MoE block runs from the
+    variant's first MoE kernel to its last (MOE_SPANS), whatever runs between."""
+    events = [ev(DECODE, 0, 100, "user_annotation")]
+    t = 10.0
+    for layer in range(5):
+        for name, dur in (
+            ("flash::FlashAttnFwdSm90<...>", 40),
+            ("flash::FlashAttnFwdCombine<...>", 3),
+            ("exl3_moe_input_transform_kernel", 4),
+            ("exl3_moe_gemm_kernel<8, 2, 1, 0>", 30 + layer),
+            ("exl3_moe_act_transform_kernel", 20),
+            ("exl3_moe_gemm_kernel<8, 2, 1, 1>", 15),
+            ("exl3_moe_finish_sum_kernel", 5),
+        ):
+            events.append(ev(name, t, dur, "kernel", tid=7, pid=0))
+            t += dur + 1
+        t = 10.0 + 120.0 * (layer + 1)
+    events.append(ev(DECODE, 650, 100, "user_annotation"))
+    s = sp.summarize({"traceEvents": events}, "exl3")
+    assert s["layer_us_median"] == 120.0
+    # Layer 2: input transform at 10 + 240 + 41 + 4 (ends + 1 apart) to the end of
+    # finish_sum, 4 + 1 + 32 + 1 + 20 + 1 + 15 + 1 + 5 = 80 us later.
+    assert s["moe_us_median"] == 80.0
+    assert sp.summarize({"traceEvents": events}, "gptq")["moe_us_median"] is None
+    assert sp.summarize({"traceEvents": events})["moe_us_median"] is None
+    text = sp.format_summary(
+        [{"preset": "p", "variant": "exl3", "concurrency": 1} | {"gpu_syncs": []} | s]
+    )
+    assert "a layer 120.0 us, its MoE block 80.0 us" in text
+
+
 def test_trace_without_decode_iterations_is_named():
     trace = {"traceEvents": [ev(MIXED, 0, 10, "user_annotation")]}
     with pytest.raises(ValueError, match="no decode-only iteration"):
@@ -165,6 +197,22 @@ def test_format_summary_names_each_part():
     one = row | sp.summarize(synthetic_trace(steps=1))
     assert one["step_wall_us_median"] is None  # no next iteration to time it by
     assert "wall n/a ms" in sp.format_summary([one])
+
+
+def test_main_summarizes_traces_without_a_server(tmp_path, monkeypatch, capsys):
+    paths = []
+    for i, steps in enumerate((3, 5)):
+        path = tmp_path / f"t{i}.pt.trace.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump(synthetic_trace(steps), f)
+        paths.append(path)
+    monkeypatch.setattr(sb, "Server", None)  # must not start one
+    argv = ["--trace", str(paths[0]), "--trace", str(paths[1])]
+    assert sp.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "exl3 c=16: 3 decode steps" in out and "gptq c=16: 5 decode steps" in out
+    with pytest.raises(SystemExit):
+        sp.main(argv + ["--variants", "exl3"])
 
 
 def test_main_profiles_each_variant(tmp_path, monkeypatch):
