@@ -195,13 +195,18 @@ def variants(exl3: Path, work: Path, names: list[str]) -> list[Variant]:
 
 
 def model_tokenizer(work: Path, model_dir: Path) -> Path:
-    """The tokenizer of `model_dir`'s runs, written once under `work`: a word-level
-    vocabulary of TOKENIZER_WORD.format(id) for every id of config.json's vocab_size,
-    split on whitespace (every id decodes alone, and a decoded prompt encodes back to
-    the same ids)."""
+    """The tokenizer of `model_dir`'s runs: vocab_tokenizer of its config.json's
+    vocab_size."""
+    size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return vocab_tokenizer(work, size)
+
+
+def vocab_tokenizer(work: Path, size: int) -> Path:
+    """A tokenizer of `size` ids, written once under `work`: a word-level vocabulary of
+    TOKENIZER_WORD.format(id) for every id, split on whitespace (every id decodes
+    alone, and a decoded prompt encodes back to the same ids)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     out = work / f"tokenizer-{size}"
     if (out / "tokenizer_config.json").exists():
         return out
@@ -244,15 +249,12 @@ def detokenizer_cost(work: Path) -> str:
     """detokenizer_ms of the fixtures' tokenizer and of model_tokenizer's for a Qwen3
     vocabulary, on OUTPUT_LEN ids drawn uniformly from it and on one id repeated (greedy
     decoding of random weights often settles on one id)."""
-    model = work / "vocab-only"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps({"vocab_size": QWEN3_VOCAB}))
     uniform = random.Random(1).choices(range(QWEN3_VOCAB), k=OUTPUT_LEN)
     repeated = [QWEN3_VOCAB - 1] * OUTPUT_LEN
     lines = [f"detokenizer, ms per request of {OUTPUT_LEN} ids after {INPUT_LEN}:"]
     for name, tok in (
         ("fixtures' tokenizer", FIXTURE_TOKENIZER),
-        ("model_tokenizer", model_tokenizer(work, model)),
+        ("model_tokenizer", vocab_tokenizer(work, QWEN3_VOCAB)),
     ):
         size = len(prompt_token_ids(tok))
         lines.append(

@@ -158,13 +158,15 @@ def layer_us_median(kernels: list[dict]) -> float | None:
 
 def moe_us_median(kernels: list[dict], variant: str | None) -> float | None:
     """The median span of the variant's MoE block (MOE_SPANS) over the kernels in start
-    order: a start kernel to the next end kernel."""
+    order: a start kernel to the next end kernel (a start without an end, e.g. a layer
+    that combined another way, is dropped at the next start, not spanned across
+    layers)."""
     if variant not in MOE_SPANS:
         return None
     first, last = MOE_SPANS[variant]
     spans, start = [], None
     for e in kernels:
-        if start is None and first in e["name"]:
+        if first in e["name"]:
             start = e["ts"]
         elif start is not None and last in e["name"]:
             spans.append(e["ts"] + e["dur"] - start)

@@ -168,6 +168,16 @@ def test_layer_and_moe_block_times():
     assert "a layer 120.0 us, its MoE block 80.0 us" in text
 
 
+def test_moe_block_without_its_end_is_not_spanned_across_layers():
+    kernels = [
+        ev("exl3_moe_input_transform_kernel", 0, 4, "kernel"),
+        ev("exl3_moe_combine_kernel", 50, 5, "kernel"),  # not the span's end kernel
+        ev("exl3_moe_input_transform_kernel", 200, 4, "kernel"),
+        ev("exl3_moe_finish_sum_kernel", 260, 5, "kernel"),
+    ]
+    assert sp.moe_us_median(kernels, "exl3") == 65.0
+
+
 def test_trace_without_decode_iterations_is_named():
     trace = {"traceEvents": [ev(MIXED, 0, 10, "user_annotation")]}
     with pytest.raises(ValueError, match="no decode-only iteration"):
