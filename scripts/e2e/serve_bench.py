@@ -117,10 +117,17 @@ SERVED_NAME = "model"
 QWEN3_VOCAB = 151936
 # model_tokenizer's word for an id.
 TOKENIZER_WORD = "t{}"
+# The word boundary model_tokenizer's tokens carry (sentencepiece's metaspace): vLLM's
+# API server refuses, unread, a prompt of more characters than its longest token's
+# length times the input tokens it allows, so a prompt's separators must be counted
+# inside its tokens (with bare words and spaces between them, a prompt of 8192
+# six-digit words was 400 Bad Request).
+TOKENIZER_SPACE = "\u2581"
 # What serve_bench.json says of the tokenizer its rows were measured with; --resume
 # keeps only rows measured with this one (rows of the fixtures' smaller tokenizer were
-# paced by the API server's detokenizer, see the module docstring).
-TOKENIZER_KIND = "model vocabulary, one word per id"
+# paced by the API server's detokenizer, see the module docstring; rows of the bare
+# words' tokenizer lost every prompt with a six-digit word).
+TOKENIZER_KIND = "model vocabulary, one metaspace word per id"
 RESULT_NAME = "serve_bench.json"
 SOAK_RESULT_NAME = "serve_soak.json"
 
@@ -203,16 +210,18 @@ def model_tokenizer(work: Path, model_dir: Path) -> Path:
 
 def vocab_tokenizer(work: Path, size: int) -> Path:
     """A tokenizer of `size` ids, written once under `work`: a word-level vocabulary of
-    TOKENIZER_WORD.format(id) for every id, split on whitespace (every id decodes
-    alone, and a decoded prompt encodes back to the same ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    TOKENIZER_SPACE + TOKENIZER_WORD.format(id) for every id, text split at its
+    spaces (every id decodes alone, a decoded prompt encodes back to the same ids, and
+    no prompt has more characters than its tokens have)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    out = work / f"tokenizer-{size}"
+    out = work / f"tokenizer-metaspace-{size}"
     if (out / "tokenizer_config.json").exists():
         return out
-    vocab = {TOKENIZER_WORD.format(i): i for i in range(size)}
+    vocab = {TOKENIZER_SPACE + TOKENIZER_WORD.format(i): i for i in range(size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(TOKENIZER_SPACE, "always")
+    tok.decoder = decoders.Metaspace(TOKENIZER_SPACE, "always")
     staging = out.with_name(out.name + f".tmp{os.getpid()}")
     staging.mkdir(parents=True, exist_ok=True)
     tok.save(str(staging / "tokenizer.json"))

@@ -104,7 +104,7 @@ def drop_reason(path: str, pyver: str, with_moe: bool) -> str | None:
         if rx.search(path):
             return why
     if _MOE.search(path) and not with_moe:
-        return "MoE extension (--with-moe keeps it)"
+        return "MoE extension (--without-moe)"
     m = _VERSIONED_EXT.search(path)
     if m and m.group(1) != pyver.replace(".", ""):
         return "extensions for other Python versions"
@@ -343,9 +343,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Pack the built wheel (dist/, newest vllm-0.26.0+exl3*) without what "
             "serving does not "
             "need (FlashAttention-2, the Rust frontend, kernel headers; the MoE "
-            "extension unless "
-            "--with-moe), plus binary wheels of the dependencies an offline GPU host "
-            "lacks "
+            "extension with --without-moe), plus binary wheels of the dependencies an "
+            "offline GPU host lacks "
             "(bundle_requirements.txt), into parts of at most --part-size bytes each, "
             "with an "
             "install.sh that checks each part's sha256, reassembles and installs with "
@@ -370,9 +369,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"the host's Python (default {DEFAULT_PYTHON})",
     )
     p.add_argument(
-        "--with-moe",
-        action="store_true",
-        help="include _moe_C_stable_libtorch (needed for MoE models, +40 MB)",
+        "--without-moe",
+        dest="with_moe",
+        action="store_false",
+        help="leave out _moe_C_stable_libtorch (40 MB): vLLM's MoE routing and "
+        "kernels, which every MoE model needs, GPTQ or EXL3; for dense-only hosts",
     )
     p.add_argument(
         "--without-deps",

@@ -49,7 +49,7 @@ def test_serve_command_of_every_variant(exl3_dir):
     work = exl3_dir.parent
     vs = {v.name: v for v in sb.variants(exl3_dir, work, list(sb.VLLM_VARIANTS))}
     assert list(vs) == ["exl3", "gptq", "fp8", "bf16"]
-    tok = work / "tokenizer-151936"
+    tok = work / "tokenizer-metaspace-151936"
     for name, v in vs.items():
         cmd = sb.serve_command(v, 8123, 0.5, tok)
         assert cmd[: len(sb.vllm_cli()) + 1] == [*sb.vllm_cli(), "serve"]
@@ -217,7 +217,7 @@ def test_model_tokenizer_decodes_every_sampled_id(exl3_dir):
     from tokenizers.decoders import DecodeStream
 
     path = sb.model_tokenizer(exl3_dir.parent, exl3_dir)
-    assert path == exl3_dir.parent / "tokenizer-151936"
+    assert path == exl3_dir.parent / "tokenizer-metaspace-151936"
     config = json.loads((path / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert config["model_max_length"] >= sb.MAX_MODEL_LEN
@@ -399,7 +399,7 @@ def _write_result_cmd(port, c, seed, result_dir, filename, tokenizer, **kw):
     """Stands in for `vllm bench serve`: writes a recorded-shape result whose
     throughput encodes the seed, so each row is traceable to its command. The client
     gets the servers' tokenizer, the model's."""
-    assert Path(tokenizer).name == "tokenizer-151936"
+    assert Path(tokenizer).name == "tokenizer-metaspace-151936"
     data = recorded_result(max_concurrency=c, output_throughput=float(seed))
     code = f"import json, sys; open(sys.argv[1], 'w').write(json.dumps({data!r}))"
     return [sys.executable, "-c", code, str(Path(result_dir) / filename)]

@@ -382,6 +382,8 @@ def test_bundle_install_import(tmp_path, local_dependency):
     for kept in (
         "_C_stable_libtorch.abi3.so",
         "_exl3_C.abi3.so",
+        # vLLM's MoE routing and kernels: every MoE model, EXL3 or not.
+        "_moe_C_stable_libtorch.abi3.so",
         "third_party/pynvml.py",
         f"third_party/deep_gemm/_C.cpython-{PYTAG}-x86_64-linux-gnu.so",
         # The DSA indexer's DeepGEMM kernels are JIT-compiled against these.
@@ -390,7 +392,6 @@ def test_bundle_install_import(tmp_path, local_dependency):
     ):
         assert (vllm / kept).is_file(), kept
     for dropped in (
-        "_moe_C_stable_libtorch.abi3.so",
         "vllm-rs",
         "third_party/fmha_sm100/cutlass/include",
         "third_party/deep_gemm/_C.cpython-399-x86_64-linux-gnu.so",
@@ -412,12 +413,13 @@ def test_bundle_install_import(tmp_path, local_dependency):
     assert probe.stdout.split() == [str(vllm / "__init__.py"), "True", "ok"]
 
 
-def test_with_moe_keeps_the_moe_extension(tmp_path):
-    r = _bundle(tmp_path, _mini_build(tmp_path), "--without-deps", "--with-moe")
+def test_without_moe_drops_the_moe_extension(tmp_path):
+    r = _bundle(tmp_path, _mini_build(tmp_path), "--without-deps", "--without-moe")
     assert r.returncode == 0, r.stderr
     target = tmp_path / "site"
     assert _install(tmp_path / "bundle", target).returncode == 0
-    assert (target / "vllm/_moe_C_stable_libtorch.abi3.so").is_file()
+    assert (target / "vllm/_C_stable_libtorch.abi3.so").is_file()
+    assert not (target / "vllm/_moe_C_stable_libtorch.abi3.so").exists()
 
 
 def test_install_refuses_missing_and_damaged_parts(tmp_path):
