@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import importlib
 import importlib.util
 import json
 import math
@@ -373,6 +374,15 @@ def import_exllamav3(args: argparse.Namespace) -> None:
         )
 
 
+def exllamav3_version() -> str:
+    """The imported ExLlamaV3's release; its package keeps it in `exllamav3.version`,
+    not on the package itself."""
+    try:
+        return str(importlib.import_module("exllamav3.version").__version__)
+    except (ImportError, AttributeError):
+        return "unknown"
+
+
 def measure(args: argparse.Namespace) -> dict:
     """One row on the GPU: {"row": ...}."""
     t_start = time.monotonic()
@@ -449,7 +459,7 @@ def measure(args: argparse.Namespace) -> dict:
         "kv_tokens": plan.cache_tokens,
         "kv_max_concurrency": plan.cache_tokens / TOKENS_PER_JOB,
         "memory": {**plan.facts(), "free_after_warmup_bytes": free_after},
-        "exllamav3": getattr(sys.modules["exllamav3"], "__version__", "unknown"),
+        "exllamav3": exllamav3_version(),
     }
     if plan.jobs < args.concurrency:
         row["note"] = plan.describe()

@@ -364,7 +364,6 @@ _state = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 with open(os.path.join(_state, "child_env.json"), "a") as f:
     f.write(json.dumps({k: os.environ.get(k) for k in (
         "PYTHONPATH", "TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST")}) + "\\n")
-__version__ = "1.6.5"
 
 
 class Config:
@@ -458,6 +457,8 @@ def fake_anchor_state(tmp_path: Path) -> Path:
     for d in ("generator", "modules"):
         (pkg / d / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text(FAKE_INIT)
+    # Where ExLlamaV3 1.6.5 keeps its release: not on the package itself.
+    (pkg / "version.py").write_text('__version__ = "1.6.5"\n')
     (pkg / "generator" / "sampler" / "__init__.py").write_text(FAKE_SAMPLER)
     (pkg / "modules" / "quant" / "__init__.py").write_text("")
     (pkg / "modules" / "quant" / "exl3.py").write_text(FAKE_LINEAR)
