@@ -12,7 +12,9 @@ dims, random trellis codes) against GPTQ int4 g128 (Marlin), vLLM's dynamic FP8
 
 One server at a time, each in its own process group on a free port of 127.0.0.1,
 stopped with SIGTERM to the group (SIGKILL after a bounded wait). `--budget-s` stops
-starting servers and rows that would not fit; `--resume FILE` skips the rows FILE
+starting servers and rows that would not fit (with `--paired`, past a server's first
+row, also rows whose partners the later variants' servers could not measure in the same
+call); `--resume FILE` skips the rows FILE
 already holds, so the matrix spans several calls. Prints a table; writes
 serve_bench.json to --out (default $OUT), after every row.
 
@@ -447,6 +449,21 @@ def estimate_row_s(rows: list[dict], preset: str, concurrency: int) -> float:
     return max(seen, default=EST_ROW_S.get(concurrency, EST_ROW_DEFAULT_S))
 
 
+def partner_reserve_s(
+    rows: list[dict], preset: str, later: list[list[int]], conc: list[int]
+) -> float:
+    """Seconds the later servers of `preset` need to measure the rows of `conc` they
+    still lack (`later`: each one's pending concurrencies): a start and a stop each,
+    and those rows."""
+    total = 0.0
+    for theirs in later:
+        need = [c for c in conc if c in theirs]
+        if need:
+            total += estimate_start_s(rows, preset) + STOP_MARGIN_S
+            total += sum(estimate_row_s(rows, preset, c) for c in need)
+    return total
+
+
 def kv_capacity(log_text: str) -> dict:
     """What the server's log says its KV cache holds: a concurrency above
     kv_max_concurrency queues requests for cache, not for compute."""
@@ -693,10 +710,17 @@ def run_matrix(args: argparse.Namespace) -> int:
         )
         memory = args.gpu_memory_utilization or GPU_MEMORY_UTILIZATION[preset]
         tokenizer = model_tokenizer(args.work, exl3)
-        for v in variants(exl3, args.work, args.variants):
-            conc = [c for p, name, c in mine if name == v.name]
+        todo_of = {n: [c for p, name, c in mine if name == n] for n in args.variants}
+        for i, v in enumerate(variants(exl3, args.work, args.variants)):
+            conc = todo_of[v.name]
             if not conc:
                 continue
+            # The servers after this one, whose rows pair with this one's.
+            later = [
+                todo_of[n]
+                for n in args.variants[i + 1 :]
+                if n != "exllamav3" and todo_of[n]
+            ]
             if v.name == "exllamav3":
                 run_exllamav3(preset, v, conc, memory, budget, rows, record, args)
                 continue
@@ -727,11 +751,25 @@ def run_matrix(args: argparse.Namespace) -> int:
                     continue
                 kv = kv_capacity(server.logfile.read_text(errors="replace"))
                 log(f"{preset} {v.name}: ready in {ready:.0f} s, {kv}")
+                ran: list[int] = []
                 for c in conc:
                     left = budget.left() - STOP_MARGIN_S
                     if left < estimate_row_s(rows, preset, c):
                         record["skipped"].append(f"{preset} {v.name} c={c} (budget)")
                         continue
+                    # --paired: past this server's first row, a row runs only if the
+                    # later servers can still measure its partners, so a ratio's two
+                    # rows come from one call (one machine where each lease is new).
+                    reserve = partner_reserve_s(rows, preset, later, ran + [c])
+                    if (
+                        args.paired
+                        and ran
+                        and left < estimate_row_s(rows, preset, c) + reserve
+                    ):
+                        why = "budget kept for the partner rows"
+                        record["skipped"].append(f"{preset} {v.name} c={c} ({why})")
+                        continue
+                    ran.append(c)
                     row = run_row(
                         preset, v.name, c, port, tokenizer, bench_dir, left, args
                     )
@@ -1296,6 +1334,13 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="an earlier serve_bench.json: its rows are kept and not measured again",
+    )
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="past a server's first row, measure a row only if the later variants' "
+        "servers can still measure the same concurrency in this call (more server "
+        "starts per row; for hosts that are new at every call)",
     )
     ap.add_argument(
         "--write-only", action="store_true", help="write the checkpoints and exit"

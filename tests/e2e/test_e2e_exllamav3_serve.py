@@ -490,6 +490,7 @@ def _matrix_args(tmp_path, model_dir, state, conc, resume=None) -> Namespace:
         budget_s=3600,
         resume=resume,
         prompt_waves=sb.PROMPT_WAVES,
+        paired=False,
         exl3_state=state,
         exl3_wait_s=20,
         exl3_import_timeout_s=60,

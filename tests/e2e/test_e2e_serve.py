@@ -405,10 +405,8 @@ def _write_result_cmd(port, c, seed, result_dir, filename, tokenizer, **kw):
     return [sys.executable, "-c", code, str(Path(result_dir) / filename)]
 
 
-def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypatch):
-    """run_matrix for real (server start, /health, rows, stop, saving), with the fake
-    server for `vllm serve` and a writer of recorded results for `vllm bench serve`:
-    the rows of --resume are kept and not run again."""
+def _fake_matrix(monkeypatch, tmp_path, exl3_dir) -> None:
+    """run_matrix's servers are the fake server; _write_result_cmd writes its rows."""
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     monkeypatch.setattr(sb, "ensure_checkpoint", lambda *a: exl3_dir)
@@ -424,6 +422,13 @@ def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypa
     )
     monkeypatch.setattr(sb, "bench_command", _write_result_cmd)
     monkeypatch.setattr(sb, "host_facts", lambda: {})
+
+
+def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypatch):
+    """run_matrix for real (server start, /health, rows, stop, saving), with the fake
+    server for `vllm serve` and a writer of recorded results for `vllm bench serve`:
+    the rows of --resume are kept and not run again."""
+    _fake_matrix(monkeypatch, tmp_path, exl3_dir)
     earlier = {
         "tokenizer": sb.TOKENIZER_KIND,
         "rows": [
@@ -451,6 +456,7 @@ def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypa
         budget_s=3600,
         resume=resume,
         prompt_waves=sb.PROMPT_WAVES,
+        paired=False,
     )
     assert sb.run_matrix(args) == 0
     rows = json.loads((out / sb.RESULT_NAME).read_text())["rows"]
@@ -482,6 +488,7 @@ def test_budget_leaves_rows_for_a_later_call(exl3_dir, tmp_path, monkeypatch):
         budget_s=60,
         resume=None,
         prompt_waves=sb.PROMPT_WAVES,
+        paired=False,
     )
     assert sb.run_matrix(args) == 1
     rec = json.loads((args.out / sb.RESULT_NAME).read_text())
@@ -490,6 +497,54 @@ def test_budget_leaves_rows_for_a_later_call(exl3_dir, tmp_path, monkeypatch):
         "qwen3-8b exl3 c=1 (budget)",
         "qwen3-8b exl3 c=64 (budget)",
     ]
+
+
+def test_budget_keeps_the_partner_rows(exl3_dir, tmp_path, monkeypatch):
+    """--paired: past its first row, a server measures a row only if the later servers
+    can still measure the same concurrency: the budget below holds exl3's two rows, or
+    exl3's first and gptq's, not all four. gptq, the last server, uses what is left.
+    Unpaired, exl3 measures both of its rows first."""
+    _fake_matrix(monkeypatch, tmp_path, exl3_dir)
+    # Estimates from an earlier call's fp8 rows (not run here): 100 s a start, 50 a row.
+    earlier = [
+        _row("qwen3-8b", "fp8", c, bench_s=50.0, server_ready_s=100.0) for c in (1, 4)
+    ]
+    resume = tmp_path / "earlier.json"
+    resume.write_text(json.dumps({"tokenizer": sb.TOKENIZER_KIND, "rows": earlier}))
+    start, row, stop = 100.0, 50.0, sb.STOP_MARGIN_S
+    # exl3's c=4 needs its row plus gptq's start, stop and two rows; 10 s short of it.
+    budget = stop + row + (start + stop + 2 * row) - 10
+    assert budget >= start + row + stop  # each server's first row fits
+    args = Namespace(
+        out=tmp_path / "out",
+        work=exl3_dir.parent,
+        presets=["qwen3-8b"],
+        variants=["exl3", "gptq"],
+        concurrency=[1, 4],
+        gpu_memory_utilization=None,
+        budget_s=budget,
+        resume=resume,
+        prompt_waves=sb.PROMPT_WAVES,
+        paired=True,
+    )
+    assert sb.run_matrix(args) == 1
+    rec = json.loads((args.out / sb.RESULT_NAME).read_text())
+    got = {sb.row_key(r) for r in rec["rows"] if r["variant"] != "fp8"}
+    assert got == {
+        ("qwen3-8b", "exl3", 1),
+        ("qwen3-8b", "gptq", 1),
+        ("qwen3-8b", "gptq", 4),
+    }
+    assert rec["skipped"] == ["qwen3-8b exl3 c=4 (budget kept for the partner rows)"]
+    # Unpaired (the fake rows take no time): all four.
+    args.paired, args.resume, args.out = False, resume, tmp_path / "unpaired"
+    assert sb.run_matrix(args) == 0
+    rec = json.loads((args.out / sb.RESULT_NAME).read_text())
+    assert len(rec["rows"]) == 6 and rec["skipped"] == []
+    assert sb.partner_reserve_s(earlier, "qwen3-8b", [[1, 4], [4]], [1, 4]) == (
+        2 * (start + stop) + 3 * row
+    )
+    assert sb.partner_reserve_s(earlier, "qwen3-8b", [[16]], [1, 4]) == 0
 
 
 def _row(preset, variant, c, **kw) -> dict:
@@ -526,6 +581,7 @@ def test_estimates_come_from_measured_rows(exl3_dir, tmp_path, monkeypatch):
         budget_s=budget,
         resume=resume,
         prompt_waves=sb.PROMPT_WAVES,
+        paired=False,
     )
     assert sb.run_matrix(args) == 1
     rec = json.loads((args.out / sb.RESULT_NAME).read_text())
