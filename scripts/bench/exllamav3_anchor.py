@@ -19,17 +19,34 @@ everything. So here:
     python exllamav3_anchor.py build --state /tmp/exl3_next [--jobs 12]   # returns at
     once python exllamav3_anchor.py wait --state /tmp/exl3_next --timeout 300  # exit 0
     when built
+
+The build can also run ahead, on any machine with nvcc and the GPU host's Python and
+torch (no GPU): `prebuild` compiles ExLlamaV3's extension from its wheel into
+exllamav3_ext.so with a manifest of what it is bound to, and `build --prebuilt DIR` on
+the GPU host checks that manifest against its own interpreter, installs the module into
+site/, where ExLlamaV3's ext.py imports a precompiled extension instead of compiling:
+the build then finishes at once.
+
+    python exllamav3_anchor.py prebuild --wheel exllamav3-1.6.5-py3-none-any.whl \
+        --out /tmp/exl3_prebuilt [--include DIR]   # minutes per core; 24 on 2 cores
+    python exllamav3_anchor.py build --state /tmp/exl3 --prebuilt /tmp/exl3_prebuilt
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import lzma
 import os
+import re
+import shutil
 import signal
 import site
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 # The arch list is part of the build flags: builder and importer must agree on it, or
@@ -38,8 +55,140 @@ ARCH_LIST = "9.0"
 POLL_S = 2.0
 
 
+# ExLlamaV3's name for its extension (ext.py's `extension_name`): the module torch's JIT
+# build writes, and the one ext.py imports instead of compiling when it is on sys.path.
+EXT_NAME = "exllamav3_ext"
+MANIFEST_NAME = f"{EXT_NAME}.json"
+# Characters of the build log's end quoted when the build wrote no module.
+LOG_TAIL_CHARS = 1200
+# Run by `prebuild` under the unpacked wheel: ExLlamaV3's own ext.py, with bare parent
+# packages instead of the package's __init__ (it imports the whole library and its
+# dependencies, none of which the build needs). The build ends in an import of the fresh
+# module, which fails on a machine without a driver; the module is on disk by then.
+PREBUILD_SCRIPT = """
+import os, sys, types
+root = os.path.join(sys.argv[1], "exllamav3")
+for name, sub in (("exllamav3", ""), ("exllamav3.util", "util")):
+    m = types.ModuleType(name)
+    m.__path__ = [os.path.join(root, sub) if sub else root]
+    sys.modules[name] = m
+import exllamav3.ext
+"""
+
+
 class AnchorUnavailable(RuntimeError):
     pass
+
+
+def ext_abi() -> dict[str, str]:
+    """What a compiled extension is bound to: the interpreter, torch's build and the
+    arch list."""
+    import torch
+
+    return {
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "torch": torch.__version__,
+        "arch_list": ARCH_LIST,
+    }
+
+
+def default_includes() -> list[Path]:
+    """The CUDA headers torch's pip wheels bring (site-packages/nvidia/*/include),
+    which ExLlamaV3's sources include beside the toolkit's."""
+    roots = [Path(p) for p in site.getsitepackages()]
+    return sorted({d for r in roots for d in r.glob("nvidia/*/include") if d.is_dir()})
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def prebuild(wheel: Path, out: Path, jobs: int, includes: list[Path]) -> Path:
+    """Compile ExLlamaV3's extension from its wheel into out/exllamav3_ext.so (no GPU
+    needed) and write its manifest; returns the module's path."""
+    m = re.match(r"exllamav3-([^-]+)-", wheel.name)
+    if not m:
+        raise AnchorUnavailable(
+            f"{wheel}: not an exllamav3 wheel (exllamav3-VERSION-...)"
+        )
+    src, ext_dir = out / "src", out / "torch_ext"
+    shutil.rmtree(src, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(src)
+    built = ext_dir / EXT_NAME / f"{EXT_NAME}.so"
+    built.unlink(missing_ok=True)
+    # A `lock` left by a prebuild that was killed would hold this one forever.
+    for lock in ext_dir.rglob("lock"):
+        lock.unlink()
+    cpath = [str(d) for d in includes] + [os.environ.get("CPATH", "")]
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(ext_dir),
+        "TORCH_CUDA_ARCH_LIST": ARCH_LIST,
+        "MAX_JOBS": str(jobs),
+        "CPATH": os.pathsep.join(filter(None, cpath)),
+    }
+    log = out / "prebuild.log"
+    t0 = time.monotonic()
+    with log.open("w") as f:
+        rc = subprocess.run(
+            [sys.executable, "-c", PREBUILD_SCRIPT, str(src)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        ).returncode
+    if not built.exists():
+        tail = log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        raise AnchorUnavailable(
+            f"ExLlamaV3's build wrote no {built} (exit {rc}; log {log}): {tail}"
+        )
+    target = out / f"{EXT_NAME}.so"
+    shutil.copyfile(built, target)
+    manifest = {
+        **ext_abi(),
+        "exllamav3": m.group(1),
+        "sha256": sha256(target),
+        "build_s": round(time.monotonic() - t0, 1),
+    }
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
+    return target
+
+
+def install_prebuilt(state: Path, prebuilt: Path) -> Path:
+    """Put prebuild's module (exllamav3_ext.so, or .so.xz) into state/site after
+    checking its manifest against this interpreter; returns the installed path."""
+    manifest_path = prebuilt / MANIFEST_NAME
+    if not manifest_path.exists():
+        raise AnchorUnavailable(f"{prebuilt}: no {MANIFEST_NAME} (made by `prebuild`)")
+    manifest = json.loads(manifest_path.read_text())
+    here = ext_abi()
+    wrong = [
+        f"{k} {manifest.get(k)} (here {v})"
+        for k, v in here.items()
+        if manifest.get(k) != v
+    ]
+    if wrong:
+        raise AnchorUnavailable(
+            f"{manifest_path}: the prebuilt ExLlamaV3 extension was built for another "
+            f"interpreter: {', '.join(wrong)}; run `prebuild` under this one"
+        )
+    plain, packed = prebuilt / f"{EXT_NAME}.so", prebuilt / f"{EXT_NAME}.so.xz"
+    site_dir = paths(state)["site"]
+    site_dir.mkdir(parents=True, exist_ok=True)
+    target = site_dir / f"{EXT_NAME}.so"
+    if plain.exists():
+        shutil.copyfile(plain, target)
+    elif packed.exists():
+        target.write_bytes(lzma.decompress(packed.read_bytes()))
+    else:
+        raise AnchorUnavailable(f"{prebuilt}: neither {plain.name} nor {packed.name}")
+    if sha256(target) != manifest["sha256"]:
+        target.unlink()
+        raise AnchorUnavailable(
+            f"{prebuilt}: {EXT_NAME}.so does not match the sha256 of {MANIFEST_NAME}"
+        )
+    return target
 
 
 def paths(state: Path) -> dict[str, Path]:
@@ -184,18 +333,55 @@ def add_state_arguments(ap: argparse.ArgumentParser, use: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("action", choices=("build", "wait"))
+    ap.add_argument("action", choices=("build", "wait", "prebuild"))
     ap.add_argument(
         "--state",
         type=Path,
-        required=True,
-        help="private folder for site/, the "
+        help="build, wait: private folder for site/, the "
         "build directory and the done-file (wheels installed into <state>/site)",
     )
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument(
+        "--prebuilt",
+        type=Path,
+        help="build: a folder of `prebuild` (exllamav3_ext.so or .so.xz and its "
+        "manifest), installed into <state>/site instead of compiling",
+    )
+    ap.add_argument("--wheel", type=Path, help="prebuild: ExLlamaV3's wheel")
+    ap.add_argument("--out", type=Path, help="prebuild: folder for the module")
+    ap.add_argument(
+        "--include",
+        type=Path,
+        action="append",
+        default=[],
+        help="prebuild: a header folder for the compiler (repeatable), beside those "
+        "of site-packages/nvidia/*/include",
+    )
     args = ap.parse_args(argv)
+    if args.action == "prebuild":
+        if not (args.wheel and args.out):
+            ap.error("prebuild needs --wheel and --out")
+        args.out.mkdir(parents=True, exist_ok=True)
+        try:
+            so = prebuild(
+                args.wheel, args.out, args.jobs, args.include + default_includes()
+            )
+        except AnchorUnavailable as e:
+            print(f"ExLlamaV3 prebuild failed: {e}", file=sys.stderr, flush=True)
+            return 1
+        print(f"ExLlamaV3 extension: {so} ({so.stat().st_size} bytes)", flush=True)
+        return 0
+    if args.state is None:
+        ap.error(f"{args.action} needs --state")
     if args.action == "build":
+        if args.prebuilt:
+            try:
+                so = install_prebuilt(args.state, args.prebuilt)
+            except AnchorUnavailable as e:
+                print(f"ExLlamaV3 prebuilt: {e}", file=sys.stderr, flush=True)
+                return 1
+            print(f"ExLlamaV3 prebuilt extension installed: {so}", flush=True)
         started = start_build(args.state, args.jobs)
         print(
             "ExLlamaV3 build " + ("started" if started else "already started"),

@@ -7,10 +7,14 @@ bench_linear.py and the ExLlamaV3 anchor guard of exllamav3_anchor.py, on stand-
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import lzma
 import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -240,3 +244,105 @@ def test_failed_build_is_reported(
 def test_no_build_started(tmp_path: Path) -> None:
     r = load_in_subprocess(make_state(tmp_path))
     assert "UNAVAILABLE no ExLlamaV3 build was started" in r.stdout, r.stdout + r.stderr
+
+
+# `prebuild` on a stand-in wheel: its ext.py plays torch's JIT build (the module written
+# into TORCH_EXTENSIONS_DIR, then the import that fails without a driver); its __init__
+# fails if imported, as the real one would pull in the whole library.
+FAKE_WHEEL_EXT = """
+import os
+assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+assert os.environ["FAKE_INCLUDE"] in os.environ["CPATH"].split(os.pathsep)
+d = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "exllamav3_ext")
+assert not os.path.exists(os.path.join(d, "lock")), "a stale lock blocks the build"
+if os.environ.get("FAKE_COMPILE_ERROR"):
+    raise RuntimeError("nvcc fatal: cannot find cusolverDn.h")
+os.makedirs(d, exist_ok=True)
+with open(os.path.join(d, "exllamav3_ext.so"), "wb") as f:
+    f.write(b"\\x7fELF stand-in module")
+raise ImportError("libcuda.so.1: cannot open shared object file")
+"""
+
+
+def make_wheel(tmp_path: Path) -> Path:
+    wheel = tmp_path / "exllamav3-1.6.5-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("exllamav3/__init__.py", "raise SystemExit('imported the library')")
+        z.writestr("exllamav3/ext.py", FAKE_WHEEL_EXT)
+        z.writestr("exllamav3/util/__init__.py", "")
+    return wheel
+
+
+def test_prebuild_then_install_into_the_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    include = tmp_path / "include"
+    include.mkdir()
+    monkeypatch.setenv("FAKE_INCLUDE", str(include))
+    out = tmp_path / "prebuilt"
+    # Left by a prebuild that was killed: torch's build would wait on it forever.
+    (out / "torch_ext" / "exllamav3_ext").mkdir(parents=True)
+    (out / "torch_ext" / "exllamav3_ext" / "lock").write_text("")
+    argv = ["prebuild", "--wheel", str(make_wheel(tmp_path)), "--out", str(out)]
+    assert exllamav3_anchor.main([*argv, "--include", str(include), "--jobs", "2"]) == 0
+    manifest = json.loads((out / "exllamav3_ext.json").read_text())
+    assert manifest["exllamav3"] == "1.6.5"
+    assert {k: manifest[k] for k in ("python", "torch", "arch_list")} == (
+        exllamav3_anchor.ext_abi()
+    )
+    module = (out / "exllamav3_ext.so").read_bytes()
+    assert manifest["sha256"] == hashlib.sha256(module).hexdigest()
+    # Installed packed (as it travels) into a state's site/, where ext.py finds it; the
+    # build then starts as usual.
+    (out / "exllamav3_ext.so.xz").write_bytes(lzma.compress(module))
+    (out / "exllamav3_ext.so").unlink()
+    state = make_state(tmp_path)
+    argv = ["build", "--state", str(state), "--prebuilt", str(out), "--jobs", "2"]
+    assert exllamav3_anchor.main(argv) == 0
+    assert (state / "site" / "exllamav3_ext.so").read_bytes() == module
+    assert exllamav3_anchor.wait_built(state, timeout_s=30) == 0
+
+
+def test_prebuild_that_writes_no_module_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_INCLUDE", str(tmp_path))
+    monkeypatch.setenv("FAKE_COMPILE_ERROR", "1")
+    with pytest.raises(exllamav3_anchor.AnchorUnavailable, match="cusolverDn.h"):
+        exllamav3_anchor.prebuild(make_wheel(tmp_path), tmp_path / "o", 2, [tmp_path])
+    with pytest.raises(exllamav3_anchor.AnchorUnavailable, match="not an exllamav3"):
+        exllamav3_anchor.prebuild(tmp_path / "other.whl", tmp_path / "o", 2, [])
+
+
+def test_prebuilt_for_another_interpreter_or_corrupt_is_refused(
+    tmp_path: Path,
+) -> None:
+    prebuilt = tmp_path / "prebuilt"
+    prebuilt.mkdir()
+    module = b"\x7fELF stand-in module"
+    (prebuilt / "exllamav3_ext.so").write_bytes(module)
+    abi = exllamav3_anchor.ext_abi()
+    manifest = {**abi, "sha256": hashlib.sha256(module).hexdigest()}
+    state = tmp_path / "state"
+
+    def install(**changes):
+        (prebuilt / "exllamav3_ext.json").write_text(
+            json.dumps({**manifest, **changes})
+        )
+        return exllamav3_anchor.install_prebuilt(state, prebuilt)
+
+    with pytest.raises(exllamav3_anchor.AnchorUnavailable, match=r"python 3\.99"):
+        install(python="3.99")
+    with pytest.raises(exllamav3_anchor.AnchorUnavailable, match="torch 2.0.0"):
+        install(torch="2.0.0")
+    with pytest.raises(exllamav3_anchor.AnchorUnavailable, match="does not match"):
+        install(sha256="0" * 64)
+    assert not (state / "site" / "exllamav3_ext.so").exists()
+    assert install().read_bytes() == module
+    (prebuilt / "exllamav3_ext.json").unlink()
+    with pytest.raises(exllamav3_anchor.AnchorUnavailable, match="no exllamav3_ext"):
+        exllamav3_anchor.install_prebuilt(state, prebuilt)
+    # The command reports it and exits nonzero, starting no build.
+    argv = ["build", "--state", str(state), "--prebuilt", str(prebuilt)]
+    assert exllamav3_anchor.main(argv) == 1
+    assert not (state / "build.started").exists()
