@@ -405,6 +405,24 @@ def _write_result_cmd(port, c, seed, result_dir, filename, tokenizer, **kw):
     return [sys.executable, "-c", code, str(Path(result_dir) / filename)]
 
 
+def _matrix_args(
+    out: Path, exl3_dir: Path, variants, concurrency, budget_s, resume, paired=False
+) -> Namespace:
+    """run_matrix's arguments for Qwen3-8B dims."""
+    return Namespace(
+        out=out,
+        work=exl3_dir.parent,
+        presets=["qwen3-8b"],
+        variants=variants,
+        concurrency=concurrency,
+        gpu_memory_utilization=None,
+        budget_s=budget_s,
+        resume=resume,
+        prompt_waves=sb.PROMPT_WAVES,
+        paired=paired,
+    )
+
+
 def _fake_matrix(monkeypatch, tmp_path, exl3_dir) -> None:
     """run_matrix's servers are the fake server; _write_result_cmd writes its rows."""
     script = tmp_path / "fake_server.py"
@@ -446,18 +464,7 @@ def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypa
     resume = tmp_path / "earlier.json"
     resume.write_text(json.dumps(earlier))
     out = tmp_path / "out"
-    args = Namespace(
-        out=out,
-        work=exl3_dir.parent,
-        presets=["qwen3-8b"],
-        variants=["exl3", "gptq"],
-        concurrency=[1, 4],
-        gpu_memory_utilization=None,
-        budget_s=3600,
-        resume=resume,
-        prompt_waves=sb.PROMPT_WAVES,
-        paired=False,
-    )
+    args = _matrix_args(out, exl3_dir, ["exl3", "gptq"], [1, 4], 3600, resume)
     assert sb.run_matrix(args) == 0
     rows = json.loads((out / sb.RESULT_NAME).read_text())["rows"]
     got = {sb.row_key(r): r for r in rows}
@@ -478,18 +485,7 @@ def test_budget_leaves_rows_for_a_later_call(exl3_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sb, "ensure_checkpoint", lambda *a: exl3_dir)
     monkeypatch.setattr(sb, "host_facts", lambda: {})
     monkeypatch.setattr(sb, "Server", None)  # must not start one
-    args = Namespace(
-        out=tmp_path / "out",
-        work=exl3_dir.parent,
-        presets=["qwen3-8b"],
-        variants=["exl3"],
-        concurrency=[1, 64],
-        gpu_memory_utilization=None,
-        budget_s=60,
-        resume=None,
-        prompt_waves=sb.PROMPT_WAVES,
-        paired=False,
-    )
+    args = _matrix_args(tmp_path / "out", exl3_dir, ["exl3"], [1, 64], 60, None)
     assert sb.run_matrix(args) == 1
     rec = json.loads((args.out / sb.RESULT_NAME).read_text())
     assert rec["rows"] == []
@@ -515,16 +511,13 @@ def test_budget_keeps_the_partner_rows(exl3_dir, tmp_path, monkeypatch):
     # exl3's c=4 needs its row plus gptq's start, stop and two rows; 10 s short of it.
     budget = stop + row + (start + stop + 2 * row) - 10
     assert budget >= start + row + stop  # each server's first row fits
-    args = Namespace(
-        out=tmp_path / "out",
-        work=exl3_dir.parent,
-        presets=["qwen3-8b"],
-        variants=["exl3", "gptq"],
-        concurrency=[1, 4],
-        gpu_memory_utilization=None,
-        budget_s=budget,
-        resume=resume,
-        prompt_waves=sb.PROMPT_WAVES,
+    args = _matrix_args(
+        tmp_path / "out",
+        exl3_dir,
+        ["exl3", "gptq"],
+        [1, 4],
+        budget,
+        resume,
         paired=True,
     )
     assert sb.run_matrix(args) == 1
@@ -571,18 +564,7 @@ def test_estimates_come_from_measured_rows(exl3_dir, tmp_path, monkeypatch):
     resume = tmp_path / "earlier.json"
     resume.write_text(json.dumps({"tokenizer": sb.TOKENIZER_KIND, "rows": rows}))
     budget = sb.EST_SERVER_START_S + sb.EST_ROW_S[64] + sb.STOP_MARGIN_S + 20
-    args = Namespace(
-        out=tmp_path / "out",
-        work=exl3_dir.parent,
-        presets=["qwen3-8b"],
-        variants=["exl3"],
-        concurrency=[64],
-        gpu_memory_utilization=None,
-        budget_s=budget,
-        resume=resume,
-        prompt_waves=sb.PROMPT_WAVES,
-        paired=False,
-    )
+    args = _matrix_args(tmp_path / "out", exl3_dir, ["exl3"], [64], budget, resume)
     assert sb.run_matrix(args) == 1
     rec = json.loads((args.out / sb.RESULT_NAME).read_text())
     assert rec["skipped"] == ["qwen3-8b exl3 c=64 (budget)"] and len(rec["rows"]) == 3
