@@ -111,6 +111,8 @@ def prebuild(wheel: Path, out: Path, jobs: int, includes: list[Path]) -> Path:
         raise AnchorUnavailable(
             f"{wheel}: not an exllamav3 wheel (exllamav3-VERSION-...)"
         )
+    if not wheel.is_file():
+        raise AnchorUnavailable(f"{wheel}: no such file")
     src, ext_dir = out / "src", out / "torch_ext"
     shutil.rmtree(src, ignore_errors=True)
     with zipfile.ZipFile(wheel) as z:

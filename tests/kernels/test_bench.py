@@ -310,6 +310,9 @@ def test_prebuild_that_writes_no_module_says_why(
     monkeypatch.setenv("FAKE_COMPILE_ERROR", "1")
     with pytest.raises(exllamav3_anchor.AnchorUnavailable, match="cusolverDn.h"):
         exllamav3_anchor.prebuild(make_wheel(tmp_path), tmp_path / "o", 2, [tmp_path])
+    missing = tmp_path / "exllamav3-1.6.5-py3-none-any.whl.gone"
+    with pytest.raises(exllamav3_anchor.AnchorUnavailable, match="no such file"):
+        exllamav3_anchor.prebuild(missing, tmp_path / "o", 2, [])
     with pytest.raises(exllamav3_anchor.AnchorUnavailable, match="not an exllamav3"):
         exllamav3_anchor.prebuild(tmp_path / "other.whl", tmp_path / "o", 2, [])
 
