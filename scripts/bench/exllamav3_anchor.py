@@ -28,7 +28,7 @@ site/, where ExLlamaV3's ext.py imports a precompiled extension instead of compi
 the build then finishes at once.
 
     python exllamav3_anchor.py prebuild --wheel exllamav3-1.6.5-py3-none-any.whl \
-        --out /tmp/exl3_prebuilt [--include DIR]   # minutes per core; 24 on 2 cores
+        --out /tmp/exl3_prebuilt [--include DIR]   # about 30 minutes on 2 cores
     python exllamav3_anchor.py build --state /tmp/exl3 --prebuilt /tmp/exl3_prebuilt
 """
 
@@ -64,7 +64,7 @@ LOG_TAIL_CHARS = 1200
 # Run by `prebuild` under the unpacked wheel: ExLlamaV3's own ext.py, with bare parent
 # packages instead of the package's __init__ (it imports the whole library and its
 # dependencies, none of which the build needs). The build ends in an import of the fresh
-# module, which fails on a machine without a driver; the module is on disk by then.
+# module; where that fails (no driver), the module is on disk by then.
 PREBUILD_SCRIPT = """
 import os, sys, types
 root = os.path.join(sys.argv[1], "exllamav3")
