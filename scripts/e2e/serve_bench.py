@@ -402,16 +402,29 @@ def row_key(row: dict) -> tuple[str, str, int]:
     return (row["preset"], row["variant"], int(row["concurrency"]))
 
 
-def load_rows(path: Path | None) -> list[dict]:
+def load_rows(path: Path | None, gpu: str | None = None) -> list[dict]:
     """The rows of an earlier serve_bench.json: none when there is no file yet or its
-    rows were measured with another tokenizer than TOKENIZER_KIND."""
+    rows were measured with another tokenizer than TOKENIZER_KIND. With `gpu`, only
+    the rows measured on that GPU: one table compares rows of one kind of card, and
+    the record names one GPU."""
     if path is None or not path.exists():
         return []
     earlier = json.loads(path.read_text())
     if earlier.get("tokenizer") != TOKENIZER_KIND:
         log(f"{path}: measured with another tokenizer; its rows are measured again")
         return []
-    return list(earlier.get("rows", []))
+    rows = list(earlier.get("rows", []))
+    if gpu:
+        # Rows written before rows named their GPU carry it in the record's host.
+        theirs = earlier.get("host", {}).get("gpu")
+        kept = [r for r in rows if r.get("gpu", theirs) == gpu]
+        if len(kept) < len(rows):
+            log(
+                f"{path}: {len(rows) - len(kept)} rows were measured on another GPU "
+                f"than {gpu}; they are measured again"
+            )
+        rows = kept
+    return rows
 
 
 def pending(
@@ -681,7 +694,8 @@ def save(out: Path, record: dict) -> None:
 
 def run_matrix(args: argparse.Namespace) -> int:
     budget = Budget(args.budget_s)
-    rows = load_rows(args.resume)
+    host = host_facts()
+    rows = load_rows(args.resume, host.get("gpu"))
     todo = pending(rows, args.presets, args.variants, args.concurrency)
     record = {
         "input_len": INPUT_LEN,
@@ -689,7 +703,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         "max_model_len": MAX_MODEL_LEN,
         "exl3": {"bits": EXL3_BITS, "codebook": EXL3_CODEBOOK},
         "tokenizer": TOKENIZER_KIND,
-        "host": host_facts(),
+        "host": host,
         "rows": rows,
         "errors": [],
         "skipped": [],
@@ -777,7 +791,9 @@ def run_matrix(args: argparse.Namespace) -> int:
                         record["errors"].append(row["error"])
                         record["skipped"].append(f"{preset} {v.name} c={c} (error)")
                     else:
-                        row.update(kv, server_ready_s=round(ready, 1))
+                        row.update(
+                            kv, server_ready_s=round(ready, 1), gpu=host.get("gpu")
+                        )
                         rows.append(row)
                     save(args.out, record)
                 log(f"{preset} {v.name}: server {server.stop()}")
@@ -833,6 +849,7 @@ def run_exllamav3(
             record["errors"].append(row["error"])
             record["skipped"].append(f"{preset} {v.name} c={c} (error)")
         else:
+            row["gpu"] = record["host"].get("gpu")
             rows.append(row)
         save(args.out, record)
 

@@ -256,6 +256,25 @@ def test_resume_skips_measured_rows(tmp_path):
     assert sb.load_rows(path) == []
 
 
+def test_resume_keeps_only_rows_of_this_gpu(tmp_path):
+    # The older layout names the GPU once, in the record's host; newer rows name theirs.
+    done = [
+        {"preset": "qwen3-8b", "variant": "gptq", "concurrency": 1},
+        {"preset": "qwen3-8b", "variant": "exl3", "concurrency": 1, "gpu": "H200"},
+    ]
+    path = tmp_path / "serve_bench.json"
+    path.write_text(
+        json.dumps(
+            {"tokenizer": sb.TOKENIZER_KIND, "host": {"gpu": "H100"}, "rows": done}
+        )
+    )
+    assert sb.load_rows(path, "H100") == done[:1]
+    assert sb.load_rows(path, "H200") == done[1:]
+    assert sb.load_rows(path, "B200") == []
+    # Where the GPU is unknown (no nvidia-smi), every row is kept.
+    assert sb.load_rows(path) == done
+
+
 FAKE_SERVER = textwrap.dedent(
     """
     import json, os, subprocess, sys, threading, time
