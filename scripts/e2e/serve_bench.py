@@ -402,6 +402,15 @@ def row_key(row: dict) -> tuple[str, str, int]:
     return (row["preset"], row["variant"], int(row["concurrency"]))
 
 
+# What each row says of where it was measured (host_facts' keys): a resumed file's rows
+# keep theirs beside the rows of later calls.
+ROW_HOST_KEYS = ("gpu", "vllm", "commit")
+
+
+def row_host(host: dict) -> dict:
+    return {k: host[k] for k in ROW_HOST_KEYS if k in host}
+
+
 def load_rows(path: Path | None, gpu: str | None = None) -> list[dict]:
     """The rows of an earlier serve_bench.json: none when there is no file yet or its
     rows were measured with another tokenizer than TOKENIZER_KIND. With `gpu`, only
@@ -413,11 +422,15 @@ def load_rows(path: Path | None, gpu: str | None = None) -> list[dict]:
     if earlier.get("tokenizer") != TOKENIZER_KIND:
         log(f"{path}: measured with another tokenizer; its rows are measured again")
         return []
-    rows = list(earlier.get("rows", []))
+    # Rows written before rows named their host carry it in the record's: the record
+    # written now names only this call's host.
+    theirs = earlier.get("host", {})
+    rows = [
+        {**{k: theirs[k] for k in ROW_HOST_KEYS if k in theirs}, **r}
+        for r in earlier.get("rows", [])
+    ]
     if gpu:
-        # Rows written before rows named their GPU carry it in the record's host.
-        theirs = earlier.get("host", {}).get("gpu")
-        kept = [r for r in rows if r.get("gpu", theirs) == gpu]
+        kept = [r for r in rows if r.get("gpu") == gpu]
         if len(kept) < len(rows):
             log(
                 f"{path}: {len(rows) - len(kept)} rows were measured on another GPU "
@@ -791,9 +804,7 @@ def run_matrix(args: argparse.Namespace) -> int:
                         record["errors"].append(row["error"])
                         record["skipped"].append(f"{preset} {v.name} c={c} (error)")
                     else:
-                        row.update(
-                            kv, server_ready_s=round(ready, 1), gpu=host.get("gpu")
-                        )
+                        row.update(kv, server_ready_s=round(ready, 1), **row_host(host))
                         rows.append(row)
                     save(args.out, record)
                 log(f"{preset} {v.name}: server {server.stop()}")
@@ -849,7 +860,7 @@ def run_exllamav3(
             record["errors"].append(row["error"])
             record["skipped"].append(f"{preset} {v.name} c={c} (error)")
         else:
-            row["gpu"] = record["host"].get("gpu")
+            row.update(row_host(record["host"]))
             rows.append(row)
         save(args.out, record)
 

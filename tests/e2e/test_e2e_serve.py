@@ -263,16 +263,19 @@ def test_resume_keeps_only_rows_of_this_gpu(tmp_path):
         {"preset": "qwen3-8b", "variant": "exl3", "concurrency": 1, "gpu": "H200"},
     ]
     path = tmp_path / "serve_bench.json"
+    host = {"gpu": "H100", "commit": "abc1234", "torch": "2.11.0"}
     path.write_text(
-        json.dumps(
-            {"tokenizer": sb.TOKENIZER_KIND, "host": {"gpu": "H100"}, "rows": done}
-        )
+        json.dumps({"tokenizer": sb.TOKENIZER_KIND, "host": host, "rows": done})
     )
-    assert sb.load_rows(path, "H100") == done[:1]
-    assert sb.load_rows(path, "H200") == done[1:]
+    # An older row takes the record's host with it (not the torch version: the record
+    # of the call that resumes names that); a row's own names win.
+    older = {**done[0], "gpu": "H100", "commit": "abc1234"}
+    newer = {**done[1], "commit": "abc1234"}
+    assert sb.load_rows(path, "H100") == [older]
+    assert sb.load_rows(path, "H200") == [newer]
     assert sb.load_rows(path, "B200") == []
     # Where the GPU is unknown (no nvidia-smi), every row is kept.
-    assert sb.load_rows(path) == done
+    assert sb.load_rows(path) == [older, newer]
 
 
 FAKE_SERVER = textwrap.dedent(
