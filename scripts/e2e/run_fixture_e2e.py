@@ -49,6 +49,9 @@ from vllm_exl3.e2e.measures import (
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+# Where the e2e scripts write unless told: the device host's $OUT (what comes back
+# from a call) when set, else this folder of the ignored .e2e/.
+RESULTS = REPO / ".e2e" / "results"
 
 FIXTURES = REPO / "tests" / "fixtures" / "qwen3-tiny"
 # ExLlamaV3's perplexities: the dense record's three checkpoints, and the conversion
@@ -742,14 +745,18 @@ def all_passed(result: dict) -> bool:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_out_argument(ap: argparse.ArgumentParser, what: str = "the JSON") -> None:
     ap.add_argument(
         "--out",
         type=Path,
-        default=Path(os.environ.get("OUT", REPO / ".e2e" / "results")),
-        help="where the JSON goes (default $OUT, else .e2e/results)",
+        default=Path(os.environ.get("OUT", RESULTS)),
+        help=f"where {what} goes (default $OUT, else {RESULTS.relative_to(REPO)})",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_out_argument(ap)
     ap.add_argument(
         "--work",
         type=Path,

@@ -497,12 +497,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="vLLM attention backend for every engine (default: vLLM's choice)",
     )
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=Path(os.environ.get("OUT", fx.REPO / ".e2e" / "results")),
-        help="where the JSON goes (default $OUT, else .e2e/results)",
-    )
+    fx.add_out_argument(ap)
     ap.add_argument(
         "--work",
         type=Path,

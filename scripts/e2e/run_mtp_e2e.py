@@ -338,12 +338,7 @@ def print_table(result: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=Path(os.environ.get("OUT", fx.REPO / ".e2e" / "results")),
-        help="where the JSON goes (default $OUT, else .e2e/results)",
-    )
+    fx.add_out_argument(ap)
     ap.add_argument(
         "--work",
         type=Path,

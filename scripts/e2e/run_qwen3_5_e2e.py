@@ -405,9 +405,7 @@ def judge(kind: str, rec: dict, runs: dict, image: dict, mtp, serve: dict) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument(
-        "--out", type=Path, default=Path(os.environ.get("OUT", "e2e-results"))
-    )
+    fx.add_out_argument(ap)
     ap.add_argument("--work", type=Path, default=Path("/tmp/vx/qwen3_5"))
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     ap.add_argument(

@@ -975,13 +975,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run only the engines of --runs that no earlier call stored for this "
         "checkpoint (repeat the same command until the table is complete)",
     )
-    ap.add_argument(
-        "--out",
-        type=Path,
-        default=Path(os.environ.get("OUT", fx.REPO / ".e2e" / "results")),
-        help="where the JSON, the table, the raw runs and the logs go (default $OUT, "
-        "else .e2e/results)",
-    )
+    fx.add_out_argument(ap, "the JSON, the table, the raw runs and the logs")
     ap.add_argument(
         "--work",
         type=Path,
