@@ -469,8 +469,11 @@ def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypa
     server for `vllm serve` and a writer of recorded results for `vllm bench serve`:
     the rows of --resume are kept and not run again."""
     _fake_matrix(monkeypatch, tmp_path, exl3_dir)
+    host = {"gpu": "GPU-A", "vllm": "0.26.0+exl3.new", "commit": "new", "torch": "2.11"}
+    monkeypatch.setattr(sb, "host_facts", lambda: dict(host))
     earlier = {
         "tokenizer": sb.TOKENIZER_KIND,
+        "host": {"gpu": "GPU-A", "vllm": "0.26.0+exl3.old", "commit": "old"},
         "rows": [
             {
                 "preset": "qwen3-8b",
@@ -492,7 +495,15 @@ def test_matrix_resumes_against_a_fake_server(fake, exl3_dir, tmp_path, monkeypa
     got = {sb.row_key(r): r for r in rows}
     assert set(got) == {("qwen3-8b", v, c) for v in ("exl3", "gptq") for c in (1, 4)}
     assert got[("qwen3-8b", "exl3", 1)]["output_throughput"] == 7.0  # kept
+    # Each row says where it was measured; the kept row keeps its own call's build.
+    assert got[("qwen3-8b", "exl3", 1)]["commit"] == "old"
     for key in set(got) - {("qwen3-8b", "exl3", 1)}:
+        assert {k: got[key].get(k) for k in ("gpu", "vllm", "commit", "torch")} == {
+            "gpu": "GPU-A",
+            "vllm": "0.26.0+exl3.new",
+            "commit": "new",
+            "torch": None,
+        }
         assert got[key]["seed"] == sb.row_seed(*key)
         assert got[key]["output_throughput"] == float(got[key]["seed"])
         assert got[key]["kv_max_concurrency"] == 36.43
