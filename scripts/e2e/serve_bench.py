@@ -414,8 +414,7 @@ def row_host(host: dict) -> dict:
 def load_rows(path: Path | None, gpu: str | None = None) -> list[dict]:
     """The rows of an earlier serve_bench.json: none when there is no file yet or its
     rows were measured with another tokenizer than TOKENIZER_KIND. With `gpu`, only
-    the rows measured on that GPU: one table compares rows of one kind of card, and
-    the record names one GPU."""
+    the rows measured on that GPU: one table compares rows of one kind of card."""
     if path is None or not path.exists():
         return []
     earlier = json.loads(path.read_text())
@@ -424,11 +423,8 @@ def load_rows(path: Path | None, gpu: str | None = None) -> list[dict]:
         return []
     # Rows written before rows named their host carry it in the record's: the record
     # written now names only this call's host.
-    theirs = earlier.get("host", {})
-    rows = [
-        {**{k: theirs[k] for k in ROW_HOST_KEYS if k in theirs}, **r}
-        for r in earlier.get("rows", [])
-    ]
+    theirs = row_host(earlier.get("host", {}))
+    rows = [{**theirs, **r} for r in earlier.get("rows", [])]
     if gpu:
         kept = [r for r in rows if r.get("gpu") == gpu]
         if len(kept) < len(rows):
