@@ -1049,10 +1049,10 @@ def gpu_memory_mib(pids: list[int]) -> tuple[float, str] | None:
 
 
 class MemorySampler(threading.Thread):
-    def __init__(self, server: Server, period: float = MEMORY_SAMPLE_S):
+    def __init__(self, server: Server):
         super().__init__(daemon=True)
         self.server = server
-        self.period = period
+        self.period = MEMORY_SAMPLE_S
         self.samples: list[tuple[float, float]] = []
         self.source = ""
         self.t0 = time.monotonic()

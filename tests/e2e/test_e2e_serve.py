@@ -3,8 +3,9 @@
 """scripts/e2e/serve_bench.py on the CPU: the `vllm serve` and `vllm bench serve`
 command lines of every variant (checked against the flags vLLM 0.26.0's parsers define,
 read from its sdist), the parsing of a result shaped as vLLM's writer writes it, resume,
-the soak's verdicts, and the server lifecycle and the soak client against a small fake
-server (an http.server subprocess standing in for `vllm serve`)."""
+the soak's verdicts, and the server lifecycle, the matrix, the soak client and the whole
+soak against a small fake server (an http.server subprocess standing in for `vllm
+serve`)."""
 
 from __future__ import annotations
 
@@ -305,7 +306,10 @@ FAKE_SERVER = textwrap.dedent(
 
         def do_GET(self):
             ok = time.monotonic() >= ready_at
-            metrics = b"vllm:num_requests_running 0.0\\n"
+            metrics = (
+                b'vllm:num_requests_running{engine="0"} 0.0\\n'
+                b'vllm:kv_cache_usage_perc{engine="0"} 0.0\\n'
+            )
             body = b"" if self.path == "/health" else metrics
             self.send_response(200 if ok else 503)
             self.send_header("Content-Length", str(len(body)))
@@ -445,21 +449,21 @@ def _matrix_args(
     )
 
 
-def _fake_matrix(monkeypatch, tmp_path, exl3_dir) -> None:
-    """run_matrix's servers are the fake server; _write_result_cmd writes its rows."""
+def _serve_the_fake(monkeypatch, tmp_path, mode: str) -> None:
+    """`vllm serve` is the fake server in `mode`."""
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
+
+    def command(v, port, memory, tokenizer) -> list[str]:
+        return [sys.executable, str(script), str(port), mode]
+
+    monkeypatch.setattr(sb, "serve_command", command)
+
+
+def _fake_matrix(monkeypatch, tmp_path, exl3_dir) -> None:
+    """run_matrix's servers are the fake server; _write_result_cmd writes its rows."""
+    _serve_the_fake(monkeypatch, tmp_path, "ok")
     monkeypatch.setattr(sb, "ensure_checkpoint", lambda *a: exl3_dir)
-    monkeypatch.setattr(
-        sb,
-        "serve_command",
-        lambda v, port, memory, tokenizer: [
-            sys.executable,
-            str(script),
-            str(port),
-            "ok",
-        ],
-    )
     monkeypatch.setattr(sb, "bench_command", _write_result_cmd)
     monkeypatch.setattr(sb, "host_facts", lambda: {})
 
@@ -671,6 +675,78 @@ def test_soak_client_against_a_fake_server(fake, monkeypatch):
     assert failed and all(o.input_len < 12 for o in failed)
     assert all("tokens, asked" in o.error for o in failed)
     assert all(o.input_len >= 12 for o in outcomes if o.status == "ok")
+
+
+def _fake_soak(monkeypatch, tmp_path, exl3_dir, mode: str, memory) -> Namespace:
+    """run_soak with the fake server for `vllm serve`, `memory(pids)` for nvidia-smi,
+    and a two-second soak at concurrency 4."""
+    _serve_the_fake(monkeypatch, tmp_path, mode)
+    monkeypatch.setattr(sb, "ensure_checkpoint", lambda *a: exl3_dir)
+    monkeypatch.setattr(sb, "model_tokenizer", lambda work, model: TOKENIZER)
+    monkeypatch.setattr(sb, "host_facts", lambda: {})
+    monkeypatch.setattr(sb, "gpu_memory_mib", memory)
+    monkeypatch.setattr(sb, "MEMORY_SAMPLE_S", 0.05)
+    monkeypatch.setattr(sb, "SOAK_CONCURRENCY", 4)
+    monkeypatch.setattr(sb, "SOAK_INPUT", (16, 64))
+    monkeypatch.setattr(sb, "SOAK_OUTPUT", (4, 8))
+    monkeypatch.setattr(sb, "SOAK_CANCEL_FRACTION", 0.3)
+    monkeypatch.setattr(sb, "SOAK_CANCEL_AFTER_S", (0.05, 0.1))
+    return Namespace(
+        out=tmp_path / "soak",
+        work=exl3_dir.parent,
+        gpu_memory_utilization=None,
+        soak_s=2.0,
+        seed=0,
+    )
+
+
+def test_run_soak_against_a_fake_server(exl3_dir, tmp_path, monkeypatch):
+    """The whole soak (server start, client, memory sampler, /health, the last
+    completion, /metrics, verdicts, the record) before a GPU lease spends ten minutes
+    on it: it passes on a steady server and fails on a growing one."""
+    # The server's own process group is what the sampler asks nvidia-smi about.
+    seen: list[list[int]] = []
+
+    def steady(pids):
+        seen.append(pids)
+        return 70000.0, "per-process"
+
+    args = _fake_soak(monkeypatch, tmp_path, exl3_dir, "ok", steady)
+    assert sb.run_soak(args) == 0
+    rec = json.loads((args.out / sb.SOAK_RESULT_NAME).read_text())
+    v = rec["verdicts"]
+    assert v["passed"], v
+    assert rec["ready_s"] > 0 and rec["duration_s"] >= 2.0
+    assert rec["memory_source"] == "per-process"
+    assert v["memory"]["judged"] >= sb.MIN_MEMORY_SAMPLES
+    assert v["requests"]["ok"] > 0 and v["requests"]["cancelled"] > 0
+    assert v["metrics_at_end"] == {
+        "vllm:num_requests_running": 0.0,
+        "vllm:kv_cache_usage_perc": 0.0,
+    }
+    assert seen and all(len(p) >= 2 for p in seen)  # the server and its child
+
+    # 1 GiB more at every sample: not flat, so the soak fails (and says why).
+    growth = iter(range(10**6))
+    args = _fake_soak(
+        monkeypatch,
+        tmp_path,
+        exl3_dir,
+        "ok",
+        lambda pids: (70000.0 + 1024.0 * next(growth), "whole-gpu"),
+    )
+    (args.out / sb.SOAK_RESULT_NAME).unlink()
+    assert sb.run_soak(args) == 1
+    v = json.loads((args.out / sb.SOAK_RESULT_NAME).read_text())["verdicts"]
+    assert not v["passed"] and not v["memory_flat"] and v["no_failed_request"]
+
+    # A server that never comes up: a record that says so, not a traceback.
+    monkeypatch.setattr(sb, "SERVER_READY_TIMEOUT_S", 5)
+    args = _fake_soak(monkeypatch, tmp_path, exl3_dir, "exit", steady)
+    (args.out / sb.SOAK_RESULT_NAME).unlink()
+    assert sb.run_soak(args) == 1
+    rec = json.loads((args.out / sb.SOAK_RESULT_NAME).read_text())
+    assert not rec["verdicts"]["passed"] and "error" in rec
 
 
 def _soak_args(out: Path, budget: float = 0) -> Namespace:
