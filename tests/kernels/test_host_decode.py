@@ -11,7 +11,6 @@ so these checks need nvcc but no GPU; only the PTX mapping is left to the GPU te
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,31 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-KERNEL_SOURCES = REPO / "csrc/libtorch_stable/quantization/exl3"
-
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory) -> Path:
-    """tests/kernels/decode_host.cu compiled for the host; skip without nvcc."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not available")
-    out = tmp_path_factory.mktemp("decode_host") / "decode_host"
-    subprocess.run(
-        [
-            nvcc,
-            "-std=c++17",
-            "-O1",
-            f"-I{KERNEL_SOURCES}",
-            str(Path(__file__).with_name("decode_host.cu")),
-            "-o",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return out
+def driver(host_driver) -> Path:
+    return host_driver("decode_host.cu")
 
 
 # The CUDA kernels' codebook arithmetic (compiled for the host) against the reference.

@@ -14,7 +14,6 @@ Needs nvcc (host compile only), no GPU.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,33 +22,13 @@ import pytest
 import torch
 from vllm_exl3.codec import embedding_reference
 
-REPO = Path(__file__).resolve().parents[2]
-KERNEL_SOURCES = REPO / "csrc" / "libtorch_stable" / "quantization" / "exl3"
 GROUPS = 6  # random groups per rate: lane 0's ring wrap and the last lanes in each
 GROUP = 256
 
 
 @pytest.fixture(scope="module")
-def driver(tmp_path_factory) -> Path:
-    """embedding_host.cu compiled for the host; skip without nvcc."""
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not available")
-    out = tmp_path_factory.mktemp("embedding_host") / "embedding_host"
-    subprocess.run(
-        [
-            nvcc,
-            "-std=c++17",
-            "-O1",
-            f"-I{KERNEL_SOURCES}",
-            str(Path(__file__).with_name("embedding_host.cu")),
-            "-o",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return out
+def driver(host_driver) -> Path:
+    return host_driver("embedding_host.cu")
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
